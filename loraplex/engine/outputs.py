@@ -1,0 +1,52 @@
+"""Outputs returned by the engine, as in vLLM's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's top log-probabilities: token id -> logprob (natural log).
+TopLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request.
+
+    ``text`` and ``token_ids`` are cumulative (everything generated so far).
+    ``logprobs[i]`` holds the top log-probabilities at generated position i,
+    always including the sampled token. ``finish_reason`` is ``None`` while
+    running, then ``"stop"`` (EOS, stop string or stop token) or ``"length"``
+    (max_tokens or max_model_len) or ``"abort"``. ``stop_reason`` is the stop
+    string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TopLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    ``prompt_logprobs[i]`` is ``None`` for the first prompt token and the top
+    log-probabilities of prompt token i given tokens < i otherwise.
+    ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    lora_name: str | None = None
+    num_cached_tokens: int = 0
