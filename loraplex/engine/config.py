@@ -1,0 +1,114 @@
+"""Engine configuration: one validated dataclass, as vLLM's ``EngineArgs``.
+
+Every knob is checked once in ``__post_init__``; a bad value raises
+``ValueError`` naming the field and the value. Derived values (the resolved
+device and dtype) are computed once by :meth:`EngineConfig.resolve`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """All engine knobs (names as in vLLM).
+
+    Attributes:
+        model: local HF folder (``config.json`` + safetensors + tokenizer) or a
+            demo model name such as ``"smollm2-135m-instruct"``.
+        download_dir: where demo models are prepared (``None``: ~/.cache/loraplex).
+        dtype: weight/activation dtype; ``"auto"`` is bfloat16 on CUDA and
+            float32 on CPU (so CPU results match HF transformers exactly).
+        device: ``"auto"`` picks CUDA when available.
+        seed: seed of the default random generator (unseeded requests).
+        block_size: tokens per KV block.
+        gpu_memory_utilization: fraction of GPU memory the engine may use in
+            total (weights + activations + KV cache).
+        kv_cache_memory_bytes: explicit KV cache size; required sizing on CPU
+            (default there: enough for ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens, capped at 2 GiB).
+        num_kv_blocks: explicit number of KV blocks (overrides both sizes; for tests).
+        max_model_len: maximum prompt + output tokens of one sequence
+            (``None``: the model's ``max_position_embeddings``).
+        max_num_seqs: maximum sequences running at once.
+        max_num_batched_tokens: token budget of one step (prompt chunks and
+            decode tokens together); longer prompts are chunked.
+        swap_space: GiB of host memory for swapped-out KV blocks; 0 means
+            preemption recomputes instead of swapping.
+        enable_prefix_caching: share and keep KV blocks of identical prefixes.
+        enable_lora: serve LoRA adapters.
+        max_loras: adapter slots on the device (distinct adapters in one step).
+        max_lora_rank: largest adapter rank accepted; slots are padded to it.
+        max_cpu_loras: adapters kept in the host-memory LRU cache.
+        enforce_eager: disable CUDA graphs.
+    """
+
+    model: str
+    download_dir: str | None = None
+    dtype: DTypeName = "auto"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    swap_space: float = 0.0
+    enable_prefix_caching: bool = True
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        checks = [
+            (bool(self.model), "model", "must not be empty"),
+            (self.dtype in ("auto", *_DTYPES), "dtype", f"must be one of auto, {', '.join(_DTYPES)}"),
+            (self.device in ("auto", "cuda", "cpu"), "device", "must be auto, cuda or cpu"),
+            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+             "must be > 0"),
+            (self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be > 0"),
+            (self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0"),
+            (self.max_num_seqs > 0, "max_num_seqs", "must be > 0"),
+            (self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0"),
+            (self.swap_space >= 0, "swap_space", "must be >= 0"),
+            (self.max_loras > 0, "max_loras", "must be > 0"),
+            (self.max_lora_rank in (1, 2, 4, 8, 16, 32, 64, 128, 256), "max_lora_rank",
+             "must be a power of two <= 256"),
+            (self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f"must be >= max_loras={self.max_loras}"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {rule}")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * (1 << 30))
+
+    def resolve_device(self) -> torch.device:
+        """The device to run on; raises ``ValueError`` if CUDA is asked for but absent."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device='cuda': no CUDA device is available")
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        """The compute dtype: ``dtype``, or bfloat16 on CUDA / float32 on CPU for ``"auto"``."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

@@ -1,0 +1,314 @@
+"""Incremental detokenization and stop handling for one sequence.
+
+How the engine uses it (one :class:`SequenceTextState` per sequence, i.e. per
+completion of a request)::
+
+    state = SequenceTextState(tokenizer, prompt_token_ids, params,
+                              eos_token_ids={tokenizer.eos_token_id},
+                              max_tokens=effective_max_tokens)
+    # every step, after the sampler picked token_id for this sequence:
+    state.update(token_id)
+    completion.text = state.stream_text         # cumulative, safe to show
+    completion.finish_reason = state.finish_reason   # None, "stop" or "length"
+    completion.stop_reason = state.stop_reason       # stop string, stop token id or None
+    if state.finished: free the sequence (the token that finished it is
+                       still appended to token_ids; its text is not)
+
+``stream_text`` only grows, is always a prefix of the final ``text`` and
+equals it once finished, so a streaming server can send
+``stream_text[len(sent):]`` (or call :meth:`SequenceTextState.take_delta`).
+
+Pieces:
+
+- :class:`IncrementalDetokenizer`: the prefix/read-offset scheme of TGI and
+  vLLM (``detokenize_incrementally``). It decodes the window
+  ``ids[prefix_offset:]`` and compares it with ``ids[prefix_offset:read_offset]``;
+  the difference is new text, unless the window's text ends with U+FFFD (a
+  character whose UTF-8 bytes span tokens is incomplete), in which case
+  nothing is emitted until a later token completes it. For byte-level BPE
+  tokenizers the joined pieces equal ``tokenizer.decode(output_ids)``.
+- :class:`StopChecker`: EOS / stop token ids / stop strings / max_tokens, and
+  how much text to hold back from streaming so that a stop string split across
+  tokens is never shown.
+
+Stop rules (vLLM semantics):
+
+- Nothing stops the sequence before ``min_tokens`` tokens are generated except
+  the length limit (the sampler also masks EOS and stop tokens until then).
+- EOS (unless ``ignore_eos``) -> ``finish_reason="stop"``, ``stop_reason=None``;
+  a ``stop_token_ids`` token -> ``"stop"``, ``stop_reason=<token id>``. The
+  stopping token's text is not added.
+- Stop strings: checked on each new piece of text plus the ``len(stop) - 1``
+  characters before it. Among the matches found at that step the one starting
+  earliest wins (ties: first in ``params.stop``); the text is cut where it
+  starts (the stop string is not included) and ``stop_reason`` is the string.
+  A stop string found at the same step as a stop token/EOS/length wins.
+- ``max_tokens`` generated tokens -> ``"length"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from loraplex.engine.sampling_params import SamplingParams
+
+# Prompt tokens decoded in front of the first output token, so that tokenizers
+# whose decoding depends on the left context (SentencePiece leading spaces)
+# produce the same text as in the middle of a sequence (vLLM uses 5).
+PROMPT_CONTEXT_TOKENS = 5
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+FinishReason = Literal["stop", "length"]
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the detokenizer needs."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into complete text pieces.
+
+    ``tokenizer``: a Hugging Face tokenizer. ``prompt_token_ids``: the prompt
+    (its last :data:`PROMPT_CONTEXT_TOKENS` ids are used as decoding context,
+    unless their text ends in an incomplete character). ``skip_special_tokens``
+    as in ``tokenizer.decode``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        if _REPLACEMENT_CHAR in self._decode(context):
+            context = []
+        self._ids = context
+        self._num_context = len(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the joined return values)."""
+        return self._text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output ids appended so far (without the prompt context)."""
+        return self._ids[self._num_context :]
+
+    def append(self, new_token_ids: list[int]) -> str:
+        """Add generated ids; return the newly complete text ("" while a character is incomplete)."""
+        self._ids.extend(new_token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        return self._emit(window_text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """Return text held back (e.g. invalid UTF-8 ending in U+FFFD); call when the sequence ends."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if len(window_text) <= len(prefix_text):
+            return ""
+        return self._emit(window_text[len(prefix_text) :])
+
+    def _emit(self, delta: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._text += delta
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """Why a sequence finished: ``finish_reason`` and ``stop_reason``
+    (stop string, stop token id, or None for EOS and length)."""
+
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class StopStringMatch:
+    """A stop string found in the text: it starts at character ``index``."""
+
+    index: int
+    stop: str
+
+
+class StopChecker:
+    """Stop conditions of one sequence (see the module docstring for the rules).
+
+    Raises ``ValueError`` naming the argument for an empty stop string,
+    ``max_tokens < 1`` or ``min_tokens < 0``.
+    """
+
+    def __init__(
+        self,
+        stop: list[str],
+        stop_token_ids: list[int],
+        eos_token_ids: set[int],
+        ignore_eos: bool,
+        max_tokens: int | None,
+        min_tokens: int = 0,
+    ):
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"StopChecker.stop={stop!r}: must be non-empty strings")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"StopChecker.max_tokens={max_tokens!r}: must be >= 1 or None")
+        if min_tokens < 0:
+            raise ValueError(f"StopChecker.min_tokens={min_tokens!r}: must be >= 0")
+        self.stop = list(stop)
+        self.stop_token_ids = set(stop_token_ids)
+        self.eos_token_ids = set() if ignore_eos else set(eos_token_ids)
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+
+    def check_token(self, token_id: int, num_output_tokens: int) -> StopDecision | None:
+        """EOS or stop-token decision for the newest token.
+
+        ``num_output_tokens`` counts generated tokens including ``token_id``.
+        """
+        if num_output_tokens < self.min_tokens:
+            return None
+        if token_id in self.eos_token_ids:
+            return StopDecision("stop", None)
+        if token_id in self.stop_token_ids:
+            return StopDecision("stop", token_id)
+        return None
+
+    def find_stop_string(self, text: str, num_new_chars: int, num_output_tokens: int) -> StopStringMatch | None:
+        """Earliest stop string that ends inside the last ``num_new_chars`` characters of ``text``.
+
+        Only the new tail plus ``len(stop) - 1`` earlier characters are
+        searched. Returns None before ``min_tokens`` tokens are generated.
+        """
+        if num_output_tokens < self.min_tokens or num_new_chars <= 0:
+            return None
+        best: StopStringMatch | None = None
+        for stop in self.stop:
+            index = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+            if index >= 0 and (best is None or index < best.index):
+                best = StopStringMatch(index, stop)
+        return best
+
+    def reached_length(self, num_output_tokens: int) -> bool:
+        """True once ``max_tokens`` tokens are generated."""
+        return self.max_tokens is not None and num_output_tokens >= self.max_tokens
+
+    def hold_back_chars(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+
+        Streaming must not show these characters yet: a later token could
+        complete a stop string that starts there.
+        """
+        held = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:size]):
+                    held = size
+                    break
+        return held
+
+
+class SequenceTextState:
+    """Text, streaming and finish state of one sequence.
+
+    ``tokenizer``/``prompt_token_ids``: see :class:`IncrementalDetokenizer`.
+    ``params``: the request's :class:`SamplingParams`. ``eos_token_ids``: the
+    model's EOS ids. ``max_tokens``: the effective limit on generated tokens
+    (the engine passes ``min(params.max_tokens, max_model_len - prompt_len)``);
+    defaults to ``params.max_tokens`` (``None`` = no limit here).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: set[int],
+        max_tokens: int | None = None,
+    ):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._checker = StopChecker(
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            eos_token_ids=set(eos_token_ids),
+            ignore_eos=params.ignore_eos,
+            max_tokens=params.max_tokens if max_tokens is None else max_tokens,
+            min_tokens=params.min_tokens,
+        )
+        self._text = ""
+        self._num_output_tokens = 0
+        self._num_taken_chars = 0
+        self._decision: StopDecision | None = None
+
+    @property
+    def text(self) -> str:
+        """All text so far, cut before the stop string once one matched."""
+        return self._text
+
+    @property
+    def stream_text(self) -> str:
+        """The prefix of :attr:`text` that can be shown now (all of it once finished)."""
+        if self.finished:
+            return self._text
+        return self._text[: len(self._text) - self._checker.hold_back_chars(self._text)]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self._decision is not None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return None if self._decision is None else self._decision.finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return None if self._decision is None else self._decision.stop_reason
+
+    def take_delta(self) -> str:
+        """Text of :attr:`stream_text` not returned by an earlier call."""
+        stream_text = self.stream_text
+        delta = stream_text[self._num_taken_chars :]
+        self._num_taken_chars = len(stream_text)
+        return delta
+
+    def update(self, token_id: int) -> None:
+        """Add one generated token and decide whether the sequence is finished.
+
+        Raises ``RuntimeError`` when called after the sequence finished.
+        """
+        if self._decision is not None:
+            raise RuntimeError(f"SequenceTextState.update(token_id={token_id}): sequence already finished "
+                               f"({self._decision.finish_reason})")
+        self._num_output_tokens += 1
+        count = self._num_output_tokens
+        token_stop = self._checker.check_token(token_id, count)
+        length_stop = token_stop is None and self._checker.reached_length(count)
+        new_text = "" if token_stop is not None else self._detokenizer.append([token_id])
+        if token_stop is not None or length_stop:
+            new_text += self._detokenizer.flush()
+        self._text += new_text
+        match = self._checker.find_stop_string(self._text, len(new_text), count)
+        if match is not None:
+            self._text = self._text[: match.index]
+            self._decision = StopDecision("stop", match.stop)
+        elif token_stop is not None:
+            self._decision = token_stop
+        elif length_stop:
+            self._decision = StopDecision("length", None)

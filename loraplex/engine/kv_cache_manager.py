@@ -1,0 +1,205 @@
+"""Block tables of sequences over a :class:`BlockPool`: allocation of slots
+for new tokens, prefix-cache lookup, forking with copy-on-write, swapping.
+
+Prefix caching (vLLM automatic prefix caching): every *full* block gets a
+hash chained from its parent's hash, its token ids and the sequence's extra
+keys (the adapter's version id: the same tokens under another adapter give
+other KV)::
+
+    hash_i = sha256(hash_{i-1} || token_ids[i*bs:(i+1)*bs] || extra_keys)
+
+Blocks are hashed only once their KV has been computed. A sequence's last,
+partial block is never shared through the prefix cache.
+
+Copy-on-write: a sequence about to write into a block it shares (only the
+partial last block after an ``n > 1`` fork can be shared and written) gets a
+private copy first; the copy is recorded in :attr:`KVCacheManager.pending_copies`
+for the model runner to perform before the step's forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+
+from loraplex.engine.block_pool import BlockPool
+from loraplex.engine.sequence import Sequence
+
+
+@dataclass
+class BlockCopies:
+    """Block moves the model runner performs before a step's forward pass,
+    in this order: swap out (device -> host), swap in (host -> device),
+    copy-on-write (device -> device). Each entry is ``(src_block, dst_block)``."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in / served from the prefix cache."""
+
+    queries_tokens: int = 0
+    hits_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+
+def hash_block(parent: bytes, token_ids: list[int], extra_key: str) -> bytes:
+    """Chained content hash of one full block (see module docstring)."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra_key.encode())
+    return h.digest()
+
+
+class KVCacheManager:
+    """Maps sequences to physical KV blocks on the device and in host swap space."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_swap_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_stats = PrefixCacheStats()
+        self.pending = BlockCopies()
+        self._swapped: dict[int, list[int]] = {}
+
+    # -- sizing -----------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New device blocks for computing ``num_new_tokens`` more tokens of
+        ``seq``, including a copy-on-write of a shared last block."""
+        total = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        needed = max(0, total - len(seq.block_ids))
+        return needed + int(self._needs_cow(seq))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
+
+    def _needs_cow(self, seq: Sequence) -> bool:
+        first = seq.num_computed_tokens // self.block_size
+        return first < len(seq.block_ids) and self.pool.ref_cnt[seq.block_ids[first]] > 1
+
+    # -- allocation -------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for tokens ``[num_computed, num_computed + num_new_tokens)``.
+
+        Raises:
+            NoFreeBlocksError: callers must check :meth:`can_allocate` first.
+        """
+        if self._needs_cow(seq):
+            idx = seq.num_computed_tokens // self.block_size
+            old = seq.block_ids[idx]
+            new = self.pool.allocate()
+            self.pending.copy.append((old, new))
+            self.pool.free(old)
+            seq.block_ids[idx] = new
+        total = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_ids) < total:
+            seq.block_ids.append(self.pool.allocate())
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s device blocks, deepest first (eviction order)."""
+        for block in reversed(seq.block_ids):
+            self.pool.free(block)
+        seq.block_ids = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (reference counts + 1)."""
+        for block in parent.block_ids:
+            self.pool.incref(block)
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+
+    # -- prefix caching ---------------------------------------------------
+    def extra_key(self, seq: Sequence) -> str:
+        return seq.group.lora_version or ""
+
+    def compute_prefix_hit(self, seq: Sequence) -> int:
+        """At admission of a sequence with no blocks: take the longest cached
+        prefix of full blocks (leaving at least one token to compute so logits
+        exist), mark those tokens computed. Returns the number of hit tokens."""
+        if not self.enable_prefix_caching or seq.block_ids:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        parent, extra = b"", self.extra_key(seq)
+        hits: list[tuple[int, bytes]] = []
+        for i in range(max_blocks):
+            h = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], extra)
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append((block, h))
+            parent = h
+        for block, _ in hits:
+            self.pool.incref(block)
+        seq.block_ids = [b for b, _ in hits]
+        seq.block_hashes = [h for _, h in hits]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.prefix_stats.queries_tokens += seq.num_tokens
+        self.prefix_stats.hits_tokens += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks that became full and computed in the last step."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        extra = self.extra_key(seq)
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            h = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], extra)
+            seq.block_hashes.append(h)
+            self.pool.set_hash(seq.block_ids[i], h)
+
+    # -- swapping ---------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.swap_pool is not None and len(seq.block_ids) <= self.swap_pool.num_free_blocks
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Move ``seq``'s blocks to host swap blocks (copies recorded as pending)."""
+        assert self.swap_pool is not None
+        host = []
+        for block in seq.block_ids:
+            dst = self.swap_pool.allocate()
+            self.pending.swap_out.append((block, dst))
+            host.append(dst)
+        self.free(seq)
+        self._swapped[seq.seq_id] = host
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for the swapped blocks plus those of ``num_new_tokens`` more tokens."""
+        held = len(self._swapped[seq.seq_id])
+        total = max(held, self.blocks_for(seq.num_computed_tokens + num_new_tokens))
+        return total <= self.pool.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> None:
+        for src in self._swapped.pop(seq.seq_id):
+            dst = self.pool.allocate()
+            self.pending.swap_in.append((src, dst))
+            self.swap_pool.free(src)
+            seq.block_ids.append(dst)
+        # Hashes stay valid only if re-registered on the new blocks.
+        for block, h in zip(seq.block_ids, seq.block_hashes):
+            self.pool.set_hash(block, h)
+
+    def drop_swapped(self, seq: Sequence) -> None:
+        """Forget the host blocks of a swapped sequence that was aborted."""
+        for src in self._swapped.pop(seq.seq_id, []):
+            self.swap_pool.free(src)
+
+    def take_pending(self) -> BlockCopies:
+        """The block moves to perform before this step's forward; resets them."""
+        pending, self.pending = self.pending, BlockCopies()
+        return pending

@@ -1,0 +1,339 @@
+"""The synchronous engine: requests in, one scheduling step at a time, outputs out.
+
+``LLMEngine.step()`` = schedule -> model runner -> update sequences (append
+sampled tokens, fork ``n > 1`` groups, detokenize, stop checks) -> free the
+finished. The async server wrapper and the offline :class:`~loraplex.LLM`
+both drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.detokenizer import SequenceTextState
+from loraplex.engine.kv_cache import KVCache, size_kv_cache
+from loraplex.engine.kv_cache_manager import KVCacheManager
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
+from loraplex.engine.models.llama import ModelSpec
+from loraplex.engine.models.loader import build_model
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from loraplex.engine.sequence import RequestGroup, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for output under ``max_model_len``."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot run (empty prompt, bad token id, duplicate id, LoRA disabled)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for the API's ``/admin/stats``, ``/metrics`` and the console."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_blocks_free: int
+    block_size: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    prefix_hit_rate: float
+    num_preemptions: int
+    generated_tokens_total: int
+    prompt_tokens_total: int
+    tokens_per_s: float
+    lora: object | None = None
+
+
+class _AdapterPins:
+    """Pins adapters in the slot pool and remembers which slot each got."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.slots: dict[int, int] = {}
+
+    def pin(self, lora_int_id: int) -> int:
+        slot = self.pool.pin(lora_int_id)
+        self.slots[lora_int_id] = slot
+        return slot
+
+    def unpin(self, lora_int_id: int) -> None:
+        self.pool.unpin(lora_int_id)
+
+    def slot_of(self, lora_int_id: int) -> int:
+        return self.slots[lora_int_id]
+
+
+@dataclass
+class _Throughput:
+    """Tokens per second over a sliding window of recent steps."""
+
+    window_s: float = 10.0
+    events: list[tuple[float, int]] = field(default_factory=list)
+
+    def add(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        self.events.append((now, num_tokens))
+        while self.events and now - self.events[0][0] > self.window_s:
+            self.events.pop(0)
+
+    def rate(self) -> float:
+        if len(self.events) < 2:
+            return 0.0
+        span = self.events[-1][0] - self.events[0][0]
+        return sum(n for _, n in self.events[1:]) / span if span > 0 else 0.0
+
+
+class LLMEngine:
+    """Paged-KV continuous-batching engine over one Llama-family model.
+
+    Raises at construction: ``FileNotFoundError`` (model folder), ``ValueError``
+    (unsupported architecture, bad config), ``KVCacheTooSmallError``.
+    """
+
+    def __init__(self, config: EngineConfig, dummy_weights: bool = False) -> None:
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.model_path = _resolve_model(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.spec = ModelSpec.from_folder(self.model_path)
+        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        torch.manual_seed(config.seed)
+        self.model = build_model(self.model_path, self.spec, self.dtype, self.device, dummy_weights, config.seed)
+        self.eos_token_ids = set(self.spec.eos_token_ids) or {self.tokenizer.eos_token_id}
+        self.lora_pool = self._build_lora_pool() if config.enable_lora else None
+        self.pins = _AdapterPins(self.lora_pool) if self.lora_pool else None
+        self._build_kv_cache()
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
+                                  slot_of=self.pins.slot_of if self.pins else None)
+        self.runner.eos_token_ids = self.eos_token_ids
+        self.groups: dict[str, RequestGroup] = {}
+        self._next_seq_id = 0
+        self._throughput = _Throughput()
+        self._generated_total = 0
+        self._prompt_total = 0
+        self._preemptions = 0
+
+    # -- construction -----------------------------------------------------
+    def _build_lora_pool(self):
+        from loraplex.adapters import BaseModelSpec, LoRASlotPool
+
+        spec = BaseModelSpec(num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size,
+                             module_shapes=self.spec.module_shapes, architecture=self.spec.architecture)
+        pool = LoRASlotPool(spec, self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras,
+                            self.dtype, self.device)
+        for layer, lin in self.model.lora_linears():
+            lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
+                          [pool.scaling[layer][m] for m in lin.module_names])
+        return pool
+
+    def _build_kv_cache(self) -> None:
+        c = self.config
+        sizing = size_kv_cache(self.spec, self.dtype, self.device, block_size=c.block_size,
+                               max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
+                               num_kv_blocks=c.num_kv_blocks, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+                               gpu_memory_utilization=c.gpu_memory_utilization)
+        num_swap = c.swap_space_bytes // (sizing.bytes_per_token * c.block_size)
+        self.kv_sizing = sizing
+        self.kv_cache = KVCache(self.spec, sizing, self.dtype, self.device, num_swap)
+        self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
+                                                   self.max_model_len), self.kv_manager, self.pins)
+
+    # -- adapters ---------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register (load and validate) an adapter; raises ``AdapterError`` for a bad one."""
+        self._require_lora()
+        return self.lora_pool.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; running requests on it finish first."""
+        self._require_lora()
+        return self.lora_pool.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.lora_pool.list_loras()} if self.lora_pool else set()
+
+    def _require_lora(self) -> None:
+        if self.lora_pool is None:
+            raise InvalidRequestError("LoRA is disabled: start the engine with enable_lora=True")
+
+    # -- requests ---------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request. ``prompt`` is text or token ids.
+
+        Raises:
+            InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, LoRA disabled.
+            PromptTooLongError: ``len(prompt_tokens) >= max_model_len``.
+            AdapterError: the adapter cannot be loaded.
+        """
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request_id={request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        version = self._adapter_version(lora_request)
+        group = RequestGroup(request_id, text, token_ids, params, lora_request, version)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        max_tokens = self._effective_max_tokens(params, len(token_ids))
+        for index in range(params.n):
+            group.seqs.append(self._new_sequence(group, index, max_tokens))
+        self.groups[request_id] = group
+        self._prompt_total += len(token_ids)
+        self.scheduler.add(group.seqs[0])
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, [int(t) for t in prompt]
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                                     f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit")
+
+    def _adapter_version(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        self._require_lora()
+        if lora_request.lora_int_id not in self.list_loras():
+            self.lora_pool.add_lora(lora_request)
+        return self.lora_pool.version_id(lora_request.lora_int_id)
+
+    def _effective_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
+        room = self.max_model_len - prompt_len
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _new_sequence(self, group: RequestGroup, index: int, max_tokens: int) -> Sequence:
+        generator = None
+        if group.params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(group.params.seed + index)
+        state = SequenceTextState(self.tokenizer, group.prompt_token_ids, group.params, self.eos_token_ids, max_tokens)
+        self._next_seq_id += 1
+        return Sequence(self._next_seq_id, group, index, list(group.prompt_token_ids), len(group.prompt_token_ids),
+                        generator, state, logprobs=[] if group.params.logprobs is not None else None)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks and adapter pin (no-op if unknown)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- the step ---------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the outputs of requests that progressed."""
+        batch = self.scheduler.schedule()
+        self._preemptions += batch.num_preempted
+        if batch.is_empty:
+            return []
+        result = self.runner.execute(batch)
+        touched = self._postprocess(batch, result)
+        self._throughput.add(batch.num_tokens)
+        return [self._make_output(g) for g in touched]
+
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[RequestGroup]:
+        touched: dict[str, RequestGroup] = {}
+        for item, samples, plp in zip(batch.seqs, result.samples, result.prompt_logprobs):
+            seq, group = item.seq, item.seq.group
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv_manager.cache_full_blocks(seq)
+            if plp is not None:
+                group.prompt_logprobs.extend(plp)
+            if samples:
+                self._take_samples(seq, samples)
+                touched[group.request_id] = group
+            elif plp:
+                touched[group.request_id] = group
+        for group in touched.values():
+            if group.is_finished:
+                self.groups.pop(group.request_id, None)
+        return list(touched.values())
+
+    def _take_samples(self, seq: Sequence, samples: list[SampledToken]) -> None:
+        group = seq.group
+        if len(samples) > 1:
+            group.forked = True
+            for child, sample in zip(group.seqs[1:], samples[1:]):
+                child.num_computed_tokens = seq.num_computed_tokens
+                self.kv_manager.fork(seq, child)
+                self.scheduler.add_forked(child)
+                self._append_token(child, sample)
+        elif group.params.n == 1:
+            group.forked = True
+        self._append_token(seq, samples[0])
+
+    def _append_token(self, seq: Sequence, sample: SampledToken) -> None:
+        seq.token_ids.append(sample.token_id)
+        seq.cumulative_logprob += sample.logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(sample.top_logprobs or {sample.token_id: sample.logprob})
+        self._generated_total += 1
+        state: SequenceTextState = seq.text_state
+        state.update(sample.token_id)
+        if state.finished:
+            seq.finish_reason, seq.stop_reason = state.finish_reason, state.stop_reason
+            self.scheduler.finish(seq)
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        outputs = []
+        for seq in group.seqs if group.forked else group.seqs[:1]:
+            outputs.append(CompletionOutput(
+                index=seq.index, text=seq.text_state.stream_text, token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished,
+                             group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
+                             group.num_cached_tokens)
+
+    # -- stats ------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        pool = self.kv_manager.pool.stats()
+        prefix = self.kv_manager.prefix_stats
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped), kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.used,
+            kv_blocks_cached=pool.cached, kv_blocks_free=pool.free, block_size=self.config.block_size,
+            prefix_queries_tokens=prefix.queries_tokens, prefix_hits_tokens=prefix.hits_tokens,
+            prefix_hit_rate=prefix.hit_rate, num_preemptions=self._preemptions,
+            generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
+            tokens_per_s=self._throughput.rate(), lora=self.lora_pool.stats() if self.lora_pool else None)
+
+
+def _resolve_model(config: EngineConfig) -> Path:
+    from loraplex.engine.demo_models import resolve_model
+
+    return resolve_model(config.model, Path(config.download_dir) if config.download_dir else None)

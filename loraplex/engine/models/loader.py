@@ -1,0 +1,119 @@
+"""Load HF safetensors checkpoints into :class:`LlamaForCausalLM`, fusing
+q/k/v and gate/up on the fly; or fill random weights for benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loraplex.engine.models.llama import LlamaForCausalLM, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.?(.*)$")
+# HF projection -> (fused module attribute path, slice index)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+}
+
+
+def build_model(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                dummy_weights: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    """Create the model on ``device`` and fill its weights.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` in ``path`` (and not dummy).
+        ValueError: a checkpoint tensor is missing, unexpected, or mis-shaped.
+    """
+    model = LlamaForCausalLM(spec, dtype, device)
+    if dummy_weights:
+        fill_dummy_weights(model, seed)
+    else:
+        load_safetensors(model, Path(path))
+    return model.eval()
+
+
+def fill_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights with sane magnitudes (speed does not depend on values)."""
+    gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+
+
+def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    expected = _expected_targets(model)
+    seen: set[tuple[str, int]] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied embeddings saved twice
+                target = _target_for(name)
+                if target is None or target not in expected:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.spec.architecture}")
+                _copy_into(model, target, f.get_tensor(name), name)
+                seen.add(target)
+    missing = sorted(expected - seen)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _expected_targets(model: LlamaForCausalLM) -> set[tuple[str, int]]:
+    targets = {("embed_tokens", 0), ("norm.weight", 0)}
+    if model.lm_head is not None:
+        targets.add(("lm_head", 0))
+    for i in range(model.spec.num_layers):
+        for hf, (fused, idx) in _FUSED.items():
+            targets.add((f"layers.{i}.{fused}.weight", idx))
+            if model.spec.attention_bias and hf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                targets.add((f"layers.{i}.{fused}.bias", idx))
+        targets.add((f"layers.{i}.input_layernorm.weight", 0))
+        targets.add((f"layers.{i}.post_attention_layernorm.weight", 0))
+    return targets
+
+
+def _target_for(name: str) -> tuple[str, int] | None:
+    """HF tensor name -> (our parameter path, output-slice index)."""
+    if name == "model.embed_tokens.weight":
+        return ("embed_tokens", 0)
+    if name == "model.norm.weight":
+        return ("norm.weight", 0)
+    if name == "lm_head.weight":
+        return ("lm_head", 0)
+    m = _LAYER_RE.match(name)
+    if not m:
+        return None
+    layer, kind, rest = m.groups()
+    if kind in ("input_layernorm", "post_attention_layernorm"):
+        return (f"layers.{layer}.{kind}.weight", 0) if rest == "weight" else None
+    proj, _, param = rest.partition(".")
+    fused = _FUSED.get(f"{kind}.{proj}")
+    if fused is None or param not in ("weight", "bias"):
+        return None
+    return (f"layers.{layer}.{fused[0]}.{param}", fused[1])
+
+
+def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.Tensor, name: str) -> None:
+    path, idx = target
+    param = model.get_parameter(path)
+    dest = param.data
+    if path.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
+        lin = model.get_submodule(path.rsplit(".", 1)[0])
+        start = sum(lin.out_sizes[:idx])
+        dest = dest[start:start + lin.out_sizes[idx]]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor.to(dest.dtype))

@@ -1,0 +1,225 @@
+"""Iteration-level scheduler (continuous batching, Orca / vLLM style).
+
+There are no prefill and decode phases: every step moves each scheduled
+sequence's ``num_computed_tokens`` towards ``num_tokens`` under one token
+budget (``max_num_batched_tokens``). Running sequences go first (oldest
+first), so decodes keep flowing while long prompts are chunked (chunked
+prefill); waiting sequences are admitted FCFS while budget, ``max_num_seqs``,
+KV blocks and adapter slots allow.
+
+When blocks run out the newest running sequence is preempted: its blocks are
+swapped to host memory when swap space is configured and has room, otherwise
+freed and recomputed later (vLLM's recompute preemption). A preempted
+sequence resumes with identical results.
+
+Adapters: at most ``max_loras`` distinct adapters are in the running set
+(each running adapter holds a pinned slot), so a step never needs more slots
+than exist; a waiting request whose adapter would exceed that waits, base
+model requests never wait for slots.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from loraplex.engine.kv_cache_manager import BlockCopies, KVCacheManager
+from loraplex.engine.sequence import RequestGroup, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's work in a step: compute tokens
+    ``[start_position, start_position + num_new_tokens)``; sample
+    ``num_samples`` next tokens from the last one (0 while a prompt chunk
+    does not reach the end; ``n`` when a group forks)."""
+
+    seq: Sequence
+    start_position: int
+    num_new_tokens: int
+    num_samples: int
+    prompt_logprobs: bool
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """The step plan handed to the model runner."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    block_copies: BlockCopies
+    num_preempted: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_loras: int
+    max_model_len: int
+
+
+class AdapterPins(Protocol):
+    """Adapter slot pinning: a running sequence holds one pin on its adapter."""
+
+    def pin(self, lora_int_id: int) -> int: ...
+
+    def unpin(self, lora_int_id: int) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pins: AdapterPins | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.pins = pins
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+
+    # -- queue management -------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self._stop_running(seq)
+            self.kv.free(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.kv.drop_swapped(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A child of a group fork; it already shares the parent's blocks."""
+        self._start_running(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def running_adapters(self) -> set[int]:
+        return {s.group.lora_int_id for s in self.running if s.group.lora_int_id}
+
+    # -- one step ---------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        planned: list[ScheduledSeq] = []
+        preempted = self._schedule_running(planned, budget)
+        budget -= sum(p.num_new_tokens for p in planned)
+        if not preempted:
+            budget = self._schedule_swapped(planned, budget)
+            self._schedule_waiting(planned, budget)
+        return ScheduledBatch(tuple(planned), self.kv.take_pending(), preempted)
+
+    def _plan(self, seq: Sequence, budget: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        n = min(seq.num_tokens - start, budget)
+        done = start + n == seq.num_tokens
+        group = seq.group
+        samples = 0
+        if done:
+            samples = group.params.n if (group.params.n > 1 and not group.forked) else 1
+        # Prompt logprobs cover positions 1.. of the prompt; a chunk continues the
+        # list exactly where it stopped (a recomputation after preemption adds nothing).
+        wants_plp = (group.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens
+                     and len(group.prompt_logprobs) == start + 1)
+        return ScheduledSeq(seq, start, n, samples, wants_plp)
+
+    def _schedule_running(self, planned: list[ScheduledSeq], budget: int) -> int:
+        preempted = 0
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_allocate(seq, n):
+                victim = self.running[-1]
+                if victim in queue:
+                    queue.remove(victim)
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.kv.allocate_slots(seq, n)
+            planned.append(self._plan(seq, budget))
+            budget -= n
+        return preempted
+
+    def _start_running(self, seq: Sequence) -> None:
+        if self.pins is not None and seq.group.lora_int_id:
+            self.pins.pin(seq.group.lora_int_id)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if self.pins is not None and seq.group.lora_int_id:
+            self.pins.unpin(seq.group.lora_int_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._stop_running(seq)
+        seq.num_preemptions += 1
+        if self.kv.can_swap_out(seq):
+            self.kv.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.block_hashes = []
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def _schedule_swapped(self, planned: list[ScheduledSeq], budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._adapter_fits(seq) or not self.kv.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            self.kv.swap_in(seq)
+            self.kv.allocate_slots(seq, n)
+            self._start_running(seq)
+            planned.append(self._plan(seq, budget))
+            budget -= n
+        return budget
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        lora = seq.group.lora_int_id
+        if not lora:
+            return True
+        active = self.running_adapters()
+        return lora in active or len(active) < self.config.max_loras
+
+    def _schedule_waiting(self, planned: list[ScheduledSeq], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break
+            hit = 0 if seq.group.params.prompt_logprobs is not None else self.kv.compute_prefix_hit(seq)
+            if seq.index == 0 and seq.group.num_cached_tokens == 0:
+                seq.group.num_cached_tokens = hit
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.can_allocate(seq, n):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                seq.block_hashes = []
+                break
+            self.waiting.popleft()
+            self.kv.allocate_slots(seq, n)
+            self._start_running(seq)
+            planned.append(self._plan(seq, budget))
+            budget -= n

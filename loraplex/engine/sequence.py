@@ -1,0 +1,106 @@
+"""Engine-side request state.
+
+A *request group* is what a user submitted (one prompt, ``n`` completions).
+A *sequence* is the scheduling unit: one stream of tokens with its own block
+table. A group starts with one sequence; when its prompt is computed and
+``n > 1``, the engine forks ``n - 1`` more that share the prompt's KV blocks.
+
+Token bookkeeping of one sequence (positions)::
+
+    | prompt tokens ............ | output tokens ...... |
+    | computed (KV in cache) ................ | new     |
+    0                          num_computed_tokens     num_tokens
+
+Each step the scheduler advances ``num_computed_tokens`` towards
+``num_tokens``; when they meet, the model's logits at the last position give
+the next token, which is appended (so ``num_tokens`` grows by one).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import TopLogprobs
+from loraplex.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream with its block table (physical block ids per logical block)."""
+
+    seq_id: int
+    group: "RequestGroup"
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    text_state: Any
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    logprobs: list[TopLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def prompt_done(self) -> bool:
+        """The whole prompt has been computed at least once."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """A submitted request: one prompt, ``params.n`` completions, one adapter."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: LoRARequest | None
+    lora_version: str | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    forked: bool = False
+
+    @property
+    def lora_int_id(self) -> int:
+        """0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request else 0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and (self.forked or self.params.n == 1)

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random models (HF reference), and the SmolLM2 demo model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A random Llama with GQA (4 query / 2 KV heads), float32, byte-level BPE tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """A random Qwen2-style model (q/k/v bias, tied embeddings)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The prepared SmolLM2-135M-Instruct folder; CI prepares it, elsewhere the test is skipped if absent."""
+    from loraplex.engine.demo_models import default_cache_dir, resolve_model
+
+    cache = os.environ.get("LORAPLEX_CACHE_DIR")
+    try:
+        return resolve_model("smollm2-135m-instruct", Path(cache) if cache else default_cache_dir())
+    except FileNotFoundError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("SmolLM2 demo model not prepared (run `loraplex models prepare smollm2`)")

@@ -1,0 +1,120 @@
+"""Multi-LoRA in the engine: every request in a mixed batch equals HF + PEFT."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+
+ADAPTERS = {
+    # name: (rank, alpha, targets, rslora)
+    "a": (4, 8, ("q_proj", "v_proj"), False),
+    "b": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    "c": (16, 8, ("o_proj", "down_proj", "up_proj"), True),
+    "d": (8, 32, ("k_proj", "gate_proj"), False),
+}
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (name, (r, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
+        path = make_peft_adapter(tiny_llama_dir, root / name, r=r, alpha=alpha, targets=targets, use_rslora=rs,
+                                 seed=10 + i)
+        out[name] = LoRARequest(name, i + 1, str(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama_dir) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    texts = ["The quick brown fox", "Paris is the capital", "def add(a, b):", "Colors: red, green",
+             "Large language models serve"]
+    return [tok.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, adapters, prompts) -> dict[tuple[str, int], tuple[list[int], torch.Tensor]]:
+    """(adapter name or "base", prompt index) -> (PEFT greedy tokens, PEFT last-position logprobs)."""
+    refs = {}
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32).eval()
+    models = {"base": base} | {n: peft_model(tiny_llama_dir, req.lora_path) for n, req in adapters.items()}
+    for name, model in models.items():
+        for i, p in enumerate(prompts):
+            refs[(name, i)] = (hf_greedy_ids(model, p, MAX_NEW), hf_last_logprobs(model, p))
+    return refs
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("max_loras", 4)
+    return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=512, enable_lora=True,
+               max_lora_rank=16, **kw)
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+
+
+def check_row(out, ref_tokens, ref_lp):
+    comp = out.outputs[0]
+    assert comp.token_ids == ref_tokens
+    first = comp.logprobs[0]
+    top5 = torch.topk(ref_lp, 5)
+    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
+        assert first[tid] == pytest.approx(lp, abs=2e-4)
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_each_adapter_equals_peft(tiny_llama_dir, adapters, prompts, references, name):
+    llm = make_llm(tiny_llama_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, lora_request=adapters[name])
+    for i, out in enumerate(outs):
+        check_row(out, *references[(name, i)])
+
+
+def test_mixed_batch_rows_equal_peft_and_base_unaffected(tiny_llama_dir, adapters, prompts, references):
+    llm = make_llm(tiny_llama_dir, max_loras=3)
+    order = ["a", "b", None, "a", "c"]
+    loras = [adapters[n] if n else None for n in order]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, lora_request=loras)
+    for i, (name, out) in enumerate(zip(order, outs)):
+        check_row(out, *references[(name or "base", i)])
+    # A batch that follows (all base) is unaffected by the adapters before it.
+    base_outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    for i, out in enumerate(base_outs):
+        check_row(out, *references[("base", i)])
+
+
+def test_slot_churn_keeps_long_decodes_exact(tiny_llama_dir, adapters, prompts, references):
+    """max_loras=2, max_cpu_loras=3: A decodes for 60 steps in one slot while B, C
+    and D take turns in the other slot (loaded and evicted repeatedly, and
+    evicted from the 3-entry CPU cache too)."""
+    long_params = SamplingParams(temperature=0.0, max_tokens=60, min_tokens=60)
+    short_params = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3)
+    quiet = make_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=3)
+    expected = quiet.generate({"prompt_token_ids": prompts[0]}, long_params, lora_request=adapters["a"])[0]
+    engine = make_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=3).engine
+    engine.add_request("A", prompts[0], long_params, adapters["a"])
+    finals, cycle, k = {}, ["b", "c", "d"], 0
+    while engine.has_unfinished_requests():
+        if k < 12 and not any(r.startswith("short") for r in engine.groups):
+            name = cycle[k % 3]
+            engine.add_request(f"short-{k}-{name}", prompts[2], short_params, adapters[name])
+            k += 1
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["A"].outputs[0].token_ids == expected.outputs[0].token_ids
+    shorts = [r for r in finals if r.startswith("short")]
+    assert len(shorts) == 12
+    for rid in shorts:
+        name = rid.rsplit("-", 1)[1]
+        assert finals[rid].outputs[0].token_ids == references[(name, 2)][0][:3]
+    stats = engine.get_stats().lora
+    assert stats.slot_loads >= 12 and stats.slot_evictions >= 10
+    assert stats.cpu_evictions >= 1
+    assert all(s.pin_count == 0 for s in stats.slots)

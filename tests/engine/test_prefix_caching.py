@@ -1,0 +1,101 @@
+"""Prefix caching in the engine: identical outputs with and without it, no
+sharing across adapters or adapter versions, n > 1 copy-on-write without leaks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from tiny_models import make_peft_adapter
+
+SYSTEM = list(range(40, 80))  # 40 shared tokens = 10 blocks of 4
+
+
+def make_llm(path, caching: bool, **kw) -> LLM:
+    return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=256, enable_lora=True,
+               max_lora_rank=8, max_loras=2, enable_prefix_caching=caching, **kw)
+
+
+@pytest.fixture(scope="module")
+def lora_a(tiny_llama_dir, tmp_path_factory) -> LoRARequest:
+    path = make_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("pa") / "a", r=8, seed=1)
+    return LoRARequest("a", 1, str(path))
+
+
+def workload(lora):
+    prompts, params, loras = [], [], []
+    for i in range(8):
+        prompts.append({"prompt_token_ids": SYSTEM + [100 + i, 101 + i, 7]})
+        params.append(SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10, ignore_eos=True))
+        loras.append(lora if i % 3 == 0 else None)
+    return prompts, params, loras
+
+
+def test_outputs_identical_with_and_without_prefix_caching(tiny_llama_dir, lora_a):
+    prompts, params, loras = workload(lora_a)
+    cold = make_llm(tiny_llama_dir, caching=False)
+    warm = make_llm(tiny_llama_dir, caching=True)
+    expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, loras)]
+    first = [o.outputs[0].token_ids for o in warm.generate(prompts, params, loras)]
+    second_outs = warm.generate(prompts, params, loras)
+    assert first == expected
+    assert [o.outputs[0].token_ids for o in second_outs] == expected
+    assert all(o.num_cached_tokens >= 40 for o in second_outs)
+    stats = warm.engine.get_stats()
+    assert stats.prefix_hits_tokens > 0 and 0 < stats.prefix_hit_rate < 1
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_cached > 0
+
+
+def test_same_prompt_other_adapter_shares_no_block(tiny_llama_dir, lora_a):
+    llm = make_llm(tiny_llama_dir, caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate({"prompt_token_ids": SYSTEM + [1]}, params)  # base model caches the prefix
+    out = llm.generate({"prompt_token_ids": SYSTEM + [1]}, params, lora_request=lora_a)[0]
+    assert out.num_cached_tokens == 0
+    again = llm.generate({"prompt_token_ids": SYSTEM + [1]}, params, lora_request=lora_a)[0]
+    assert again.num_cached_tokens == 40
+
+
+def test_new_adapter_version_shares_nothing_and_equals_cold_run(tiny_llama_dir, lora_a, tmp_path):
+    v2_dir = tmp_path / "a-v2"
+    shutil.copytree(lora_a.lora_path, v2_dir)
+    weights = load_file(str(v2_dir / "adapter_model.safetensors"))
+    weights = {k: (v * 1.5 if "lora_B" in k else v) for k, v in weights.items()}
+    save_file(weights, str(v2_dir / "adapter_model.safetensors"))
+    v2 = LoRARequest("a", 2, str(v2_dir))  # same name, new version = new int id
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": SYSTEM + [3, 4]}
+    llm = make_llm(tiny_llama_dir, caching=True)
+    llm.generate(prompt, params, lora_request=lora_a)
+    out = llm.generate(prompt, params, lora_request=v2)[0]
+    assert out.num_cached_tokens == 0
+    cold = make_llm(tiny_llama_dir, caching=False).generate(prompt, params, lora_request=v2)[0]
+    assert out.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert llm.engine.lora_pool.version_id(1) != llm.engine.lora_pool.version_id(2)
+
+
+def test_n4_shares_prompt_blocks_copy_on_write_no_leak(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, caching=True)
+    engine = llm.engine
+    prompt = SYSTEM + [9, 9]  # 42 tokens: 10 full blocks + a partial block shared after the fork
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
+    engine.step()  # prefill + fork
+    seqs = engine.groups["n4"].seqs
+    assert all(s.block_ids[:10] == seqs[0].block_ids[:10] for s in seqs)
+    assert engine.kv_manager.pool.ref_cnt[seqs[0].block_ids[0]] == 4
+    engine.step()  # each child writes into the shared partial block: copy-on-write
+    last_blocks = {s.block_ids[10] for s in seqs}
+    assert len(last_blocks) == 4
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1
+    cold = make_llm(tiny_llama_dir, caching=False)
+    ref = cold.generate({"prompt_token_ids": prompt},
+                        SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))[0]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in ref.outputs]
+    assert engine.get_stats().kv_blocks_used == 0

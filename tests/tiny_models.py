@@ -1,0 +1,113 @@
+"""Tiny random Llama-family checkpoints with a real byte-level BPE tokenizer,
+built in tests (no hub downloads). Used as the independent HF reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Large language models serve many LoRA adapters from one GPU.",
+    "def add(a, b):\n    return a + b\n",
+    "Le renard brun saute par-dessus le chien paresseux. 你好，世界！ 🙂 emoji",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Colors: red, green, blue.",
+]
+
+
+def make_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer (GPT-2 style) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random ``arch`` ("llama" | "qwen2") checkpoint + tokenizer to ``path`` (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = make_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
+    else:
+        raise ValueError(f"arch={arch!r}")
+    with torch.no_grad():  # larger weights than the default init, so that logits are far from ties
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    return Path(path)
+
+
+def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int = 8, alpha: int = 16,
+                      targets=("q_proj", "v_proj"), use_rslora: bool = False, seed: int = 0,
+                      b_std: float = 0.1) -> Path:
+    """A real PEFT LoRA adapter on ``base_dir`` with non-zero (random) B matrices."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, b_std)
+            elif "lora_A" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def peft_model(base_dir: Path, adapter_dir: Path):
+    """The HF + PEFT reference model for one adapter (float32, eval)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def hf_greedy_ids(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation with EOS masked for ``max_new_tokens`` (as ``min_tokens`` does)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                             dtype=torch.long), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_last_logprobs(model, prompt_ids: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at the last prompt position, ``[vocab]`` float32."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
+    return torch.log_softmax(logits, -1)
