@@ -63,7 +63,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 FinishReason = Literal["stop", "length"]
 
 
-class Tokenizer(Protocol):
+class DecodingTokenizer(Protocol):
     """The part of a Hugging Face tokenizer the detokenizer needs."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
@@ -78,14 +78,13 @@ class IncrementalDetokenizer:
     as in ``tokenizer.decode``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: DecodingTokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         if _REPLACEMENT_CHAR in self._decode(context):
             context = []
         self._ids = context
-        self._num_context = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._text = ""
@@ -94,11 +93,6 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """All text emitted so far (the joined return values)."""
         return self._text
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """The output ids appended so far (without the prompt context)."""
-        return self._ids[self._num_context :]
 
     def append(self, new_token_ids: list[int]) -> str:
         """Add generated ids; return the newly complete text ("" while a character is incomplete)."""
@@ -233,7 +227,7 @@ class SequenceTextState:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: DecodingTokenizer,
         prompt_token_ids: list[int],
         params: SamplingParams,
         eos_token_ids: set[int],

@@ -14,7 +14,7 @@ import torch
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
-from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow
+from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch, ScheduledSeq
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping
@@ -160,21 +160,8 @@ class ModelRunner:
                 continue
             logits = self.model.compute_logits(hidden[lo:lo + count])
             targets = prompt[item.start_position + 1:item.start_position + 1 + count]
-            result.append(top_logprobs(logits, targets, item.seq.group.params.prompt_logprobs))
+            logp = torch.log_softmax(logits, dim=-1)
+            ids = torch.tensor(targets, device=logp.device)
+            result.append(top_logprobs(logp, ids, item.seq.group.params.prompt_logprobs))
         return result
 
-
-def top_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TopLogprobs]:
-    """For each row: the ``k`` largest log-probabilities plus the target's.
-
-    ``logits [P, V] float32``, ``targets [P]``; returns P dicts token -> logprob.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    target_lp = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
-    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-    out = []
-    for row, (tid, tlp) in enumerate(zip(targets, target_lp)):
-        entry = dict(zip(top_ids[row].tolist(), top_vals[row].tolist()))
-        entry[tid] = tlp
-        out.append(entry)
-    return out

@@ -39,8 +39,9 @@ Sampling uses the exponential race (Gumbel-max in disguise):
 ``token = argmax_i p_i / q_i`` with ``q_i ~ Exp(1)`` i.i.d., which picks ``i``
 with probability ``p_i``. ``q`` for a row with a generator is drawn from that
 generator only (``V`` draws per step), so a seeded row's tokens depend only on
-its own seed and logits, never on the other rows of the batch. Rows without a
-generator share one draw from torch's default generator.
+its own seed and logits, never on the other rows of the batch. Greedy rows
+draw nothing. Rows without a generator share one draw from torch's default
+generator.
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ def _top_p_tensor(params: list[SamplingParams], greedy: list[bool], device) -> t
 
 def _banned_mask(rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor | None:
     banned = [
-        sorted(row.eos_token_ids | set(row.params.stop_token_ids))
+        sorted(set(row.eos_token_ids) | set(row.params.stop_token_ids))
         if len(row.output_token_ids) < row.params.min_tokens
         else []
         for row in rows

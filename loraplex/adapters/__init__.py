@@ -1,0 +1,44 @@
+"""LoRA adapters: PEFT format loading and validation, content identity, and GPU slots.
+
+Depends only on torch, safetensors and ``loraplex.engine.lora_request``.
+"""
+
+from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight
+from loraplex.adapters.errors import (
+    AdapterChangedError,
+    AdapterConflictError,
+    AdapterError,
+    AdapterFormatError,
+    AdapterIncompatibleError,
+    AdapterUnsupportedError,
+    NoFreeSlotError,
+    SlotPoolError,
+    UnknownAdapterError,
+)
+from loraplex.adapters.identity import compute_version_id
+from loraplex.adapters.peft_format import load_peft_adapter, validate_adapter_dir
+from loraplex.adapters.slot_pool import LoRASlotPool, SlotInfo, SlotPoolStats
+from loraplex.adapters.spec import LORA_MODULE_NAMES, BaseModelSpec
+
+__all__ = [
+    "LORA_MODULE_NAMES",
+    "AdapterChangedError",
+    "AdapterConflictError",
+    "AdapterError",
+    "AdapterFormatError",
+    "AdapterIncompatibleError",
+    "AdapterInfo",
+    "AdapterUnsupportedError",
+    "BaseModelSpec",
+    "LoRAAdapter",
+    "LoRASlotPool",
+    "LoRAWeight",
+    "NoFreeSlotError",
+    "SlotInfo",
+    "SlotPoolError",
+    "SlotPoolStats",
+    "UnknownAdapterError",
+    "compute_version_id",
+    "load_peft_adapter",
+    "validate_adapter_dir",
+]

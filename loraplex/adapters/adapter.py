@@ -1,0 +1,102 @@
+"""Plain dataclasses for a loaded LoRA adapter and the summary the platform stores.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
+adds to a frozen linear layer ``y = x @ W.T`` the low-rank term
+
+Semantics: ``y += scaling * (x @ A.T) @ B.T`` with ``A [r, in]`` (shrink) and ``B [out, r]`` (expand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRAWeight:
+    """The LoRA factors of one module in one layer.
+
+    - ``a``: ``[r, in_features] fp32`` (lora_A, shrink).
+    - ``b``: ``[out_features, r] fp32`` (lora_B, expand).
+    - ``scaling``: ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA) for this module.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        """The rank r of this module (rows of ``a``)."""
+        return int(self.a.shape[0])
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """Reference LoRA output for ``x [T, in_features]`` -> ``[T, out_features]`` fp32.
+
+        Semantics: ``delta = scaling * (x @ A.T) @ B.T``.
+        """
+        return (x.float() @ self.a.T @ self.b.T) * self.scaling
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A validated PEFT LoRA adapter held in host memory.
+
+    - ``version_id``: sha256 hex of the canonical config and the tensors
+      (see ``loraplex.adapters.identity``); equal content gives an equal id.
+    - ``rank``: the largest rank over all modules (``rank_pattern`` may lower some).
+    - ``alpha``: ``lora_alpha`` of the config (``alpha_pattern`` may override per module;
+      the per-module value is folded into ``LoRAWeight.scaling``).
+    - ``use_rslora``: scaling is ``alpha / sqrt(r)`` instead of ``alpha / r``.
+    - ``target_modules``: module names present, in ``LORA_MODULE_NAMES`` order.
+    - ``weights``: ``(layer_index, module_name) -> LoRAWeight``.
+    - ``size_bytes``: bytes of the tensors as stored in ``adapter_model.safetensors``.
+    - ``warnings``: human-readable warnings (e.g. all-zero lora_B matrices).
+    - ``path``: the folder it was read from (not part of its identity).
+    """
+
+    version_id: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    weights: dict[tuple[int, str], LoRAWeight]
+    size_bytes: int
+    warnings: tuple[str, ...] = ()
+    path: str = ""
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Sorted indices of the layers that have at least one LoRA module."""
+        return tuple(sorted({layer for layer, _ in self.weights}))
+
+    def info(self) -> AdapterInfo:
+        """The tensor-free summary of this adapter."""
+        return AdapterInfo(
+            version_id=self.version_id,
+            rank=self.rank,
+            alpha=self.alpha,
+            use_rslora=self.use_rslora,
+            target_modules=self.target_modules,
+            num_layers_targeted=len(self.layers),
+            size_bytes=self.size_bytes,
+            warnings=self.warnings,
+        )
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the platform records about an uploaded adapter (no tensors).
+
+    Fields as in ``LoRAAdapter``; ``num_layers_targeted`` counts layers with at least one LoRA module.
+    """
+
+    version_id: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    num_layers_targeted: int
+    size_bytes: int
+    warnings: tuple[str, ...] = field(default_factory=tuple)

@@ -1,0 +1,51 @@
+"""Host-memory LRU cache of loaded adapters (the "CPU cache" tier of S-LoRA / vLLM's LoRA manager)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from loraplex.adapters.adapter import LoRAAdapter
+
+
+class AdapterLRUCache:
+    """Up to ``capacity`` ``LoRAAdapter``s keyed by LoRA int id, evicting the least recently used.
+
+    ``get`` and ``put`` mark an entry as most recently used. Raises ``ValueError`` for capacity < 1.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity!r}: must be >= 1")
+        self.capacity = capacity
+        self._entries: OrderedDict[int, LoRAAdapter] = OrderedDict()
+
+    def __contains__(self, int_id: int) -> bool:
+        return int_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, int_id: int) -> LoRAAdapter | None:
+        """The cached adapter (now most recently used), or None if not cached."""
+        adapter = self._entries.get(int_id)
+        if adapter is not None:
+            self._entries.move_to_end(int_id)
+        return adapter
+
+    def put(self, int_id: int, adapter: LoRAAdapter) -> list[int]:
+        """Insert (or refresh) ``int_id``; returns the int ids evicted to stay within capacity, oldest first."""
+        self._entries[int_id] = adapter
+        self._entries.move_to_end(int_id)
+        evicted = []
+        while len(self._entries) > self.capacity:
+            old_id, _ = self._entries.popitem(last=False)
+            evicted.append(old_id)
+        return evicted
+
+    def pop(self, int_id: int) -> None:
+        """Drop ``int_id`` if cached."""
+        self._entries.pop(int_id, None)
+
+    def lru_order(self) -> list[int]:
+        """Cached int ids, least recently used first."""
+        return list(self._entries)

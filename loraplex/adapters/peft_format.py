@@ -1,0 +1,355 @@
+"""Load and validate a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Everything is checked before any tensor is handed out, in this order: the folder,
+pickle files (refused), the config (``peft_config``), ``layers_to_transform`` against
+the model, the safetensors header (names, dtypes, shapes against ``BaseModelSpec``
+and the config's ranks), then the tensor values (finite). A refusal raises an
+``AdapterError`` subclass naming the field / file / tensor and the value; nothing is
+returned partially loaded.
+
+Tensor names (PEFT ``get_peft_model_state_dict``):
+``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A[.{adapter}].weight``
+``[r, in_features]`` and ``...lora_B[.{adapter}].weight`` ``[out_features, r]``; the
+``base_model.model.`` prefix, the ``model.`` prefix and the adapter name are optional.
+Compatibility is decided from these shapes and ``BaseModelSpec``, never from
+``base_model_name_or_path``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight
+from loraplex.adapters.errors import (
+    AdapterFormatError,
+    AdapterIncompatibleError,
+    AdapterUnsupportedError,
+)
+from loraplex.adapters.identity import compute_version_id
+from loraplex.adapters.peft_config import (
+    CONFIG_NAME,
+    ModuleHyperparams,
+    PeftLoraConfig,
+    is_unsupported_target,
+    read_adapter_config,
+)
+from loraplex.adapters.spec import LORA_MODULE_NAMES, MODULE_PARENT, BaseModelSpec
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_NAME = "adapter_model.safetensors"
+_PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_LORA_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight"
+)
+_LAYER_MODULE = re.compile(r"(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)")
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    """One tensor of the file, as named in its header. ``layer``/``module`` are None when unmapped."""
+
+    name: str
+    module_key: str
+    kind: str
+    adapter_name: str | None
+    dtype: str
+    shape: tuple[int, ...]
+    layer: int | None
+    module: str | None
+
+
+@dataclass(frozen=True)
+class _ModulePlan:
+    """A validated (layer, module) pair: which tensors hold its A and B, and its hyperparameters."""
+
+    layer: int
+    module: str
+    a_name: str
+    b_name: str
+    hyper: ModuleHyperparams
+
+
+def load_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> LoRAAdapter:
+    """Validate then load the PEFT LoRA adapter in folder ``path`` for the model ``spec``.
+
+    Returns a ``LoRAAdapter`` whose ``weights`` hold ``a [r, in] fp32``, ``b [out, r] fp32``
+    and the per-module ``scaling`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA).
+
+    Raises ``AdapterFormatError``, ``AdapterIncompatibleError`` or ``AdapterUnsupportedError``
+    (all ``AdapterError``, a ``ValueError``) naming the field and value.
+    """
+    if max_lora_rank < 1:
+        raise ValueError(f"max_lora_rank={max_lora_rank!r}: must be >= 1")
+    folder = _adapter_folder(path)
+    _refuse_pickle(folder)
+    config = read_adapter_config(folder)
+    _check_layers_to_transform(config, spec)
+    with _open_weights(folder) as handle:
+        header = _read_header(handle)
+        plans = _plan_modules(header, config, spec, max_lora_rank)
+        tensors = _read_tensors(handle, header)
+    return _build_adapter(folder, config, plans, tensors)
+
+
+def validate_adapter_dir(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterInfo:
+    """Run every check of ``load_peft_adapter`` and return the summary; no tensors are kept.
+
+    For the platform to call before storing an upload. Raises what ``load_peft_adapter`` raises.
+    """
+    return load_peft_adapter(path, spec, max_lora_rank).info()
+
+
+def _adapter_folder(path: str | os.PathLike[str]) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterFormatError(f"adapter folder '{folder}' does not exist or is not a directory")
+    return folder
+
+
+def _refuse_pickle(folder: Path) -> None:
+    for name in _PICKLE_NAMES:
+        if (folder / name).exists():
+            raise AdapterUnsupportedError(
+                f"{name}: pickle weights are refused; only safetensors is accepted ({SAFETENSORS_NAME})"
+            )
+
+
+def _check_layers_to_transform(config: PeftLoraConfig, spec: BaseModelSpec) -> None:
+    for index in config.layers_to_transform or ():
+        if index >= spec.num_layers:
+            raise AdapterIncompatibleError(
+                f"{CONFIG_NAME}: layers_to_transform={list(config.layers_to_transform or ())!r} has layer index "
+                f"{index}, beyond the base model's num_layers={spec.num_layers}"
+            )
+
+
+@contextmanager
+def _open_weights(folder: Path) -> Iterator[Any]:
+    path = folder / SAFETENSORS_NAME
+    if not path.is_file():
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: missing in adapter folder '{folder}'")
+    try:
+        handle_cm = safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: corrupt or truncated ({exc})") from exc
+    with handle_cm as handle:
+        yield handle
+
+
+def _read_header(handle: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (safetensors dtype string, shape), without reading tensor data."""
+    try:
+        return {
+            name: (handle.get_slice(name).get_dtype(), tuple(handle.get_slice(name).get_shape()))
+            for name in handle.keys()
+        }
+    except SafetensorError as exc:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: corrupt header ({exc})") from exc
+
+
+def _read_tensors(handle: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    try:
+        return {name: handle.get_tensor(name) for name in sorted(header)}
+    except SafetensorError as exc:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: corrupt tensor data ({exc})") from exc
+
+
+def _plan_modules(
+    header: dict[str, tuple[str, tuple[int, ...]]],
+    config: PeftLoraConfig,
+    spec: BaseModelSpec,
+    max_lora_rank: int,
+) -> list[_ModulePlan]:
+    """Check every tensor of the header against the config and the model; one plan per module."""
+    if not header:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: holds no tensors")
+    refs = [_parse_name(name, dtype, shape, spec) for name, (dtype, shape) in sorted(header.items())]
+    _check_adapter_names(refs)
+    _check_mapped(refs, spec)
+    pairs = _pair(refs)
+    order = {name: i for i, name in enumerate(LORA_MODULE_NAMES)}
+    keys = sorted(pairs, key=lambda key: (key[0], order[key[1]]))
+    return [_plan_module(pairs[key]["A"], pairs[key]["B"], config, spec, max_lora_rank) for key in keys]
+
+
+def _parse_name(name: str, dtype: str, shape: tuple[int, ...], spec: BaseModelSpec) -> _TensorRef:
+    if any(is_unsupported_target(part) for part in name.split(".")):
+        raise AdapterUnsupportedError(f"tensor {name!r}: LoRA on embed_tokens/lm_head is not supported")
+    match = _LORA_TENSOR.fullmatch(name)
+    if match is None:
+        raise AdapterFormatError(
+            f"tensor {name!r} is not a LoRA weight (expected '<module>.lora_A.weight' or '<module>.lora_B.weight')"
+        )
+    module_key = match["module"]
+    layer, module = _map_module(module_key, spec)
+    return _TensorRef(
+        name=name,
+        module_key=module_key,
+        kind=match["kind"],
+        adapter_name=match["adapter"],
+        dtype=dtype,
+        shape=shape,
+        layer=layer,
+        module=module,
+    )
+
+
+def _map_module(module_key: str, spec: BaseModelSpec) -> tuple[int | None, str | None]:
+    """(layer index, module name) if ``module_key`` is a LoRA-able projection of the model, else (None, None)."""
+    match = _LAYER_MODULE.fullmatch(module_key)
+    if match is None:
+        return None, None
+    module = match["module"]
+    if module not in spec.module_shapes or MODULE_PARENT[module] != match["parent"]:
+        return None, None
+    return int(match["layer"]), module
+
+
+def _check_adapter_names(refs: list[_TensorRef]) -> None:
+    names = sorted({ref.adapter_name or "" for ref in refs})
+    if len(names) > 1:
+        raise AdapterFormatError(
+            f"{SAFETENSORS_NAME}: tensor names carry several adapter names {names!r} ('' = none); expected one adapter"
+        )
+
+
+def _check_mapped(refs: list[_TensorRef], spec: BaseModelSpec) -> None:
+    unmapped = [ref for ref in refs if ref.layer is None]
+    if len(unmapped) == len(refs):
+        raise AdapterIncompatibleError(
+            f"{SAFETENSORS_NAME}: none of the {len(refs)} LoRA tensors maps to a layer of the base model "
+            f"({spec.architecture}: model.layers.<i>.<self_attn|mlp>.<{'|'.join(spec.module_shapes)}>); "
+            f"first tensor: {refs[0].name!r}"
+        )
+    if unmapped:
+        raise AdapterIncompatibleError(
+            f"tensor {unmapped[0].name!r}: module {unmapped[0].module_key!r} is not one of the base model's "
+            f"LoRA-able modules ({', '.join(spec.module_shapes)})"
+        )
+    for ref in refs:
+        if ref.layer is not None and ref.layer >= spec.num_layers:
+            raise AdapterIncompatibleError(
+                f"tensor {ref.name!r}: layer index {ref.layer} is beyond the base model's num_layers={spec.num_layers}"
+            )
+
+
+def _pair(refs: list[_TensorRef]) -> dict[tuple[int, str], dict[str, _TensorRef]]:
+    """Group tensors by (layer, module); every module must have exactly one A and one B."""
+    pairs: dict[tuple[int, str], dict[str, _TensorRef]] = {}
+    for ref in refs:
+        assert ref.layer is not None and ref.module is not None  # _check_mapped ran
+        slot = pairs.setdefault((ref.layer, ref.module), {})
+        if ref.kind in slot:
+            raise AdapterFormatError(
+                f"tensors {slot[ref.kind].name!r} and {ref.name!r} both hold lora_{ref.kind} "
+                f"of layer {ref.layer} {ref.module}"
+            )
+        slot[ref.kind] = ref
+    for slot in pairs.values():
+        for kind, other in (("A", "B"), ("B", "A")):
+            if kind in slot and other not in slot:
+                raise AdapterFormatError(f"tensor {slot[kind].name!r} (lora_{kind}) has no matching lora_{other}")
+    return pairs
+
+
+def _plan_module(
+    a: _TensorRef, b: _TensorRef, config: PeftLoraConfig, spec: BaseModelSpec, max_lora_rank: int
+) -> _ModulePlan:
+    assert a.layer is not None and a.module is not None  # _check_mapped ran
+    if not config.targets(a.module_key, a.layer):
+        raise AdapterFormatError(
+            f"tensor {a.name!r}: module {a.module_key!r} is not targeted by {CONFIG_NAME} {config.describe_targets()}"
+        )
+    hyper = config.hyperparams(a.module_key)
+    if hyper.rank > max_lora_rank:
+        raise AdapterIncompatibleError(
+            f"{CONFIG_NAME}: {hyper.rank_field}={hyper.rank} exceeds max_lora_rank={max_lora_rank} "
+            f"(module {a.module_key!r})"
+        )
+    in_features, out_features = spec.module_shapes[a.module]
+    _check_tensor(a, (hyper.rank, in_features), rank_dim=0, hyper=hyper, spec=spec)
+    _check_tensor(b, (out_features, hyper.rank), rank_dim=1, hyper=hyper, spec=spec)
+    return _ModulePlan(layer=a.layer, module=a.module, a_name=a.name, b_name=b.name, hyper=hyper)
+
+
+def _check_tensor(
+    ref: _TensorRef, expected: tuple[int, int], *, rank_dim: int, hyper: ModuleHyperparams, spec: BaseModelSpec
+) -> None:
+    """lora_A must be ``[r, in_features]`` (rank_dim 0) and lora_B ``[out_features, r]`` (rank_dim 1), float."""
+    feature_dim = 1 - rank_dim
+    feature_name = "in_features" if feature_dim == 1 else "out_features"
+    if ref.dtype not in _FLOAT_DTYPES:
+        raise AdapterFormatError(
+            f"tensor {ref.name!r}: dtype {ref.dtype} is not a floating-point type ({', '.join(_FLOAT_DTYPES)})"
+        )
+    if len(ref.shape) != 2:
+        raise AdapterFormatError(f"tensor {ref.name!r} has shape {list(ref.shape)}; expected 2-D {list(expected)}")
+    if ref.shape[rank_dim] != hyper.rank:
+        raise AdapterFormatError(
+            f"tensor {ref.name!r} has shape {list(ref.shape)}; expected {list(expected)} "
+            f"(rank {ref.shape[rank_dim]} != {CONFIG_NAME} {hyper.rank_field}={hyper.rank})"
+        )
+    if ref.shape[feature_dim] != expected[feature_dim]:
+        raise AdapterIncompatibleError(
+            f"tensor {ref.name!r} has shape {list(ref.shape)}; expected {list(expected)}: {feature_name}="
+            f"{ref.shape[feature_dim]} but the base model's {ref.module} has {feature_name}={expected[feature_dim]} "
+            f"(hidden_size={spec.hidden_size})"
+        )
+
+
+def _build_adapter(
+    folder: Path, config: PeftLoraConfig, plans: list[_ModulePlan], tensors: dict[str, torch.Tensor]
+) -> LoRAAdapter:
+    _check_finite(tensors)
+    weights = {
+        (plan.layer, plan.module): LoRAWeight(
+            a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(), scaling=plan.hyper.scaling
+        )
+        for plan in plans
+    }
+    warnings = _zero_b_warnings(weights)
+    for message in warnings:
+        logger.warning("adapter '%s': %s", folder, message)
+    present = {module for _, module in weights}
+    return LoRAAdapter(
+        version_id=compute_version_id(config.raw, tensors),
+        rank=max(weight.rank for weight in weights.values()),
+        alpha=config.lora_alpha,
+        use_rslora=config.use_rslora,
+        target_modules=tuple(module for module in LORA_MODULE_NAMES if module in present),
+        weights=weights,
+        size_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        warnings=warnings,
+        path=str(folder),
+    )
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    for name in sorted(tensors):
+        if not bool(torch.isfinite(tensors[name]).all()):
+            raise AdapterFormatError(f"tensor {name!r} contains NaN or Inf values")
+
+
+def _zero_b_warnings(weights: dict[tuple[int, str], LoRAWeight]) -> tuple[str, ...]:
+    zero = [key for key, weight in weights.items() if not bool(weight.b.any())]
+    if not zero:
+        return ()
+    if len(zero) == len(weights):
+        return (f"all {len(weights)} lora_B matrices are zero: the adapter does not change the model (untrained?)",)
+    layer, module = zero[0]
+    return (
+        f"{len(zero)} of {len(weights)} lora_B matrices are zero (first: layer {layer} {module}): "
+        "those modules do not change the model",
+    )

@@ -1,0 +1,311 @@
+"""One test per refusal: the typed error and the message naming the field and value."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from loraplex.adapters import (
+    AdapterError,
+    AdapterFormatError,
+    AdapterIncompatibleError,
+    AdapterUnsupportedError,
+    BaseModelSpec,
+    load_peft_adapter,
+    validate_adapter_dir,
+)
+
+MAX_RANK = 16
+Q0_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q0_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def refused(folder, spec, error, message, max_lora_rank=MAX_RANK):
+    """Both entry points refuse with ``error`` whose message contains ``message`` verbatim."""
+    for load in (load_peft_adapter, validate_adapter_dir):
+        with pytest.raises(error, match=re.escape(message)):
+            load(folder, spec, max_lora_rank)
+
+
+def test_every_refusal_is_a_value_error():
+    for error in (AdapterFormatError, AdapterIncompatibleError, AdapterUnsupportedError):
+        assert issubclass(error, AdapterError) and issubclass(error, ValueError)
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_pickle_weights_refused(adapter_copy, spec):
+    tensors = {"x": torch.zeros(1)}
+    (adapter_copy / "adapter_model.safetensors").unlink()
+    torch.save(tensors, adapter_copy / "adapter_model.bin")
+    refused(
+        adapter_copy,
+        spec,
+        AdapterUnsupportedError,
+        "adapter_model.bin: pickle weights are refused; only safetensors is accepted",
+    )
+
+
+def test_pickle_refused_even_next_to_safetensors(adapter_copy, spec):
+    torch.save({"x": torch.zeros(1)}, adapter_copy / "adapter_model.bin")
+    refused(adapter_copy, spec, AdapterUnsupportedError, "adapter_model.bin: pickle weights are refused")
+
+
+def test_missing_folder_refused(tmp_path, spec):
+    refused(tmp_path / "nope", spec, AdapterFormatError, f"adapter folder '{tmp_path / 'nope'}' does not exist")
+
+
+def test_missing_config_refused(adapter_copy, spec):
+    (adapter_copy / "adapter_config.json").unlink()
+    refused(adapter_copy, spec, AdapterFormatError, "adapter_config.json: missing in adapter folder")
+
+
+def test_invalid_json_config_refused(adapter_copy, spec):
+    (adapter_copy / "adapter_config.json").write_text('{"r": 4,')
+    refused(adapter_copy, spec, AdapterFormatError, "adapter_config.json: not valid JSON")
+
+
+def test_missing_safetensors_refused(adapter_copy, spec):
+    (adapter_copy / "adapter_model.safetensors").unlink()
+    refused(adapter_copy, spec, AdapterFormatError, "adapter_model.safetensors: missing in adapter folder")
+
+
+def test_corrupt_safetensors_refused(adapter_copy, spec):
+    (adapter_copy / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    refused(adapter_copy, spec, AdapterFormatError, "adapter_model.safetensors: corrupt or truncated")
+
+
+def test_truncated_safetensors_refused(adapter_copy, spec):
+    path = adapter_copy / "adapter_model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    refused(adapter_copy, spec, AdapterFormatError, "adapter_model.safetensors: corrupt or truncated")
+
+
+# ---------------------------------------------------------------- config fields
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("use_dora", True, "adapter_config.json: use_dora=True is not supported (DoRA)"),
+        ("modules_to_save", ["lm_head"], "adapter_config.json: modules_to_save=['lm_head'] is not supported"),
+        ("bias", "lora_only", "adapter_config.json: bias='lora_only' is not supported; only 'none'"),
+        ("bias", "all", "adapter_config.json: bias='all' is not supported; only 'none'"),
+        ("peft_type", "IA3", "adapter_config.json: peft_type='IA3' is not supported; only 'LORA'"),
+        ("lora_bias", True, "adapter_config.json: lora_bias=True is not supported"),
+        ("alora_invocation_tokens", [1, 2], "adapter_config.json: alora_invocation_tokens=[1, 2] is not supported"),
+        ("init_lora_weights", "pissa", "adapter_config.json: init_lora_weights='pissa' is not supported"),
+        ("target_modules", ["q_proj", "embed_tokens"], "target_modules contains 'embed_tokens': LoRA on embed_"),
+        ("target_modules", ["lm_head"], "target_modules contains 'lm_head': LoRA on embed_tokens/lm_head is not"),
+        ("target_modules", ".*(q_proj|lm_head)", "target_modules='.*(q_proj|lm_head)' matches 'lm_head'"),
+    ],
+)
+def test_unsupported_config_refused(adapter_copy, spec, edit_config, field, value, message):
+    edit_config(adapter_copy, **{field: value})
+    refused(adapter_copy, spec, AdapterUnsupportedError, message)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("r", 0, "adapter_config.json: r=0 must be an integer >= 1"),
+        ("r", "4", "adapter_config.json: r='4' must be an integer >= 1"),
+        ("lora_alpha", None, "adapter_config.json: lora_alpha is missing"),
+        ("use_rslora", "yes", "adapter_config.json: use_rslora='yes' must be true or false"),
+        ("target_modules", None, "adapter_config.json: target_modules is missing"),
+        ("target_modules", "q_proj(", "adapter_config.json: target_modules='q_proj(' is not a valid regular"),
+        ("rank_pattern", {"v_proj": 0}, "adapter_config.json: rank_pattern['v_proj']=0 must be an integer >= 1"),
+        ("layers_to_transform", ["0"], "adapter_config.json: layers_to_transform=['0'] must be an integer >= 0"),
+    ],
+)
+def test_malformed_config_refused(adapter_copy, spec, edit_config, field, value, message):
+    edit_config(adapter_copy, **{field: value})
+    refused(adapter_copy, spec, AdapterFormatError, message)
+
+
+def test_real_peft_adapter_on_lm_head_refused(peft_adapter, spec):
+    folder, _ = peft_adapter(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
+    refused(folder, spec, AdapterUnsupportedError, "target_modules contains 'lm_head'")
+
+
+# ---------------------------------------------------------------- rank limit
+
+
+def test_rank_above_max_lora_rank_refused(adapter_copy, spec):
+    refused(adapter_copy, spec, AdapterIncompatibleError, "adapter_config.json: r=4 exceeds max_lora_rank=2", 2)
+
+
+def test_rank_pattern_above_max_lora_rank_refused(peft_adapter, spec):
+    folder, _ = peft_adapter(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 12})
+    message = "adapter_config.json: rank_pattern['v_proj']=12 exceeds max_lora_rank=8"
+    refused(folder, spec, AdapterIncompatibleError, message, 8)
+    assert load_peft_adapter(folder, spec, 12).rank == 12
+
+
+# ---------------------------------------------------------------- tensors vs. the base model
+
+
+def test_wrong_hidden_size_refused(adapter_copy, tiny_llama_config):
+    wide = BaseModelSpec.from_hf_config(tiny_llama_config(hidden_size=96))
+    refused(
+        adapter_copy,
+        wide,
+        AdapterIncompatibleError,
+        f"tensor '{Q0_A}' has shape [4, 64]; expected [4, 96]: in_features=64 but the base model's q_proj has "
+        "in_features=96 (hidden_size=96)",
+    )
+
+
+def test_wrong_kv_width_refused(adapter_copy, tiny_llama_config):
+    more_kv = BaseModelSpec.from_hf_config(tiny_llama_config(num_key_value_heads=4))
+    refused(
+        adapter_copy,
+        more_kv,
+        AdapterIncompatibleError,
+        "k_proj.lora_B.weight' has shape [32, 4]; expected [64, 4]: out_features=32 but the base model's k_proj "
+        "has out_features=64",
+    )
+
+
+def test_layer_index_beyond_model_refused(adapter_copy, tiny_llama_config):
+    one_layer = BaseModelSpec.from_hf_config(tiny_llama_config(num_hidden_layers=1))
+    refused(
+        adapter_copy,
+        one_layer,
+        AdapterIncompatibleError,
+        "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight': layer index 1 is beyond the base model's "
+        "num_layers=1",
+    )
+
+
+def test_layers_to_transform_beyond_model_refused(adapter_copy, spec, edit_config):
+    edit_config(adapter_copy, layers_to_transform=[0, 5])
+    refused(
+        adapter_copy,
+        spec,
+        AdapterIncompatibleError,
+        "adapter_config.json: layers_to_transform=[0, 5] has layer index 5, beyond the base model's num_layers=2",
+    )
+
+
+def test_no_tensor_maps_to_the_model_refused(adapter_copy, spec, edit_tensors):
+    edit_tensors(adapter_copy, lambda t: {k.replace("model.layers", "vision_tower.blocks"): v for k, v in t.items()})
+    refused(
+        adapter_copy,
+        spec,
+        AdapterIncompatibleError,
+        "adapter_model.safetensors: none of the 28 LoRA tensors maps to a layer of the base model (LlamaForCausalLM",
+    )
+
+
+def test_unknown_module_refused(adapter_copy, spec, edit_tensors):
+    def add_fc1(tensors):
+        tensors["base_model.model.model.layers.0.mlp.fc1.lora_A.weight"] = torch.ones(4, 64)
+        tensors["base_model.model.model.layers.0.mlp.fc1.lora_B.weight"] = torch.ones(64, 4)
+        return tensors
+
+    edit_tensors(adapter_copy, add_fc1)
+    refused(
+        adapter_copy,
+        spec,
+        AdapterIncompatibleError,
+        "tensor 'base_model.model.model.layers.0.mlp.fc1.lora_A.weight': module 'model.layers.0.mlp.fc1' is not one "
+        "of the base model's LoRA-able modules",
+    )
+
+
+def test_module_missing_from_spec_refused(adapter_copy, spec):
+    no_mlp = BaseModelSpec(
+        num_layers=2,
+        hidden_size=64,
+        module_shapes={m: spec.module_shapes[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        architecture="AttentionOnlyLoRA",
+    )
+    refused(adapter_copy, no_mlp, AdapterIncompatibleError, "module 'model.layers.0.mlp.down_proj' is not one of")
+
+
+def test_lora_tensor_on_lm_head_refused(adapter_copy, spec, edit_tensors):
+    def add_head(tensors):
+        tensors["base_model.model.lm_head.lora_A.weight"] = torch.ones(4, 64)
+        tensors["base_model.model.lm_head.lora_B.weight"] = torch.ones(256, 4)
+        return tensors
+
+    edit_tensors(adapter_copy, add_head)
+    refused(
+        adapter_copy,
+        spec,
+        AdapterUnsupportedError,
+        "tensor 'base_model.model.lm_head.lora_A.weight': LoRA on embed_tokens/lm_head is not supported",
+    )
+
+
+# ---------------------------------------------------------------- tensors vs. the config / each other
+
+
+def test_a_without_b_refused(adapter_copy, spec, edit_tensors):
+    edit_tensors(adapter_copy, lambda t: {k: v for k, v in t.items() if k != Q0_B})
+    refused(adapter_copy, spec, AdapterFormatError, f"tensor '{Q0_A}' (lora_A) has no matching lora_B")
+
+
+def test_b_without_a_refused(adapter_copy, spec, edit_tensors):
+    edit_tensors(adapter_copy, lambda t: {k: v for k, v in t.items() if k != Q0_A})
+    refused(adapter_copy, spec, AdapterFormatError, f"tensor '{Q0_B}' (lora_B) has no matching lora_A")
+
+
+def test_rank_disagreeing_with_config_refused(adapter_copy, spec, edit_config):
+    edit_config(adapter_copy, r=8)
+    refused(
+        adapter_copy,
+        spec,
+        AdapterFormatError,
+        f"tensor '{Q0_A}' has shape [4, 64]; expected [8, 64] (rank 4 != adapter_config.json r=8)",
+    )
+
+
+def test_tensor_not_targeted_by_config_refused(adapter_copy, spec, edit_config):
+    edit_config(adapter_copy, target_modules=["q_proj", "v_proj"])
+    refused(
+        adapter_copy,
+        spec,
+        AdapterFormatError,
+        "module 'model.layers.0.self_attn.k_proj' is not targeted by adapter_config.json "
+        "target_modules=['q_proj', 'v_proj']",
+    )
+
+
+def test_non_lora_tensor_refused(adapter_copy, spec, edit_tensors):
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    edit_tensors(adapter_copy, lambda t: {**t, name: torch.ones(64)})
+    refused(adapter_copy, spec, AdapterFormatError, f"tensor '{name}' is not a LoRA weight")
+
+
+def test_integer_tensor_refused(adapter_copy, spec, edit_tensors):
+    edit_tensors(adapter_copy, lambda t: {**t, Q0_A: torch.ones(4, 64, dtype=torch.int32)})
+    refused(adapter_copy, spec, AdapterFormatError, f"tensor '{Q0_A}': dtype I32 is not a floating-point type")
+
+
+def test_nan_weight_refused(adapter_copy, spec, edit_tensors):
+    def poison(tensors):
+        tensors[Q0_B] = tensors[Q0_B].clone()
+        tensors[Q0_B][3, 1] = float("nan")
+        return tensors
+
+    edit_tensors(adapter_copy, poison)
+    refused(adapter_copy, spec, AdapterFormatError, f"tensor '{Q0_B}' contains NaN or Inf values")
+
+
+def test_two_adapter_names_refused(adapter_copy, spec, edit_tensors):
+    edit_tensors(
+        adapter_copy,
+        lambda t: {(k.replace(".weight", ".other.weight") if "layers.1" in k else k): v for k, v in t.items()},
+    )
+    refused(adapter_copy, spec, AdapterFormatError, "tensor names carry several adapter names ['', 'other']")
+
+
+def test_duplicate_module_refused(adapter_copy, spec, edit_tensors):
+    short = Q0_A.removeprefix("base_model.model.")
+    edit_tensors(adapter_copy, lambda t: {**t, short: t[Q0_A].clone()})
+    refused(adapter_copy, spec, AdapterFormatError, "both hold lora_A of layer 0 q_proj")

@@ -1,0 +1,302 @@
+"""LoRASlotPool on CPU with toy shapes: exact slot ids, LRU order, pins, and slot contents."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.adapters import (
+    AdapterChangedError,
+    AdapterConflictError,
+    AdapterFormatError,
+    AdapterIncompatibleError,
+    BaseModelSpec,
+    LoRASlotPool,
+    NoFreeSlotError,
+    SlotInfo,
+    SlotPoolError,
+    UnknownAdapterError,
+)
+from loraplex.engine.lora_request import LoRARequest
+
+SPEC = BaseModelSpec(
+    num_layers=2,
+    hidden_size=16,
+    module_shapes={"q_proj": (16, 16), "v_proj": (16, 8), "down_proj": (24, 16)},
+    architecture="Toy",
+)
+MAX_RANK = 8
+
+# name -> (rank, lora_alpha, targeted (layer, module) pairs)
+ADAPTERS = {
+    "a1": (2, 4.0, [(0, "q_proj"), (1, "q_proj"), (0, "v_proj")]),
+    "a2": (8, 8.0, [(0, "q_proj"), (0, "v_proj"), (0, "down_proj"), (1, "q_proj"), (1, "v_proj"), (1, "down_proj")]),
+    "a3": (4, 2.0, [(1, "down_proj")]),
+    "a4": (1, 3.0, [(0, "down_proj"), (1, "v_proj")]),
+    "a5": (6, 12.0, [(0, "v_proj"), (1, "q_proj")]),
+}
+
+
+@pytest.fixture
+def adapters(tmp_path, write_adapter):
+    """name -> (LoRARequest, reference {(layer, module): (A fp32, B fp32, scaling)}) for ADAPTERS."""
+    made = {}
+    for index, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items(), start=1):
+        generator = torch.Generator().manual_seed(index)
+        reference = {}
+        for layer, module in targets:
+            in_features, out_features = SPEC.module_shapes[module]
+            a = torch.randn(rank, in_features, generator=generator)
+            b = torch.randn(out_features, rank, generator=generator)
+            reference[(layer, module)] = (a, b, alpha / rank)
+        write_adapter(tmp_path / name, {k: (a, b) for k, (a, b, _) in reference.items()}, r=rank, lora_alpha=alpha)
+        made[name] = (LoRARequest(name, index, str(tmp_path / name)), reference)
+    return made
+
+
+def make_pool(adapters, *, max_loras=3, max_cpu_loras=5, dtype=torch.float32, register=("a1", "a2", "a3", "a4", "a5")):
+    pool = LoRASlotPool(SPEC, max_loras, MAX_RANK, max_cpu_loras, dtype, "cpu")
+    for name in register:
+        assert pool.add_lora(adapters[name][0]) is True
+    return pool
+
+
+def iid(adapters, name):
+    return adapters[name][0].lora_int_id
+
+
+def assert_slot_holds(pool, slot, reference):
+    """Slot ``slot`` equals the adapter's weights zero-padded to max_lora_rank, and zero elsewhere."""
+    for layer in range(SPEC.num_layers):
+        for module, (in_features, out_features) in SPEC.module_shapes.items():
+            expected_a = torch.zeros(MAX_RANK, in_features)
+            expected_b = torch.zeros(out_features, MAX_RANK)
+            expected_scaling = 0.0
+            if (layer, module) in reference:
+                a, b, expected_scaling = reference[(layer, module)]
+                expected_a[: a.shape[0]] = a
+                expected_b[:, : b.shape[1]] = b
+            assert torch.equal(pool.a[layer][module][slot], expected_a.to(pool.dtype)), (slot, layer, module)
+            assert torch.equal(pool.b[layer][module][slot], expected_b.to(pool.dtype)), (slot, layer, module)
+            assert pool.scaling[layer][module][slot].item() == pytest.approx(expected_scaling, rel=1e-7)
+
+
+def slot_names(pool):
+    return [(s.lora_name, s.pin_count) for s in pool.stats().slots]
+
+
+def test_slot_tensor_shapes_and_dtypes(adapters):
+    pool = make_pool(adapters, max_loras=3, dtype=torch.bfloat16, register=())
+    for layer in range(2):
+        assert pool.a[layer]["v_proj"].shape == (3, MAX_RANK, 16) and pool.a[layer]["v_proj"].dtype == torch.bfloat16
+        assert pool.b[layer]["v_proj"].shape == (3, 8, MAX_RANK) and pool.b[layer]["down_proj"].shape == (3, 16, 8)
+        assert pool.a[layer]["down_proj"].shape == (3, MAX_RANK, 24)
+        assert pool.scaling[layer]["q_proj"].shape == (3,) and pool.scaling[layer]["q_proj"].dtype == torch.float32
+    per_slot = 2 * (MAX_RANK * (16 + 16) + MAX_RANK * (16 + 8) + MAX_RANK * (24 + 16))
+    assert pool.stats().slot_memory_bytes == 3 * (per_slot * 2 + 2 * 3 * 4)
+
+
+def test_pin_takes_lowest_free_slot_and_reuses_resident(adapters):
+    pool = make_pool(adapters)
+    assert pool.pin(iid(adapters, "a2")) == 0
+    assert pool.pin(iid(adapters, "a1")) == 1
+    assert pool.pin(iid(adapters, "a2")) == 0
+    assert pool.pin(iid(adapters, "a3")) == 2
+    stats = pool.stats()
+    assert stats.slots == [
+        SlotInfo(0, "a2", 2, pool.version_id(2), 2),
+        SlotInfo(1, "a1", 1, pool.version_id(1), 1),
+        SlotInfo(2, "a3", 3, pool.version_id(3), 1),
+    ]
+    assert (stats.slot_loads, stats.slot_evictions, stats.disk_loads) == (3, 0, 5)
+    for name, slot in (("a2", 0), ("a1", 1), ("a3", 2)):
+        assert_slot_holds(pool, slot, adapters[name][1])
+
+
+def test_lru_eviction_picks_least_recently_used_unpinned_slot(adapters):
+    pool = make_pool(adapters)
+    for name in ("a1", "a2", "a3"):
+        pool.pin(iid(adapters, name))
+    pool.unpin(iid(adapters, "a2"))  # a2 released first ...
+    pool.unpin(iid(adapters, "a1"))  # ... then a1; a3 stays pinned
+    assert pool.pin(iid(adapters, "a4")) == 1  # evicts a2 (least recently used unpinned)
+    assert pool.pin(iid(adapters, "a5")) == 0  # evicts a1
+    assert slot_names(pool) == [("a5", 1), ("a4", 1), ("a3", 1)]
+    assert pool.stats().slot_evictions == 2
+    pool.unpin(iid(adapters, "a5"))
+    pool.unpin(iid(adapters, "a3"))
+    pool.pin(iid(adapters, "a5"))  # touching a resident slot makes it most recent again
+    pool.unpin(iid(adapters, "a5"))
+    assert pool.pin(iid(adapters, "a1")) == 2  # a3 (slot 2) is now the oldest unpinned
+    assert_slot_holds(pool, 2, adapters["a1"][1])
+
+
+def test_no_free_slot_when_all_pinned(adapters):
+    pool = make_pool(adapters, max_loras=2)
+    pool.pin(iid(adapters, "a1"))
+    pool.pin(iid(adapters, "a2"))
+    before = pool.stats()
+    assert pool.can_pin(iid(adapters, "a3")) is False
+    assert pool.can_pin(iid(adapters, "a1")) is True
+    with pytest.raises(
+        NoFreeSlotError,
+        match=r"all max_loras=2 adapter slots are pinned \(lora_int_ids \[1, 2\]\); "
+        r"adapter 'a3' \(lora_int_id=3\) must wait",
+    ):
+        pool.pin(iid(adapters, "a3"))
+    assert pool.stats() == before
+    assert pool.pin(iid(adapters, "a1")) == 0  # already resident: still fine
+    pool.unpin(iid(adapters, "a2"))
+    assert pool.can_pin(iid(adapters, "a3")) is True
+    assert pool.pin(iid(adapters, "a3")) == 1
+    assert_slot_holds(pool, 1, adapters["a3"][1])
+
+
+def test_remove_while_pinned_is_deferred_until_last_unpin(adapters):
+    pool = make_pool(adapters)
+    a1 = iid(adapters, "a1")
+    assert pool.pin(a1) == 0 and pool.pin(a1) == 0
+    version = pool.version_id(a1)
+    assert pool.remove_lora(a1) is True
+    assert pool.remove_lora(a1) is False  # already being removed
+    assert [r.lora_name for r in pool.list_loras()] == ["a2", "a3", "a4", "a5"]
+    assert pool.stats().pending_removal == ["a1"]
+    with pytest.raises(UnknownAdapterError, match="lora_int_id=1 is being removed"):
+        pool.pin(a1)
+    with pytest.raises(AdapterConflictError, match="lora_int_id=1 is being removed"):
+        pool.add_lora(adapters["a1"][0])
+    assert pool.version_id(a1) == version  # running requests keep their prefix-cache key
+    assert_slot_holds(pool, 0, adapters["a1"][1])  # running requests still see their weights
+    pool.unpin(a1)
+    assert_slot_holds(pool, 0, adapters["a1"][1])
+    pool.unpin(a1)  # last pin: removal completes
+    stats = pool.stats()
+    assert stats.slots[0] == SlotInfo(0, None, None, None, 0)
+    assert stats.pending_removal == [] and "a1" not in stats.cpu_cache_lru
+    assert all(pool.scaling[layer][module][0].item() == 0.0 for layer in range(2) for module in SPEC.module_shapes)
+    with pytest.raises(UnknownAdapterError, match="lora_int_id=1 is not registered"):
+        pool.version_id(a1)
+    assert pool.add_lora(adapters["a1"][0]) is True  # the id can be registered again
+
+
+def test_remove_unpinned_is_immediate(adapters):
+    pool = make_pool(adapters)
+    a2 = iid(adapters, "a2")
+    assert pool.pin(a2) == 0
+    pool.unpin(a2)
+    assert pool.remove_lora(a2) is True
+    assert pool.stats().slots[0].lora_name is None
+    assert pool.remove_lora(a2) is False
+    assert pool.remove_lora(99) is False
+    assert pool.pin(iid(adapters, "a3")) == 0
+
+
+def test_cpu_cache_lru_order_and_reload_from_disk(adapters):
+    pool = make_pool(adapters, max_cpu_loras=2, register=("a1", "a2", "a3"))
+    stats = pool.stats()
+    assert stats.cpu_cache_lru == ["a2", "a3"]
+    assert (stats.disk_loads, stats.cpu_evictions) == (3, 1)
+    assert pool.pin(iid(adapters, "a2")) == 0  # from the cache: no disk read, a2 becomes most recent
+    assert pool.stats().cpu_cache_lru == ["a3", "a2"]
+    assert pool.stats().disk_loads == 3
+    assert pool.pin(iid(adapters, "a1")) == 1  # evicted from the cache: re-read from disk
+    stats = pool.stats()
+    assert stats.cpu_cache_lru == ["a2", "a1"]
+    assert (stats.disk_loads, stats.cpu_evictions) == (4, 2)
+    assert_slot_holds(pool, 1, adapters["a1"][1])
+
+
+def test_reload_refuses_changed_or_vanished_files(adapters, write_adapter):
+    pool = make_pool(adapters, max_cpu_loras=1, register=("a1", "a2"))
+    request = adapters["a1"][0]
+    rank, alpha, _ = ADAPTERS["a1"]
+    changed = {k: (a, b * 2) for k, (a, b, _) in adapters["a1"][1].items()}
+    write_adapter(Path(request.lora_path), changed, r=rank, lora_alpha=alpha)
+    before = pool.stats()
+    with pytest.raises(AdapterChangedError, match="adapter 'a1' at lora_path=.* changed on disk: version_id"):
+        pool.pin(request.lora_int_id)
+    shutil.rmtree(request.lora_path)
+    with pytest.raises(AdapterFormatError, match="does not exist"):
+        pool.pin(request.lora_int_id)
+    after = pool.stats()
+    assert after.slots == before.slots and after.slot_loads == before.slot_loads == 0
+
+
+def test_slot_contents_after_churn(adapters):
+    """Random pins / unpins / removals on 3 slots; every resident slot always holds exactly its adapter."""
+    pool = make_pool(adapters, max_loras=3, max_cpu_loras=2, dtype=torch.bfloat16)
+    rng = random.Random(0)
+    pins = {iid(adapters, name): 0 for name in ADAPTERS}
+    by_id = {req.lora_int_id: (name, ref) for name, (req, ref) in adapters.items()}
+    for _ in range(60):
+        int_id = rng.choice(list(pins))
+        action = rng.random()
+        if action < 0.55:
+            try:
+                pool.pin(int_id)
+                pins[int_id] += 1
+            except NoFreeSlotError:
+                assert sum(1 for count in pins.values() if count > 0) == 3 and pins[int_id] == 0
+        elif pins[int_id] > 0:
+            pool.unpin(int_id)
+            pins[int_id] -= 1
+        elif action > 0.95:
+            pool.remove_lora(int_id)
+            pool.add_lora(adapters[by_id[int_id][0]][0])
+        for info in pool.stats().slots:
+            if info.lora_int_id is not None:
+                assert info.pin_count == pins[info.lora_int_id]
+                assert_slot_holds(pool, info.slot, by_id[info.lora_int_id][1])
+    stats = pool.stats()
+    assert stats.slot_evictions > 3 and stats.disk_loads > 5  # the churn really evicted and reloaded
+
+
+def test_add_lora_idempotent_and_conflicts(adapters, tmp_path):
+    pool = make_pool(adapters, register=("a1",))
+    request = adapters["a1"][0]
+    assert pool.add_lora(request) is False
+    with pytest.raises(
+        AdapterConflictError,
+        match=r"LoRARequest.lora_path='/elsewhere': lora_int_id=1 is already "
+        r"registered with lora_path=",
+    ):
+        pool.add_lora(LoRARequest("a1", 1, "/elsewhere"))
+    with pytest.raises(AdapterConflictError, match="LoRARequest.lora_name='renamed': lora_int_id=1 is already"):
+        pool.add_lora(LoRARequest("renamed", 1, request.lora_path))
+    # The same name under a new id is a new version of that adapter: both stay registered.
+    assert pool.add_lora(LoRARequest("a1", 7, adapters["a2"][0].lora_path)) is True
+    assert [r.lora_int_id for r in pool.list_loras()] == [1, 7]
+    assert pool.version_id(1) != pool.version_id(7)
+
+
+def test_refused_adapter_leaves_pool_unchanged(adapters, tmp_path, write_adapter):
+    pool = make_pool(adapters, register=("a1", "a2"))
+    big = {(0, "q_proj"): (torch.randn(16, 16), torch.randn(16, 16))}
+    write_adapter(tmp_path / "big", big, r=16, lora_alpha=16)
+    before = pool.stats()
+    with pytest.raises(AdapterIncompatibleError, match="adapter_config.json: r=16 exceeds max_lora_rank=8"):
+        pool.add_lora(LoRARequest("big", 9, str(tmp_path / "big")))
+    assert pool.stats() == before
+    with pytest.raises(UnknownAdapterError):
+        pool.pin(9)
+
+
+def test_protocol_errors(adapters):
+    pool = make_pool(adapters, register=("a1",))
+    with pytest.raises(SlotPoolError, match=r"unpin\(lora_int_id=1\): the adapter is not pinned"):
+        pool.unpin(1)
+    with pytest.raises(UnknownAdapterError, match="lora_int_id=42 is not registered"):
+        pool.pin(42)
+    for kwargs, message in (
+        (dict(max_loras=0), "LoRASlotPool.max_loras=0: must be an integer >= 1"),
+        (dict(max_lora_rank=0), "LoRASlotPool.max_lora_rank=0: must be an integer >= 1"),
+        (dict(max_cpu_loras=0), "LoRASlotPool.max_cpu_loras=0: must be an integer >= 1"),
+        (dict(dtype=torch.int8), "LoRASlotPool.dtype=torch.int8: must be one of"),
+    ):
+        args = dict(max_loras=2, max_lora_rank=4, max_cpu_loras=2, dtype=torch.float16, device="cpu") | kwargs
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            LoRASlotPool(SPEC, **args)
