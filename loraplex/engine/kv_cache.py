@@ -46,10 +46,11 @@ class KVCacheSizing:
 
 def size_kv_cache(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, block_size: int,
                   max_model_len: int, max_num_seqs: int, num_kv_blocks: int | None,
-                  kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> KVCacheSizing:
+                  kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
+                  activation_bytes: int = 0) -> KVCacheSizing:
     """Number of KV blocks: explicit count, explicit bytes, or what is left of
     ``gpu_memory_utilization`` x device memory after weights and activations
-    (CUDA), or enough for ``max_num_seqs`` full sequences capped at 2 GiB (CPU).
+    and ``activation_bytes`` (CUDA), or enough for ``max_num_seqs`` full sequences capped at 2 GiB (CPU).
 
     Raises:
         KVCacheTooSmallError: one ``max_model_len`` sequence does not fit; the
@@ -62,7 +63,7 @@ def size_kv_cache(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, 
     elif kv_cache_memory_bytes is not None:
         blocks = kv_cache_memory_bytes // per_block
     elif device.type == "cuda":
-        blocks = _free_cuda_bytes(device, gpu_memory_utilization) // per_block
+        blocks = max(0, _free_cuda_bytes(device, gpu_memory_utilization) - activation_bytes) // per_block
     else:
         blocks = min(max_num_seqs * max_model_len * per_token, _CPU_DEFAULT_CAP_BYTES) // per_block
     sizing = KVCacheSizing(int(blocks), block_size, per_token, max_model_len)

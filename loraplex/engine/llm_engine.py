@@ -126,6 +126,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
                                   slot_of=self.pins.slot_of if self.pins else None)
         self.runner.eos_token_ids = self.eos_token_ids
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_cuda_graphs(self.max_model_len, config.max_num_seqs,
+                                           config.max_loras if self.lora_pool else 0)
         self.groups: dict[str, RequestGroup] = {}
         self._next_seq_id = 0
         self._throughput = _Throughput()
@@ -151,13 +154,22 @@ class LLMEngine:
         sizing = size_kv_cache(self.spec, self.dtype, self.device, block_size=c.block_size,
                                max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
                                num_kv_blocks=c.num_kv_blocks, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-                               gpu_memory_utilization=c.gpu_memory_utilization)
+                               gpu_memory_utilization=c.gpu_memory_utilization,
+                               activation_bytes=self._activation_bytes())
         num_swap = c.swap_space_bytes // (sizing.bytes_per_token * c.block_size)
         self.kv_sizing = sizing
         self.kv_cache = KVCache(self.spec, sizing, self.dtype, self.device, num_swap)
         self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
                                                    self.max_model_len), self.kv_manager, self.pins)
+
+    def _activation_bytes(self) -> int:
+        """Upper estimate of one step's activation memory (kept out of the KV cache),
+        plus a margin for CUDA graphs and the sampler."""
+        s, elem = self.spec, torch.empty((), dtype=self.dtype).element_size()
+        per_token = (3 * s.intermediate_size + 6 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim)
+        logits = self.config.max_num_seqs * s.vocab_size * 4 * 4
+        return 2 * self.config.max_num_batched_tokens * per_token * elem + logits + (1 << 30)
 
     # -- adapters ---------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:

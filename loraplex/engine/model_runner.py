@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.cuda_graphs import CudaGraphRunner
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
@@ -67,6 +68,13 @@ class ModelRunner:
         self.slot_of = slot_of
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = set(model.spec.eos_token_ids)
+        self.graphs: CudaGraphRunner | None = None
+
+    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int) -> None:
+        """Capture decode graphs (CUDA only); decode-only steps then replay them."""
+        self.graphs = CudaGraphRunner(self.model, self.kv_cache.layers, self.block_size, max_model_len,
+                                      max_num_seqs, num_lora_slots, self.device)
+        self.graphs.capture()
 
     # -- inputs -----------------------------------------------------------
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
@@ -116,13 +124,35 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         self.kv_cache.apply(batch.block_copies)
+        if self._graph_fits(batch):
+            hidden = self._run_graph(batch)
+            sample_index = list(range(len(batch.seqs)))
+            return StepResult(self._sample(batch, sample_index, hidden), [None] * len(batch.seqs))
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
-        samples = self._sample(batch, inputs, hidden)
-        prompt_lps = self._prompt_logprobs(batch, inputs, hidden)
+        samples = self._sample(batch, inputs.sample_token_index, hidden)
+        prompt_lps = self._prompt_logprobs(batch, hidden)
         return StepResult(samples, prompt_lps)
 
-    def _sample(self, batch: ScheduledBatch, inputs: StepInputs, hidden: torch.Tensor) -> list[list[SampledToken]]:
+    def _graph_fits(self, batch: ScheduledBatch) -> bool:
+        return (self.graphs is not None and len(batch.seqs) <= self.graphs.max_batch_size
+                and all(s.num_new_tokens == 1 and not s.prompt_logprobs for s in batch.seqs))
+
+    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        bs = self.block_size
+        token_ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        for item in batch.seqs:
+            pos = item.start_position
+            token_ids.append(item.seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(item.seq.block_ids[pos // bs] * bs + pos % bs)
+            seq_lens.append(pos + 1)
+            tables.append(item.seq.block_ids)
+        lora_slots = [self._lora_slot(item) for item in batch.seqs]
+        return self.graphs.run(token_ids, positions, slots, seq_lens, tables, lora_slots)
+
+    def _sample(self, batch: ScheduledBatch, sample_token_index: list[int],
+                hidden: torch.Tensor) -> list[list[SampledToken]]:
         rows: list[SamplingRow] = []
         row_index: list[int] = []
         owner: list[int] = []
@@ -132,7 +162,7 @@ class ModelRunner:
                 rows.append(SamplingRow(params=item.seq.group.params, prompt_token_ids=item.seq.group.prompt_token_ids,
                                         output_token_ids=item.seq.output_token_ids, generator=seq.generator,
                                         eos_token_ids=self.eos_token_ids))
-                row_index.append(inputs.sample_token_index[i])
+                row_index.append(sample_token_index[i])
                 owner.append(i)
         result: list[list[SampledToken]] = [[] for _ in batch.seqs]
         if not rows:
@@ -143,7 +173,7 @@ class ModelRunner:
             result[i].append(SampledToken(out.token_ids[r], out.sampled_logprobs[r], out.logprobs[r]))
         return result
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, inputs: StepInputs, hidden: torch.Tensor):
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor):
         result: list[list[TopLogprobs] | None] = []
         offset = 0
         for item in batch.seqs:

@@ -1,0 +1,110 @@
+"""Shared pieces of the GPU benchmarks: model folders with real configs and
+random weights, random PEFT adapters, timing helpers, result tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA2_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=4096,
+                 intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                 max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                 bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+LLAMA3_8B = dict(LLAMA2_7B, vocab_size=128256, intermediate_size=14336, num_key_value_heads=8,
+                 max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def out_dir() -> Path:
+    path = Path(os.environ.get("OUT", "/tmp/loraplex-bench"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def make_model_dir(path: Path, config: dict) -> Path:
+    """A folder with ``config.json`` and a word-level tokenizer covering the whole
+    vocabulary ("t0".."tN"), for engines started with random (dummy) weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=f"t{config['eos_token_id']}")
+    fast.save_pretrained(str(path))
+    return path
+
+
+def make_random_adapter(path: Path, config: dict, rank: int, seed: int, targets=ALL_TARGETS,
+                        dtype=torch.bfloat16) -> Path:
+    """A PEFT-format LoRA adapter with random A and B for every layer and target."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    d = h // config["num_attention_heads"]
+    shapes = {"q_proj": (h, config["num_attention_heads"] * d), "k_proj": (h, config["num_key_value_heads"] * d),
+              "v_proj": (h, config["num_key_value_heads"] * d), "o_proj": (h, h), "gate_proj": (h, inter),
+              "up_proj": (h, inter), "down_proj": (inter, h)}
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for m in targets:
+            part = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            fin, fout = shapes[m]
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fin, generator=gen) / fin ** 0.5).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fout, rank, generator=gen) * 0.01).to(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "dummy"}))
+    return path
+
+
+def cuda_time(fn, warmup: int = 1, repeat: int = 3) -> float:
+    """Median wall seconds of ``fn()`` with the device synchronized around it."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), warmup=3, repeat=10)
+    return 2 * num_bytes / t
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = [f"### {title}", "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |" for r in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
