@@ -7,6 +7,7 @@ runs (that is the scheduler) or *what it means* (that is the engine).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, top_log
 from loraplex.engine.scheduler import ScheduledBatch, ScheduledSeq
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,14 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int) -> None:
         """Capture decode graphs (CUDA only); decode-only steps then replay them."""
-        self.graphs = CudaGraphRunner(self.model, self.kv_cache.layers, self.block_size, max_model_len,
-                                      max_num_seqs, num_lora_slots, self.device)
-        self.graphs.capture()
+        graphs = CudaGraphRunner(self.model, self.kv_cache.layers, self.block_size, max_model_len,
+                                 max_num_seqs, num_lora_slots, self.device)
+        try:
+            graphs.capture()
+        except RuntimeError as exc:  # keep serving, eagerly, and say so
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
+            return
+        self.graphs = graphs
 
     # -- inputs -----------------------------------------------------------
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
