@@ -102,7 +102,7 @@ def _compare(path: Path, prompts: list[list[int]], num_tokens: int, dtype: str) 
 # -- throughput ---------------------------------------------------------------
 def run_engine(llm: LLM, prompts: list[list[int]], output_len: int, loras=None) -> dict:
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
     loras = loras or [None] * len(prompts)
     for i, (p, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params, lora)

@@ -55,12 +55,12 @@ def default_cache_dir() -> Path:
 def demo_model_dir(name: str, cache_dir: Path | None = None) -> Path:
     """Folder where the demo model ``name`` is (or will be) prepared.
 
-    Accepts the CLI aliases of ``DEMO_MODEL_ALIASES``. Raises ``KeyError``
+    Accepts the CLI aliases of ``DEMO_MODEL_ALIASES``. Raises ``ValueError``
     naming ``name`` when it is no demo model.
     """
     canonical = canonical_demo_name(name)
     if canonical is None:
-        raise KeyError(f"demo model name={name!r}: known demo models are {sorted(DEMO_MODELS)}")
+        raise ValueError(f"demo model name={name!r}: known demo models are {sorted(DEMO_MODELS)}")
     return Path(cache_dir or default_cache_dir()) / "models" / canonical
 
 
@@ -98,7 +98,7 @@ def prepare_smollm2(cache_dir: Path, force: bool = False, progress: Progress = p
     Writes into a temporary folder next to the target and renames it into
     place, so an interrupted run never leaves a half-written model. A second
     call finds the folder and returns at once, unless ``force``.
-    Takes ~25 s and ~2 GB RAM on 2 CPU cores.
+    Takes ~25 s and ~1 GB RAM on 2 CPU cores.
 
     Args:
         cache_dir: cache root; the model lands in ``<cache_dir>/models/smollm2-135m-instruct``.
@@ -119,9 +119,9 @@ def prepare_smollm2(cache_dir: Path, force: bool = False, progress: Progress = p
     gguf_path = find_smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the finished model is an ordinary folder
     try:
         _write_smollm2_folder(gguf_path, tmp, progress)
+        _make_readable(tmp)
         _move_into_place(tmp, target, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -344,6 +344,13 @@ def _save_llama(config, state: dict[str, torch.Tensor], out: Path) -> None:
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(out)
+
+
+def _make_readable(folder: Path) -> None:
+    """``mkdtemp`` and some writers create private (0700 / 0600) entries; make the model an ordinary folder."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
 
 
 def _move_into_place(tmp: Path, target: Path, force: bool) -> None:

@@ -232,8 +232,13 @@ class SequenceTextState:
         params: SamplingParams,
         eos_token_ids: set[int],
         max_tokens: int | None = None,
+        defer_text: bool = False,
     ):
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        # Without stop strings nothing depends on the text before the end: a
+        # final-only request decodes once, when it finishes.
+        self._defer = defer_text and not params.stop
+        self._pending: list[int] = []
         self._checker = StopChecker(
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
@@ -246,6 +251,15 @@ class SequenceTextState:
         self._num_output_tokens = 0
         self._num_taken_chars = 0
         self._decision: StopDecision | None = None
+
+    def _update_deferred(self, token_id: int, token_stop: StopDecision | None, length_stop: bool) -> None:
+        if token_stop is None:
+            self._pending.append(token_id)
+        if token_stop is None and not length_stop:
+            return
+        self._text += self._detokenizer.append(self._pending) + self._detokenizer.flush()
+        self._pending = []
+        self._decision = token_stop or StopDecision("length", None)
 
     @property
     def text(self) -> str:
@@ -294,6 +308,9 @@ class SequenceTextState:
         count = self._num_output_tokens
         token_stop = self._checker.check_token(token_id, count)
         length_stop = token_stop is None and self._checker.reached_length(count)
+        if self._defer:
+            self._update_deferred(token_id, token_stop, length_stop)
+            return
         new_text = "" if token_stop is not None else self._detokenizer.append([token_id])
         if token_stop is not None or length_stop:
             new_text += self._detokenizer.flush()

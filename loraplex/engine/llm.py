@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -79,7 +80,7 @@ class LLM:
         self._counter += 1
         rid = f"offline-{self._counter}"
         value = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-        self.engine.add_request(rid, value, params, lora)
+        self.engine.add_request(rid, value, dataclasses.replace(params, output_kind="final_only"), lora)
         return rid
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

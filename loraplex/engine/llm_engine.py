@@ -246,7 +246,8 @@ class LLMEngine:
         generator = None
         if group.params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(group.params.seed + index)
-        state = SequenceTextState(self.tokenizer, group.prompt_token_ids, group.params, self.eos_token_ids, max_tokens)
+        state = SequenceTextState(self.tokenizer, group.prompt_token_ids, group.params, self.eos_token_ids, max_tokens,
+                                  defer_text=group.params.output_kind == "final_only")
         self._next_seq_id += 1
         return Sequence(self._next_seq_id, group, index, list(group.prompt_token_ids), len(group.prompt_token_ids),
                         generator, state, logprobs=[] if group.params.logprobs is not None else None)
@@ -274,7 +275,7 @@ class LLMEngine:
         result = self.runner.execute(batch)
         touched = self._postprocess(batch, result)
         self._throughput.add(batch.num_tokens)
-        return [self._make_output(g) for g in touched]
+        return [self._make_output(g) for g in touched if g.is_finished or g.params.output_kind == "cumulative"]
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}

@@ -41,6 +41,9 @@ class SamplingParams:
       token (the sampled token's logprob is always included); ``None`` = none.
     - ``prompt_logprobs``: same for each prompt token (from the second on).
     - ``skip_special_tokens``: leave special tokens out of the decoded text.
+    - ``output_kind``: ``"cumulative"`` returns the request's state after every
+      step (streaming); ``"final_only"`` returns it once, when finished (the
+      offline :class:`~loraplex.LLM` uses it; text is then decoded once).
     """
 
     n: int = 1
@@ -60,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +92,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              self.prompt_logprobs, "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
+            (self.output_kind in ("cumulative", "final_only"), "output_kind", self.output_kind,
+             "must be 'cumulative' or 'final_only'"),
         ]
         for ok, name, value, rule in checks:
             if not ok:
