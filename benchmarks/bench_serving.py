@@ -1,0 +1,279 @@
+"""Serving-scale GPU benchmarks (issue 9), offline engine, Llama-2-7B shapes,
+random bf16 weights, r=16 adapters on all 7 projections.
+
+1. ``scenarios``: chatbot / long-document summary / code generation / RAG /
+   shared system prompt, 100 adapters with Zipf popularity plus 20% base
+   requests; loraplex on all requests, HF transformers + PEFT (``generate``
+   with ``adapter_names``, padded batch) on a fixed subset, both as output
+   tokens/s on the same GPU in the same run.
+2. ``scaling``: output tokens/s with 1, 8, 64, 512 and 2000 distinct adapters
+   (uniform popularity, cold loads included) against base only. Adapters
+   beyond the first share their weight file through a symlink but have their
+   own config (own version id), so each is a separate load.
+3. ``decode``: decode step time at batch 1, 32 and 128, base and mixed
+   adapters, against the weight-bandwidth floor.
+
+Usage: ``python benchmarks/bench_serving.py [--parts scenarios,scaling,decode] [--quick]``.
+Writes ``$OUT/serving.json``; prints markdown tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import (ALL_TARGETS, LLAMA2_7B, git_commit, make_model_dir, make_random_adapter,  # noqa: E402
+                    measure_copy_bandwidth, out_dir, print_table)
+
+from loraplex import LLM, LoRARequest, SamplingParams  # noqa: E402
+
+SCENARIOS = [("chatbot", 128, 64), ("long-document summary", 2048, 256), ("code generation", 512, 512),
+             ("RAG", 1024, 128), ("shared system prompt (500 + 50)", 550, 200)]
+RESULTS: dict = {"commit": os.environ.get("LORAPLEX_COMMIT") or git_commit()}
+
+
+def zipf_choices(rng: random.Random, n_items: int, count: int, s: float = 1.1) -> list[int]:
+    weights = [1.0 / (i + 1) ** s for i in range(n_items)]
+    return rng.choices(range(n_items), weights=weights, k=count)
+
+
+def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
+                  targets=ALL_TARGETS) -> list[LoRARequest]:
+    """``count`` adapters; the first ``distinct_files`` have their own weights, the rest
+    link to one of them but have their own config (so their own version id)."""
+    out = []
+    for i in range(count):
+        path = root / f"a{i}"
+        if i < distinct_files:
+            make_random_adapter(path, config, 16, seed=i, targets=targets)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            src = root / f"a{i % distinct_files}"
+            os.symlink(src / "adapter_model.safetensors", path / "adapter_model.safetensors")
+            cfg = json.loads((src / "adapter_config.json").read_text())
+            cfg["base_model_name_or_path"] = f"dummy-{i}"
+            (path / "adapter_config.json").write_text(json.dumps(cfg))
+        out.append(LoRARequest(f"a{i}", i + 1, str(path)))
+    return out
+
+
+def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) -> dict:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind="final_only")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, (p, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"q{time.monotonic_ns()}-{i}", p, params, lora)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"requests": len(prompts), "total_s": dt, "requests_per_s": len(prompts) / dt,
+            "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps}
+
+
+def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: int = 4096) -> LLM:
+    return LLM(model=str(model_dir), dummy_weights=True, dtype="bfloat16", max_model_len=max_model_len,
+               gpu_memory_utilization=0.85, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
+               max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192)
+
+
+def scenario_prompts(rng: random.Random, name: str, count: int, in_len: int) -> list[list[int]]:
+    if name.startswith("shared"):
+        system = [rng.randrange(10, 31000) for _ in range(500)]
+        return [system + [rng.randrange(10, 31000) for _ in range(50)] for _ in range(count)]
+    return [[rng.randrange(10, 31000) for _ in range(in_len)] for _ in range(count)]
+
+
+def part_scenarios(model_dir: Path, config: dict, adapters: list[LoRARequest], quick: bool) -> dict:
+    rng = random.Random(0)
+    llm = engine(model_dir, max_loras=64, max_cpu_loras=len(adapters))
+    for a in adapters:
+        llm.engine.add_lora(a)
+    run_requests(llm, scenario_prompts(rng, "chatbot", 8, 64), 8, [None] * 8)  # warm-up
+    results = {}
+    for name, in_len, out_len in SCENARIOS:
+        count = 32 if quick else (64 if in_len >= 1024 or out_len >= 512 else 128)
+        prompts = scenario_prompts(rng, name, count, in_len)
+        picks = zipf_choices(rng, len(adapters), count)
+        loras = [None if rng.random() < 0.2 else adapters[k] for k in picks]
+        results[name] = {"loraplex": run_requests(llm, prompts, out_len, loras),
+                         "subset": (prompts[:8], loras[:8], out_len)}
+    del llm
+    torch.cuda.empty_cache()
+    hf = hf_peft_model(config, adapters, {l.lora_name for r in results.values() for l in r["subset"][1] if l})
+    for name, r in results.items():
+        prompts, loras, out_len = r.pop("subset")
+        r["hf_peft"] = hf_peft_run(hf, prompts, loras, min(out_len, 32))
+        r["speedup"] = r["loraplex"]["output_tokens_per_s"] / r["hf_peft"]["output_tokens_per_s"]
+    del hf
+    torch.cuda.empty_cache()
+    return results
+
+
+def hf_peft_model(config: dict, adapters: list[LoRARequest], names: set[str]):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=ALL_TARGETS, lora_dropout=0.0)
+    names = sorted(names) or ["a0"]
+    peft = get_peft_model(model, lcfg, adapter_name=names[0])
+    for n in names[1:]:
+        peft.add_adapter(n, lcfg)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)
+    return peft.eval()
+
+
+def hf_peft_run(peft, prompts: list[list[int]], loras: list, out_len: int) -> dict:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    names = [lora.lora_name if lora else "__base__" for lora in loras]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        peft.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                      do_sample=False, adapter_names=names, pad_token_id=0)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"requests": len(prompts), "output_len": out_len, "total_s": dt,
+            "output_tokens_per_s": len(prompts) * out_len / dt}
+
+
+def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict:
+    counts = [1, 8, 64] if quick else [1, 8, 64, 512, 2000]
+    # r=16 on q_proj and v_proj (16 MiB each) so that 2000 cold loads fit the run.
+    adapters = make_adapters(root / "scaling", config, max(counts), distinct_files=16 if quick else 64,
+                             targets=["q_proj", "v_proj"])
+    rng = random.Random(1)
+    num_requests, in_len, out_len = (64, 64, 16) if quick else (512, 128, 32)
+    prompts = [[rng.randrange(10, 31000) for _ in range(in_len)] for _ in range(max(num_requests, max(counts)))]
+    llm = engine(model_dir, max_loras=128, max_cpu_loras=256, max_model_len=1024)
+    run_requests(llm, prompts[:8], 4, [None] * 8)
+    out = {"base": run_requests(llm, prompts[:num_requests], out_len, [None] * num_requests)}
+    for count in counts:
+        n = max(num_requests, count)  # every adapter gets at least one request
+        loras = [adapters[i % count] for i in range(n)]
+        t0 = time.perf_counter()
+        res = run_requests(llm, prompts[:n], out_len, loras)
+        res["fraction_of_base"] = res["output_tokens_per_s"] / out["base"]["output_tokens_per_s"]
+        res["lora_stats"] = {k: getattr(llm.engine.get_stats().lora, k) for k in
+                             ("disk_loads", "slot_loads", "cpu_evictions", "slot_evictions")}
+        out[str(count)] = res
+        print(f"[scaling] {count} adapters: {res} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    del llm
+    torch.cuda.empty_cache()
+    return out
+
+
+def part_decode(model_dir: Path, adapters: list[LoRARequest], floor_ms: float) -> dict:
+    llm = engine(model_dir, max_loras=32, max_cpu_loras=64, max_model_len=1024)
+    for a in adapters[:32]:
+        llm.engine.add_lora(a)
+    rng = random.Random(2)
+    out = {}
+    for batch in (1, 32, 128):
+        prompts = [[rng.randrange(10, 31000) for _ in range(128)] for _ in range(batch)]
+        for kind in ("base", "mixed"):
+            loras = [None] * batch if kind == "base" else [adapters[i % 32] for i in range(batch)]
+            out[f"{kind}-{batch}"] = decode_step_ms(llm, prompts, loras, floor_ms)
+    del llm
+    torch.cuda.empty_cache()
+    return out
+
+
+def decode_step_ms(llm: LLM, prompts, loras, floor_ms: float, out_len: int = 64) -> dict:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind="final_only")
+    for i, (p, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params, lora)
+    times = []
+    while engine.has_unfinished_requests():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times[3:]) * 1e3
+    return {"decode_step_ms": step, "floor_fraction": floor_ms / step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="scenarios,scaling,decode")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    config = dict(LLAMA2_7B)
+    if args.quick:
+        config.update(num_hidden_layers=2)
+    root = Path(tempfile.mkdtemp())
+    model_dir = make_model_dir(root / "model", config)
+    bw = measure_copy_bandwidth()
+    weight_bytes = 2 * (config["vocab_size"] * config["hidden_size"] * 2 + config["num_hidden_layers"] * (
+        4 * config["hidden_size"] ** 2 + 3 * config["hidden_size"] * config["intermediate_size"]))
+    floor_ms = 1e3 * weight_bytes / bw
+    RESULTS.update(device=torch.cuda.get_device_name(), copy_TBps=bw / 1e12, floor_ms=floor_ms)
+    parts = args.parts.split(",")
+    adapters = make_adapters(root / "zipf", config, 100, distinct_files=100 if not args.quick else 8)
+    jobs = {"scenarios": lambda: part_scenarios(model_dir, config, adapters, args.quick),
+            "scaling": lambda: part_scaling(model_dir, config, root, args.quick),
+            "decode": lambda: part_decode(model_dir, adapters, floor_ms)}
+    for part in parts:
+        t0 = time.perf_counter()
+        try:
+            RESULTS[part] = jobs[part]()
+        except Exception as exc:
+            traceback.print_exc()
+            RESULTS[part] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[{part}] {time.perf_counter() - t0:.1f} s", flush=True)
+        (out_dir() / "serving.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+    summarize()
+
+
+def summarize() -> None:
+    title = f"commit {RESULTS['commit']}, {RESULTS['device']}, floor {RESULTS['floor_ms']:.2f} ms/step"
+    sc = RESULTS.get("scenarios", {})
+    if "error" not in sc:
+        print_table(f"Scenarios, 100 adapters Zipf + 20% base ({title})",
+                    ["scenario", "req/s", "out tok/s", "HF+PEFT tok/s", "speed-up"],
+                    [[n, f"{r['loraplex']['requests_per_s']:.2f}", f"{r['loraplex']['output_tokens_per_s']:.0f}",
+                      f"{r['hf_peft']['output_tokens_per_s']:.1f}", f"{r['speedup']:.0f}x"] for n, r in sc.items()])
+    scl = RESULTS.get("scaling", {})
+    if "error" not in scl:
+        print_table("Adapter-count scaling (uniform popularity)", ["adapters", "out tok/s", "of base", "slot loads"],
+                    [[k, f"{v['output_tokens_per_s']:.0f}", f"{v.get('fraction_of_base', 1):.2f}",
+                      v.get("lora_stats", {}).get("slot_loads", "-")] for k, v in scl.items()])
+    dec = RESULTS.get("decode", {})
+    if "error" not in dec:
+        print_table("Decode step vs weight-bandwidth floor", ["batch", "step ms", "floor / step"],
+                    [[k, f"{v['decode_step_ms']:.2f}", f"{v['floor_fraction']:.2f}"] for k, v in dec.items()])
+    for k in ("scenarios", "scaling", "decode"):
+        if isinstance(RESULTS.get(k), dict) and "error" in RESULTS[k]:
+            print(k, RESULTS[k]["error"])
+
+
+if __name__ == "__main__":
+    main()
