@@ -134,11 +134,20 @@ def bench_decode(shapes: Shapes, context: int, device: torch.device, timer: Time
     out = ops.paged_attention(query, key_cache, value_cache, meta, scale)
     n = shapes.ref_check_seqs
     sub = AttentionMetadata.build([1] * n, [context] * n, _shuffled_tables(b, blocks_per_seq)[:n], bs, device)
-    _check(f"decode ctx={context}", out[:n], paged_attention_ref(query[:n], key_cache, value_cache, sub, scale), 2e-2, 2e-2)
+    _check(
+        f"decode ctx={context}", out[:n], paged_attention_ref(query[:n], key_cache, value_cache, sub, scale), 2e-2, 2e-2
+    )
     ms = timer(lambda: ops.paged_attention(query, key_cache, value_cache, meta, scale))
     nbytes = 2 * b * context * hkv * d * key_cache.element_size()
-    return Result("decode attention", f"B={b} ctx={context} H={hq}/{hkv} D={d} bf16", ms,
-                  nbytes / (ms * 1e-3) / 1e9, "GB/s", "d2d copy", copy_gbs)
+    return Result(
+        "decode attention",
+        f"B={b} ctx={context} H={hq}/{hkv} D={d} bf16",
+        ms,
+        nbytes / (ms * 1e-3) / 1e9,
+        "GB/s",
+        "d2d copy",
+        copy_gbs,
+    )
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -160,7 +169,9 @@ def bench_prefill(shapes: Shapes, batch: int, seq_len: int, device: torch.device
     blocks_per_seq = -(-seq_len // bs)
     key_cache = torch.zeros((batch * blocks_per_seq, bs, hkv, d), dtype=torch.bfloat16, device=device)
     value_cache = torch.zeros_like(key_cache)
-    meta = AttentionMetadata.build([seq_len] * batch, [seq_len] * batch, _shuffled_tables(batch, blocks_per_seq), bs, device)
+    meta = AttentionMetadata.build(
+        [seq_len] * batch, [seq_len] * batch, _shuffled_tables(batch, blocks_per_seq), bs, device
+    )
     ops.reshape_and_cache(k.flatten(0, 1), v.flatten(0, 1), key_cache, value_cache, meta.slot_mapping)
     query = q.flatten(0, 1)
     scale = d**-0.5
@@ -214,7 +225,9 @@ def bench_lora(shapes: Shapes, num_tokens: int, device: torch.device, timer: Tim
 
 def format_table(results: list[Result]) -> str:
     """The results as a fixed-width text table."""
-    header = f"{'kernel':<18} {'shape':<44} {'ms':>9} {'achieved':>10} {'unit':<8} {'baseline':<9} {'base':>9} {'ratio':>6}"
+    header = (
+        f"{'kernel':<18} {'shape':<44} {'ms':>9} {'achieved':>10} {'unit':<8} {'baseline':<9} {'base':>9} {'ratio':>6}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
@@ -229,7 +242,9 @@ def run(shapes: Shapes, device: torch.device, timer: Timer) -> list[Result]:
     results: list[Result] = []
     with ops.use_backend("triton"):
         copy_gbs = copy_bandwidth_gbs(shapes.copy_bytes, device, timer)
-        results.append(Result("d2d copy", f"{shapes.copy_bytes / 2**20:.3g} MiB", 0.0, copy_gbs, "GB/s", "d2d copy", copy_gbs))
+        results.append(
+            Result("d2d copy", f"{shapes.copy_bytes / 2**20:.3g} MiB", 0.0, copy_gbs, "GB/s", "d2d copy", copy_gbs)
+        )
         for context in shapes.decode_contexts:
             results.append(bench_decode(shapes, context, device, timer, copy_gbs))
             _free(device)

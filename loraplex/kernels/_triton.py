@@ -1,0 +1,129 @@
+"""Optional Triton import and launch helpers shared by the kernel files.
+
+``import loraplex.kernels.ops`` must work without Triton (reference path only).
+When Triton is missing, ``triton.jit`` is replaced by a decorator that returns
+a placeholder, and ``tl.constexpr`` (the only ``tl`` name evaluated when a
+kernel is *defined*, in its annotations) by ``object``; every launcher calls
+:func:`require_triton` first, so a placeholder is never launched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loraplex.kernels.errors import TritonUnavailableError
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised in a subprocess test
+    HAS_TRITON = False
+
+    class _UnavailableKernel:
+        """Stands in for a ``@triton.jit`` kernel when Triton is not installed."""
+
+        def __init__(self, fn: Callable[..., Any]) -> None:
+            self.fn = fn
+
+        def __getitem__(self, grid: Any) -> Callable[..., Any]:
+            raise TritonUnavailableError(f"{self.fn.__name__}: triton is not installed")
+
+    class _NoTriton:
+        @staticmethod
+        def jit(fn: Callable[..., Any] | None = None, **_options: Any) -> Any:
+            if fn is None:
+                return _UnavailableKernel
+            return _UnavailableKernel(fn)
+
+    class _NoTritonLanguage:
+        constexpr = object
+
+    triton = _NoTriton()  # type: ignore[assignment]
+    tl = _NoTritonLanguage()  # type: ignore[assignment]
+
+# SM count assumed off CUDA (the CPU interpreter has no SMs) when sizing
+# split-K grids: small, so that CPU tests exercise the split decisions.
+_INTERPRETER_NUM_SMS = 4
+
+
+def require_triton(op_name: str) -> None:
+    """Raise :class:`TritonUnavailableError` naming ``op_name`` if Triton is missing."""
+    if not HAS_TRITON:
+        raise TritonUnavailableError(
+            f"{op_name}: the triton backend needs the `triton` package; install it or use ops.set_backend('reference')"
+        )
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a fixed small number off CUDA)."""
+    if device.type == "cuda":
+        return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER_NUM_SMS
+
+
+_TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def dot_dtype(dtype: torch.dtype, device: torch.device) -> Any:
+    """Operand dtype for ``tl.dot`` (a ``tl.constexpr``): ``dtype`` itself, or fp32 for bf16 off CUDA.
+
+    The Triton CPU interpreter (3.x) runs ``tl.dot`` on bf16 *bit patterns*
+    (stored as uint16) and returns garbage. bf16 x bf16 products are exact in
+    fp32, so upcasting gives the tensor-core result up to accumulation order.
+    Kernels write ``tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PRECISION)``;
+    the casts vanish when ``DOT_DTYPE`` is already the operand dtype.
+    """
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        return tl.float32
+    return getattr(tl, _TL_DTYPES[dtype])
+
+
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """``tl.dot`` input precision: exact ("ieee") when the operands are fp32, else "tf32" (ignored for 16-bit)."""
+    return "ieee" if dot_dtype(dtype, device) == tl.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=4096)
+def _pointer_table(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def pointer_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[len(tensors)] int64`` device tensor of ``data_ptr()`` values, cached by value.
+
+    Lets one launch read several weight tensors of different shapes (LoRA
+    slices); the cache avoids a host-to-device copy per layer and step. The
+    content is a pure function of the key, so a reused address is harmless.
+    """
+    return _pointer_table(tensors[0].device, tuple(t.data_ptr() for t in tensors))
+
+
+@functools.lru_cache(maxsize=16384)
+def _int32_table(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def int32_table(values: list[int], device: torch.device) -> torch.Tensor:
+    """``[len(values)] int32`` device tensor holding ``values``, cached by value."""
+    return _int32_table(device, tuple(values))

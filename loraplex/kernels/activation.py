@@ -1,0 +1,102 @@
+"""SwiGLU gate (Shazeer 2020 "GLU Variants Improve Transformer"): ``silu(gate) * up`` on a fused gate/up output.
+
+Semantics: ``out[t, i] = silu(x[t, i]) * x[t, I + i]`` with ``silu(g) = g * sigmoid(g)``.
+
+Rounding matches HF ``act_fn(gate_proj(x)) * up_proj(x)``: silu is computed in
+fp32 and rounded to the input dtype, then the product is rounded again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels._checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_dtype,
+    check_shape,
+)
+from loraplex.kernels._triton import cdiv, require_triton, tl, triton
+from loraplex.kernels.errors import KernelArgumentError
+
+_OP = "silu_and_mul"
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter_size
+    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, out.to(gate.dtype), mask=mask)
+
+
+def _check_args(x: torch.Tensor) -> None:
+    check_dtype(_OP, "x", x, FLOAT_DTYPES)
+    check_shape(_OP, "x", x, (None, None))
+    if x.shape[1] % 2:
+        raise KernelArgumentError(f"{_OP}: x.shape[1]={x.shape[1]} must be even ([T, 2 * intermediate_size])")
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    check_shape(_OP, "out", out, (x.shape[0], x.shape[1] // 2))
+    check_same_dtype(_OP, "out", out, "x", x)
+    check_device(_OP, "out", out, x.device)
+
+
+def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    require_triton(_OP)
+    _check_args(x)
+    check_last_dim_contiguous(_OP, "x", x)
+    num_tokens, inter_size = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)
+    _check_out(x, out)
+    check_last_dim_contiguous(_OP, "out", out)
+    if num_tokens == 0 or inter_size == 0:
+        return out
+    _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](
+        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4
+    )
+    return out
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``silu(gate) * up`` for a fused gate/up projection.
+
+    Semantics: ``out[t] = silu(x[t, :I]) * x[t, I:]``.
+
+    Args:
+        x: ``[T, 2I]`` fp16/bf16/fp32, last dim stride 1.
+        out: optional ``[T, I]`` output of x's dtype.
+
+    Returns:
+        ``[T, I]`` in x.dtype.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
+        TritonUnavailableError: triton is not installed.
+    """
+    return _launch_silu_and_mul(x, out)
+
+
+def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch reference of :func:`silu_and_mul` (HF ``act_fn(gate) * up``).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype or odd ``x.shape[1]``.
+    """
+    _check_args(x)
+    gate, up = x.chunk(2, dim=-1)
+    result = torch.nn.functional.silu(gate) * up
+    if out is None:
+        return result
+    _check_out(x, out)
+    return out.copy_(result)

@@ -1,0 +1,102 @@
+"""Paged attention entry point (prefill, extend, decode and mixed batches) and its reference.
+
+Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[:p+1, h // G].T) @ V_b[:p+1, h // G]`` where token t is
+query i of sequence b, ``p = seq_lens[b] - q_len[b] + i``, ``G = Hq / Hkv`` and ``K_b``/``V_b`` are sequence b's
+positions gathered through ``block_tables[b]`` from the ``[N, block_size, Hkv, D]`` caches.
+
+The Triton path uses the decode kernel (:mod:`loraplex.kernels.attention_decode`)
+when ``meta.max_query_len == 1`` and the prefill/extend kernel
+(:mod:`loraplex.kernels.attention_prefill`) otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels._attention_checks import check_attention_args, prepare_out
+from loraplex.kernels.attention_decode import paged_decode_attention
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.attention_prefill import paged_prefill_attention
+
+_OP = "paged_attention"
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton paged attention for any batch: decode kernel if ``meta.max_query_len == 1``, else prefill kernel.
+
+    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[:p+1, h // G].T) @ V_b[:p+1, h // G]``.
+
+    Args:
+        query: ``[T, Hq, D]`` fp16/bf16/fp32, head_dim stride 1.
+        key_cache, value_cache: ``[N, block_size, Hkv, D]``, same dtype, already holding this step's K/V.
+        meta: :class:`AttentionMetadata` of the step.
+        scale: softmax scale (usually ``D ** -0.5``).
+        out: optional ``[T, Hq, D]`` output; rows of padding tokens are zeroed.
+
+    Returns:
+        ``[T, Hq, D]`` in the query dtype.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device/layout or metadata.
+        TritonUnavailableError: triton is not installed.
+    """
+    if meta.max_query_len == 1:
+        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out)
+    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch reference of :func:`paged_attention` (same arguments and semantics).
+
+    Loops over sequences (never tokens): gathers the sequence's K/V through its
+    block table, repeats KV heads for GQA, applies the causal mask and a float32
+    softmax, and casts back to the query dtype. Memory is
+    ``O(Hq * q_len * seq_len)`` floats per sequence, so use it for tests and CPU runs.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device or metadata.
+    """
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out)
+    out = prepare_out(query, meta, out)
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    qsl = meta.query_start_loc_host
+    for b, seq_len in enumerate(meta.seq_lens_host):
+        q = query[qsl[b] : qsl[b + 1]].float()  # [q_len, Hq, D]
+        k, v = _gather_kv(key_cache, value_cache, meta.block_tables[b], seq_len, block_size)
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[qsl[b] : qsl[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+def _gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of one sequence: ``[seq_len, Hkv, D]`` float32 each, in position order."""
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_row[:num_blocks].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len].float()
+    v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+    return k, v

@@ -1,0 +1,251 @@
+"""LoRA expand (SGMV, Punica: Chen et al. 2023): add each token's scaled ``v @ B.T`` into its output slice.
+
+Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T``, ``s = slot[t]``; skip ``s == -1``.
+
+Slices may have different widths (fused q/k/v with GQA, gate/up) and all run
+in one launch; ``off_i = out_0 + ... + out_{i-1}``. Grid = (segment, token
+tile, slice x output tile): a segment's tokens share every load of the
+adapter's B tile. The sum is formed in float32 and rounded once into ``y``;
+on tensor cores ``v`` is rounded to B's dtype first (as PEFT computes in it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels._checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+)
+from loraplex.kernels._lora_checks import check_mapping, check_ranks, check_weight_list
+from loraplex.kernels._triton import (
+    cdiv,
+    dot_dtype,
+    dot_precision,
+    int32_table,
+    next_pow2,
+    pointer_table,
+    require_triton,
+    tl,
+    triton,
+)
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_mapping import LoRAMapping
+
+_OP = "lora_expand"
+
+
+@triton.jit
+def _lora_expand_kernel(
+    v_ptr,
+    b_ptrs,
+    scaling_ptrs,
+    slice_widths_ptr,
+    slice_offsets_ptr,
+    y_ptr,
+    sorted_token_ids_ptr,
+    segment_starts_ptr,
+    segment_lens_ptr,
+    segment_slots_ptr,
+    ranks_ptr,
+    max_rank,
+    n_tiles,
+    stride_v_slice,
+    stride_vt,
+    stride_yt,
+    HAS_RANKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    slice_id = tl.program_id(2) // n_tiles
+    n_tile = tl.program_id(2) % n_tiles
+    width = tl.load(slice_widths_ptr + slice_id)
+    seg_len = tl.load(segment_lens_ptr + seg)
+    if (m_tile * BLOCK_M >= seg_len) | (n_tile * BLOCK_N >= width):
+        return
+    slot = tl.load(segment_slots_ptr + seg).to(tl.int64)
+    rank = max_rank
+    if HAS_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < seg_len
+    seg_start = tl.load(segment_starts_ptr + seg)
+    tok = tl.load(sorted_token_ids_ptr + seg_start + rows, mask=row_mask, other=0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    v = tl.load(
+        v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + r[None, :],
+        mask=row_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    )
+    y_dtype = y_ptr.dtype.element_ty
+    b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(y_dtype))
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < width
+    # B_i is a contiguous [S, width, max_rank] tensor.
+    b = tl.load(
+        b_base + slot * width * max_rank + cols[:, None] * max_rank + r[None, :],
+        mask=col_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    )
+    delta = tl.dot(v.to(y_dtype).to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), input_precision=PRECISION)
+    scale_ptr = tl.load(scaling_ptrs + slice_id).to(tl.pointer_type(tl.float32))
+    delta = delta * tl.load(scale_ptr + slot)
+
+    offset = tl.load(slice_offsets_ptr + slice_id)
+    y_ptrs = y_ptr + tok[:, None] * stride_yt + offset + cols[None, :]
+    y_mask = row_mask[:, None] & col_mask[None, :]
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_dtype), mask=y_mask)
+
+
+def _check_args(
+    v: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    scaling: list[torch.Tensor],
+    y: torch.Tensor,
+    mapping: LoRAMapping,
+    ranks: torch.Tensor | None,
+) -> None:
+    check_dtype(_OP, "y", y, FLOAT_DTYPES)
+    check_shape(_OP, "y", y, (None, None))
+    check_dtype(_OP, "v", v, (torch.float32,))
+    check_weight_list(_OP, "lora_b", lora_b, y, v.shape[-1] if v.dim() == 3 else None)
+    num_slots = lora_b[0].shape[0]
+    check_shape(_OP, "v", v, (len(lora_b), y.shape[0], lora_b[0].shape[2]))
+    check_device(_OP, "v", v, y.device)
+    if not isinstance(scaling, (list, tuple)) or len(scaling) != len(lora_b):
+        raise KernelArgumentError(f"{_OP}: scaling must be a list of {len(lora_b)} tensors, got {scaling!r}")
+    for i, s in enumerate(scaling):
+        check_shape(_OP, f"scaling[{i}]", s, (num_slots,))
+        check_dtype(_OP, f"scaling[{i}]", s, (torch.float32,))
+        check_device(_OP, f"scaling[{i}]", s, y.device)
+    widths = [b.shape[1] for b in lora_b]
+    if sum(widths) != y.shape[1]:
+        raise KernelArgumentError(f"{_OP}: y.shape[1]={y.shape[1]} != sum of lora_b widths {widths}")
+    check_mapping(_OP, mapping, y.shape[0], num_slots, y.device)
+    check_ranks(_OP, ranks, num_slots, y.device)
+
+
+def _block_sizes(max_segment_len: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): GPU-sized on CUDA, small under the CPU interpreter."""
+    if device.type != "cuda":
+        return 16, 16
+    return (16 if max_segment_len <= 16 else 64), 64
+
+
+def _launch_lora_expand(
+    v: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    scaling: list[torch.Tensor],
+    y: torch.Tensor,
+    mapping: LoRAMapping,
+    ranks: torch.Tensor | None,
+) -> None:
+    require_triton(_OP)
+    _check_args(v, lora_b, scaling, y, mapping, ranks)
+    check_last_dim_contiguous(_OP, "y", y)
+    for i, s in enumerate(scaling):
+        check_last_dim_contiguous(_OP, f"scaling[{i}]", s)
+    if not v.is_contiguous():
+        raise KernelArgumentError(f"{_OP}: v must be contiguous, got stride()={v.stride()}")
+    max_rank = lora_b[0].shape[2]
+    if not mapping.has_lora or max_rank == 0:
+        return
+    widths = [b.shape[1] for b in lora_b]
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
+    block_m, block_n = _block_sizes(mapping.max_segment_len, y.device)
+    n_tiles = cdiv(max(widths), block_n)
+    grid = (mapping.num_segments, cdiv(mapping.max_segment_len, block_m), len(lora_b) * n_tiles)
+    _lora_expand_kernel[grid](
+        v,
+        pointer_table(lora_b),
+        pointer_table(scaling),
+        int32_table(widths, y.device),
+        int32_table(offsets, y.device),
+        y,
+        mapping.sorted_token_ids,
+        mapping.segment_starts,
+        mapping.segment_lens,
+        mapping.segment_slots,
+        ranks if ranks is not None else mapping.segment_slots,
+        max_rank,
+        n_tiles,
+        v.stride(0),
+        v.stride(1),
+        y.stride(0),
+        HAS_RANKS=ranks is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, next_pow2(max_rank)),
+        DOT_DTYPE=dot_dtype(y.dtype, y.device),
+        PRECISION=dot_precision(y.dtype, y.device),
+        num_warps=4,
+    )
+
+
+def lora_expand(
+    v: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    scaling: list[torch.Tensor],
+    y: torch.Tensor,
+    mapping: LoRAMapping,
+    *,
+    ranks: torch.Tensor | None = None,
+) -> None:
+    """Triton SGMV expand for several LoRA B slices in one launch, accumulating into ``y`` in place.
+
+    Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T``, ``s = slot[t]``; skip ``s == -1``.
+
+    Args:
+        v: ``[n_slices, T, R]`` float32, contiguous (the output of :func:`lora_shrink`).
+        lora_b: list of ``n_slices`` contiguous ``[S, out_i, R]`` tensors, dtype of ``y``.
+        scaling: list of ``n_slices`` ``[S]`` float32 tensors (``alpha / r``; 0 for untargeted modules).
+        y: ``[T, sum(out_i)]`` fp16/bf16/fp32 base-layer output, last dim stride 1; updated in place.
+        mapping: :class:`LoRAMapping` of the step (``num_tokens == T``).
+        ranks: optional ``[S] int32``; ``ranks[s]`` >= the true rank of every slice of slot s.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device/layout, widths not summing to ``y.shape[1]``, or a slot >= S.
+        TritonUnavailableError: triton is not installed.
+    """
+    _launch_lora_expand(v, lora_b, scaling, y, mapping, ranks)
+
+
+def lora_expand_ref(
+    v: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    scaling: list[torch.Tensor],
+    y: torch.Tensor,
+    mapping: LoRAMapping,
+    *,
+    ranks: torch.Tensor | None = None,
+) -> None:
+    """Plain-torch reference of :func:`lora_expand`: a float32 matmul per segment and slice, in place.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device, widths not summing to ``y.shape[1]``, or a slot >= S.
+    """
+    _check_args(v, lora_b, scaling, y, mapping, ranks)
+    rank_host = ranks.tolist() if ranks is not None else None
+    scaling_host = [s.tolist() for s in scaling]
+    for start, length, slot in zip(mapping.segment_starts_host, mapping.segment_lens_host, mapping.segment_slots_host):
+        tokens = mapping.sorted_token_ids[start : start + length].long()
+        offset = 0
+        for i, b in enumerate(lora_b):
+            weight = b[slot].to(torch.float32, copy=True)  # [out_i, R]
+            if rank_host is not None:
+                weight[:, rank_host[slot] :] = 0.0
+            width = weight.shape[0]
+            delta = scaling_host[i][slot] * (v[i, tokens] @ weight.T)
+            y[tokens, offset : offset + width] = (y[tokens, offset : offset + width].float() + delta).to(y.dtype)
+            offset += width

@@ -1,0 +1,248 @@
+"""LoRA shrink (SGMV, Punica: Chen et al. 2023): project tokens onto their adapter's LoRA A.
+
+Semantics: ``v[i, t] = x[t] @ A_i[slot[t]].T`` (float32), and ``v[i, t] = 0`` where ``slot[t] == -1``.
+
+Several slices (e.g. q/k/v or gate/up, all reading the same ``x``) run in one
+launch. Grid = (segment, token tile, slice x split-K chunk): the tokens of one
+segment share every load of the adapter's A tile. Adapters of lower rank are
+zero-padded to R; an optional ``ranks [S]`` lets the kernel skip padded rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels._checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+)
+from loraplex.kernels._lora_checks import check_mapping, check_ranks, check_weight_list
+from loraplex.kernels._triton import (
+    cdiv,
+    dot_dtype,
+    dot_precision,
+    next_pow2,
+    num_sms,
+    pointer_table,
+    require_triton,
+    tl,
+    triton,
+)
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_mapping import LoRAMapping
+
+_OP = "lora_shrink"
+_MAX_SPLIT_K = 16
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,
+    a_ptrs,
+    out_ptr,
+    sorted_token_ids_ptr,
+    segment_starts_ptr,
+    segment_lens_ptr,
+    segment_slots_ptr,
+    ranks_ptr,
+    hidden_size,
+    max_rank,
+    k_per_split,
+    stride_xt,
+    stride_a_slot,
+    stride_a_rank,
+    stride_o_split,
+    stride_o_slice,
+    stride_ot,
+    SPLIT_K: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    slice_id = tl.program_id(2) // SPLIT_K
+    k_split = tl.program_id(2) % SPLIT_K
+    seg_len = tl.load(segment_lens_ptr + seg)
+    if m_tile * BLOCK_M >= seg_len:
+        return
+    slot = tl.load(segment_slots_ptr + seg).to(tl.int64)
+    rank = max_rank
+    if HAS_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < seg_len
+    seg_start = tl.load(segment_starts_ptr + seg)
+    tok = tl.load(sorted_token_ids_ptr + seg_start + rows, mask=row_mask, other=0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    a_base = tl.load(a_ptrs + slice_id).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    a_row = a_base + slot * stride_a_slot + r * stride_a_rank
+
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    k_start = k_split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, hidden_size)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        x = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_row[:, None] + k[None, :], mask=(r[:, None] < rank) & k_mask[None, :], other=0.0)
+        acc += tl.dot(x.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), input_precision=PRECISION)
+
+    o_ptrs = out_ptr + k_split * stride_o_split + slice_id * stride_o_slice + tok[:, None] * stride_ot + r[None, :]
+    tl.store(o_ptrs, acc, mask=row_mask[:, None] & (r[None, :] < max_rank))
+
+
+def _check_args(x: torch.Tensor, lora_a: list[torch.Tensor], mapping: LoRAMapping, ranks: torch.Tensor | None) -> None:
+    check_dtype(_OP, "x", x, FLOAT_DTYPES)
+    check_shape(_OP, "x", x, (None, None))
+    check_weight_list(_OP, "lora_a", lora_a, x, x.shape[1])
+    check_mapping(_OP, mapping, x.shape[0], lora_a[0].shape[0], x.device)
+    check_ranks(_OP, ranks, lora_a[0].shape[0], x.device)
+    if len({a.shape[1] for a in lora_a}) != 1:
+        raise KernelArgumentError(f"{_OP}: lora_a ranks differ: {[a.shape[1] for a in lora_a]}; pad them to one R")
+
+
+def _block_sizes(max_segment_len: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K): GPU-sized on CUDA, small under the CPU interpreter."""
+    if device.type != "cuda":
+        return 16, 32
+    return (16 if max_segment_len <= 16 else 64), 128
+
+
+def choose_split_k(num_programs: int, hidden_size: int, block_k: int, device: torch.device) -> int:
+    """Split the H reduction when segments x tiles x slices cannot fill the device (decode batches)."""
+    sms = num_sms(device)
+    if num_programs >= sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, num_programs), cdiv(hidden_size, 4 * block_k), _MAX_SPLIT_K))
+
+
+def _launch_lora_shrink(
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    mapping: LoRAMapping,
+    out: torch.Tensor,
+    ranks: torch.Tensor | None,
+    split_k: int | None,
+) -> None:
+    """Write ``v`` rows of LoRA tokens into ``out [n_slices, T, R] fp32``.
+
+    With ``split_k == 1`` rows of slot -1 tokens are left untouched; with
+    ``split_k > 1`` partial sums go to a zeroed scratch buffer that is summed
+    (in a fixed order, so results are deterministic) into every row of ``out``.
+    """
+    require_triton(_OP)
+    _check_args(x, lora_a, mapping, ranks)
+    num_tokens, hidden_size = x.shape
+    max_rank = lora_a[0].shape[1]
+    check_shape(_OP, "out", out, (len(lora_a), num_tokens, max_rank))
+    check_dtype(_OP, "out", out, (torch.float32,))
+    check_device(_OP, "out", out, x.device)
+    check_last_dim_contiguous(_OP, "x", x)
+    if not out.is_contiguous():
+        raise KernelArgumentError(f"{_OP}: out must be contiguous, got stride()={out.stride()}")
+    if split_k is not None and not 1 <= split_k <= _MAX_SPLIT_K:
+        raise KernelArgumentError(f"{_OP}: split_k={split_k}, expected 1..{_MAX_SPLIT_K}")
+    if not mapping.has_lora or max_rank == 0:
+        return
+    block_m, block_k = _block_sizes(mapping.max_segment_len, x.device)
+    m_tiles = cdiv(mapping.max_segment_len, block_m)
+    programs = mapping.num_segments * m_tiles * len(lora_a)
+    split = split_k or choose_split_k(programs, hidden_size, block_k, x.device)
+    k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
+    split = cdiv(hidden_size, k_per_split)
+    target = out if split == 1 else torch.zeros((split, *out.shape), dtype=torch.float32, device=x.device)
+    _lora_shrink_kernel[(mapping.num_segments, m_tiles, len(lora_a) * split)](
+        x,
+        pointer_table(lora_a),
+        target,
+        mapping.sorted_token_ids,
+        mapping.segment_starts,
+        mapping.segment_lens,
+        mapping.segment_slots,
+        ranks if ranks is not None else mapping.segment_slots,
+        hidden_size,
+        max_rank,
+        k_per_split,
+        x.stride(0),
+        lora_a[0].stride(0),
+        lora_a[0].stride(1),
+        target.stride(0) if split > 1 else 0,
+        target.stride(-3),
+        target.stride(-2),
+        SPLIT_K=split,
+        HAS_RANKS=ranks is not None,
+        BLOCK_M=block_m,
+        BLOCK_R=max(16, next_pow2(max_rank)),
+        BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype(x.dtype, x.device),
+        PRECISION=dot_precision(x.dtype, x.device),
+        num_warps=4,
+    )
+    if split > 1:
+        torch.sum(target, dim=0, out=out)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    mapping: LoRAMapping,
+    *,
+    ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton SGMV shrink for several LoRA A slices in one launch.
+
+    Semantics: ``v[i, t] = x[t] @ A_i[slot[t]].T`` in float32; ``v[i, t] = 0`` where ``slot[t] == -1``.
+
+    Args:
+        x: ``[T, H]`` fp16/bf16/fp32 activations, last dim stride 1.
+        lora_a: list of ``n_slices`` contiguous ``[S, R, H]`` tensors, dtype of ``x``
+            (lower-rank adapters zero-padded to R).
+        mapping: :class:`LoRAMapping` of the step (``num_tokens == T``).
+        ranks: optional ``[S] int32``; ``ranks[s]`` >= the true rank of every slice of slot s.
+            Rows r >= ranks[s] are treated as zero and not read.
+
+    Returns:
+        ``v`` ``[n_slices, T, R]`` float32.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device/layout, or a slot >= S.
+        TritonUnavailableError: triton is not installed.
+    """
+    _check_args(x, lora_a, mapping, ranks)
+    out = torch.zeros((len(lora_a), x.shape[0], lora_a[0].shape[1]), dtype=torch.float32, device=x.device)
+    _launch_lora_shrink(x, lora_a, mapping, out, ranks, None)
+    return out
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    mapping: LoRAMapping,
+    *,
+    ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch reference of :func:`lora_shrink`: a float32 matmul per segment (not per token).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device, or a slot >= S.
+    """
+    _check_args(x, lora_a, mapping, ranks)
+    out = torch.zeros((len(lora_a), x.shape[0], lora_a[0].shape[1]), dtype=torch.float32, device=x.device)
+    rank_host = ranks.tolist() if ranks is not None else None
+    for start, length, slot in zip(mapping.segment_starts_host, mapping.segment_lens_host, mapping.segment_slots_host):
+        tokens = mapping.sorted_token_ids[start : start + length].long()
+        xs = x[tokens].float()
+        for i, a in enumerate(lora_a):
+            weight = a[slot].to(torch.float32, copy=True)
+            if rank_host is not None:
+                weight[rank_host[slot] :] = 0.0
+            out[i, tokens] = xs @ weight.T
+    return out

@@ -1,0 +1,157 @@
+"""Independent float32 loops and helpers for the kernel tests.
+
+The naive references here loop over tokens/positions with Python ints and
+never call the ``*_ref`` functions, so they check the references too.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels.attention_metadata import AttentionMetadata
+
+# (atol, rtol) per dtype. bf16/fp16 outputs are rounded once from fp32; the
+# Triton CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest,
+# which can cost one more bf16 ulp.
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+# One unit in the last place, relative: used for ops that must match HF's roundings.
+ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    """Finite and within the dtype's tolerance (times ``scale``) of ``expected``."""
+    assert torch.isfinite(actual).all(), "output has NaN/Inf (not fully written?)"
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol * scale, rtol=rtol * scale)
+
+
+def assert_within_ulps(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, ulps: float, magnitude: torch.Tensor | None = None
+) -> None:
+    """``|actual - expected| <= ulps * ulp(dtype) * max(|expected|, magnitude, 1e-3)`` element-wise.
+
+    ``magnitude`` bounds the terms an output is summed from (errors of a sum with
+    cancellation scale with its terms, not with the result).
+    """
+    a, e = actual.float().cpu(), expected.float().cpu()
+    assert torch.isfinite(a).all(), "output has NaN/Inf (not fully written?)"
+    scale = e.abs().clamp_min(1e-3)
+    if magnitude is not None:
+        scale = torch.maximum(scale, magnitude.float().cpu())
+    worst = ((a - e).abs() - ulps * ULP[dtype] * scale).max().item()
+    assert worst <= 0, f"max excess over {ulps} ulp: {worst}"
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    """Same shape/dtype/device as ``t``, filled with NaN (output poisoning)."""
+    return torch.full_like(t, float("nan"))
+
+
+@dataclass
+class PagedBatch:
+    """A random paged KV cache plus the metadata of one step over it."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    meta: AttentionMetadata
+    query: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+
+
+def make_paged_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_padded_tokens: int | None = None,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """Random caches with shuffled (non-contiguous) block tables; unused blocks hold random junk."""
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    ids = list(range(num_blocks))
+    random.Random(torch.initial_seed()).shuffle(ids)
+    tables, i = [], 0
+    for n in needed:
+        tables.append(ids[i : i + n])
+        i += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, dtype=torch.float32).to(device=device, dtype=dtype)
+    value_cache = torch.randn(shape, dtype=torch.float32).to(device=device, dtype=dtype)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device, num_padded_tokens)
+    num_tokens = meta.slot_mapping.shape[0]
+    query = torch.randn((num_tokens, num_kv_heads * group, head_dim), dtype=torch.float32).to(device, dtype)
+    return PagedBatch(key_cache, value_cache, meta, query, query_lens, seq_lens, tables, block_size)
+
+
+def naive_paged_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+    """Per-token, per-head float64 softmax over positions, reading the cache with Python block lookups."""
+    q_all = batch.query.double().cpu()
+    kc, vc = batch.key_cache.double().cpu(), batch.value_cache.double().cpu()
+    num_q_heads, num_kv_heads = q_all.shape[1], kc.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q_all)
+    t = 0
+    for q_len, seq_len, table in zip(batch.query_lens, batch.seq_lens, batch.block_tables):
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            blocks = [table[p // batch.block_size] for p in range(pos + 1)]
+            offsets = [p % batch.block_size for p in range(pos + 1)]
+            k, v = kc[blocks, offsets], vc[blocks, offsets]  # [pos + 1, Hkv, D]
+            for h in range(num_q_heads):
+                scores = (k[:, h // group] @ q_all[t, h]) * scale
+                weights = torch.exp(scores - scores.max())
+                out[t, h] = (weights @ v[:, h // group]) / weights.sum()
+            t += 1
+    return out.float()
+
+
+def naive_lora_shrink(x: torch.Tensor, lora_a: list[torch.Tensor], token_slots: torch.Tensor) -> torch.Tensor:
+    """``v[i, t] = x[t] @ A_i[slot[t]].T`` per token in float32 (0 for slot -1)."""
+    slots = token_slots.tolist()
+    rank = lora_a[0].shape[1]
+    v = torch.zeros((len(lora_a), len(slots), rank), dtype=torch.float32)
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        for i, a in enumerate(lora_a):
+            v[i, t] = x[t].float().cpu() @ a[s].float().cpu().T
+    return v
+
+
+def naive_lora_expand(
+    v: torch.Tensor, lora_b: list[torch.Tensor], scaling: list[torch.Tensor], y: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """``y[t, slice_i] + scaling_i[s] * v[i, t] @ B_i[s].T`` per token in float32; returns a float32 copy."""
+    out = y.float().cpu().clone()
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            continue
+        offset = 0
+        for i, b in enumerate(lora_b):
+            width = b.shape[1]
+            delta = float(scaling[i][s]) * (v[i, t].float().cpu() @ b[s].float().cpu().T)
+            out[t, offset : offset + width] += delta
+            offset += width
+    return out
+
+
+def zipf_slots(num_tokens: int, num_slots: int, exponent: float = 1.5) -> torch.Tensor:
+    """``[T] int32`` slots drawn from a Zipf-like law (slot 0 most popular), shuffled."""
+    weights = torch.tensor([1.0 / (k + 1) ** exponent for k in range(num_slots)])
+    return torch.multinomial(weights, num_tokens, replacement=True).to(torch.int32)

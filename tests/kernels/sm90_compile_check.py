@@ -1,0 +1,212 @@
+"""Compile every Triton kernel for sm_90 (H100/H200) on a machine without a GPU.
+
+The CPU interpreter accepts programs the GPU compiler rejects (dot shapes,
+dtype mixes, pointer casts) and ignores shared-memory limits, so this script
+drives each launcher with CPU tensors at real model shapes, with the launch
+decisions it would make on a 132-SM CUDA device, records the launches instead
+of running them, and compiles each recorded specialisation down to a cubin
+with Triton's bundled ptxas. Exit status 1 on any failure.
+
+Run without ``TRITON_INTERPRET`` (the kernels must be ``JITFunction``s):
+``python tests/kernels/sm90_compile_check.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from loraplex.kernels import (  # noqa: E402
+    activation,
+    attention_decode,
+    attention_prefill,
+    lora_expand,
+    lora_shrink,
+    reshape_and_cache,
+    rms_norm,
+    rotary,
+)
+from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from loraplex.kernels.lora_mapping import LoRAMapping  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
+CUDA = torch.device("cuda")
+_OPTIONS = ("num_warps", "num_stages")
+_PTR_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+_KERNELS = {
+    reshape_and_cache: ["_reshape_and_cache_kernel"],
+    attention_decode: ["_paged_decode_kernel", "_paged_decode_reduce_kernel"],
+    attention_prefill: ["_paged_prefill_kernel"],
+    rms_norm: ["_rms_norm_kernel"],
+    rotary: ["_rotary_kernel"],
+    activation: ["_silu_and_mul_kernel"],
+    lora_shrink: ["_lora_shrink_kernel"],
+    lora_expand: ["_lora_expand_kernel"],
+}
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.fn = kernel.fn
+        self.launches: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.append((grid, args, kwargs))
+
+        return launch
+
+
+def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a launch-config helper ``f(..., device)`` so it decides as on a CUDA device."""
+
+    def wrapper(*args: Any) -> Any:
+        return fn(*args[:-1], CUDA)
+
+    return wrapper
+
+
+def pretend_cuda() -> dict[str, Recorder]:
+    """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
+    for module in (attention_decode, attention_prefill, lora_shrink, lora_expand):
+        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n"):
+            if hasattr(module, name):
+                setattr(module, name, _as_cuda(getattr(module, name)))
+    attention_decode.num_sms = lambda device: 132
+    lora_shrink.num_sms = lambda device: 132
+    recorders = {}
+    for module, names in _KERNELS.items():
+        for name in names:
+            recorders[name] = Recorder(getattr(module, name))
+            setattr(module, name, recorders[name])
+    return recorders
+
+
+def _signature_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return _PTR_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unsupported kernel argument {value!r}")
+
+
+def compile_launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Compile one recorded launch for sm_90; returns the CompiledKernel."""
+    names = list(inspect.signature(fn).parameters)
+    signature = {name: _signature_type(value) for name, value in zip(names, args)}
+    constexprs = {k: v for k, v in kwargs.items() if k not in _OPTIONS}
+    signature.update({k: "constexpr" for k in constexprs})
+    missing = [n for n in names if n not in signature]
+    if missing:
+        raise TypeError(f"{fn.__name__}: arguments not passed: {missing}")
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    jit_fn = triton.JITFunction(fn)
+    return triton.compile(
+        ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs), target=TARGET, options=options
+    )
+
+
+def drive_launchers() -> None:
+    """Call every launcher at real model shapes (Llama-2-7B / Llama-3-8B), fp32 and bf16."""
+    bf16 = torch.bfloat16
+    for dtype, (hq, hkv) in ((bf16, (32, 8)), (bf16, (32, 32)), (torch.float32, (32, 8))):
+        _attention(dtype, hq, hkv)
+    _elementwise(bf16)
+    _lora(bf16)
+    _lora(torch.float32)
+
+
+def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16) -> None:
+    caches = [torch.zeros(4, bs, hkv, d, dtype=dtype) for _ in range(2)]
+    for batch, ctx in ((2, 4096), (64, 256)):  # split-K decode, plain decode
+        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [[0] * (ctx // bs)] * batch, bs, "cpu")
+        attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta, d**-0.5)
+    meta = AttentionMetadata.build([512, 1], [3000, 17], [[0] * 188, [0, 0]], bs, "cpu")
+    attention_prefill.paged_prefill_attention(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)
+    kv = torch.zeros(513, hkv, d, dtype=dtype)
+    reshape_and_cache.reshape_and_cache(kv, kv, *caches, meta.slot_mapping)
+
+
+def _elementwise(dtype: torch.dtype) -> None:
+    x = torch.zeros(8, 4096, dtype=dtype)
+    rms_norm.rms_norm(x, torch.ones(4096, dtype=dtype), 1e-5)
+    rms_norm.rms_norm(x, torch.ones(4096, dtype=dtype), 1e-5, x)
+    cache = rotary.compute_cos_sin_cache(128, 64, 500000.0)
+    qkv = torch.zeros(8, 48 * 128, dtype=dtype)
+    rotary.rotary_embedding(
+        torch.zeros(8, dtype=torch.int64), qkv[:, : 32 * 128], qkv[:, 32 * 128 : 40 * 128], cache, 128
+    )
+    activation.silu_and_mul(torch.zeros(8, 2 * 11008, dtype=dtype))
+
+
+def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 32) -> None:
+    lora_a = [torch.zeros(slots, rank, hidden, dtype=dtype) for _ in range(3)]
+    lora_b = [torch.zeros(slots, w, rank, dtype=dtype) for w in (4096, 1024, 1024)]
+    scaling = [torch.ones(slots) for _ in range(3)]
+    ranks = torch.full((slots,), rank, dtype=torch.int32)
+    for num_tokens in (32, 4096):  # decode (split-K shrink, BLOCK_M 16), prefill (BLOCK_M 64)
+        mapping = LoRAMapping.from_token_slots((torch.arange(num_tokens) % slots).to(torch.int32))
+        x = torch.zeros(num_tokens, hidden, dtype=dtype)
+        v = lora_shrink.lora_shrink(x, lora_a, mapping, ranks=ranks)
+        lora_expand.lora_expand(v, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
+        return 2
+    recorders = pretend_cuda()
+    drive_launchers()
+    failures, seen = 0, set()
+    for name, rec in recorders.items():
+        if not rec.launches:
+            print(f"FAIL {name}: never launched")
+            failures += 1
+        for _grid, args, kwargs in rec.launches:
+            key = (name, tuple(_signature_type(a) for a in args), tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            consts = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+            try:
+                compiled = compile_launch(rec.fn, args, kwargs)
+            except Exception as err:  # report every failure, not only the first
+                print(f"FAIL {name}[{consts}]: {type(err).__name__}: {err}")
+                failures += 1
+                continue
+            shared = compiled.metadata.shared
+            status = "ok  " if shared <= MAX_SHARED_BYTES else "FAIL"
+            failures += shared > MAX_SHARED_BYTES
+            print(f"{status} {name}[{consts}] shared={shared} B")
+    print(f"{len(seen)} specialisations, {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""LoRA SGMV shrink/expand: Triton kernels and references against per-token float32 loops and PEFT."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_test_utils import assert_close, naive_lora_expand, naive_lora_shrink, zipf_slots
+
+from loraplex.kernels import ops
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_expand import lora_expand_ref
+from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_shrink import _launch_lora_shrink, lora_shrink_ref
+
+HIDDEN, SLOTS, RANK = 40, 5, 8
+WIDTHS = [24, 8, 8]  # fused q/k/v slices of different widths (GQA)
+NUM_TOKENS = 37  # > 2 token tiles of 16 for the biggest segments
+
+
+def _slots(case: str) -> torch.Tensor:
+    if case == "one_adapter":
+        return torch.full((NUM_TOKENS,), 3, dtype=torch.int32)
+    if case == "all_different":
+        return torch.randperm(SLOTS)[: SLOTS - 1].to(torch.int32)  # every token its own adapter
+    if case == "zipf":
+        return zipf_slots(NUM_TOKENS, SLOTS)
+    if case == "some_none":
+        slots = zipf_slots(NUM_TOKENS, SLOTS)
+        slots[torch.randperm(NUM_TOKENS)[:9]] = -1
+        return slots
+    if case == "all_none":
+        return torch.full((6,), -1, dtype=torch.int32)
+    raise AssertionError(case)
+
+
+CASES = ["one_adapter", "all_different", "zipf", "some_none", "all_none"]
+
+
+def _weights(dtype: torch.dtype, device: torch.device, mixed_ranks: bool):
+    """Zero-padded A/B per slot; with mixed ranks slot s has rank RANK >> (s % 3), plus the ranks tensor."""
+    ranks = [RANK >> (s % 3) if mixed_ranks else RANK for s in range(SLOTS)]
+    lora_a, lora_b = [], []
+    for width in WIDTHS:
+        a = torch.randn(SLOTS, RANK, HIDDEN) / HIDDEN**0.5
+        b = torch.randn(SLOTS, width, RANK)
+        for s, r in enumerate(ranks):
+            a[s, r:] = 0
+            b[s, :, r:] = 0
+        lora_a.append(a.to(device=device, dtype=dtype))
+        lora_b.append(b.to(device=device, dtype=dtype))
+    scaling = [(torch.rand(SLOTS) + 0.5).to(device) for _ in WIDTHS]
+    ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device) if mixed_ranks else None
+    return lora_a, lora_b, scaling, ranks_t
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_shrink_expand_kernels_match_naive(triton_backend, case, dtype):
+    device = triton_backend
+    token_slots = _slots(case).to(device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN).to(device=device, dtype=dtype)
+    lora_a, lora_b, scaling, ranks = _weights(dtype, device, mixed_ranks=case == "zipf")
+
+    v = ops.lora_shrink(x, lora_a, mapping, ranks=ranks)
+    assert v.shape == (len(WIDTHS), x.shape[0], RANK) and v.dtype == torch.float32
+    assert_close(v, naive_lora_shrink(x, lora_a, token_slots), dtype)
+
+    y = torch.randn(x.shape[0], sum(WIDTHS)).to(device=device, dtype=dtype)
+    expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    y_before = y.clone()
+    ops.lora_expand(v, lora_b, scaling, y, mapping, ranks=ranks)
+    assert_close(y, expected, dtype, scale=2.0)
+    none = (token_slots < 0).cpu()
+    assert torch.equal(y.cpu()[none], y_before.cpu()[none]), "rows without adapter must be untouched"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shrink_launcher_writes_every_lora_row_and_skips_the_rest(kernel_device, dtype):
+    token_slots = _slots("some_none").to(kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN).to(device=kernel_device, dtype=dtype)
+    lora_a, _, _, _ = _weights(dtype, kernel_device, mixed_ranks=False)
+    out = torch.full((len(WIDTHS), x.shape[0], RANK), float("nan"), device=kernel_device)
+    _launch_lora_shrink(x, lora_a, mapping, out, None, split_k=1)
+    lora_rows = (token_slots >= 0).cpu()
+    assert_close(out.cpu()[:, lora_rows], naive_lora_shrink(x, lora_a, token_slots)[:, lora_rows], dtype)
+    assert torch.isnan(out.cpu()[:, ~lora_rows]).all(), "slot -1 rows must cost nothing (left unwritten)"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_shrink_split_k_is_deterministic_and_correct(kernel_device, split_k):
+    token_slots = _slots("some_none").to(kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=kernel_device)
+    lora_a, _, _, _ = _weights(torch.float32, kernel_device, mixed_ranks=False)
+    outs = []
+    for _ in range(2):
+        out = torch.full((len(WIDTHS), x.shape[0], RANK), float("nan"), device=kernel_device)
+        _launch_lora_shrink(x, lora_a, mapping, out, None, split_k=split_k)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], naive_lora_shrink(x, lora_a, token_slots), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_references_match_naive(case, dtype):
+    token_slots = _slots(case)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN).to(dtype)
+    lora_a, lora_b, scaling, ranks = _weights(dtype, torch.device("cpu"), mixed_ranks=case != "one_adapter")
+    v = lora_shrink_ref(x, lora_a, mapping, ranks=ranks)
+    assert_close(v, naive_lora_shrink(x, lora_a, token_slots), dtype, scale=0.1)
+    y = torch.randn(x.shape[0], sum(WIDTHS)).to(dtype)
+    expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    lora_expand_ref(v, lora_b, scaling, y, mapping, ranks=ranks)
+    assert_close(y, expected, dtype)
+
+
+def test_ranks_skip_padded_rows():
+    # Junk (not zero) beyond ranks[s] must be ignored: the kernels and references treat it as zero.
+    token_slots = torch.tensor([0, 1, 1, -1, 0], dtype=torch.int32)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(5, HIDDEN)
+    a = torch.randn(2, RANK, HIDDEN)
+    ranks = torch.tensor([2, 8], dtype=torch.int32)
+    v = lora_shrink_ref(x, [a], mapping, ranks=ranks)
+    truncated = a.clone()
+    truncated[0, 2:] = 0
+    assert_close(v, naive_lora_shrink(x, [truncated], token_slots), torch.float32)
+
+
+@pytest.mark.interpreter
+def test_kernels_ignore_junk_beyond_ranks(kernel_device):
+    token_slots = torch.tensor([0, 1, 1, -1, 0, 1], dtype=torch.int32, device=kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(6, HIDDEN, device=kernel_device)
+    a = torch.randn(2, RANK, HIDDEN, device=kernel_device)
+    b = torch.randn(2, 16, RANK, device=kernel_device)
+    scaling = [torch.tensor([0.5, 2.0], device=kernel_device)]
+    ranks = torch.tensor([3, 8], dtype=torch.int32, device=kernel_device)
+    a_trunc, b_trunc = a.clone(), b.clone()
+    a_trunc[0, 3:] = 0
+    b_trunc[0, :, 3:] = 0
+    with ops.use_backend("triton"):
+        v = ops.lora_shrink(x, [a], mapping, ranks=ranks)
+        y = torch.randn(6, 16, device=kernel_device)
+        expected = naive_lora_expand(naive_lora_shrink(x, [a_trunc], token_slots), [b_trunc], scaling, y, token_slots)
+        ops.lora_expand(v, [b], scaling, y, mapping, ranks=ranks)
+    assert_close(v, naive_lora_shrink(x, [a_trunc], token_slots), torch.float32)
+    assert_close(y, expected, torch.float32)
+
+
+def _peft_model_and_pool(hidden: int, widths: list[int]):
+    """A two-projection module with two PEFT adapters (different ranks and targets) and our slot-pool tensors."""
+    nn = torch.nn
+    peft = pytest.importorskip("peft")
+
+    class TwoProj(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(hidden, widths[0], bias=False)
+            self.k = nn.Linear(hidden, widths[1], bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.q(x), self.k(x)], dim=-1)
+
+    model = peft.get_peft_model(
+        TwoProj(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "k"], init_lora_weights=False), "a0"
+    )
+    model.add_adapter("a1", peft.LoraConfig(r=8, lora_alpha=4, target_modules=["q"], init_lora_weights=False))
+    model.eval()
+    # Slot 0 free, slot 1 = a1, slot 2 = a0; R = 8, zero-padded.
+    slot_of = {"a1": 1, "a0": 2}
+    lora_a = [torch.zeros(3, 8, hidden) for _ in widths]
+    lora_b = [torch.zeros(3, w, 8) for w in widths]
+    scaling = [torch.zeros(3) for _ in widths]
+    for i, name in enumerate(["q", "k"]):
+        layer = getattr(model.base_model.model, name)
+        for adapter, slot in slot_of.items():
+            if adapter in layer.lora_A:
+                a = layer.lora_A[adapter].weight.detach()
+                lora_a[i][slot, : a.shape[0]] = a
+                lora_b[i][slot, :, : a.shape[0]] = layer.lora_B[adapter].weight.detach()
+                scaling[i][slot] = layer.scaling[adapter]
+    return model, slot_of, lora_a, lora_b, scaling
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_mixed_adapter_batch_matches_peft(kernel_device, backend):
+    widths = [24, 8]
+    model, slot_of, lora_a, lora_b, scaling = _peft_model_and_pool(HIDDEN, widths)
+    names = ["a0", "__base__", "a1", "a0", "a1", "a1", "__base__", "a0"]
+    x = torch.randn(len(names), HIDDEN)
+    with torch.no_grad():
+        expected = model(x, adapter_names=names)
+        base = model.get_base_model()
+        with model.disable_adapter():
+            y = base(x)
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    token_slots = torch.tensor([slot_of.get(n, -1) for n in names], dtype=torch.int32, device=device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    ranks = torch.tensor([0, 8, 4], dtype=torch.int32, device=device)
+    y = y.to(device)
+    with ops.use_backend(backend):
+        v = ops.lora_shrink(x.to(device), [a.to(device) for a in lora_a], mapping, ranks=ranks)
+        ops.lora_expand(v, [b.to(device) for b in lora_b], [s.to(device) for s in scaling], y, mapping, ranks=ranks)
+    assert_close(y, expected, torch.float32, scale=5.0)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        ("x_dtype", "differs from the activations"),
+        ("slot_too_big", "uses slot 4"),
+        ("width_sum", "y.shape"),
+        ("ranks_dtype", "ranks.dtype"),
+        ("tokens", "mapping.num_tokens"),
+    ],
+)
+def test_bad_arguments_raise_typed_errors(mutate, fragment):
+    token_slots = torch.tensor([0, 4, -1], dtype=torch.int32)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    lora_a, lora_b, scaling, _ = _weights(torch.float32, torch.device("cpu"), mixed_ranks=False)
+    x = torch.randn(3, HIDDEN)
+    y = torch.randn(3, sum(WIDTHS))
+    v = torch.zeros(len(WIDTHS), 3, RANK)
+    ranks = None
+    if mutate == "x_dtype":
+        x = x.half()
+    elif mutate == "slot_too_big":
+        lora_a = [a[:4].contiguous() for a in lora_a]
+    elif mutate == "width_sum":
+        y = y[:, :-1]
+    elif mutate == "ranks_dtype":
+        ranks = torch.zeros(SLOTS, dtype=torch.int64)
+    elif mutate == "tokens":
+        x = x[:2]
+    with pytest.raises(KernelArgumentError, match=fragment):
+        lora_shrink_ref(x, lora_a, mapping, ranks=ranks)
+        lora_expand_ref(v, lora_b, scaling, y, mapping, ranks=ranks)

@@ -1,0 +1,201 @@
+"""Paged attention: Triton decode/prefill kernels and the reference against a per-token float32 loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_test_utils import assert_close, make_paged_batch, naive_paged_attention, nan_like
+
+from loraplex.kernels import ops
+from loraplex.kernels.attention import paged_attention_ref
+from loraplex.kernels.attention_decode import choose_num_splits, paged_decode_attention
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.errors import KernelArgumentError
+
+BLOCK_SIZE = 8
+HEAD_DIM = 16
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (num_kv_heads, group): GQA ratios 1, 3 and 8.
+HEADS = [(2, 1), (1, 3), (1, 8)]
+# Context lengths around the block size: 1, bs-1, bs, bs+1, and several blocks.
+DECODE_SEQ_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5]
+# (query_len, seq_len): prefill of 1, bs-1, bs, bs+1 and > one 16-token tile; a decode
+# row; extends after cached prefixes of bs and 1 positions.
+MIXED = [(1, 1), (7, 7), (8, 8), (9, 9), (20, 20), (1, 8), (5, 13), (9, 10)]
+
+
+def _scale() -> float:
+    return HEAD_DIM**-0.5
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hkv{h[0]}g{h[1]}")
+def test_decode_kernel_matches_naive(triton_backend, heads, dtype):
+    num_kv_heads, group = heads
+    batch = make_paged_batch(
+        [1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, num_kv_heads, group, HEAD_DIM, BLOCK_SIZE, dtype, triton_backend
+    )
+    out = ops.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), out=nan_like(batch.query)
+    )
+    assert out.shape == batch.query.shape and out.dtype == dtype
+    assert_close(out, naive_paged_attention(batch, _scale()), dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_decode_split_k_matches_naive(kernel_device, poison_allocations, num_splits, dtype):
+    # Longer contexts so that every split has work; the 1-token sequence leaves later splits empty.
+    seq_lens = [1, 40, 33, 17]
+    batch = make_paged_batch([1] * 4, seq_lens, 2, 3, HEAD_DIM, BLOCK_SIZE, dtype, kernel_device, num_padded_tokens=6)
+    out = paged_decode_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.meta,
+        _scale(),
+        out=nan_like(batch.query),
+        num_splits=num_splits,
+    )
+    expected = naive_paged_attention(batch, _scale())
+    assert_close(out[:4], expected[:4], dtype)
+    assert (out[4:] == 0).all(), "padding rows must be zeroed"
+
+
+def test_choose_num_splits_fills_small_batches():
+    cuda_like = torch.device("cpu")  # interpreter pretends to have 4 SMs
+    assert choose_num_splits(num_programs=64, max_seq_len=32768, device=cuda_like) == 1
+    assert choose_num_splits(num_programs=1, max_seq_len=32768, device=cuda_like) == 8
+    assert choose_num_splits(num_programs=1, max_seq_len=100, device=cuda_like) == 1
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hkv{h[0]}g{h[1]}")
+def test_prefill_kernel_mixed_batch_matches_naive(triton_backend, heads, dtype):
+    num_kv_heads, group = heads
+    query_lens = [q for q, _ in MIXED]
+    seq_lens = [s for _, s in MIXED]
+    batch = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads,
+        group,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        dtype,
+        triton_backend,
+        num_padded_tokens=sum(query_lens) + 3,
+    )
+    out = ops.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), out=nan_like(batch.query)
+    )
+    n = batch.meta.num_actual_tokens
+    assert_close(out[:n], naive_paged_attention(batch, _scale())[:n], dtype)
+    assert (out[n:] == 0).all(), "padding rows must be zeroed"
+
+
+@pytest.mark.interpreter
+def test_prefill_kernel_strided_query_and_head_dim_not_power_of_two(kernel_device):
+    # The query is a view into a fused qkv output (row stride > Hq * D); D = 24 is padded to 32 in-kernel.
+    head_dim, num_kv_heads, group = 24, 2, 2
+    batch = make_paged_batch([6, 1], [11, 9], num_kv_heads, group, head_dim, 4, torch.float32, kernel_device)
+    qkv = torch.randn(batch.query.shape[0], (num_kv_heads * group + 2 * num_kv_heads) * head_dim, device=kernel_device)
+    query = qkv[:, : num_kv_heads * group * head_dim].view(-1, num_kv_heads * group, head_dim)
+    batch.query = query
+    with ops.use_backend("triton"):
+        out = ops.paged_attention(query, batch.key_cache, batch.value_cache, batch.meta, head_dim**-0.5)
+    assert_close(out, naive_paged_attention(batch, head_dim**-0.5), torch.float32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_prefill_then_decode_matches_dense_causal_attention(triton_backend, dtype):
+    """End to end through ops: write K/V chunk by chunk, attend, compare with dense SDPA over the whole sequence."""
+    device = triton_backend
+    num_kv_heads, group, total = 2, 4, 23
+    chunks = [8, 9, 4, 1, 1]  # chunked prefill of 21 tokens, then two decode steps
+    q_all = torch.randn(total, num_kv_heads * group, HEAD_DIM, device=device).to(dtype)
+    k_all = torch.randn(total, num_kv_heads, HEAD_DIM, device=device).to(dtype)
+    v_all = torch.randn(total, num_kv_heads, HEAD_DIM, device=device).to(dtype)
+    table = [5, 0, 3, 7]  # 4 blocks of 8 positions, out of order
+    key_cache = torch.zeros(8, BLOCK_SIZE, num_kv_heads, HEAD_DIM, device=device, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    outputs, done = [], 0
+    for n in chunks:
+        meta = AttentionMetadata.build([n], [done + n], [table], BLOCK_SIZE, device)
+        ops.reshape_and_cache(k_all[done : done + n], v_all[done : done + n], key_cache, value_cache, meta.slot_mapping)
+        outputs.append(ops.paged_attention(q_all[done : done + n], key_cache, value_cache, meta, _scale()))
+        done += n
+    got = torch.cat(outputs)
+    q = q_all.float().transpose(0, 1)  # [Hq, T, D]
+    k = k_all.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = v_all.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=_scale()).transpose(0, 1)
+    assert_close(got, dense, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hkv{h[0]}g{h[1]}")
+def test_reference_matches_naive(heads, dtype):
+    num_kv_heads, group = heads
+    query_lens = [q for q, _ in MIXED] + [1, 1]
+    seq_lens = [s for _, s in MIXED] + [BLOCK_SIZE + 1, 1]
+    batch = make_paged_batch(
+        query_lens, seq_lens, num_kv_heads, group, HEAD_DIM, BLOCK_SIZE, dtype, torch.device("cpu"), 70
+    )
+    out = paged_attention_ref(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), out=nan_like(batch.query)
+    )
+    n = batch.meta.num_actual_tokens
+    assert_close(out[:n], naive_paged_attention(batch, _scale())[:n], dtype, scale=0.5)
+    assert (out[n:] == 0).all()
+
+
+def test_auto_backend_uses_reference_on_cpu():
+    batch = make_paged_batch([3], [5], 1, 2, HEAD_DIM, 4, torch.float32, torch.device("cpu"))
+    with ops.use_backend("auto"):
+        out = ops.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale())
+    assert_close(out, naive_paged_attention(batch, _scale()), torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda b: setattr(b, "query", b.query.to(torch.int32)), "query.dtype"),
+        (lambda b: setattr(b, "query", b.query[:, :3]), "not a multiple"),
+        (lambda b: setattr(b, "value_cache", b.value_cache.half()), "value_cache.dtype"),
+        (lambda b: setattr(b, "key_cache", b.key_cache[..., :8]), "key_cache.shape"),
+    ],
+)
+def test_bad_arguments_raise_typed_errors(mutate, fragment):
+    batch = make_paged_batch([2, 1], [4, 3], 2, 2, HEAD_DIM, 4, torch.float32, torch.device("cpu"))
+    mutate(batch)
+    with pytest.raises(KernelArgumentError, match=fragment):
+        paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale())
+
+
+def test_decode_kernel_rejects_prefill_metadata(kernel_device):
+    batch = make_paged_batch([2], [4], 1, 1, HEAD_DIM, 4, torch.float32, kernel_device)
+    with pytest.raises(KernelArgumentError, match="max_query_len=2"):
+        paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale())
+
+
+def test_short_block_table_is_rejected():
+    batch = make_paged_batch([1], [9], 1, 1, HEAD_DIM, 4, torch.float32, torch.device("cpu"))
+    meta = batch.meta
+    narrow = AttentionMetadata(
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables[:, :2].contiguous(),
+        meta.slot_mapping,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.query_start_loc_host,
+        meta.seq_lens_host,
+    )
+    with pytest.raises(KernelArgumentError, match="max_seq_len=9 exceeds"):
+        paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, narrow, _scale())
