@@ -1,0 +1,1 @@
+"""The FastAPI layer: routes translate HTTP to service calls and back, nothing more."""

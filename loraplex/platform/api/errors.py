@@ -1,0 +1,55 @@
+"""Exception handlers: every error leaves as ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplex.platform.errors import PlatformError
+
+logger = logging.getLogger(__name__)
+
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+               429: "rate_limit_error"}
+
+
+def error_body(message: str, type_: str, *, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+async def _platform_error(_request: Request, exc: PlatformError) -> JSONResponse:
+    return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=exc.headers())
+
+
+async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    param = ".".join(loc) or None
+    value = first.get("input")
+    shown = f" (got {value!r})" if value is not None and not isinstance(value, (dict, list)) else ""
+    message = f"{param or 'request'}: {first.get('msg', 'invalid value')}{shown}"
+    return JSONResponse(error_body(message, "invalid_request_error", param=param, code="invalid_value"),
+                        status_code=400)
+
+
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    type_ = _HTTP_TYPES.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+    return JSONResponse(error_body(str(exc.detail), type_, code=None), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error")
+    return JSONResponse(error_body("internal server error", "server_error", code="internal_error"),
+                        status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(PlatformError, _platform_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

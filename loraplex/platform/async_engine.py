@@ -1,0 +1,377 @@
+"""Asynchronous front of the synchronous :class:`~loraplex.engine.llm_engine.LLMEngine`.
+
+The engine is not thread-safe, so one dedicated thread owns it: it runs
+``engine.step()`` while requests are unfinished and, between steps, executes
+commands queued by the event loop (add a request, abort one, retire an
+adapter, read stats). Outputs go back to per-request ``asyncio.Queue``s with
+``loop.call_soon_threadsafe``; :meth:`AsyncEngine.generate` yields each
+request's cumulative :class:`RequestOutput`s. Closing the generator early
+(client disconnected, task cancelled) aborts the request, which frees its KV
+blocks and its adapter slot pin.
+
+Adapters are retired (``engine.remove_lora`` and a release callback that may
+delete the files) only once no request added through this wrapper still uses
+them, so in-flight requests finish on the version they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from loraplex.engine.llm_engine import EngineStats, LLMEngine
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraplex.adapters import BaseModelSpec
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread is not running (never started, shut down, or crashed)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    lora_int_id: int | None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand ``item`` to the request's event loop (dropped if that loop is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Retirement:
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+
+class AsyncEngine:
+    """Runs ``engine`` in a background thread; see the module docstring.
+
+    ``stats_interval_s``: how often (while busy) the stats snapshot read by
+    :meth:`stats_dict` is refreshed; it is also refreshed whenever the engine goes idle.
+    """
+
+    def __init__(self, engine: LLMEngine, *, stats_interval_s: float = 1.0) -> None:
+        self.engine = engine
+        self.stats_interval_s = stats_interval_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._lora_users: dict[int, int] = {}
+        self._retiring: dict[int, _Retirement] = {}
+        self._snapshot: EngineStats | None = None
+        self._snapshot_at = 0.0
+        self._crashed: BaseException | None = None
+
+    # -- properties of the served model -------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + generated tokens of one sequence, at most."""
+        return self.engine.max_model_len
+
+    @property
+    def max_lora_rank(self) -> int:
+        return self.engine.config.max_lora_rank
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_pool is not None
+
+    @property
+    def model_name(self) -> str:
+        """The model folder's name (the default model id)."""
+        return Path(self.engine.model_path).name
+
+    @property
+    def base_spec(self) -> BaseModelSpec:
+        """The :class:`~loraplex.adapters.BaseModelSpec` uploads are validated against."""
+        from loraplex.adapters import BaseModelSpec
+
+        spec = self.engine.spec
+        return BaseModelSpec(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                             module_shapes=spec.module_shapes, architecture=spec.architecture)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight and stop the thread."""
+        if self._thread is None:
+            return
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request and return the stream of its cumulative outputs.
+
+        Raises what ``LLMEngine.add_request`` raises (``InvalidRequestError``,
+        ``PromptTooLongError``, ``AdapterError``), or ``EngineStoppedError``.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None)
+        await self._call(lambda: self._add(request_id, prompt_token_ids, params, lora_request, stream))
+        return RequestStream(self, request_id, stream.queue)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """:meth:`add_request`, then yield its outputs until it finishes (aborting it if closed early)."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, lora_request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when unknown or finished)."""
+        await self._call(lambda: self._abort(request_id))
+
+    def retire_lora(self, lora_int_id: int, on_released: Callable[[], None] | None = None) -> None:
+        """Remove an adapter from the engine once no request uses it, then call ``on_released``
+        (on the engine thread). Safe to call for an id the engine never loaded."""
+        self._submit(lambda: self._retire(lora_int_id, on_released))
+
+    def run_on_engine_thread(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the engine thread between two steps (the only safe place to touch
+        ``self.engine``); the future holds its result. Fails with ``EngineStoppedError`` when
+        the thread is not running."""
+        return self._submit(fn)
+
+    def preload_lora(self, lora_request: LoRARequest) -> concurrent.futures.Future:
+        """Register an adapter now (read from disk into the host cache) so its first request does
+        not wait for the disk; the future fails with the engine's ``AdapterError`` for a bad one."""
+        def load() -> bool:
+            added = self.engine.add_lora(lora_request)
+            self._take_snapshot()
+            return added
+
+        return self._submit(load)
+
+    async def get_stats(self) -> EngineStats:
+        """Fresh engine stats, read on the engine thread."""
+        return await self._call(self._take_snapshot)
+
+    def stats_dict(self) -> dict[str, Any] | None:
+        """The latest stats snapshot as plain data (``lora``: the slot pool's stats), or None."""
+        snapshot = self._snapshot
+        return stats_to_dict(snapshot) if snapshot is not None else None
+
+    # -- plumbing (event-loop side) ---------------------------------------------------------------
+    def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_running:
+            future.set_exception(EngineStoppedError(f"the engine is not running ({self._crashed or 'stopped'})"))
+            return future
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._refresh_snapshot(force=self._snapshot_stale())
+                    self._wake.wait(self.stats_interval_s)
+        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+            logger.exception("engine thread crashed")
+            self._crashed = exc
+        finally:
+            self._shutdown_streams(self._crashed or EngineStoppedError("the engine was shut down"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine.step() failed; failing the requests in flight")
+            self._fail_all(exc)
+            return
+        for output in outputs:
+            self._deliver(output)
+        self._refresh_snapshot(force=any(o.finished for o in outputs))
+        if not outputs:  # nothing progressed (e.g. waiting for a free adapter slot): do not spin
+            self._wake.wait(0.002)
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             lora_request: LoRARequest | None, stream: _Stream) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, lora_request)
+        self._streams[request_id] = stream
+        if stream.lora_int_id is not None:
+            self._lora_users[stream.lora_int_id] = self._lora_users.get(stream.lora_int_id, 0) + 1
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        stream.put(output)
+        if output.finished:
+            self._forget(output.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self.engine.abort_request(request_id)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id)
+        lora_int_id = stream.lora_int_id
+        if lora_int_id is None:
+            return
+        self._lora_users[lora_int_id] -= 1
+        if self._lora_users[lora_int_id] == 0:
+            del self._lora_users[lora_int_id]
+            if lora_int_id in self._retiring:
+                self._finish_retirement(lora_int_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.put(exc)
+            try:
+                self._abort(request_id)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                logger.exception("abort of %s failed", request_id)
+
+    def _retire(self, lora_int_id: int, on_released: Callable[[], None] | None) -> None:
+        retirement = self._retiring.setdefault(lora_int_id, _Retirement())
+        if on_released is not None:
+            retirement.callbacks.append(on_released)
+        if self._lora_users.get(lora_int_id, 0) == 0:
+            self._finish_retirement(lora_int_id)
+
+    def _finish_retirement(self, lora_int_id: int) -> None:
+        retirement = self._retiring.pop(lora_int_id)
+        if self.engine.lora_pool is not None and lora_int_id in self.engine.list_loras():
+            self.engine.remove_lora(lora_int_id)
+        for callback in retirement.callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a cleanup failure must not stop the engine
+                logger.exception("release callback of adapter %d failed", lora_int_id)
+
+    def _shutdown_streams(self, exc: BaseException) -> None:
+        self._fail_all(exc)
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(exc)
+
+    def _snapshot_stale(self) -> bool:
+        """True when the last snapshot still shows work (or none was taken): the engine is idle now."""
+        s = self._snapshot
+        return s is None or s.num_running + s.num_waiting + s.num_swapped > 0 or s.kv_blocks_used > 0
+
+    def _take_snapshot(self) -> EngineStats:
+        self._snapshot = self.engine.get_stats()
+        self._snapshot_at = time.monotonic()
+        return self._snapshot
+
+    def _refresh_snapshot(self, *, force: bool) -> None:
+        if force or time.monotonic() - self._snapshot_at >= self.stats_interval_s:
+            self._take_snapshot()
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; ends after the finished one.
+
+    Raises ``EngineStoppedError`` (or the exception ``engine.step()`` raised) if the
+    engine fails meanwhile. :meth:`close` aborts the request unless it finished.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self._outputs = outputs
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request (frees its KV blocks and adapter pin) unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self.owner._submit(lambda: self.owner._abort(self.request_id))
+
+
+def stats_to_dict(stats: EngineStats) -> dict[str, Any]:
+    """``EngineStats`` as JSON-ready data (the ``lora`` pool stats flattened to a dict)."""
+    data = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name != "lora"}
+    lora = stats.lora
+    if dataclasses.is_dataclass(lora):
+        data["lora"] = dataclasses.asdict(lora)
+    elif isinstance(lora, dict):
+        data["lora"] = dict(lora)
+    else:
+        data["lora"] = None
+    return data

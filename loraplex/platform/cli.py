@@ -1,0 +1,200 @@
+"""Platform commands of the ``loraplex`` CLI, added by ``loraplex.cli`` through
+:func:`add_commands`:
+
+    loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags]
+    loraplex tenant create NAME [--requests-per-minute N --tokens-per-minute N --max-adapters N --max-upload-mb X]
+    loraplex key create TENANT
+    loraplex adapter upload TENANT NAME PATH [--model DIR_OR_DEMO]
+
+Engine flags are named as vLLM's. Flags left out fall back to ``LORAPLEX_*``
+environment variables, then to defaults (``Settings``): every flag defaults
+to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_S = argparse.SUPPRESS
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``serve``, ``tenant``, ``key`` and ``adapter``; each sets ``handler(args) -> exit status``."""
+    _add_serve(subparsers)
+    tenant = subparsers.add_parser("tenant", help="manage tenants").add_subparsers(
+        dest="tenant_command", required=True, metavar="ACTION")
+    create = tenant.add_parser("create", help="create a tenant")
+    create.add_argument("name")
+    create.add_argument("--requests-per-minute", type=int, default=None)
+    create.add_argument("--tokens-per-minute", type=int, default=None)
+    create.add_argument("--max-adapters", type=int, default=None)
+    create.add_argument("--max-upload-mb", type=float, default=None)
+    _add_storage_flags(create)
+    create.set_defaults(handler=_tenant_create)
+
+    key = subparsers.add_parser("key", help="manage tenant API keys").add_subparsers(
+        dest="key_command", required=True, metavar="ACTION")
+    key_create = key.add_parser("create", help="create an API key (printed once)")
+    key_create.add_argument("tenant")
+    _add_storage_flags(key_create)
+    key_create.set_defaults(handler=_key_create)
+
+    adapter = subparsers.add_parser("adapter", help="manage adapters").add_subparsers(
+        dest="adapter_command", required=True, metavar="ACTION")
+    upload = adapter.add_parser("upload", help="validate and store a PEFT adapter (folder, .zip or .tar.gz)")
+    upload.add_argument("tenant")
+    upload.add_argument("name")
+    upload.add_argument("path", type=Path)
+    upload.add_argument("--model", default=_S, help="base model to validate against (default: LORAPLEX_MODEL)")
+    upload.add_argument("--served-model-name", default=_S)
+    upload.add_argument("--max-lora-rank", type=int, default=_S)
+    _add_storage_flags(upload)
+    upload.set_defaults(handler=_adapter_upload)
+
+
+def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", type=Path, default=_S, help="registry and adapters (LORAPLEX_DATA_DIR)")
+    parser.add_argument("--database-url", default=_S, help="SQLAlchemy URL (LORAPLEX_DATABASE_URL)")
+    parser.add_argument("--redis-url", default=_S, help="redis://... (LORAPLEX_REDIS_URL)")
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
+    serve.add_argument("--model", default=_S, help="HF model folder or demo model name")
+    serve.add_argument("--served-model-name", default=_S)
+    serve.add_argument("--host", default=_S)
+    serve.add_argument("--port", type=int, default=_S)
+    serve.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=_S)
+    serve.add_argument("--max-loras", type=int, default=_S)
+    serve.add_argument("--max-lora-rank", type=int, default=_S)
+    serve.add_argument("--max-cpu-loras", type=int, default=_S)
+    serve.add_argument("--gpu-memory-utilization", type=float, default=_S)
+    serve.add_argument("--max-model-len", type=int, default=_S)
+    serve.add_argument("--block-size", type=int, default=_S)
+    serve.add_argument("--max-num-seqs", type=int, default=_S)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=_S)
+    serve.add_argument("--swap-space", type=float, default=_S, help="GiB")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_S)
+    serve.add_argument("--tensor-parallel-size", type=int, default=_S, help="only 1 is supported")
+    serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_S)
+    serve.add_argument("--device", choices=["auto", "cuda", "cpu"], default=_S)
+    serve.add_argument("--seed", type=int, default=_S)
+    serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S)
+    _add_storage_flags(serve)
+    serve.set_defaults(handler=_serve)
+
+
+_NOT_SETTINGS = {"command", "handler", "tenant_command", "key_command", "adapter_command", "name", "tenant",
+                 "path", "requests_per_minute", "tokens_per_minute", "max_adapters", "max_upload_mb",
+                 "accepts_any_arguments"}
+
+
+def settings_from_args(args: argparse.Namespace):
+    """``Settings`` from the flags given (others: environment, then defaults).
+
+    Raises ``pydantic.ValidationError`` naming the bad field.
+    """
+    from loraplex.platform.settings import Settings
+
+    return Settings(**{k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS})
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from loraplex.platform.main import create_app
+
+    try:
+        settings = settings_from_args(args)
+        if not settings.model:
+            return _fail("--model (or LORAPLEX_MODEL) is required")
+        app = create_app(settings)
+    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def _with_context(args: argparse.Namespace, action) -> int:
+    from pydantic import ValidationError
+
+    from loraplex.platform.context import build_context
+    from loraplex.platform.errors import PlatformError
+
+    try:
+        ctx = build_context(settings_from_args(args), None, out=sys.stderr)
+    except (ValidationError, ValueError) as exc:
+        return _fail(str(exc))
+    try:
+        with ctx.sessions() as session:
+            result = action(ctx, session)
+    except PlatformError as exc:
+        return _fail(exc.message)
+    except ValueError as exc:
+        return _fail(str(exc))
+    finally:
+        ctx.db.dispose()
+    print(json.dumps(result.model_dump(mode="json"), indent=2))
+    return 0
+
+
+def _tenant_create(args: argparse.Namespace) -> int:
+    from loraplex.platform.schemas import TenantCreate
+    from loraplex.platform.services import tenants
+
+    fields = {k: getattr(args, k) for k in ("requests_per_minute", "tokens_per_minute", "max_adapters",
+                                            "max_upload_mb") if getattr(args, k) is not None}
+    return _with_context(args, lambda ctx, s: tenants.create_tenant(
+        session=s, ctx=ctx, spec=TenantCreate(name=args.name, **fields)))
+
+
+def _key_create(args: argparse.Namespace) -> int:
+    from loraplex.platform.services import tenants
+
+    return _with_context(args, lambda ctx, s: tenants.create_api_key(session=s, ctx=ctx, tenant_name=args.tenant))
+
+
+def _adapter_upload(args: argparse.Namespace) -> int:
+    from loraplex.platform.context import attach_model_spec
+    from loraplex.platform.services import adapters, tenants
+
+    def action(ctx, session):
+        attach_model_spec(ctx)
+        owner = tenants.tenant_context(session=session, name=args.tenant)
+        files = _open_parts(args.path)
+        try:
+            return adapters.upload_adapter(session=session, ctx=ctx, tenant=owner, name=args.name, parts=files)
+        finally:
+            for part in files:
+                part.fileobj.close()
+
+    return _with_context(args, action)
+
+
+def _open_parts(path: Path):
+    """The upload parts of a folder (its two PEFT files) or of one archive file."""
+    from loraplex.platform.services.uploads import CONFIG_NAME, WEIGHTS_NAME, UploadPart
+
+    if not path.exists():
+        raise ValueError(f"path {str(path)!r} does not exist")
+    if path.is_dir():
+        files = [(path / CONFIG_NAME, "application/json"), (path / WEIGHTS_NAME, "application/octet-stream")]
+    else:
+        files = [(path, "application/octet-stream")]
+    parts = []
+    for file, content_type in files:
+        if not file.is_file():
+            raise ValueError(f"{str(file)!r} is missing")
+        parts.append(UploadPart(filename=file.name, content_type=content_type, fileobj=open(file, "rb"),
+                                size_bytes=file.stat().st_size))
+    return parts

@@ -1,0 +1,112 @@
+"""The platform's shared objects, built once per app by :func:`build_context`.
+
+Routes reach it through ``deps.py``; the Gradio console gets the same object
+(``app.state.ctx``) and calls the same service functions with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TextIO
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.platform import crud
+from loraplex.platform.cache import LookupCache, RateLimiter, Store, make_store
+from loraplex.platform.core.security import ADMIN_KEY_PREFIX, generate_key, hash_key
+from loraplex.platform.db import make_db_engine, make_session_factory, session_scope, upgrade_database
+from loraplex.platform.metrics import PlatformMetrics
+from loraplex.platform.settings import Settings
+
+if TYPE_CHECKING:
+    from loraplex.adapters import BaseModelSpec
+    from loraplex.platform.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PlatformContext:
+    """Everything a service function may need.
+
+    ``engine`` is None when the app serves no model (admin API only); then
+    ``model_id``, ``max_model_len`` and ``base_spec`` are None too.
+    """
+
+    settings: Settings
+    db: sa.Engine
+    sessions: sessionmaker[Session]
+    store: Store
+    cache: LookupCache
+    limiter: RateLimiter
+    metrics: PlatformMetrics
+    admin_key_hash: str
+    engine: AsyncEngine | None = None
+    model_id: str | None = None
+    max_model_len: int | None = None
+    base_spec: BaseModelSpec | None = None
+    max_lora_rank: int | None = None
+    started_at: float = field(default_factory=time.time)
+
+
+def build_context(settings: Settings, engine: AsyncEngine | None, *, out: TextIO = sys.stdout) -> PlatformContext:
+    """Open the database (applying migrations), the store, the metrics, and settle the admin key."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = make_db_engine(settings.resolved_database_url)
+    upgrade_database(db)
+    sessions = make_session_factory(db)
+    store = make_store(settings.redis_url, retry_s=settings.redis_retry_s)
+    ctx = PlatformContext(
+        settings=settings, db=db, sessions=sessions, store=store,
+        cache=LookupCache(store, settings.cache_ttl_s), limiter=RateLimiter(store),
+        metrics=PlatformMetrics(), admin_key_hash=_admin_key_hash(settings, sessions, out))
+    if engine is not None:
+        attach_engine(ctx, engine)
+    return ctx
+
+
+def attach_engine(ctx: PlatformContext, engine: AsyncEngine) -> None:
+    """Serve ``engine`` under ``settings.model_id`` (or the engine's model folder name)."""
+    ctx.engine = engine
+    ctx.model_id = ctx.settings.served_model_name or engine.model_name
+    ctx.max_model_len = engine.max_model_len
+    ctx.base_spec = engine.base_spec if engine.lora_enabled else None
+    ctx.max_lora_rank = engine.max_lora_rank
+    ctx.metrics.bind_engine(engine)
+
+
+def attach_model_spec(ctx: PlatformContext) -> None:
+    """Without an engine (CLI uploads): read ``settings.model``'s config so uploads can be
+    validated against it. Raises ``ValueError`` when no model is configured."""
+    from transformers import AutoConfig
+
+    from loraplex.adapters import BaseModelSpec
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.demo_models import resolve_model
+
+    settings = ctx.settings
+    if not settings.model:
+        raise ValueError("Settings.model is not set: pass --model or set LORAPLEX_MODEL to validate adapters")
+    folder = resolve_model(settings.model, settings.cache_dir)
+    ctx.base_spec = BaseModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder)))
+    ctx.max_lora_rank = settings.max_lora_rank or EngineConfig.__dataclass_fields__["max_lora_rank"].default
+    ctx.model_id = settings.model_id
+
+
+def _admin_key_hash(settings: Settings, sessions: sessionmaker[Session], out: TextIO) -> str:
+    """The admin key's hash: from ``settings.admin_key``, else the stored one, else a new
+    key generated now (its hash stored, the key printed once to ``out``)."""
+    if settings.admin_key is not None:
+        return hash_key(settings.admin_key.get_secret_value())
+    with session_scope(sessions) as session:
+        stored = crud.get_admin_key_hash(session=session)
+        if stored is not None:
+            return stored
+        new = generate_key(ADMIN_KEY_PREFIX)
+        crud.add_admin_key(session=session, key_hash=new.key_hash, prefix=new.prefix)
+    print(f"loraplex: generated admin key (shown once, store it now): {new.plaintext}", file=out, flush=True)
+    return new.key_hash

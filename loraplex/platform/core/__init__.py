@@ -1,0 +1,1 @@
+"""Cross-cutting helpers of the platform (security)."""

@@ -1,0 +1,78 @@
+"""Database engine, sessions and migrations.
+
+SQLite (a file under ``data_dir``) is the embedded default; PostgreSQL works
+through ``LORAPLEX_DATABASE_URL`` (``postgresql+psycopg://...``). The schema is
+owned by the Alembic migrations in ``<repo>/migrations`` and applied at start
+with :func:`upgrade_database`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def make_db_engine(url: str) -> sa.Engine:
+    """Create the SQLAlchemy engine for ``url``. For SQLite: creates the parent folder,
+    allows use from the server's worker threads, turns on foreign keys (cascading
+    deletes) and WAL journaling, and waits up to 30 s for a lock."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return sa.create_engine(url, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+    sa.event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.close()
+
+
+def make_session_factory(engine: sa.Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded attributes after commit (responses are built after it)."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session that commits on success and rolls back on any exception."""
+    with factory() as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+def alembic_config(engine: sa.Engine) -> Config:
+    """An Alembic config for ``engine`` using the repository's ``migrations/`` folder."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
+    config.attributes["engine"] = engine
+    return config
+
+
+def upgrade_database(engine: sa.Engine, revision: str = "head") -> None:
+    """Apply migrations up to ``revision`` (idempotent)."""
+    command.upgrade(alembic_config(engine), revision)
+
+
+def downgrade_database(engine: sa.Engine, revision: str = "base") -> None:
+    """Revert migrations down to ``revision`` (``base`` = empty database)."""
+    command.downgrade(alembic_config(engine), revision)

@@ -1,0 +1,119 @@
+"""Typed platform errors. Services raise them; the API turns each into an HTTP
+status and an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``
+(https://platform.openai.com/docs/guides/error-codes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PlatformError(Exception):
+    """Base class: ``status_code`` (HTTP), ``type`` and ``code`` as in the OpenAI error schema,
+    ``param`` the offending request field (or None)."""
+
+    status_code: int = 400
+    type: str = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_body(self) -> dict[str, Any]:
+        """The JSON error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers."""
+        return {}
+
+
+class InvalidRequest(PlatformError):
+    """400: a request field has a bad value."""
+
+    code = "invalid_value"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """400: prompt plus max_tokens does not fit in max_model_len."""
+
+    code = "context_length_exceeded"
+
+
+class Unauthenticated(PlatformError):
+    """401: missing, unknown or revoked bearer key."""
+
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(PlatformError):
+    """404: the resource does not exist (or belongs to another tenant: the body is the same)."""
+
+    status_code = 404
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """404: the ``model`` of a serving request is neither the base model nor one of the tenant's adapters."""
+
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist or you do not have access to it.", param="model")
+
+
+class Conflict(PlatformError):
+    """409: the resource already exists."""
+
+    status_code = 409
+    code = "already_exists"
+
+
+class LimitExceeded(PlatformError):
+    """403: a tenant quota (e.g. max adapters) is used up."""
+
+    status_code = 403
+    type = "permission_error"
+    code = "quota_exceeded"
+
+
+class PayloadTooLarge(PlatformError):
+    """413: an upload is over the size limit."""
+
+    status_code = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(PlatformError):
+    """415: an upload has the wrong content type or file format."""
+
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class RateLimited(PlatformError):
+    """429: the tenant's requests- or tokens-per-minute limit is reached; retry after ``retry_after_s``."""
+
+    status_code = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ServiceUnavailable(PlatformError):
+    """503: no model is loaded, or the engine stopped."""
+
+    status_code = 503
+    type = "server_error"
+    code = "service_unavailable"

@@ -1,0 +1,136 @@
+"""The app factory: ``create_app(settings, engine=None)``.
+
+``engine`` may be an :class:`~loraplex.engine.llm_engine.LLMEngine` (wrapped),
+an :class:`~loraplex.platform.async_engine.AsyncEngine`, or None: then the
+model in ``settings.model`` is loaded, or, without one, only the admin API
+works (serving answers 503). The app starts the engine thread at startup and
+stops it at shutdown; ``app.state.ctx`` is the :class:`PlatformContext` the
+console shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import TextIO
+
+from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loraplex.platform.api.errors import install_error_handlers
+from loraplex.platform.api.routes import adapters, completions, models, stats, tenants
+from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES, BodySizeLimit
+from loraplex.platform.async_engine import AsyncEngine
+from loraplex.platform.cache import publish_stats
+from loraplex.platform.context import PlatformContext, build_context
+from loraplex.platform.services.adapters import MB
+from loraplex.platform.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(settings: Settings):
+    """An ``LLMEngine`` for ``settings.model`` with the engine flags that were set."""
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+
+    if not settings.model:
+        raise ValueError("Settings.model is not set: pass --model or LORAPLEX_MODEL")
+    knobs = ("dtype", "seed", "block_size", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+             "max_num_batched_tokens", "swap_space", "enable_prefix_caching", "enable_lora", "max_loras",
+             "max_lora_rank", "max_cpu_loras")
+    values = {k: getattr(settings, k) for k in knobs if getattr(settings, k) is not None}
+    config = EngineConfig(model=settings.model, download_dir=str(settings.cache_dir),
+                          device=settings.device or "auto", **values)
+    return LLMEngine(config)
+
+
+def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> FastAPI:
+    """Build the FastAPI app (database migrated, admin key settled, engine wrapped).
+
+    Raises ``ValueError`` for an unusable model and what ``LLMEngine`` raises.
+    """
+    async_engine = _as_async_engine(settings, engine)
+    ctx = build_context(settings, async_engine, out=out)
+    app = FastAPI(title="loraplex", version="0.1.0", lifespan=_lifespan,
+                  description="Multi-tenant LoRA serving with an OpenAI-compatible API.")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for router in (completions.router, models.router, adapters.tenant_router, adapters.admin_router,
+                   tenants.router, stats.router):
+        app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
+    app.add_middleware(_RequestMetrics, ctx=ctx)
+    return app
+
+
+def _as_async_engine(settings: Settings, engine) -> AsyncEngine | None:
+    if isinstance(engine, AsyncEngine):
+        return engine
+    if engine is None:
+        if not settings.model:
+            return None
+        engine = build_engine(settings)
+    return AsyncEngine(engine, stats_interval_s=settings.stats_interval_s)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    ctx: PlatformContext = app.state.ctx
+    publisher = None
+    if ctx.engine is not None:
+        ctx.engine.start()
+        publisher = asyncio.create_task(_publish_stats(ctx))
+    try:
+        yield
+    finally:
+        if publisher is not None:
+            publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publisher
+        if ctx.engine is not None:
+            await run_in_threadpool(ctx.engine.shutdown)
+        ctx.db.dispose()
+
+
+async def _publish_stats(ctx: PlatformContext) -> None:
+    """Push the engine's stats snapshot to the store for the console, every stats interval."""
+    interval = ctx.settings.stats_interval_s
+    while True:
+        snapshot = ctx.engine.stats_dict()
+        if snapshot is not None:
+            try:
+                await run_in_threadpool(publish_stats, ctx.store, snapshot, interval * 5)
+            except Exception:  # noqa: BLE001 - stats are best effort
+                logger.exception("publishing engine stats failed")
+        await asyncio.sleep(interval)
+
+
+class _RequestMetrics:
+    """Counts ``/v1/*`` requests by route template and status code."""
+
+    def __init__(self, app: ASGIApp, *, ctx: PlatformContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            self.ctx.metrics.requests.labels(endpoint, str(status["code"])).inc()

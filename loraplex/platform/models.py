@@ -1,0 +1,158 @@
+"""Registry tables (SQLAlchemy 2 typed ORM). ``Base.metadata`` is the one metadata
+object the Alembic migrations in ``migrations/`` are generated from.
+
+Tenants own API keys and adapters; an adapter has versions (each a validated,
+content-addressed PEFT folder); usage counters aggregate requests and tokens
+per tenant and UTC day.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import (
+    BigInteger,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import JSON, TypeDecorator
+
+# Deterministic constraint names, so migrations can name what they drop.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    """Timezone-aware current UTC time (what every timestamp column stores)."""
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """``DateTime(timezone=True)`` that always returns aware UTC datetimes (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=dt.timezone.utc)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    """A customer. Limits are ``None`` when unlimited."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    max_adapters: Mapped[int] = mapped_column(Integer)
+    max_upload_mb: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant", cascade="all, delete-orphan",
+                                                  passive_deletes=True)
+    adapters: Mapped[list[Adapter]] = relationship(back_populates="tenant", cascade="all, delete-orphan",
+                                                   passive_deletes=True)
+
+
+class ApiKey(Base):
+    """A tenant's bearer key. Only ``sha256(key)`` and a short display prefix are stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+    tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+
+class AdminKey(Base):
+    """The generated admin key's hash (only used when ``LORAPLEX_ADMIN_KEY`` is unset)."""
+
+    __tablename__ = "admin_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Adapter(Base):
+    """A named adapter of one tenant; ``name`` is unique per tenant. The live version is
+    the newest one whose status is ``ready``."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_adapters_tenant_id_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="adapters")
+    versions: Mapped[list[AdapterVersion]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="AdapterVersion.version")
+
+
+class AdapterVersion(Base):
+    """One uploaded, validated version. ``content_hash`` (sha256 hex, the adapters package's
+    ``version_id``) names its folder under ``<data_dir>/adapters/``; ``id`` doubles as the
+    engine's ``lora_int_id``. ``status``: ``ready`` (live), ``superseded`` (a newer version is live).
+    """
+
+    __tablename__ = "adapter_versions"
+    __table_args__ = (UniqueConstraint("adapter_id", "version", name="uq_adapter_versions_adapter_id_version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    content_hash: Mapped[str] = mapped_column(String(64), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+
+class UsageCounter(Base):
+    """Requests and tokens served to one tenant on one UTC day."""
+
+    __tablename__ = "usage_counters"
+    __table_args__ = (UniqueConstraint("tenant_id", "day", name="uq_usage_counters_tenant_id_day"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    day: Mapped[dt.date] = mapped_column(Date)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+__all__ = ["Base", "Tenant", "ApiKey", "AdminKey", "Adapter", "AdapterVersion", "UsageCounter", "utcnow"]

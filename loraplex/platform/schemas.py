@@ -1,0 +1,127 @@
+"""Request/response models of the registry (admin and tenant adapter APIs).
+
+The OpenAI-compatible serving models live in ``openai_schemas.py``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Tenant and adapter names: URL- and file-safe, 1-64 characters.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=64,
+                            description="1-64 characters: letters, digits, '.', '_', '-' (first: letter/digit).")]
+
+
+class TenantLimits(BaseModel):
+    """Per-tenant limits; ``None`` for a rate means unlimited."""
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_adapters: int | None = Field(None, ge=0, description="None = the server default.")
+    max_upload_mb: float | None = Field(None, gt=0, description="MB = 10**6 bytes; None = the server default.")
+
+
+class TenantCreate(TenantLimits):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+
+
+class TenantUpdate(BaseModel):
+    """Only the fields present change; an explicit ``null`` rate means unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_adapters: int | None = Field(None, ge=0)
+    max_upload_mb: float | None = Field(None, gt=0)
+
+
+class TenantPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_adapters: int
+    max_upload_mb: float
+    created_at: dt.datetime
+    num_keys: int = 0
+    num_adapters: int = 0
+
+
+class ApiKeyPublic(BaseModel):
+    """A key as listed: prefix and dates only, never the key."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    prefix: str
+    created_at: dt.datetime
+    revoked_at: dt.datetime | None
+
+
+class ApiKeyCreated(ApiKeyPublic):
+    """Returned once, at creation: ``key`` is the bearer token and is not stored."""
+
+    key: str
+
+
+class AdapterPublic(BaseModel):
+    """An adapter's live version. ``version`` counts uploads of this name (1, 2, ...);
+    ``version_id`` is the content hash naming its stored folder."""
+
+    name: str
+    version: int
+    version_id: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+    status: str
+    created_at: dt.datetime
+
+
+class TenantContext(BaseModel):
+    """What an authenticated tenant request carries (cached per key hash)."""
+
+    tenant_id: int
+    tenant_name: str
+    key_id: int
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_adapters: int
+    max_upload_mb: float
+
+
+class AdapterRoute(BaseModel):
+    """What serving needs to run a tenant's adapter: the engine's ``lora_int_id`` (the
+    version's id), a unique ``lora_name`` and the folder."""
+
+    name: str
+    version: int
+    lora_int_id: int
+    lora_name: str
+    lora_path: str
+    created_at: dt.datetime
+
+
+class UsagePublic(BaseModel):
+    tenant: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class StatsPublic(BaseModel):
+    """``GET /admin/stats``."""
+
+    engine: dict[str, Any] | None
+    adapter_slots: dict[str, Any] | None
+    cache: dict[str, Any]
+    tenants: list[UsagePublic]

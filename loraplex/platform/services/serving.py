@@ -1,0 +1,427 @@
+"""OpenAI-compatible serving: request -> engine requests -> responses or SSE chunks.
+
+1. :func:`prepare_completion` / :func:`prepare_chat` (sync; tokenizer work):
+   resolve ``model`` (the base model's id, or one of the tenant's adapters,
+   else 404 ``model_not_found``), build :class:`SamplingParams`, tokenize, check
+   ``prompt_tokens + max_tokens <= max_model_len``.
+2. :func:`run_to_completion` (one JSON response) or :func:`stream_sse`
+   (``data: {chunk}`` events, then ``data: [DONE]``). Each prompt of a request is
+   one engine request with ``n`` completions; choice index = ``prompt_index * n +
+   completion index``. Streaming turns cumulative outputs into deltas: the
+   engine's text only grows (stop strings are held back), so the delta is the
+   text past what was sent.
+3. Usage (tokens) is charged to the tenant's rate-limit window, usage counters and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sqlalchemy.exc import IntegrityError
+
+from loraplex.adapters import AdapterError
+from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform import crud
+from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream
+from loraplex.platform.context import PlatformContext
+from loraplex.platform.db import session_scope
+from loraplex.platform.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    PlatformError,
+    ServiceUnavailable,
+)
+from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.schemas import TenantContext
+from loraplex.platform.services.adapters import lora_request, resolve_adapter
+from loraplex.platform.services.openai_format import OpenAIFormatter, finish_reason, has_entries, sse
+
+logger = logging.getLogger(__name__)
+Kind = Literal["completion", "chat"]
+
+
+@dataclass
+class PreparedRequest:
+    """A validated serving request, ready for the engine."""
+
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    adapter_label: str
+    tenant: TenantContext
+    prompts: list[list[int]]
+    params: SamplingParams
+    lora: LoRARequest | None
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None
+    decode: Callable[[int], str]
+    started: float = field(default_factory=time.monotonic)
+
+
+# -- preparation -----------------------------------------------------------------------------------
+def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: CompletionRequest) -> PreparedRequest:
+    """Raises ``InvalidRequest``/``ContextLengthExceeded`` (400), ``ModelNotFound`` (404), ``ServiceUnavailable``."""
+    engine = _require_engine(ctx)
+    _refuse_unsupported(suffix=body.suffix, logit_bias=body.logit_bias, echo=body.echo or None,
+                        best_of=body.best_of if body.best_of not in (None, body.n) else None)
+    lora, label = _resolve_model(ctx, tenant, body.model)
+    params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    prompts = _completion_prompts(engine, body.prompt)
+    _check_lengths(ctx.max_model_len, prompts, body.max_tokens, "prompt")
+    return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
+                           prompts, params, lora, body.stream, _include_usage(body), body.logprobs,
+                           _decoder(engine))
+
+
+def prepare_chat(*, ctx: PlatformContext, tenant: TenantContext, body: ChatCompletionRequest) -> PreparedRequest:
+    """As :func:`prepare_completion`, with the tokenizer's chat template applied to ``messages``."""
+    engine = _require_engine(ctx)
+    _refuse_unsupported(logit_bias=body.logit_bias, tools=body.tools or None)
+    lora, label = _resolve_model(ctx, tenant, body.model)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling_params(body, max_tokens=max_tokens, logprobs=top)
+    prompt = _chat_prompt(engine, body)
+    _check_lengths(ctx.max_model_len, [prompt], max_tokens, "messages")
+    return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
+                           [prompt], params, lora, body.stream, _include_usage(body), top, _decoder(engine))
+
+
+def _require_engine(ctx: PlatformContext) -> AsyncEngine:
+    if ctx.engine is None or not ctx.engine.is_running:
+        raise ServiceUnavailable("no model is being served")
+    return ctx.engine
+
+
+def _refuse_unsupported(**fields: Any) -> None:
+    for name, value in fields.items():
+        if value:
+            raise InvalidRequest(f"{name}={value!r} is not supported by this server", param=name,
+                                 code="unsupported_parameter")
+
+
+def _resolve_model(ctx: PlatformContext, tenant: TenantContext, model: str) -> tuple[LoRARequest | None, str]:
+    if model == ctx.model_id:
+        return None, model
+    route = resolve_adapter(ctx=ctx, tenant_id=tenant.tenant_id, name=model)
+    return lora_request(route), f"{tenant.tenant_name}/{model}"
+
+
+def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                     logprobs: int | None) -> SamplingParams:
+    values = dict(n=body.n, max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
+                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                  repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                  stop_token_ids=body.stop_token_ids)
+    try:
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None or k == "max_tokens"})
+    except ValueError as exc:
+        message = str(exc)
+        param = message.split("=", 1)[0].removeprefix("SamplingParams.") if message.startswith("Sampling") else None
+        raise InvalidRequest(message, param=param) from None
+
+
+def _completion_prompts(engine: AsyncEngine, prompt: str | list) -> list[list[int]]:
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise InvalidRequest("prompt: must not be empty", param="prompt")
+    return [_tokens(engine, p) for p in items]
+
+
+def _tokens(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise InvalidRequest("prompt: is empty after tokenization", param="prompt")
+    vocab = len(engine.tokenizer)
+    bad = [t for t in ids if not 0 <= t < max(vocab, engine.engine.spec.vocab_size)]
+    if bad:
+        raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
+    return ids
+
+
+def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+    try:
+        out = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # jinja errors (e.g. a template that rejects a role order)
+        raise InvalidRequest(f"messages: the chat template refused them ({exc})", param="messages") from None
+    ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+    if not ids:
+        raise InvalidRequest("messages: produce an empty prompt", param="messages")
+    return ids
+
+
+def _message_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _decoder(engine: AsyncEngine) -> Callable[[int], str]:
+    tokenizer = engine.tokenizer
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def _check_lengths(max_model_len: int, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
+    for ids in prompts:
+        wanted = len(ids) + (max_tokens or 1)
+        if len(ids) >= max_model_len or wanted > max_model_len:
+            asked = f"{len(ids)} in the prompt" + (f", {max_tokens} in the completion" if max_tokens else "")
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_model_len} tokens (max_model_len). "
+                f"However, you requested {wanted} tokens ({asked}). Please reduce the length of the prompt "
+                "or the completion.", param=param)
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+# -- running ---------------------------------------------------------------------------------------
+async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStream]:
+    """Add one engine request per prompt (all or none). Raises 400/404/503 ``PlatformError``s."""
+    ctx.limiter.check_request(tenant_id=prep.tenant.tenant_id, requests_per_minute=prep.tenant.requests_per_minute,
+                              tokens_per_minute=prep.tenant.tokens_per_minute)
+    ctx.metrics.adapter_requests.labels(prep.adapter_label).inc()
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prep.prompts):
+            streams.append(await ctx.engine.add_request(f"{prep.id}-{i}", prompt, prep.params, prep.lora))
+    except BaseException as exc:
+        for stream in streams:
+            stream.close()
+        raise _engine_error(exc, prep) from None
+    return streams
+
+
+def _engine_error(exc: BaseException, prep: PreparedRequest) -> BaseException:
+    if isinstance(exc, PromptTooLongError):
+        return ContextLengthExceeded(str(exc), param="prompt")
+    if isinstance(exc, InvalidRequestError):
+        return InvalidRequest(str(exc), param="prompt")
+    if isinstance(exc, AdapterError):
+        return InvalidRequest(f"model {prep.model!r} cannot be loaded: {exc}", param="model",
+                              code="adapter_load_failed")
+    if isinstance(exc, EngineStoppedError):
+        return ServiceUnavailable(str(exc))
+    return exc
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come; closing aborts the unfinished."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, exc))
+        else:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+@dataclass
+class _Tracker:
+    """Per-request accounting: choices' sent text/tokens, usage, latency metrics."""
+
+    prep: PreparedRequest
+    ctx: PlatformContext
+    prompt_tokens: int = 0
+    finals: dict[int, CompletionOutput] = field(default_factory=dict)
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    token_counts: dict[int, int] = field(default_factory=dict)
+    first_token_at: float | None = None
+    last_output_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = sum(len(p) for p in self.prep.prompts)
+
+    def observe(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
+        """Record an engine output; returns (choice index, completion) pairs in it."""
+        now = time.monotonic()
+        choices = [(prompt_index * self.prep.params.n + c.index, c) for c in output.outputs]
+        new_tokens = 0
+        for index, completion in choices:
+            new_tokens += len(completion.token_ids) - self.token_counts.get(index, 0)
+            self.token_counts[index] = len(completion.token_ids)
+            if completion.finished:
+                self.finals[index] = completion
+        if new_tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.ctx.metrics.ttft.observe(now - self.prep.started)
+            elif self.last_output_at is not None:
+                self.ctx.metrics.inter_token.observe((now - self.last_output_at) / new_tokens)
+            self.last_output_at = now
+        return choices
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.token_counts.values())
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def account(self) -> Callable[[], None]:
+        """A function charging this request's tokens (for a worker thread)."""
+        prep, ctx, usage = self.prep, self.ctx, self.usage()
+        ctx.metrics.prompt_tokens.inc(usage["prompt_tokens"])
+        ctx.metrics.generation_tokens.inc(usage["completion_tokens"])
+        ctx.metrics.request_latency.labels(prep.kind).observe(time.monotonic() - prep.started)
+
+        def charge() -> None:
+            record_usage(ctx, prep.tenant.tenant_id, usage["prompt_tokens"], usage["completion_tokens"])
+
+        return charge
+
+
+def record_usage(ctx: PlatformContext, tenant_id: int, prompt_tokens: int, completion_tokens: int) -> None:
+    """Charge tokens to the tenant's rate-limit window and daily usage counters."""
+    ctx.limiter.add_tokens(tenant_id=tenant_id, tokens=prompt_tokens + completion_tokens)
+    for _ in range(3):  # the first insert of a (tenant, day) row can race another request's
+        try:
+            with session_scope(ctx.sessions) as session:
+                crud.record_usage(session=session, tenant_id=tenant_id, requests=1, prompt_tokens=prompt_tokens,
+                                  completion_tokens=completion_tokens)
+            return
+        except IntegrityError:  # lost the race (or the tenant was just deleted): retry as an update
+            continue
+    logger.warning("usage of tenant %d not recorded (%d prompt + %d completion tokens): the tenant is gone",
+                   tenant_id, prompt_tokens, completion_tokens)
+
+
+async def _charge_later(charge: Callable[[], None], *, wait: bool) -> None:
+    future = asyncio.get_running_loop().run_in_executor(None, charge)
+    if wait:
+        await future
+
+
+async def run_to_completion(ctx: PlatformContext, prep: PreparedRequest, streams: list[RequestStream],
+                            is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+    """Collect the final outputs into one response body; aborts if the client goes away."""
+    tracker = _Tracker(prep, ctx)
+    merged = _merged(streams)
+    consumer = asyncio.ensure_future(_consume(merged, tracker))
+    try:
+        while not consumer.done():
+            done, _ = await asyncio.wait({consumer}, timeout=0.5)
+            if not done and await is_disconnected():
+                consumer.cancel()
+                break
+        await consumer
+    except asyncio.CancelledError:
+        await merged.aclose()
+        await _charge_later(tracker.account(), wait=False)
+        raise
+    except BaseException as exc:
+        await merged.aclose()
+        raise _engine_error(exc, prep) from None
+    await _charge_later(tracker.account(), wait=True)
+    return _final_body(prep, tracker)
+
+
+async def _consume(merged: AsyncIterator[tuple[int, RequestOutput]], tracker: _Tracker) -> None:
+    async for prompt_index, output in merged:
+        tracker.observe(prompt_index, output)
+
+
+def _final_body(prep: PreparedRequest, tracker: _Tracker) -> dict[str, Any]:
+    fmt = OpenAIFormatter(prep)
+    choices = [fmt.final_choice(index, tracker.finals[index]) for index in sorted(tracker.finals)]
+    return {"id": prep.id, "object": "text_completion" if prep.kind == "completion" else "chat.completion",
+            "created": prep.created, "model": prep.model, "choices": choices, "usage": tracker.usage()}
+
+
+async def stream_sse(ctx: PlatformContext, prep: PreparedRequest, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per choice and engine step with new text, the finish
+    chunk, the usage chunk if asked for, then ``data: [DONE]``. Cancelling (client gone) aborts."""
+    tracker = _Tracker(prep, ctx)
+    fmt = OpenAIFormatter(prep)
+    merged = _merged(streams)
+    completed = False
+    try:
+        if prep.kind == "chat":
+            for index in range(len(prep.prompts) * prep.params.n):
+                yield sse(fmt.chunk(index, {"role": "assistant", "content": ""}, None, None))
+        async for prompt_index, output in merged:
+            for index, completion in tracker.observe(prompt_index, output):
+                chunk = _delta_chunk(fmt, tracker, index, completion)
+                if chunk is not None:
+                    yield sse(chunk)
+        completed = True
+        await _charge_later(tracker.account(), wait=True)
+        if prep.include_usage:
+            yield sse(fmt.usage_chunk(tracker.usage()))
+    except PlatformError as exc:
+        yield sse(exc.to_body())
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        err = _engine_error(exc, prep)
+        body = err.to_body() if isinstance(err, PlatformError) else {
+            "error": {"message": f"internal error: {exc}", "type": "server_error", "param": None, "code": None}}
+        yield sse(body)
+    finally:
+        if not completed:
+            await merged.aclose()
+            await _charge_later(tracker.account(), wait=False)
+    yield "data: [DONE]\n\n"
+
+
+def _delta_chunk(fmt: OpenAIFormatter, tracker: _Tracker, index: int, completion: CompletionOutput) -> dict | None:
+    sent_chars = tracker.sent_chars.get(index, 0)
+    sent_tokens = tracker.sent_tokens.get(index, 0)
+    text = completion.text[sent_chars:]
+    logprobs = None
+    if fmt.prep.top_logprobs is not None and completion.logprobs is not None:
+        logprobs = fmt.logprobs(completion, sent_tokens, len(completion.logprobs), sent_chars)
+        tracker.sent_tokens[index] = len(completion.logprobs)
+    if not text and completion.finish_reason is None and not (logprobs and has_entries(logprobs)):
+        return None
+    tracker.sent_chars[index] = len(completion.text)
+    delta = text if fmt.prep.kind == "completion" else {"content": text}
+    return fmt.chunk(index, delta, logprobs, finish_reason(completion))

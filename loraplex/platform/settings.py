@@ -1,0 +1,103 @@
+"""Platform settings: the ONLY module of loraplex that reads environment variables.
+
+Precedence: explicit keyword arguments (the CLI passes the flags it was given)
+> environment variables ``LORAPLEX_<FIELD>`` (e.g. ``LORAPLEX_DATA_DIR``,
+``LORAPLEX_DATABASE_URL``, ``LORAPLEX_REDIS_URL``, ``LORAPLEX_ADMIN_KEY``)
+> the defaults below. Values are validated once, at construction
+(``pydantic.ValidationError`` names the field and the value).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the server, the admin API and the CLI need to know."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="forbid", validate_default=True)
+
+    # --- storage -----------------------------------------------------------------------------
+    data_dir: Path = Field(Path("data"), description="Registry SQLite file and stored adapters live here.")
+    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "loraplex",
+                            description="Prepared models (e.g. SmolLM2) live here.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL; None = SQLite file `<data_dir>/registry.db`.")
+    redis_url: str | None = Field(
+        None, description="redis://host:port/db for the lookup cache, rate limits and live stats; "
+                          "None = an in-process implementation of the same interface.")
+    admin_key: SecretStr | None = Field(
+        None, description="Admin bearer key; None = generate one at first start, store its hash, print it once.")
+
+    # --- serving -----------------------------------------------------------------------------
+    model: str | None = Field(None, description="Folder of a HF-format model; None = admin API only.")
+    served_model_name: str | None = Field(None, description="Model id in the API; None = the model folder's name.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    # --- engine (names as vLLM's flags; None = the engine's default, see EngineConfig) ------------
+    enable_lora: bool = True
+    max_loras: int | None = Field(None, ge=1, description="Adapter slots on the device (S).")
+    max_lora_rank: int | None = Field(None, ge=1, description="Largest accepted adapter rank (R).")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept in the host-memory cache.")
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=1, description="Context limit in tokens; None = the model's.")
+    block_size: int | None = Field(None, ge=1, description="Tokens per KV block.")
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    swap_space: float | None = Field(None, ge=0.0, description="Host swap space for KV blocks in GiB.")
+    enable_prefix_caching: bool | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    device: Literal["auto", "cuda", "cpu"] | None = None
+    seed: int | None = None
+
+    # --- uploads -----------------------------------------------------------------------------
+    max_upload_mb: float = Field(200.0, gt=0, description="Server-wide cap on one upload (MB = 10**6 bytes).")
+    default_tenant_max_upload_mb: float = Field(50.0, gt=0)
+    default_tenant_max_adapters: int = Field(10, ge=0)
+    default_tenant_requests_per_minute: int | None = Field(None, ge=1)
+    default_tenant_tokens_per_minute: int | None = Field(None, ge=1)
+    max_archive_members: int = Field(16, ge=2, description="Most members an uploaded archive may hold.")
+    max_compression_ratio: float = Field(200.0, gt=1.0, description="Largest uncompressed/compressed ratio.")
+
+    # --- cache / stats -----------------------------------------------------------------------
+    cache_ttl_s: int = Field(60, ge=1, description="Lifetime of a cached tenant/key/adapter lookup.")
+    redis_retry_s: float = Field(5.0, gt=0, description="After a Redis failure, wait this long before retrying.")
+    stats_interval_s: float = Field(1.0, gt=0, description="How often the engine publishes live stats.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _single_device(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"tensor_parallel_size={value}: only 1 is supported for now")
+        return value
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The SQLAlchemy URL in use (the SQLite default made explicit)."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'registry.db').resolve()}"
+
+    @property
+    def adapters_dir(self) -> Path:
+        """Root of the content-addressed adapter store: ``<data_dir>/adapters/<version_id>/``."""
+        return self.data_dir / "adapters"
+
+    @property
+    def uploads_tmp_dir(self) -> Path:
+        """Scratch space for uploads being validated (same filesystem, so the final move is a rename)."""
+        return self.data_dir / "tmp"
+
+    @property
+    def model_id(self) -> str | None:
+        """The base model's id in the API: ``served_model_name`` or the model folder's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if self.model else None

@@ -1,0 +1,94 @@
+"""The store interface, both implementations: expiry, counters, rate-limit windows,
+and Redis degrading to "no cache" and recovering (with a real redis-server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.platform.cache import CACHE_PREFIX, LookupCache, MemoryStore, RateLimiter, RedisStore
+from loraplex.platform.errors import RateLimited
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request):
+    if request.param == "memory":
+        return MemoryStore()
+    return RedisStore(request.getfixturevalue("redis_server").url)
+
+
+def test_get_set_delete_incr(store):
+    store.set("loraplex:t:a", "1", ttl_s=30)
+    assert store.get("loraplex:t:a") == "1"
+    store.delete("loraplex:t:a", "loraplex:t:missing")
+    assert store.get("loraplex:t:a") is None
+    assert [store.incr("loraplex:t:n", 2, 30), store.incr("loraplex:t:n", 3, 30)] == [2, 5]
+    assert store.available()
+
+
+def test_memory_store_expiry():
+    clock = Clock()
+    store = MemoryStore(clock)
+    store.set("k", "v", ttl_s=5)
+    store.incr("n", 1, ttl_s=5)
+    clock.now += 4.9
+    assert store.get("k") == "v" and store.incr("n", 1, ttl_s=5) == 2  # incr keeps the first expiry
+    clock.now += 0.2
+    assert store.get("k") is None and store.get("n") is None
+
+
+def test_lookup_cache_reads_through_and_counts():
+    cache = LookupCache(MemoryStore(), ttl_s=60)
+    loads = []
+    for _ in range(3):
+        assert cache.get_or_load("x", lambda: loads.append(1) or {"v": 1}) == {"v": 1}
+    assert (len(loads), cache.hits, cache.misses) == (1, 2, 1)
+    assert cache.get_or_load("none", lambda: None) is None
+    assert cache.get_or_load("none", lambda: None) is None
+    assert cache.misses == 3  # None is not cached
+    cache.invalidate("x")
+    cache.get_or_load("x", lambda: loads.append(1) or {"v": 2})
+    assert len(loads) == 2
+
+
+def test_rate_limiter_windows_and_retry_after():
+    clock = Clock(6000.0 + 45.0)  # 45 s into a minute window
+    limiter = RateLimiter(MemoryStore(), clock)
+    limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
+    limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
+    with pytest.raises(RateLimited) as info:
+        limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
+    assert info.value.retry_after_s == 15 and info.value.headers() == {"Retry-After": "15"}
+    limiter.check_request(tenant_id=2, requests_per_minute=2, tokens_per_minute=None)  # other tenant unaffected
+    clock.now = 6060.0  # next window
+    limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
+    limiter.add_tokens(tenant_id=1, tokens=100)
+    with pytest.raises(RateLimited) as info:
+        limiter.check_request(tenant_id=1, requests_per_minute=None, tokens_per_minute=100)
+    assert info.value.retry_after_s == 60 and "tokens_per_minute=100" in info.value.message
+
+
+def test_redis_down_degrades_and_recovery_flushes_cached_lookups(redis_server):
+    store = RedisStore(redis_server.url, retry_s=0.0)
+    cache = LookupCache(store, ttl_s=60)
+    cache.get_or_load("key:abc", lambda: {"tenant": 1})
+    assert store.get(CACHE_PREFIX + "key:abc") is not None
+    live_client = store._client
+    import redis
+
+    store._client = redis.Redis(host="127.0.0.1", port=1, socket_timeout=0.2, socket_connect_timeout=0.2,
+                                retry=None)
+    assert cache.get_or_load("key:abc", lambda: {"tenant": "db"}) == {"tenant": "db"}  # miss -> database
+    assert not store.available()
+    assert store.incr("loraplex:rl:x", 1, 60) == 1 and store.incr("loraplex:rl:x", 1, 60) == 2  # in-process
+    cache.invalidate("key:abc")  # missed by Redis
+    store._client = live_client
+    assert store.available()
+    assert store.get(CACHE_PREFIX + "key:abc") is None  # flushed on recovery, not resurrected
