@@ -1,0 +1,80 @@
+"""Who is using the console: the admin, or one tenant.
+
+The key typed at login is kept in the browser session's server-side state
+(``gr.State`` never leaves the server) and checked again by every callback
+through the platform's own authentication services, so a revoked key or a
+deleted tenant loses access at its next click.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loraplex.platform.context import PlatformContext
+from loraplex.platform.errors import NotFound, Unauthenticated
+from loraplex.platform.schemas import TenantContext
+from loraplex.platform.services import tenants as tenant_service
+
+
+@dataclass(frozen=True)
+class ConsoleSession:
+    """``role`` "admin" (every tenant) or "tenant" (``tenant_name`` only)."""
+
+    role: Literal["admin", "tenant"]
+    key: str = field(repr=False)
+    tenant_name: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+def login(ctx: PlatformContext, key: str | None) -> ConsoleSession:
+    """The session the key opens: the admin key first, else a tenant API key.
+
+    Raises ``Unauthenticated`` (the platform's message) for an empty, unknown or revoked key.
+    """
+    token = (key or "").strip()
+    if not token:
+        raise Unauthenticated("Enter the admin key or a tenant API key.")
+    try:
+        tenant_service.authenticate_admin(ctx=ctx, token=token)
+        return ConsoleSession(role="admin", key=token)
+    except Unauthenticated:
+        pass
+    tenant = tenant_service.authenticate_tenant(ctx=ctx, token=token)
+    return ConsoleSession(role="tenant", key=token, tenant_name=tenant.tenant_name)
+
+
+def check(ctx: PlatformContext, session: ConsoleSession | None) -> ConsoleSession:
+    """The session, its key checked again. Raises ``Unauthenticated`` when signed out or revoked."""
+    if session is None:
+        raise Unauthenticated("Not signed in: enter the admin key or a tenant API key.")
+    if session.is_admin:
+        tenant_service.authenticate_admin(ctx=ctx, token=session.key)
+    else:
+        tenant_service.authenticate_tenant(ctx=ctx, token=session.key)
+    return session
+
+
+def require_admin(ctx: PlatformContext, session: ConsoleSession | None) -> ConsoleSession:
+    """Raises ``Unauthenticated`` unless the session is the admin's."""
+    session = check(ctx, session)
+    if not session.is_admin:
+        raise Unauthenticated("This page needs the admin key.")
+    return session
+
+
+def acting_tenant(ctx: PlatformContext, session: ConsoleSession | None, tenant_name: str | None) -> TenantContext:
+    """The tenant a callback acts for: any tenant for the admin (``NotFound`` if it does not
+    exist), the signed-in tenant itself otherwise (``NotFound`` for any other name, as the API)."""
+    session = check(ctx, session)
+    if session.is_admin:
+        if not tenant_name:
+            raise NotFound("choose a tenant first", param="tenant")
+        with ctx.sessions() as db:
+            return tenant_service.tenant_context(session=db, name=tenant_name)
+    if tenant_name and tenant_name != session.tenant_name:
+        raise NotFound(f"tenant {tenant_name!r} does not exist", param="tenant")
+    return tenant_service.authenticate_tenant(ctx=ctx, token=session.key)
