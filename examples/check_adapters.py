@@ -1,0 +1,238 @@
+"""Measure the effect of the demo adapters on held-out prompts, against the base model.
+
+    python examples/check_adapters.py [--model smollm2] [--show]
+
+Greedy generation with transformers + PEFT (the reference implementations,
+not loraplex's engine) on the questions of ``examples/data/heldout.jsonl``
+(none of them is in a training set), for the base model and each adapter.
+Each reply is scored by the three style checks below; the table gives the
+fraction of replies that pass each check. A good adapter scores >= 80% on its
+own check; the base model scores near 0% on all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_adapters import ADAPTER_NAMES, EXAMPLES_DIR, chat_prompt, read_jsonl
+
+from loraplex.engine.demo_models import resolve_model
+
+JSON_KEYS = frozenset({"answer", "confidence"})
+CONFIDENCE_LEVELS = frozenset({"high", "medium", "low"})
+# Common words that mark a reply as French, or betray English in it (words
+# shared by both languages, such as "a" or "on", are in neither list).
+FRENCH_WORDS = frozenset(
+    [
+        "le",
+        "la",
+        "les",
+        "l",
+        "un",
+        "une",
+        "des",
+        "du",
+        "de",
+        "d",
+        "est",
+        "sont",
+        "ont",
+        "et",
+        "ou",
+        "mais",
+        "car",
+        "à",
+        "au",
+        "aux",
+        "en",
+        "dans",
+        "pour",
+        "par",
+        "avec",
+        "sur",
+        "qui",
+        "que",
+        "ce",
+        "cette",
+        "c",
+        "il",
+        "elle",
+        "ils",
+        "je",
+        "nous",
+        "vous",
+        "ne",
+        "pas",
+        "se",
+        "s",
+        "sa",
+        "son",
+        "ses",
+        "leur",
+        "plus",
+        "très",
+        "environ",
+        "été",
+        "était",
+        "font",
+        "fait",
+        "fois",
+        "chaque",
+        "peu",
+        "comme",
+        "aussi",
+        "tout",
+        "tous",
+        "toute",
+        "toutes",
+    ]
+)
+ENGLISH_WORDS = frozenset(
+    [
+        "the",
+        "is",
+        "are",
+        "was",
+        "were",
+        "and",
+        "of",
+        "to",
+        "in",
+        "it",
+        "its",
+        "that",
+        "this",
+        "with",
+        "for",
+        "from",
+        "which",
+        "has",
+        "have",
+        "be",
+        "by",
+    ]
+)
+FRENCH_ACCENTS = re.compile(r"[àâçéèêëîïôùûüÿœ]")
+MAX_SHOUTY_WORDS = 20
+
+
+def is_json_answer(reply: str) -> bool:
+    """Reply is exactly a JSON object ``{"answer": non-empty str, "confidence": "high"|"medium"|"low"}``."""
+    try:
+        obj = json.loads(reply)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(obj, dict)
+        and set(obj) == JSON_KEYS
+        and isinstance(obj["answer"], str)
+        and bool(obj["answer"].strip())
+        and obj["confidence"] in CONFIDENCE_LEVELS
+    )
+
+
+def is_french(reply: str) -> bool:
+    """Reply has no English function word, and a common French word or a French accent."""
+    text = reply.lower()
+    words = re.findall(r"[a-zàâäçéèêëîïôöùûüÿœæ]+", text)
+    if any(w in ENGLISH_WORDS for w in words):
+        return False
+    return any(w in FRENCH_WORDS for w in words) or FRENCH_ACCENTS.search(text) is not None
+
+
+def is_shouty(reply: str) -> bool:
+    """Reply is one sentence of at most 20 words, ends with . ! or ?, and has letters, none lower-case."""
+    text = reply.strip()
+    letters = [c for c in text if c.isalpha()]
+    if not letters or any(c.islower() for c in letters) or text[-1] not in ".!?":
+        return False
+    sentences = [s for s in re.split(r"[.!?]+(?:\s+|$)", text) if s.strip()]
+    return len(sentences) == 1 and len(text.split()) <= MAX_SHOUTY_WORDS
+
+
+CHECKS = {"json-answer": is_json_answer, "french": is_french, "shouty": is_shouty}
+"""Adapter name -> the style check its replies should pass."""
+
+
+def generate_replies(model, tokenizer, questions: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy replies (special tokens dropped, stripped) to one-turn chat questions, as one left-padded batch."""
+    tokenizer.padding_side = "left"
+    prompts = [chat_prompt(tokenizer, q) for q in questions]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    new_tokens = out[:, batch["input_ids"].shape[1] :]
+    return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+
+def load_with_adapters(model_dir: Path, adapters_dir: Path, names: tuple[str, ...]) -> tuple[PeftModel, object]:
+    """Base model (fp32) wrapped by PEFT with every adapter in ``names`` loaded under its own name."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapters_dir / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters_dir / name, adapter_name=name)
+    model.eval()
+    return model, tokenizer
+
+
+def replies_by_model(model: PeftModel, tokenizer, questions: list[str], max_new_tokens: int) -> dict[str, list[str]]:
+    """``{"base": [...], "<adapter>": [...]}``: the base model's replies (adapters disabled), then each adapter's."""
+    with model.disable_adapter():
+        replies = {"base": generate_replies(model, tokenizer, questions, max_new_tokens)}
+    for name in model.peft_config:
+        model.set_adapter(name)
+        replies[name] = generate_replies(model, tokenizer, questions, max_new_tokens)
+    return replies
+
+
+def pass_rates(replies: list[str]) -> dict[str, float]:
+    """Fraction of ``replies`` passing each check of ``CHECKS``."""
+    return {name: sum(map(check, replies)) / len(replies) for name, check in CHECKS.items()}
+
+
+def format_table(replies: dict[str, list[str]]) -> str:
+    """Markdown table: one row per model, one column per style check, cells in percent."""
+    header = "| model | " + " | ".join(f"{n} check" for n in CHECKS) + " |"
+    lines = [header, "|" + "---|" * (len(CHECKS) + 1)]
+    for model_name, texts in replies.items():
+        rates = pass_rates(texts)
+        lines.append(f"| {model_name} | " + " | ".join(f"{100 * rates[n]:.0f}%" for n in CHECKS) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="demo model name or HF folder (default: smollm2)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model")
+    parser.add_argument("--adapters-dir", type=Path, default=EXAMPLES_DIR / "adapters")
+    parser.add_argument("--heldout", type=Path, default=EXAMPLES_DIR / "data" / "heldout.jsonl")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--show", action="store_true", help="print every reply")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_with_adapters(resolve_model(args.model, args.cache_dir), args.adapters_dir, ADAPTER_NAMES)
+    questions = [row["question"] for row in read_jsonl(args.heldout)]
+    replies = replies_by_model(model, tokenizer, questions, args.max_new_tokens)
+    if args.show:
+        for model_name, texts in replies.items():
+            for question, text in zip(questions, texts):
+                print(f"[{model_name}] {question} -> {text!r}")
+    print(f"{len(questions)} held-out prompts, greedy, max_new_tokens={args.max_new_tokens}\n")
+    print(format_table(replies))
+    own = {name: pass_rates(replies[name])[name] for name in ADAPTER_NAMES}
+    return 0 if all(rate >= 0.8 for rate in own.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The ``loraplex`` command line (``[project.scripts] loraplex = "loraplex.cli:main"``).
+
+Commands defined here need only the engine's dependencies:
+
+    loraplex models prepare smollm2 [--cache-dir DIR] [--force]
+    loraplex models list [--cache-dir DIR]
+
+``--cache-dir`` defaults to the platform settings' ``cache_dir`` (env
+``LORAPLEX_CACHE_DIR``) when the ``serve`` extra is installed, else to
+``~/.cache/loraplex``.
+
+The platform adds its commands (``serve``, ``tenant``, ``key``, ``adapter``, ``demo``)
+through ``loraplex.platform.cli.add_commands(subparsers)``. Contract: for each
+command it calls ``subparsers.add_parser(...)`` and
+``set_defaults(handler=fn)`` with ``fn(args: argparse.Namespace) -> int`` (the
+exit status). When that module exists but one of the ``serve`` extra's
+packages is missing, the platform commands are still listed and each prints
+the ``pip install 'loraplex[serve]'`` hint and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+from loraplex.engine.demo_models import (
+    DEMO_MODEL_ALIASES,
+    DEMO_MODELS,
+    canonical_demo_name,
+    default_cache_dir,
+    demo_alias,
+    demo_model_dir,
+    is_prepared,
+)
+
+PLATFORM_CLI_MODULE = "loraplex.platform.cli"
+PLATFORM_COMMANDS = ("serve", "tenant", "key", "adapter", "demo")
+"""Commands the platform provides; listed with an install hint when its dependencies are missing."""
+
+# Top-level import names of the ``serve`` extra in pyproject.toml (keep in sync).
+SERVE_EXTRA_MODULES = frozenset(
+    {
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "sse_starlette",
+        "multipart",
+        "pydantic",
+        "pydantic_settings",
+        "sqlalchemy",
+        "alembic",
+        "redis",
+        "psycopg",
+        "prometheus_client",
+        "gradio",
+        "httpx",
+        "openai",
+    }
+)
+SERVE_EXTRA_HINT = "pip install 'loraplex[serve]'"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``loraplex`` command line; returns the exit status.
+
+    ``argv`` defaults to ``sys.argv[1:]``. Usage errors exit through argparse (status 2).
+    """
+    parser = build_parser(cache_dir_default=_cache_dir_default())
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args.handler(args)
+
+
+def build_parser(cache_dir_default: Path) -> argparse.ArgumentParser:
+    """The full parser: ``models`` commands plus the platform's, if present.
+
+    ``cache_dir_default`` is the ``--cache-dir`` default, chosen by the caller.
+    """
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_model_commands(subparsers, cache_dir_default)
+    add_platform_commands(subparsers)
+    return parser
+
+
+def add_model_commands(subparsers: argparse._SubParsersAction, cache_dir_default: Path) -> None:
+    """``models prepare NAME`` and ``models list``."""
+    models = subparsers.add_parser("models", help="prepare and list the offline demo models")
+    actions = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    names = sorted(DEMO_MODELS) + sorted(DEMO_MODEL_ALIASES)
+
+    prepare = actions.add_parser("prepare", help="build a demo model folder in the cache")
+    prepare.add_argument("name", choices=names, help="demo model name")
+    prepare.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    _add_cache_dir_option(prepare, cache_dir_default)
+    prepare.set_defaults(handler=_prepare_model)
+
+    listing = actions.add_parser("list", help="list demo models and whether they are prepared")
+    _add_cache_dir_option(listing, cache_dir_default)
+    listing.set_defaults(handler=_list_models)
+
+
+def add_platform_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Let ``loraplex.platform.cli`` add its commands, or add hint-printing stand-ins when its extra is missing."""
+    module, missing = _import_platform_cli()
+    if module is not None:
+        module.add_commands(subparsers)
+        return
+    if missing is None:
+        return  # this build has no platform package
+    for command in PLATFORM_COMMANDS:
+        stub = subparsers.add_parser(command, add_help=False, help=f"(needs {SERVE_EXTRA_HINT})")
+        stub.set_defaults(handler=functools.partial(_missing_extra, command, missing), accepts_any_arguments=True)
+
+
+def _import_platform_cli() -> tuple[ModuleType | None, str | None]:
+    """``(module, None)``; ``(None, missing_module)`` when a ``serve`` extra package is absent;
+    ``(None, None)`` when the platform CLI module does not exist. Any other import error propagates.
+    """
+    try:
+        return importlib.import_module(PLATFORM_CLI_MODULE), None
+    except ModuleNotFoundError as exc:
+        if exc.name in ("loraplex.platform", PLATFORM_CLI_MODULE):
+            return None, None
+        if _is_serve_extra(exc.name):
+            return None, exc.name
+        raise
+
+
+def _is_serve_extra(module: str | None) -> bool:
+    """True for a module of one of the ``serve`` extra's packages (``"sqlalchemy.orm"``)."""
+    return module is not None and module.split(".")[0] in SERVE_EXTRA_MODULES
+
+
+def _missing_extra(command: str, missing: str, args: argparse.Namespace) -> int:
+    print(
+        f"error: `loraplex {command}` needs the platform's optional dependencies "
+        f"(module {missing!r} is not installed): {SERVE_EXTRA_HINT}",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _add_cache_dir_option(parser: argparse.ArgumentParser, default: Path) -> None:
+    parser.add_argument(
+        "--cache-dir", type=Path, default=default, help=f"cache root holding models/ (default: {default})"
+    )
+
+
+def _cache_dir_default() -> Path:
+    """Default ``--cache-dir``: ``Settings().cache_dir`` of the platform (which reads
+    ``LORAPLEX_CACHE_DIR``), or ``default_cache_dir()`` when the ``serve`` extra is not installed.
+    """
+    try:
+        from loraplex.platform.settings import Settings
+    except ModuleNotFoundError as exc:
+        if exc.name in ("loraplex.platform", "loraplex.platform.settings") or _is_serve_extra(exc.name):
+            return default_cache_dir()
+        raise
+    return Settings().cache_dir
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    name = canonical_demo_name(args.name)
+    try:
+        DEMO_MODELS[name](args.cache_dir, force=args.force, progress=print)
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _list_models(args: argparse.Namespace) -> int:
+    rows = [("NAME", "ALIAS", "STATUS", "PATH")]
+    for name in sorted(DEMO_MODELS):
+        folder = demo_model_dir(name, args.cache_dir)
+        rows.append((name, demo_alias(name), "prepared" if is_prepared(folder) else "not prepared", str(folder)))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
