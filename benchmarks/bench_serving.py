@@ -249,7 +249,7 @@ def main() -> None:
             traceback.print_exc()
             RESULTS[part] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"[{part}] {time.perf_counter() - t0:.1f} s", flush=True)
-        (out_dir() / "serving.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+        (out_dir() / f"serving-{args.parts.replace(',', '-')}.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     summarize()
 
 
