@@ -140,7 +140,9 @@ def _block_sizes(max_segment_len: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): GPU-sized on CUDA, small under the CPU interpreter."""
     if device.type != "cuda":
         return 16, 16
-    return (16 if max_segment_len <= 16 else 64), 64
+    # 128 output columns per program: a 7B gate/up expand at decode is ~2x fewer
+    # (mostly tiny) programs than with 64; see benchmarks/RESULTS.md.
+    return (16 if max_segment_len <= 16 else 64), 128
 
 
 def _launch_lora_expand(

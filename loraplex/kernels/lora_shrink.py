@@ -119,7 +119,7 @@ def _block_sizes(max_segment_len: int, device: torch.device) -> tuple[int, int]:
 def choose_split_k(num_programs: int, hidden_size: int, block_k: int, device: torch.device) -> int:
     """Split the H reduction when segments x tiles x slices cannot fill the device (decode batches)."""
     sms = num_sms(device)
-    if num_programs >= sms:
+    if 2 * num_programs >= sms:  # half the SMs busy: splitting costs two extra kernels (zero + sum)
         return 1
     return max(1, min(cdiv(2 * sms, num_programs), cdiv(hidden_size, 4 * block_k), _MAX_SPLIT_K))
 
