@@ -9,9 +9,14 @@ larger than the largest size, run eagerly.
 
 Everything that varies between steps lives in static device buffers that
 the graph reads: input ids, positions, slot mapping, context lengths, block
-tables and the SGMV segment arrays. For LoRA the graph always has one
-segment per adapter slot (unused slots have length 0, so their programs
-exit at once); two graphs per size are kept, with and without LoRA.
+tables and the SGMV segment arrays. They are views of two packed buffers
+(int64 and int32) with host mirrors (pinned on CUDA), so a step writes the
+host side from Python lists and moves everything with two copies. Block-table
+rows are rewritten only when they changed since the last step (a decode step
+adds a block to a sequence once every ``block_size`` tokens). For LoRA the
+graph always has one segment per adapter slot (unused slots have length 0,
+so their programs exit at once); two graphs per size are kept, with and
+without LoRA.
 The launch grids are fixed at capture: attention is sized for
 ``max_model_len``, LoRA for B tokens in ``max_loras`` segments.
 """
@@ -43,6 +48,46 @@ class _Graph:
     hidden: torch.Tensor
 
 
+class _StagedInts:
+    """A flat device integer buffer with a host mirror of the same layout.
+
+    The host side is written through a NumPy view (fast from Python lists),
+    then :meth:`upload` copies a prefix with one non-blocking copy. On CUDA the
+    mirror is pinned and an event keeps the next host write from racing the
+    previous copy.
+    """
+
+    _ALIGN = 16  # elements: region starts stay 64-byte aligned for the kernels
+
+    def __init__(self, region_sizes: dict[str, int], dtype: torch.dtype, device: torch.device) -> None:
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, numel in region_sizes.items():
+            self.offsets[name] = total
+            total += -(-numel // self._ALIGN) * self._ALIGN
+        cuda = device.type == "cuda"
+        self.device_buffer = torch.zeros(total, dtype=dtype, device=device)
+        self.host = torch.zeros(total, dtype=dtype, pin_memory=cuda)
+        self.host_view = self.host.numpy()
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def region(self, name: str, numel: int) -> tuple[torch.Tensor, object]:
+        """(device view, host NumPy view) of ``numel`` elements starting at region ``name``."""
+        start = self.offsets[name]
+        return self.device_buffer[start:start + numel], self.host_view[start:start + numel]
+
+    def wait_for_copy(self) -> None:
+        """Block until the last upload has read the host mirror."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def upload(self, numel: int) -> None:
+        """Copy host elements ``[0, numel)`` to the device (ordered on the current stream)."""
+        self.device_buffer[:numel].copy_(self.host[:numel], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
 class CudaGraphRunner:
     """Captures and replays the model forward of decode-only steps."""
 
@@ -55,21 +100,37 @@ class CudaGraphRunner:
         self.num_lora_slots = num_lora_slots
         self.sizes = default_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
-        width = -(-max_model_len // block_size)
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
-        self.seq_lens = torch.ones(n, **i32)
-        self.block_tables = torch.zeros(n, width, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)
-        self.token_slots = torch.full((n,), -1, **i32)
-        self.sorted_token_ids = torch.arange(n, **i32)
-        self.segment_starts = torch.zeros(max(num_lora_slots, 1), **i32)
-        self.segment_lens = torch.zeros(max(num_lora_slots, 1), **i32)
-        self.segment_slots = torch.arange(max(num_lora_slots, 1), **i32)
+        s = max(num_lora_slots, 1)
+        self.table_width = -(-max_model_len // block_size)
+        self._i64 = _StagedInts({"input_ids": n, "positions": n, "slot_mapping": n}, torch.int64, device)
+        self._i32 = _StagedInts({"seq_lens": n, "token_slots": n, "sorted_token_ids": n, "segment_starts": s,
+                                 "segment_lens": s, "block_tables": n * self.table_width}, torch.int32, device)
+        self.input_ids, self._host_input_ids = self._i64.region("input_ids", n)
+        self.positions, self._host_positions = self._i64.region("positions", n)
+        self.slot_mapping, self._host_slot_mapping = self._i64.region("slot_mapping", n)
+        self.seq_lens, self._host_seq_lens = self._i32.region("seq_lens", n)
+        self.token_slots, self._host_token_slots = self._i32.region("token_slots", n)
+        self.sorted_token_ids, self._host_sorted_token_ids = self._i32.region("sorted_token_ids", n)
+        self.segment_starts, self._host_segment_starts = self._i32.region("segment_starts", s)
+        self.segment_lens, self._host_segment_lens = self._i32.region("segment_lens", s)
+        tables, host_tables = self._i32.region("block_tables", n * self.table_width)
+        self.block_tables = tables.view(n, self.table_width)
+        self._host_block_tables = host_tables.reshape(n, self.table_width)
+        self._table_rows: list[list[int]] = [[] for _ in range(n)]  # what each host row holds
+        self._reset_host()
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.segment_slots = torch.arange(s, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self.pool = None
+
+    def _reset_host(self) -> None:
+        """Idle values: slot -1 (write nothing), context 1, no adapter; then upload them."""
+        self._host_slot_mapping[:] = -1
+        self._host_seq_lens[:] = 1
+        self._host_token_slots[:] = -1
+        self._host_sorted_token_ids[:] = range(len(self._host_sorted_token_ids))
+        self._i64.upload(self._i64.host.numel())
+        self._i32.upload(self._i32.host.numel())
 
     @property
     def max_batch_size(self) -> int:
@@ -119,45 +180,58 @@ class CudaGraphRunner:
 
     # -- replay -----------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], lora_slots: list[int]) -> torch.Tensor:
-        """Fill the static buffers for B decode tokens and replay; returns ``[B, hidden]``."""
+            block_tables: list[list[int]], lora_slots: list[int] | None) -> torch.Tensor:
+        """Fill the static buffers for B decode tokens and replay; returns ``[B, hidden]``.
+
+        ``lora_slots``: adapter slot per sequence (-1 = none), or None when no
+        sequence uses an adapter.
+        """
         b = len(token_ids)
         size = self.padded_size(b)
-        with_lora = self.num_lora_slots > 0 and any(s >= 0 for s in lora_slots)
+        with_lora = self.num_lora_slots > 0 and lora_slots is not None and any(s >= 0 for s in lora_slots)
+        self._i64.wait_for_copy()
+        self._i32.wait_for_copy()
         self._fill(size, b, token_ids, positions, slot_mapping, seq_lens, block_tables)
         if with_lora:
             self._fill_lora(size, lora_slots)
+        self._i64.upload(self._i64.host.numel())
+        self._i32.upload(self._i32.offsets["block_tables"] + size * self.table_width)
         entry = self.graphs[(size, with_lora)]
         entry.graph.replay()
         return entry.hidden[:b]
 
     def _fill(self, size, b, token_ids, positions, slot_mapping, seq_lens, block_tables) -> None:
-        pad = size - b
-        host = torch.tensor([token_ids + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad,
-                             seq_lens + [1] * pad], dtype=torch.int64)
-        self.input_ids[:size].copy_(host[0], non_blocking=True)
-        self.positions[:size].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:size].copy_(host[2], non_blocking=True)
-        self.seq_lens[:size].copy_(host[3], non_blocking=True)
-        width = max(len(t) for t in block_tables)
-        rows = [t + [0] * (width - len(t)) for t in block_tables] + [[0] * width] * pad
-        self.block_tables[:size, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        """Host side of the step's inputs; rows ``b..size`` are padding."""
+        self._host_input_ids[:b] = token_ids
+        self._host_input_ids[b:size] = 0
+        self._host_positions[:b] = positions
+        self._host_positions[b:size] = 0
+        self._host_slot_mapping[:b] = slot_mapping
+        self._host_slot_mapping[b:size] = -1
+        self._host_seq_lens[:b] = seq_lens
+        self._host_seq_lens[b:size] = 1
+        # Entries past a row's blocks (and padding rows, which read one position)
+        # may hold stale but valid block ids: the kernels never use them.
+        rows, host_tables = self._table_rows, self._host_block_tables
+        for i, table in enumerate(block_tables):
+            if rows[i] != table:
+                host_tables[i, :len(table)] = table
+                rows[i] = list(table)
 
     def _fill_lora(self, size: int, lora_slots: list[int]) -> None:
         """SGMV segments over all slots, computed on the host (B is small)."""
         slots = lora_slots + [-1] * (size - len(lora_slots))
-        order = sorted(range(size), key=lambda t: slots[t])
+        order = sorted(range(size), key=slots.__getitem__)
         counts = [0] * self.num_lora_slots
         for s in slots:
             if s >= 0:
                 counts[s] += 1
-        start = sum(1 for s in slots if s < 0)
+        start = size - sum(counts)
         starts = []
         for c in counts:
             starts.append(start)
             start += c
-        host = torch.tensor([slots, order], dtype=torch.int32)
-        self.token_slots[:size].copy_(host[0], non_blocking=True)
-        self.sorted_token_ids[:size].copy_(host[1], non_blocking=True)
-        self.segment_starts.copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
-        self.segment_lens.copy_(torch.tensor(counts, dtype=torch.int32), non_blocking=True)
+        self._host_token_slots[:size] = slots
+        self._host_sorted_token_ids[:size] = order
+        self._host_segment_starts[:self.num_lora_slots] = starts
+        self._host_segment_lens[:self.num_lora_slots] = counts

@@ -80,6 +80,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: DecodingTokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._backend_decode = _backend_decode(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         if _REPLACEMENT_CHAR in self._decode(context):
@@ -120,7 +121,26 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _backend_decode(tokenizer: DecodingTokenizer):
+    """The Rust ``tokenizers`` decode behind a Hugging Face fast tokenizer, when
+    ``tokenizer.decode`` returns exactly its result (class methods not
+    overridden, no ``clean_up_tokenization_spaces``); else None. Skips the
+    Python wrapper, about 5x faster for the short windows decoded per token."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, TokenizersBackend) or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not TokenizersBackend._decode or tokenizer.clean_up_tokenization_spaces):
+        return None
+    return tokenizer.backend_tokenizer.decode
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,22 @@ class KVCacheManager:
         return first < len(seq.block_ids) and self.pool.ref_cnt[seq.block_ids[first]] > 1
 
     # -- allocation -------------------------------------------------------
+    def try_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """:meth:`allocate_slots` if the blocks are available, else False (nothing changes).
+
+        O(1) when nothing is needed: the common decode step, whose token lands in
+        an unshared block the sequence already holds.
+        """
+        computed, block_ids = seq.num_computed_tokens, seq.block_ids
+        first = computed // self.block_size
+        if (computed + num_new_tokens <= len(block_ids) * self.block_size and first < len(block_ids)
+                and self.pool.ref_cnt[block_ids[first]] == 1):
+            return True
+        if self.num_blocks_needed(seq, num_new_tokens) > self.pool.num_free_blocks:
+            return False
+        self.allocate_slots(seq, num_new_tokens)
+        return True
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for tokens ``[num_computed, num_computed + num_new_tokens)``.
 
@@ -153,9 +169,9 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that became full and computed in the last step."""
-        if not self.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= len(seq.block_hashes):
+            return
         extra = self.extra_key(seq)
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else b""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from loraplex.engine.models.loader import build_model
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from loraplex.engine.sequence import RequestGroup, Sequence, SequenceStatus
+from loraplex.engine.sequence import RequestGroup, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -86,19 +87,19 @@ class _Throughput:
     """Tokens per second over a sliding window of recent steps."""
 
     window_s: float = 10.0
-    events: list[tuple[float, int]] = field(default_factory=list)
+    events: deque[tuple[float, int]] = field(default_factory=deque)
 
     def add(self, num_tokens: int) -> None:
         now = time.monotonic()
         self.events.append((now, num_tokens))
         while self.events and now - self.events[0][0] > self.window_s:
-            self.events.pop(0)
+            self.events.popleft()
 
     def rate(self) -> float:
         if len(self.events) < 2:
             return 0.0
         span = self.events[-1][0] - self.events[0][0]
-        return sum(n for _, n in self.events[1:]) / span if span > 0 else 0.0
+        return (sum(n for _, n in self.events) - self.events[0][1]) / span if span > 0 else 0.0
 
 
 class LLMEngine:
@@ -275,25 +276,35 @@ class LLMEngine:
         result = self.runner.execute(batch)
         touched = self._postprocess(batch, result)
         self._throughput.add(batch.num_tokens)
-        return [self._make_output(g) for g in touched if g.is_finished or g.params.output_kind == "cumulative"]
+        return [self._make_output(g, finished) for g, finished in touched
+                if finished or g.params.output_kind == "cumulative"]
 
-    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[RequestGroup]:
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[tuple[RequestGroup, bool]]:
+        """Apply the step's results; returns each touched group with whether it finished."""
         touched: dict[str, RequestGroup] = {}
+        cache_full_blocks = self.kv_manager.cache_full_blocks
         for item, samples, plp in zip(batch.seqs, result.samples, result.prompt_logprobs):
-            seq, group = item.seq, item.seq.group
+            seq = item.seq
+            group = seq.group
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv_manager.cache_full_blocks(seq)
+            cache_full_blocks(seq)
             if plp is not None:
                 group.prompt_logprobs.extend(plp)
             if samples:
-                self._take_samples(seq, samples)
+                if len(samples) == 1 and group.forked:  # the common decode step
+                    self._append_token(seq, samples[0])
+                else:
+                    self._take_samples(seq, samples)
                 touched[group.request_id] = group
             elif plp:
                 touched[group.request_id] = group
+        out = []
         for group in touched.values():
-            if group.is_finished:
+            finished = group.is_finished
+            if finished:
                 self.groups.pop(group.request_id, None)
-        return list(touched.values())
+            out.append((group, finished))
+        return out
 
     def _take_samples(self, seq: Sequence, samples: list[SampledToken]) -> None:
         group = seq.group
@@ -309,7 +320,7 @@ class LLMEngine:
         self._append_token(seq, samples[0])
 
     def _append_token(self, seq: Sequence, sample: SampledToken) -> None:
-        seq.token_ids.append(sample.token_id)
+        seq.append_token(sample.token_id)
         seq.cumulative_logprob += sample.logprob
         if seq.logprobs is not None:
             seq.logprobs.append(sample.top_logprobs or {sample.token_id: sample.logprob})
@@ -320,7 +331,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = state.finish_reason, state.stop_reason
             self.scheduler.finish(seq)
 
-    def _make_output(self, group: RequestGroup) -> RequestOutput:
+    def _make_output(self, group: RequestGroup, finished: bool) -> RequestOutput:
         outputs = []
         for seq in group.seqs if group.forked else group.seqs[:1]:
             outputs.append(CompletionOutput(
@@ -328,7 +339,7 @@ class LLMEngine:
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished,
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
                              group.num_cached_tokens)
 

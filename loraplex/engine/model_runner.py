@@ -8,7 +8,9 @@ runs (that is the scheduler) or *what it means* (that is the engine).
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -17,11 +19,52 @@ from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
 from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, top_logprobs
-from loraplex.engine.scheduler import ScheduledBatch, ScheduledSeq
+from loraplex.engine.scheduler import ScheduledBatch
+from loraplex.engine.sequence import Sequence
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping
 
 logger = logging.getLogger(__name__)
+
+
+def _host_ints(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D host tensor from a list of ints (through ``array``: faster than ``torch.tensor``)."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array(_ARRAY_CODES[dtype], values), dtype=dtype)
+
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def _padded_rows(rows: list[list[int]]) -> torch.Tensor:
+    """``[len(rows), max_len] int32`` host tensor, rows right-padded with 0."""
+    width = max(len(r) for r in rows)
+    flat: list[int] = []
+    zeros = [0] * width
+    for r in rows:
+        flat += r
+        flat += zeros[len(r):]
+    return _host_ints(flat, torch.int32).view(len(rows), width)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Move same-dtype 1-D host tensors to ``device`` with one copy; returns views of
+    the packed device tensor, each starting 16 elements aligned (as a fresh tensor
+    would, so the kernels see the same pointer alignment)."""
+    if device.type == "cpu":
+        return tensors
+    parts, starts, offset = [], [], 0
+    for t in tensors:
+        padded = -(-t.numel() // _ALIGN) * _ALIGN
+        parts += [t, t.new_zeros(padded - t.numel())]
+        starts.append(offset)
+        offset += padded
+    packed = torch.cat(parts).to(device)
+    return [packed[start:start + t.numel()] for start, t in zip(starts, tensors)]
+
+
+_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -41,7 +84,7 @@ class StepInputs:
     sample_token_index: list[int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float
@@ -86,47 +129,44 @@ class ModelRunner:
 
     # -- inputs -----------------------------------------------------------
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """Host lists -> vectorised host tensors -> two packed copies to the device."""
+        bs = self.block_size
         token_ids: list[int] = []
-        q_lens, seq_lens, starts, tables, slots = [], [], [], [], []
+        q_lens, seq_lens, tables = [], [], []
         for item in batch.seqs:
-            seq = item.seq
             end = item.start_position + item.num_new_tokens
-            token_ids.extend(seq.token_ids[item.start_position:end])
+            token_ids += item.seq.token_ids[item.start_position:end]
             q_lens.append(item.num_new_tokens)
             seq_lens.append(end)
-            starts.append(item.start_position)
-            tables.append(seq.block_ids)
-            slots.append(self._lora_slot(item))
-        dev = self.device
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        query_start = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=query_start[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
-        positions = torch.arange(int(query_start[-1])) - query_start[:-1][seq_index] + torch.tensor(starts)[seq_index]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        block_of = block_tables[seq_index, positions // self.block_size].to(torch.int64)
-        slot_mapping = block_of * self.block_size + positions % self.block_size
+            tables.append(item.seq.block_ids)
+        num_seqs, num_tokens = len(q_lens), len(token_ids)
+        query_start = list(accumulate(q_lens, initial=0))
+        # position of token t of sequence b = t - query_start[b] + start[b]
+        offsets = [e - q - qs for e, q, qs in zip(seq_lens, q_lens, query_start)]
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), _host_ints(q_lens, torch.int64),
+                                            output_size=num_tokens)
+        positions = torch.arange(num_tokens) + _host_ints(offsets, torch.int64)[seq_index]
+        block_tables = _padded_rows(tables)
+        slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
+        lora_slots = self._lora_slots(batch)
+        host_i32 = [_host_ints(query_start, torch.int32), _host_ints(seq_lens, torch.int32), block_tables.view(-1)]
+        if lora_slots is not None:
+            host_i32.append(_host_ints(lora_slots, torch.int32)[seq_index])
+        input_ids, positions_dev, slot_mapping_dev = _to_device(
+            [_host_ints(token_ids, torch.int64), positions, slot_mapping], self.device)
+        query_start_dev, seq_lens_dev, block_tables_dev, *token_slots = _to_device(host_i32, self.device)
         meta = AttentionMetadata(
-            query_start_loc=query_start.to(torch.int32).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=query_start_dev,
+            seq_lens=seq_lens_dev,
+            block_tables=block_tables_dev.view(block_tables.shape),
+            slot_mapping=slot_mapping_dev,
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
-            query_start_loc_host=query_start.tolist(),
+            query_start_loc_host=query_start,
             seq_lens_host=seq_lens,
         )
-        lora = None
-        if any(s >= 0 for s in slots):
-            token_slots = torch.tensor(slots, dtype=torch.int32)[seq_index].to(dev)
-            lora = LoRABatch(LoRAMapping.from_token_slots(token_slots))
-        return StepInputs(torch.tensor(token_ids, dtype=torch.int64).to(dev), positions.to(dev), meta, lora,
-                          (query_start[1:] - 1).tolist())
-
-    def _lora_slot(self, item: ScheduledSeq) -> int:
-        lora_id = item.seq.group.lora_int_id
-        return self.slot_of(lora_id) if lora_id else -1
+        lora = LoRABatch(LoRAMapping.from_token_slots(token_slots[0])) if token_slots else None
+        return StepInputs(input_ids, positions_dev, meta, lora, [q - 1 for q in query_start[1:]])
 
     # -- step -------------------------------------------------------------
     @torch.inference_mode()
@@ -150,14 +190,23 @@ class ModelRunner:
         bs = self.block_size
         token_ids, positions, slots, seq_lens, tables = [], [], [], [], []
         for item in batch.seqs:
-            pos = item.start_position
-            token_ids.append(item.seq.token_ids[pos])
+            seq, pos = item.seq, item.start_position
+            block_ids = seq.block_ids
+            token_ids.append(seq.token_ids[pos])
             positions.append(pos)
-            slots.append(item.seq.block_ids[pos // bs] * bs + pos % bs)
+            slots.append(block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
-            tables.append(item.seq.block_ids)
-        lora_slots = [self._lora_slot(item) for item in batch.seqs]
-        return self.graphs.run(token_ids, positions, slots, seq_lens, tables, lora_slots)
+            tables.append(block_ids)
+        return self.graphs.run(token_ids, positions, slots, seq_lens, tables, self._lora_slots(batch))
+
+    def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
+        """Adapter slot of each sequence (-1 = base model); None when no sequence uses an adapter."""
+        lora_ids = [item.seq.group.lora_int_id for item in batch.seqs]
+        if not any(lora_ids):
+            return None
+        slot = {lora_id: self.slot_of(lora_id) for lora_id in set(lora_ids) if lora_id}
+        slot[0] = -1
+        return [slot[lora_id] for lora_id in lora_ids]
 
     def _sample(self, batch: ScheduledBatch, sample_token_index: list[int],
                 hidden: torch.Tensor) -> list[list[SampledToken]]:
@@ -165,21 +214,38 @@ class ModelRunner:
         row_index: list[int] = []
         owner: list[int] = []
         for i, item in enumerate(batch.seqs):
-            for child in range(item.num_samples):
-                seq = item.seq.group.seqs[item.seq.index + child]
-                rows.append(SamplingRow(params=item.seq.group.params, prompt_token_ids=item.seq.group.prompt_token_ids,
-                                        output_token_ids=item.seq.output_token_ids, generator=seq.generator,
-                                        eos_token_ids=self.eos_token_ids))
+            if item.num_samples == 1:
+                rows.append(self._sampling_row(item.seq))
                 row_index.append(sample_token_index[i])
                 owner.append(i)
-        result: list[list[SampledToken]] = [[] for _ in batch.seqs]
+            elif item.num_samples > 1:  # a fork: row c samples for the group's sequence index + c
+                seqs = item.seq.group.seqs
+                for c in range(item.num_samples):
+                    rows.append(self._sampling_row(seqs[item.seq.index + c]))
+                    row_index.append(sample_token_index[i])
+                    owner.append(i)
         if not rows:
-            return result
-        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)])
+            return [[] for _ in batch.seqs]
+        if row_index != list(range(hidden.shape[0])):
+            hidden = hidden[torch.tensor(row_index, device=hidden.device)]
+        logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
-        for r, i in enumerate(owner):
-            result[i].append(SampledToken(out.token_ids[r], out.sampled_logprobs[r], out.logprobs[r]))
+        samples = zip(out.token_ids, out.sampled_logprobs, out.logprobs)
+        if owner == list(range(len(batch.seqs))):  # one sample per sequence (the decode case)
+            return [[SampledToken(token_id, logprob, top)] for token_id, logprob, top in samples]
+        result: list[list[SampledToken]] = [[] for _ in batch.seqs]
+        for i, (token_id, logprob, top) in zip(owner, samples):
+            result[i].append(SampledToken(token_id, logprob, top))
         return result
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        """The sequence's sampling input, built once (it holds the live output list)."""
+        if seq.sampling_row is None:
+            group = seq.group
+            seq.sampling_row = SamplingRow(params=group.params, prompt_token_ids=group.prompt_token_ids,
+                                           output_token_ids=seq.output_token_ids, generator=seq.generator,
+                                           eos_token_ids=self.eos_token_ids)
+        return seq.sampling_row
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor):
         result: list[list[TopLogprobs] | None] = []

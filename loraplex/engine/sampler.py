@@ -140,6 +140,8 @@ class SamplingBatch:
             raise ValueError("SamplingBatch.build: rows must not be empty")
         if vocab_size < 1:
             raise ValueError(f"SamplingBatch.build: vocab_size={vocab_size!r} must be >= 1")
+        if all(_is_plain_greedy(row) for row in rows):
+            return cls._plain_greedy(rows, vocab_size, device)
         params = [row.params for row in rows]
         greedy = [p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
         return cls(
@@ -154,6 +156,25 @@ class SamplingBatch:
             penalties=_penalty_tensors(rows, vocab_size, device),
             generators=[row.generator for row in rows],
             num_logprobs=[p.logprobs for p in params],
+        )
+
+    @classmethod
+    def _plain_greedy(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        """The batch :meth:`build` gives when every row is greedy without penalties
+        or an active min_tokens mask, built without per-row tensors."""
+        num_rows = len(rows)
+        return cls(
+            vocab_size=vocab_size,
+            temperature=torch.ones(num_rows, dtype=torch.float32, device=device),
+            greedy=torch.ones(num_rows, dtype=torch.bool, device=device),
+            all_greedy=True,
+            min_p=None,
+            top_k=None,
+            top_p=None,
+            banned_mask=None,
+            penalties=None,
+            generators=[row.generator for row in rows],
+            num_logprobs=[row.params.logprobs for row in rows],
         )
 
 
@@ -185,7 +206,9 @@ class Sampler:
         """
         _check_logits(logits, batch)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = apply_penalties(apply_banned_mask(logits.clone(), batch.banned_mask), batch.penalties)
+        # Only the banned mask works in place; every later stage returns a new tensor.
+        masked = logits if batch.banned_mask is None else apply_banned_mask(logits.clone(), batch.banned_mask)
+        processed = apply_penalties(masked, batch.penalties)
         token_ids = _select_tokens(processed, batch)
         return _build_output(raw_logprobs, token_ids, batch.num_logprobs)
 
@@ -302,6 +325,13 @@ def compute_prompt_logprobs(
 
 
 # --- batch construction helpers ------------------------------------------------
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, no penalty, and min_tokens already reached (nothing to mask)."""
+    p = row.params
+    return (p.temperature < GREEDY_TEMPERATURE_EPS and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
 
 
 def _float_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:
@@ -432,6 +462,9 @@ def _top_p_cutoff(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Ten
 
 
 def _build_output(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]) -> SamplerOutput:
+    if all(n is None for n in num_logprobs):  # no top logprobs asked: only the sampled tokens' values
+        sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * len(sampled), sampled_logprobs=sampled)
     max_top = max((n for n in num_logprobs if n is not None), default=0)
     tops = top_logprobs(raw_logprobs, token_ids, max_top)
     ids = token_ids.tolist()

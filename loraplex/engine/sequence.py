@@ -39,7 +39,13 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream with its block table (physical block ids per logical block)."""
+    """One token stream with its block table (physical block ids per logical block).
+
+    ``token_ids`` is prompt + output; ``output_token_ids`` is the same output
+    kept as its own list (no slicing per step). Generated tokens are added with
+    :meth:`append_token`, which grows both. ``sampling_row`` is the model
+    runner's per-sequence sampling input, built once on the first sample.
+    """
 
     seq_id: int
     group: "RequestGroup"
@@ -57,14 +63,20 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    output_token_ids: list[int] = field(init=False)
+    sampling_row: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.output_token_ids = self.token_ids[self.num_prompt_tokens:]
+
+    def append_token(self, token_id: int) -> None:
+        """Add one generated token (to ``token_ids`` and ``output_token_ids``)."""
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
@@ -95,12 +107,13 @@ class RequestGroup:
     prompt_logprobs: list[TopLogprobs | None] | None = None
     num_cached_tokens: int = 0
     forked: bool = False
+    lora_int_id: int = field(init=False)  # the adapter's id, 0 for the base model
 
-    @property
-    def lora_int_id(self) -> int:
-        """0 for the base model."""
-        return self.lora_request.lora_int_id if self.lora_request else 0
+    def __post_init__(self) -> None:
+        self.lora_int_id = self.lora_request.lora_int_id if self.lora_request else 0
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs) and (self.forked or self.params.n == 1)
+        if self.params.n == 1:
+            return self.seqs[0].status is SequenceStatus.FINISHED
+        return self.forked and all(s.status is SequenceStatus.FINISHED for s in self.seqs)
