@@ -92,14 +92,19 @@ class _Throughput:
     def add(self, num_tokens: int) -> None:
         now = time.monotonic()
         self.events.append((now, num_tokens))
-        while self.events and now - self.events[0][0] > self.window_s:
-            self.events.popleft()
+        self._expire(now)
 
     def rate(self) -> float:
+        """Tokens/s over the steps of the last ``window_s`` seconds (0 once idle that long)."""
+        self._expire(time.monotonic())
         if len(self.events) < 2:
             return 0.0
         span = self.events[-1][0] - self.events[0][0]
         return (sum(n for _, n in self.events) - self.events[0][1]) / span if span > 0 else 0.0
+
+    def _expire(self, now: float) -> None:
+        while self.events and now - self.events[0][0] > self.window_s:
+            self.events.popleft()
 
 
 class LLMEngine:

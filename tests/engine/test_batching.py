@@ -102,3 +102,17 @@ def test_abort_frees_blocks(tiny_llama_dir):
     llm.engine.abort_request("a")
     assert llm.engine.get_stats().kv_blocks_used == 0
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_throughput_gauge_drops_to_zero_when_idle(monkeypatch):
+    from loraplex.engine import llm_engine
+
+    clock = [100.0]
+    monkeypatch.setattr(llm_engine.time, "monotonic", lambda: clock[0])
+    gauge = llm_engine._Throughput(window_s=10.0)
+    for _ in range(3):
+        gauge.add(50)
+        clock[0] += 1.0
+    assert gauge.rate() == pytest.approx(100 / 2.0)  # 2 steps of 50 tokens after the first, over 2 s
+    clock[0] += 11.0
+    assert gauge.rate() == 0.0
