@@ -15,7 +15,9 @@ host side from Python lists and moves everything with two copies. Block-table
 rows are rewritten only when they changed since the last step (a decode step
 adds a block to a sequence once every ``block_size`` tokens). For LoRA the
 graph always has one segment per adapter slot (unused slots have length 0,
-so their programs exit at once); two graphs per size are kept, with and
+so they get no work item: the kernels' work-item list holds one item per
+16 tokens of each used slot, padded with idle items to its bound
+``ceil(B / 16) + min(B, slots)``); two graphs per size are kept, with and
 without LoRA.
 The launch grids are fixed at capture: attention is sized for
 ``max_model_len``, LoRA for B tokens in ``max_loras`` segments.
@@ -30,7 +32,8 @@ import torch
 
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_expand import DECODE_BLOCK_M
+from loraplex.kernels.lora_mapping import LoRAMapping, tile_lists
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,8 @@ class CudaGraphRunner:
         self.table_width = -(-max_model_len // block_size)
         self._i64 = _StagedInts({"input_ids": n, "positions": n, "slot_mapping": n}, torch.int64, device)
         self._i32 = _StagedInts({"seq_lens": n, "token_slots": n, "sorted_token_ids": n, "segment_starts": s,
-                                 "segment_lens": s, "block_tables": n * self.table_width}, torch.int32, device)
+                                 "segment_lens": s, "lora_tiles": 2 * self._max_tiles(n, s),
+                                 "block_tables": n * self.table_width}, torch.int32, device)
         self.input_ids, self._host_input_ids = self._i64.region("input_ids", n)
         self.positions, self._host_positions = self._i64.region("positions", n)
         self.slot_mapping, self._host_slot_mapping = self._i64.region("slot_mapping", n)
@@ -132,6 +136,11 @@ class CudaGraphRunner:
         self._i64.upload(self._i64.host.numel())
         self._i32.upload(self._i32.host.numel())
 
+    @staticmethod
+    def _max_tiles(size: int, num_slots: int) -> int:
+        """Bound on (segment, 16-token tile) work items of ``size`` tokens over ``num_slots`` segments."""
+        return -(-size // DECODE_BLOCK_M) + min(size, num_slots)
+
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
@@ -153,8 +162,15 @@ class CudaGraphRunner:
             token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_token_ids[:size],
             segment_starts=self.segment_starts, segment_lens=self.segment_lens, segment_slots=self.segment_slots,
             num_tokens=size, num_segments=s, max_segment_len=size, has_lora=True,
-            segment_starts_host=[0] * s, segment_lens_host=[size] * s, segment_slots_host=list(range(s)))
+            segment_starts_host=[0] * s, segment_lens_host=[size] * s, segment_slots_host=list(range(s)),
+            static_tiles=self._tiles(size)[0], static_tiles_block_m=DECODE_BLOCK_M)
         return LoRABatch(mapping)
+
+    def _tiles(self, size: int):
+        """(device ``[2, W]`` view, host NumPy view) of the work-item list for ``size`` tokens."""
+        w = self._max_tiles(size, self.num_lora_slots)
+        device, host = self._i32.region("lora_tiles", 2 * w)
+        return device.view(2, w), host.reshape(2, w)
 
     def _forward(self, size: int, with_lora: bool) -> torch.Tensor:
         lora = self._lora(size) if with_lora else None
@@ -235,3 +251,9 @@ class CudaGraphRunner:
         self._host_sorted_token_ids[:size] = order
         self._host_segment_starts[:self.num_lora_slots] = starts
         self._host_segment_lens[:self.num_lora_slots] = counts
+        _, host_tiles = self._tiles(size)
+        segments, tiles = tile_lists(counts, DECODE_BLOCK_M)
+        host_tiles[0, :len(segments)] = segments
+        host_tiles[1, :len(tiles)] = tiles
+        host_tiles[0, len(segments):] = 0
+        host_tiles[1, len(tiles):] = 1 << 20  # idle: past every segment's end

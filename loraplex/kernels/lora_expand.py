@@ -3,8 +3,8 @@
 Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T``, ``s = slot[t]``; skip ``s == -1``.
 
 Slices may have different widths (fused q/k/v with GQA, gate/up) and all run
-in one launch; ``off_i = out_0 + ... + out_{i-1}``. Grid = (segment, token
-tile, slice x output tile): a segment's tokens share every load of the
+in one launch; ``off_i = out_0 + ... + out_{i-1}``. Grid = ((segment, token
+tile) work item, slice x output tiles): a segment's tokens share every load of the
 adapter's B tile. The sum is formed in float32 and rounded once into ``y``;
 on tensor cores ``v`` is rounded to B's dtype first (as PEFT computes in it).
 """
@@ -36,6 +36,9 @@ from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_mapping import LoRAMapping
 
 _OP = "lora_expand"
+# Batches of at most this many tokens use the decode launch shapes (see _block_sizes).
+DECODE_MAX_TOKENS = 256
+DECODE_BLOCK_M = 16  # token rows per program in decode-sized batches (shrink and expand)
 
 
 @triton.jit
@@ -46,6 +49,8 @@ def _lora_expand_kernel(
     slice_widths_ptr,
     slice_offsets_ptr,
     y_ptr,
+    tiles_ptr,
+    num_tiles,
     sorted_token_ids_ptr,
     segment_starts_ptr,
     segment_lens_ptr,
@@ -53,23 +58,26 @@ def _lora_expand_kernel(
     ranks_ptr,
     max_rank,
     n_tiles,
+    stride_v_split,
     stride_v_slice,
     stride_vt,
     stride_yt,
+    SPLIT_K: tl.constexpr,
     HAS_RANKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    N_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    slice_id = tl.program_id(2) // n_tiles
-    n_tile = tl.program_id(2) % n_tiles
+    seg = tl.load(tiles_ptr + tl.program_id(0))
+    m_tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
+    slice_id = tl.program_id(1) // n_tiles
+    n_first = (tl.program_id(1) % n_tiles) * (BLOCK_N * N_ITERS)
     width = tl.load(slice_widths_ptr + slice_id)
     seg_len = tl.load(segment_lens_ptr + seg)
-    if (m_tile * BLOCK_M >= seg_len) | (n_tile * BLOCK_N >= width):
+    if (m_tile * BLOCK_M >= seg_len) | (n_first >= width):
         return
     slot = tl.load(segment_slots_ptr + seg).to(tl.int64)
     rank = max_rank
@@ -82,30 +90,32 @@ def _lora_expand_kernel(
     tok = tl.load(sorted_token_ids_ptr + seg_start + rows, mask=row_mask, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
-    v = tl.load(
-        v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + r[None, :],
-        mask=row_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
+    # v is the sum of SPLIT_K partial shrink results, added in a fixed order (deterministic).
+    v_ptrs = v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + r[None, :]
+    v_mask = row_mask[:, None] & r_mask[None, :]
+    v = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        v += tl.load(v_ptrs + split * stride_v_split, mask=v_mask, other=0.0)
     y_dtype = y_ptr.dtype.element_ty
+    v = v.to(y_dtype).to(DOT_DTYPE)
     b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(y_dtype))
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < width
-    # B_i is a contiguous [S, width, max_rank] tensor.
-    b = tl.load(
-        b_base + slot * width * max_rank + cols[:, None] * max_rank + r[None, :],
-        mask=col_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    delta = tl.dot(v.to(y_dtype).to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), input_precision=PRECISION)
     scale_ptr = tl.load(scaling_ptrs + slice_id).to(tl.pointer_type(tl.float32))
-    delta = delta * tl.load(scale_ptr + slot)
-
+    scale = tl.load(scale_ptr + slot)
     offset = tl.load(slice_offsets_ptr + slice_id)
-    y_ptrs = y_ptr + tok[:, None] * stride_yt + offset + cols[None, :]
-    y_mask = row_mask[:, None] & col_mask[None, :]
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_dtype), mask=y_mask)
+    for it in tl.static_range(N_ITERS):
+        cols = n_first + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < width
+        # B_i is a contiguous [S, width, max_rank] tensor.
+        b = tl.load(
+            b_base + slot * width * max_rank + cols[:, None] * max_rank + r[None, :],
+            mask=col_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        delta = tl.dot(v, tl.trans(b.to(DOT_DTYPE)), input_precision=PRECISION) * scale
+        y_ptrs = y_ptr + tok[:, None] * stride_yt + offset + cols[None, :]
+        y_mask = row_mask[:, None] & col_mask[None, :]
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_dtype), mask=y_mask)
 
 
 def _check_args(
@@ -136,13 +146,17 @@ def _check_args(
     check_ranks(_OP, ranks, num_slots, y.device)
 
 
-def _block_sizes(max_segment_len: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): GPU-sized on CUDA, small under the CPU interpreter."""
+def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, N_ITERS): GPU-sized on CUDA, small under the CPU interpreter.
+
+    Decode-sized batches (few tokens per segment) get 16-row tiles and programs
+    that each cover ``BLOCK_N * N_ITERS`` columns, loading ``v`` once for them.
+    """
     if device.type != "cuda":
-        return 16, 16
-    # 128 output columns per program: a 7B gate/up expand at decode is ~2x fewer
-    # (mostly tiny) programs than with 64; see benchmarks/RESULTS.md.
-    return (16 if max_segment_len <= 16 else 64), 128
+        return 16, 16, 2
+    if mapping.num_tokens <= DECODE_MAX_TOKENS or mapping.max_segment_len <= 16:
+        return DECODE_BLOCK_M, 128, 4
+    return 64, 128, 1
 
 
 def _launch_lora_expand(
@@ -152,9 +166,16 @@ def _launch_lora_expand(
     y: torch.Tensor,
     mapping: LoRAMapping,
     ranks: torch.Tensor | None,
+    blocks: tuple[int, int, int] | None = None,
 ) -> None:
+    """Launch the expand; ``v`` is ``[n_slices, T, R]`` or ``[SPLIT, n_slices, T, R]`` partial sums.
+
+    Rows of ``v`` for tokens without an adapter are never read.
+    """
     require_triton(_OP)
-    _check_args(v, lora_b, scaling, y, mapping, ranks)
+    split = v.shape[0] if v.dim() == 4 else 1
+    v3 = v[0] if v.dim() == 4 else v
+    _check_args(v3, lora_b, scaling, y, mapping, ranks)
     check_last_dim_contiguous(_OP, "y", y)
     for i, s in enumerate(scaling):
         check_last_dim_contiguous(_OP, f"scaling[{i}]", s)
@@ -165,16 +186,18 @@ def _launch_lora_expand(
         return
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
-    block_m, block_n = _block_sizes(mapping.max_segment_len, y.device)
-    n_tiles = cdiv(max(widths), block_n)
-    grid = (mapping.num_segments, cdiv(mapping.max_segment_len, block_m), len(lora_b) * n_tiles)
-    _lora_expand_kernel[grid](
+    block_m, block_n, n_iters = blocks or _block_sizes(mapping, y.device)
+    n_tiles = cdiv(max(widths), block_n * n_iters)
+    tiles = mapping.tiles(block_m)
+    _lora_expand_kernel[(tiles.shape[1], len(lora_b) * n_tiles)](
         v,
         pointer_table(lora_b),
         pointer_table(scaling),
         int32_table(widths, y.device),
         int32_table(offsets, y.device),
         y,
+        tiles,
+        tiles.shape[1],
         mapping.sorted_token_ids,
         mapping.segment_starts,
         mapping.segment_lens,
@@ -182,12 +205,15 @@ def _launch_lora_expand(
         ranks if ranks is not None else mapping.segment_slots,
         max_rank,
         n_tiles,
-        v.stride(0),
-        v.stride(1),
+        v.stride(0) if split > 1 else 0,
+        v3.stride(0),
+        v3.stride(1),
         y.stride(0),
+        SPLIT_K=split,
         HAS_RANKS=ranks is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        N_ITERS=n_iters,
         BLOCK_R=max(16, next_pow2(max_rank)),
         DOT_DTYPE=dot_dtype(y.dtype, y.device),
         PRECISION=dot_precision(y.dtype, y.device),

@@ -18,7 +18,7 @@ nothing on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,12 @@ class LoRAMapping:
     (tokens of the largest segment, 0 if none), ``has_lora`` (some token has a
     slot >= 0), and ``segment_starts_host`` / ``segment_lens_host`` /
     ``segment_slots_host`` lists (reference path, launch sizing, slot checks).
+
+    Work items: the kernels launch one program row per (segment, token tile)
+    from :meth:`tiles`, not a segments x max-tiles rectangle, so a decode batch
+    of many 1-token segments starts no idle programs. CUDA graphs pass
+    ``static_tiles`` (``[2, W] int32``, padded with idle items) built for
+    ``static_tiles_block_m``-row tiles.
     """
 
     token_slots: torch.Tensor
@@ -57,6 +63,23 @@ class LoRAMapping:
     segment_starts_host: list[int]
     segment_lens_host: list[int]
     segment_slots_host: list[int]
+    static_tiles: torch.Tensor | None = None
+    static_tiles_block_m: int = 0
+    _tile_cache: dict = field(default_factory=dict, repr=False)
+
+    def tiles(self, block_m: int) -> torch.Tensor:
+        """``[2, W] int32`` work items: row 0 the segment, row 1 the token tile of ``block_m`` rows.
+
+        Items with a tile past their segment's end are idle (the kernels return at once).
+        """
+        if self.static_tiles is not None and block_m == self.static_tiles_block_m:
+            return self.static_tiles
+        cached = self._tile_cache.get(block_m)
+        if cached is None:
+            cached = torch.tensor(tile_lists(self.segment_lens_host, block_m), dtype=torch.int32)
+            cached = cached.to(self.token_slots.device, non_blocking=True)
+            self._tile_cache[block_m] = cached
+        return cached
 
     @classmethod
     def from_token_slots(cls, token_slots: torch.Tensor) -> LoRAMapping:
@@ -96,3 +119,14 @@ class LoRAMapping:
             segment_lens_host=segment_lens_host,
             segment_slots_host=uniq_host[first:],
         )
+
+
+def tile_lists(segment_lens: list[int], block_m: int) -> list[list[int]]:
+    """``[segments, tiles]``: one (segment g, tile m) item per ``block_m`` tokens of each segment."""
+    segments: list[int] = []
+    tiles: list[int] = []
+    for g, length in enumerate(segment_lens):
+        count = -(-length // block_m)
+        segments += [g] * count
+        tiles += range(count)
+    return [segments, tiles]

@@ -3,7 +3,7 @@
 Semantics: ``v[i, t] = x[t] @ A_i[slot[t]].T`` (float32), and ``v[i, t] = 0`` where ``slot[t] == -1``.
 
 Several slices (e.g. q/k/v or gate/up, all reading the same ``x``) run in one
-launch. Grid = (segment, token tile, slice x split-K chunk): the tokens of one
+launch. Grid = ((segment, token tile) work item, slice x split-K chunk): the tokens of one
 segment share every load of the adapter's A tile. Adapters of lower rank are
 zero-padded to R; an optional ``ranks [S]`` lets the kernel skip padded rows.
 """
@@ -32,10 +32,15 @@ from loraplex.kernels._triton import (
     triton,
 )
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_expand import DECODE_BLOCK_M, DECODE_MAX_TOKENS
 from loraplex.kernels.lora_mapping import LoRAMapping
 
 _OP = "lora_shrink"
 _MAX_SPLIT_K = 16
+_MAX_PARTIAL_SPLIT_K = 32
+# Decode-sized batches split the H reduction into chunks of this many elements
+# (see shrink_partials): many short programs instead of a few long serial loops.
+DECODE_K_PER_SPLIT = 512
 
 
 @triton.jit
@@ -43,6 +48,8 @@ def _lora_shrink_kernel(
     x_ptr,
     a_ptrs,
     out_ptr,
+    tiles_ptr,
+    num_tiles,
     sorted_token_ids_ptr,
     segment_starts_ptr,
     segment_lens_ptr,
@@ -65,10 +72,10 @@ def _lora_shrink_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    slice_id = tl.program_id(2) // SPLIT_K
-    k_split = tl.program_id(2) % SPLIT_K
+    seg = tl.load(tiles_ptr + tl.program_id(0))
+    m_tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
+    slice_id = tl.program_id(1) // SPLIT_K
+    k_split = tl.program_id(1) % SPLIT_K
     seg_len = tl.load(segment_lens_ptr + seg)
     if m_tile * BLOCK_M >= seg_len:
         return
@@ -109,11 +116,13 @@ def _check_args(x: torch.Tensor, lora_a: list[torch.Tensor], mapping: LoRAMappin
         raise KernelArgumentError(f"{_OP}: lora_a ranks differ: {[a.shape[1] for a in lora_a]}; pad them to one R")
 
 
-def _block_sizes(max_segment_len: int, device: torch.device) -> tuple[int, int]:
+def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K): GPU-sized on CUDA, small under the CPU interpreter."""
     if device.type != "cuda":
         return 16, 32
-    return (16 if max_segment_len <= 16 else 64), 128
+    if mapping.num_tokens <= DECODE_MAX_TOKENS or mapping.max_segment_len <= 16:
+        return DECODE_BLOCK_M, 128
+    return 64, 128
 
 
 def choose_split_k(num_programs: int, hidden_size: int, block_k: int, device: torch.device) -> int:
@@ -152,24 +161,43 @@ def _launch_lora_shrink(
         raise KernelArgumentError(f"{_OP}: split_k={split_k}, expected 1..{_MAX_SPLIT_K}")
     if not mapping.has_lora or max_rank == 0:
         return
-    block_m, block_k = _block_sizes(mapping.max_segment_len, x.device)
-    m_tiles = cdiv(mapping.max_segment_len, block_m)
-    programs = mapping.num_segments * m_tiles * len(lora_a)
+    block_m, block_k = _block_sizes(mapping, x.device)
+    programs = mapping.num_segments * cdiv(mapping.max_segment_len, block_m) * len(lora_a)
     split = split_k or choose_split_k(programs, hidden_size, block_k, x.device)
     k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
     split = cdiv(hidden_size, k_per_split)
     target = out if split == 1 else torch.zeros((split, *out.shape), dtype=torch.float32, device=x.device)
-    _lora_shrink_kernel[(mapping.num_segments, m_tiles, len(lora_a) * split)](
+    _run_kernel(x, lora_a, mapping, target, ranks, k_per_split, (block_m, block_k))
+    if split > 1:
+        torch.sum(target, dim=0, out=out)
+
+
+def _run_kernel(
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    mapping: LoRAMapping,
+    target: torch.Tensor,
+    ranks: torch.Tensor | None,
+    k_per_split: int,
+    blocks: tuple[int, int],
+) -> None:
+    """Launch over ``target`` = ``[n_slices, T, R]`` (one split) or ``[SPLIT, n_slices, T, R]`` fp32."""
+    block_m, block_k = blocks
+    split = target.shape[0] if target.dim() == 4 else 1
+    tiles = mapping.tiles(block_m)
+    _lora_shrink_kernel[(tiles.shape[1], len(lora_a) * split)](
         x,
         pointer_table(lora_a),
         target,
+        tiles,
+        tiles.shape[1],
         mapping.sorted_token_ids,
         mapping.segment_starts,
         mapping.segment_lens,
         mapping.segment_slots,
         ranks if ranks is not None else mapping.segment_slots,
-        hidden_size,
-        max_rank,
+        x.shape[1],
+        lora_a[0].shape[1],
         k_per_split,
         x.stride(0),
         lora_a[0].stride(0),
@@ -180,14 +208,64 @@ def _launch_lora_shrink(
         SPLIT_K=split,
         HAS_RANKS=ranks is not None,
         BLOCK_M=block_m,
-        BLOCK_R=max(16, next_pow2(max_rank)),
+        BLOCK_R=max(16, next_pow2(lora_a[0].shape[1])),
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
         num_warps=4,
     )
-    if split > 1:
-        torch.sum(target, dim=0, out=out)
+
+
+def partial_split_k(mapping: LoRAMapping, hidden_size: int, n_slices: int, device: torch.device) -> int:
+    """SPLIT for :func:`shrink_partials`: H in ``DECODE_K_PER_SPLIT`` chunks for decode-sized batches on
+    CUDA, else as :func:`choose_split_k` (1 once segments x tiles x slices fill the device)."""
+    block_m, block_k = _block_sizes(mapping, device)
+    if device.type == "cuda" and mapping.num_tokens <= DECODE_MAX_TOKENS:
+        return min(cdiv(hidden_size, DECODE_K_PER_SPLIT), _MAX_PARTIAL_SPLIT_K)
+    programs = mapping.num_segments * cdiv(mapping.max_segment_len, block_m) * n_slices
+    return choose_split_k(programs, hidden_size, block_k, device)
+
+
+def shrink_partials(
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    mapping: LoRAMapping,
+    ranks: torch.Tensor | None = None,
+    split_k: int | None = None,
+    blocks: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Split-K shrink without the reduction: ``p[k, i, t] = x[t, Hk] @ A_i[slot[t]][:, Hk].T``.
+
+    ``sum_k p[k]`` is :func:`lora_shrink`'s ``v`` on rows of LoRA tokens; the
+    expand kernel forms that sum while loading (so there is no zero-fill and no
+    sum kernel). Rows of slot -1 tokens are left unwritten (uninitialised).
+
+    Args:
+        x, lora_a, mapping, ranks: as :func:`lora_shrink`.
+        split_k: number of H chunks (``1..32``); default :func:`partial_split_k`.
+        blocks: (BLOCK_M, BLOCK_K) override (benchmarks sweep it).
+
+    Returns:
+        ``[SPLIT, n_slices, T, R]`` float32 (SPLIT may be smaller than asked when H is small).
+
+    Raises:
+        KernelArgumentError: as :func:`lora_shrink`, or ``split_k`` out of range.
+        TritonUnavailableError: triton is not installed.
+    """
+    require_triton(_OP)
+    _check_args(x, lora_a, mapping, ranks)
+    check_last_dim_contiguous(_OP, "x", x)
+    num_tokens, hidden_size = x.shape
+    split = split_k or partial_split_k(mapping, hidden_size, len(lora_a), x.device)
+    if not 1 <= split <= _MAX_PARTIAL_SPLIT_K:
+        raise KernelArgumentError(f"{_OP}: split_k={split}, expected 1..{_MAX_PARTIAL_SPLIT_K}")
+    block_m, block_k = blocks or _block_sizes(mapping, x.device)
+    k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
+    split = cdiv(hidden_size, k_per_split)
+    out = torch.empty((split, len(lora_a), num_tokens, lora_a[0].shape[1]), dtype=torch.float32, device=x.device)
+    if mapping.has_lora and lora_a[0].shape[1] > 0:
+        _run_kernel(x, lora_a, mapping, out, ranks, k_per_split, (block_m, block_k))
+    return out
 
 
 def lora_shrink(

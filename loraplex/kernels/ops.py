@@ -23,6 +23,7 @@ import torch
 
 from loraplex.kernels import activation, attention, rotary
 from loraplex.kernels import lora_expand as _expand
+from loraplex.kernels import lora_linear as _lora_linear
 from loraplex.kernels import lora_shrink as _shrink
 from loraplex.kernels import reshape_and_cache as _cache
 from loraplex.kernels import rms_norm as _norm
@@ -42,6 +43,7 @@ __all__ = [
     "LoRAMapping",
     "compute_cos_sin_cache",
     "get_backend",
+    "add_lora",
     "lora_expand",
     "lora_shrink",
     "paged_attention",
@@ -191,3 +193,23 @@ def lora_expand(
     """
     fn = _expand.lora_expand if _use_triton(y) else _expand.lora_expand_ref
     fn(v, lora_b, scaling, y, mapping, ranks=ranks)
+
+
+def add_lora(
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    scaling: list[torch.Tensor],
+    y: torch.Tensor,
+    mapping: LoRAMapping,
+    *,
+    ranks: torch.Tensor | None = None,
+) -> None:
+    """One LoRA linear's batched delta, in place on ``y`` (see :mod:`loraplex.kernels.lora_linear`).
+
+    Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T``, s = slot[t], nothing for s = -1.
+    Shapes: x ``[T, H]``, lora_a ``list of [S, R, H]``, lora_b ``list of [S, out_i, R]``,
+    scaling ``list of [S] fp32``, y ``[T, sum out_i]``.
+    """
+    fn = _lora_linear.add_lora if _use_triton(x) else _lora_linear.add_lora_ref
+    fn(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)

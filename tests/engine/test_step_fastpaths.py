@@ -26,7 +26,8 @@ from loraplex.engine.models.llama import LoRABatch
 from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from loraplex.engine.sequence import RequestGroup, Sequence
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_expand import DECODE_BLOCK_M
+from loraplex.kernels.lora_mapping import LoRAMapping, tile_lists
 
 
 class _EagerReplay:
@@ -57,6 +58,11 @@ class _EagerReplay:
         used = [(s, st, ln) for s, (st, ln) in enumerate(zip(starts, lens)) if ln > 0]
         assert used == list(zip(expected.segment_slots_host, expected.segment_starts_host, expected.segment_lens_host))
         assert g.sorted_token_ids[:n].tolist() == expected.sorted_token_ids.tolist()
+        tiles = g._tiles(n)[0].tolist()
+        want = tile_lists(lens, DECODE_BLOCK_M)
+        k = len(want[0])
+        assert [tiles[0][:k], tiles[1][:k]] == want, "work items: one per 16 tokens of each used slot"
+        assert all(m * DECODE_BLOCK_M >= lens[s] for s, m in zip(tiles[0][k:], tiles[1][k:])), "padding is idle"
         return LoRAMapping(token_slots=g.token_slots[:n], sorted_token_ids=g.sorted_token_ids[:n],
                            segment_starts=g.segment_starts, segment_lens=g.segment_lens,
                            segment_slots=g.segment_slots, num_tokens=n, num_segments=len(lens),

@@ -91,7 +91,7 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
     for module in (attention_decode, attention_prefill, lora_shrink, lora_expand):
-        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n"):
+        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
     attention_decode.num_sms = lambda device: 132
@@ -175,6 +175,10 @@ def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 3
         x = torch.zeros(num_tokens, hidden, dtype=dtype)
         v = lora_shrink.lora_shrink(x, lora_a, mapping, ranks=ranks)
         lora_expand.lora_expand(v, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
+        # The model path: split-K partials summed inside the expand (SPLIT_K > 1, N_ITERS 4 at decode).
+        partials = lora_shrink.shrink_partials(x, lora_a, mapping)
+        lora_expand._launch_lora_expand(partials, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype),
+                                        mapping, None)
 
 
 def main() -> int:

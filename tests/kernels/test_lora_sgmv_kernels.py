@@ -244,3 +244,47 @@ def test_bad_arguments_raise_typed_errors(mutate, fragment):
     with pytest.raises(KernelArgumentError, match=fragment):
         lora_shrink_ref(x, lora_a, mapping, ranks=ranks)
         lora_expand_ref(v, lora_b, scaling, y, mapping, ranks=ranks)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("case", "split_k", "expand_blocks"), [
+    ("zipf", 1, (16, 16, 1)),
+    ("some_none", 2, (16, 16, 2)),
+    ("all_different", 3, (16, 8, 4)),
+    ("one_adapter", 2, (16, 16, 2)),
+    ("all_none", 2, None),
+])
+def test_add_lora_split_partials_match_naive(kernel_device, case, split_k, expand_blocks):
+    """Shrink partials (uninitialised rows for slot -1) summed inside the expand == per-token fp32 loop."""
+    from loraplex.kernels.lora_linear import add_lora
+
+    token_slots = _slots(case).to(kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=kernel_device)
+    lora_a, lora_b, scaling, ranks = _weights(torch.float32, kernel_device, mixed_ranks=case == "zipf")
+    y = torch.randn(x.shape[0], sum(WIDTHS), device=kernel_device)
+    expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, y, token_slots)
+    outs = []
+    for _ in range(2):
+        out = y.clone()
+        add_lora(x, lora_a, lora_b, scaling, out, mapping, ranks=ranks, split_k=split_k, expand_blocks=expand_blocks)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), "split-K partial sums must be added in a fixed order"
+    assert_close(outs[0], expected, torch.float32, scale=2.0)
+    none = (token_slots < 0).cpu()
+    assert torch.equal(outs[0].cpu()[none], y.cpu()[none]), "rows without adapter must be untouched"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_add_lora_bf16_matches_shrink_then_expand(kernel_device, backend):
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    token_slots = _slots("zipf").to(device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=device, dtype=torch.bfloat16)
+    lora_a, lora_b, scaling, ranks = _weights(torch.bfloat16, device, mixed_ranks=True)
+    y = torch.randn(x.shape[0], sum(WIDTHS), device=device, dtype=torch.bfloat16)
+    expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, y, token_slots)
+    with ops.use_backend(backend):
+        ops.add_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
+    assert_close(y, expected, torch.bfloat16, scale=2.0)

@@ -139,8 +139,7 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
-            v = ops.lora_shrink(x, self.lora_a, lora.mapping)
-            ops.lora_expand(v, self.lora_b, self.lora_scaling, y, lora.mapping)
+            ops.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
         return y
 
 
