@@ -237,7 +237,8 @@ def main() -> None:
     floor_ms = 1e3 * weight_bytes / bw
     RESULTS.update(device=torch.cuda.get_device_name(), copy_TBps=bw / 1e12, floor_ms=floor_ms)
     parts = args.parts.split(",")
-    adapters = make_adapters(root / "zipf", config, 100, distinct_files=100 if not args.quick else 8)
+    count = 100 if "scenarios" in parts else 32
+    adapters = make_adapters(root / "zipf", config, count, distinct_files=count if not args.quick else 8)
     jobs = {"scenarios": lambda: part_scenarios(model_dir, config, adapters, args.quick),
             "scaling": lambda: part_scaling(model_dir, config, root, args.quick),
             "decode": lambda: part_decode(model_dir, adapters, floor_ms)}

@@ -28,6 +28,9 @@ def out_dir() -> Path:
 
 
 def git_commit() -> str:
+    """Short commit id: ``$LORAPLEX_COMMIT`` (set for runs from an exported tree), else git's."""
+    if os.environ.get("LORAPLEX_COMMIT"):
+        return os.environ["LORAPLEX_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
