@@ -99,6 +99,11 @@ def dot_dtype(dtype: torch.dtype, device: torch.device) -> Any:
     return getattr(tl, _TL_DTYPES[dtype])
 
 
+def tl_dtype(dtype: torch.dtype) -> Any:
+    """The ``tl`` dtype of a float torch dtype (a ``tl.constexpr``)."""
+    return getattr(tl, _TL_DTYPES[dtype])
+
+
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
     """``tl.dot`` input precision: exact ("ieee") when the operands are fp32, else "tf32" (ignored for 16-bit)."""
     return "ieee" if dot_dtype(dtype, device) == tl.float32 else "tf32"

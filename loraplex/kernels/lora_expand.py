@@ -29,6 +29,7 @@ from loraplex.kernels._triton import (
     next_pow2,
     pointer_table,
     require_triton,
+    tl_dtype,
     tl,
     triton,
 )
@@ -64,6 +65,7 @@ def _lora_expand_kernel(
     stride_yt,
     SPLIT_K: tl.constexpr,
     HAS_RANKS: tl.constexpr,
+    B_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     N_ITERS: tl.constexpr,
@@ -97,8 +99,8 @@ def _lora_expand_kernel(
     for split in tl.static_range(SPLIT_K):
         v += tl.load(v_ptrs + split * stride_v_split, mask=v_mask, other=0.0)
     y_dtype = y_ptr.dtype.element_ty
-    v = v.to(y_dtype).to(DOT_DTYPE)
-    b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(y_dtype))
+    v = v.to(B_DTYPE).to(DOT_DTYPE)
+    b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(B_DTYPE))
     scale_ptr = tl.load(scaling_ptrs + slice_id).to(tl.pointer_type(tl.float32))
     scale = tl.load(scale_ptr + slot)
     offset = tl.load(slice_offsets_ptr + slice_id)
@@ -129,7 +131,10 @@ def _check_args(
     check_dtype(_OP, "y", y, FLOAT_DTYPES)
     check_shape(_OP, "y", y, (None, None))
     check_dtype(_OP, "v", v, (torch.float32,))
-    check_weight_list(_OP, "lora_b", lora_b, y, v.shape[-1] if v.dim() == 3 else None)
+    # y is the layer output (B's dtype) or a float32 delta buffer.
+    like = lora_b[0] if y.dtype == torch.float32 and isinstance(lora_b, (list, tuple)) and lora_b else y
+    check_weight_list(_OP, "lora_b", lora_b, like, v.shape[-1] if v.dim() == 3 else None)
+    check_device(_OP, "y", y, lora_b[0].device)
     num_slots = lora_b[0].shape[0]
     check_shape(_OP, "v", v, (len(lora_b), y.shape[0], lora_b[0].shape[2]))
     check_device(_OP, "v", v, y.device)
@@ -155,7 +160,9 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int, 
     if device.type != "cuda":
         return 16, 16, 2
     if mapping.num_tokens <= DECODE_MAX_TOKENS or mapping.max_segment_len <= 16:
-        return DECODE_BLOCK_M, 128, 4
+        # Tuned on an H200 (benchmarks/bench_lora_decode.py --sweep): one 128-column tile per
+        # program for a handful of tokens, four beyond.
+        return DECODE_BLOCK_M, 128, (1 if mapping.num_tokens <= 8 else 4)
     return 64, 128, 1
 
 
@@ -211,12 +218,13 @@ def _launch_lora_expand(
         y.stride(0),
         SPLIT_K=split,
         HAS_RANKS=ranks is not None,
+        B_DTYPE=tl_dtype(lora_b[0].dtype),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         N_ITERS=n_iters,
         BLOCK_R=max(16, next_pow2(max_rank)),
-        DOT_DTYPE=dot_dtype(y.dtype, y.device),
-        PRECISION=dot_precision(y.dtype, y.device),
+        DOT_DTYPE=dot_dtype(lora_b[0].dtype, y.device),
+        PRECISION=dot_precision(lora_b[0].dtype, y.device),
         num_warps=4,
     )
 
@@ -238,7 +246,8 @@ def lora_expand(
         v: ``[n_slices, T, R]`` float32, contiguous (the output of :func:`lora_shrink`).
         lora_b: list of ``n_slices`` contiguous ``[S, out_i, R]`` tensors, dtype of ``y``.
         scaling: list of ``n_slices`` ``[S]`` float32 tensors (``alpha / r``; 0 for untargeted modules).
-        y: ``[T, sum(out_i)]`` fp16/bf16/fp32 base-layer output, last dim stride 1; updated in place.
+        y: ``[T, sum(out_i)]`` base-layer output (dtype of B), or a float32 delta buffer; last dim
+            stride 1; updated in place.
         mapping: :class:`LoRAMapping` of the step (``num_tokens == T``).
         ranks: optional ``[S] int32``; ``ranks[s]`` >= the true rank of every slice of slot s.
 

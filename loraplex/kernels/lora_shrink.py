@@ -40,7 +40,15 @@ _MAX_SPLIT_K = 16
 _MAX_PARTIAL_SPLIT_K = 32
 # Decode-sized batches split the H reduction into chunks of this many elements
 # (see shrink_partials): many short programs instead of a few long serial loops.
+# Tuned on an H200 (benchmarks/bench_lora_decode.py --sweep, RESULTS.md).
 DECODE_K_PER_SPLIT = 512
+
+
+def decode_k_per_split(num_tokens: int) -> int:
+    """H elements per shrink program at decode: 512 up to 8 tokens, 1024 up to 128, else 2048."""
+    if num_tokens <= 8:
+        return DECODE_K_PER_SPLIT
+    return 2 * DECODE_K_PER_SPLIT if num_tokens <= 128 else 4 * DECODE_K_PER_SPLIT
 
 
 @triton.jit
@@ -217,11 +225,11 @@ def _run_kernel(
 
 
 def partial_split_k(mapping: LoRAMapping, hidden_size: int, n_slices: int, device: torch.device) -> int:
-    """SPLIT for :func:`shrink_partials`: H in ``DECODE_K_PER_SPLIT`` chunks for decode-sized batches on
+    """SPLIT for :func:`shrink_partials`: H in :func:`decode_k_per_split` chunks for decode-sized batches on
     CUDA, else as :func:`choose_split_k` (1 once segments x tiles x slices fill the device)."""
     block_m, block_k = _block_sizes(mapping, device)
     if device.type == "cuda" and mapping.num_tokens <= DECODE_MAX_TOKENS:
-        return min(cdiv(hidden_size, DECODE_K_PER_SPLIT), _MAX_PARTIAL_SPLIT_K)
+        return min(cdiv(hidden_size, decode_k_per_split(mapping.num_tokens)), _MAX_PARTIAL_SPLIT_K)
     programs = mapping.num_segments * cdiv(mapping.max_segment_len, block_m) * n_slices
     return choose_split_k(programs, hidden_size, block_k, device)
 

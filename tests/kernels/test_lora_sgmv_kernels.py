@@ -289,3 +289,20 @@ def test_add_lora_bf16_matches_shrink_then_expand(kernel_device, backend):
     with ops.use_backend(backend):
         ops.add_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
     assert_close(y, expected, torch.bfloat16, scale=2.0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_add_lora_into_float32_delta_buffer(kernel_device, backend):
+    """bf16 activations and weights, float32 output buffer (the decode path's side-stream delta)."""
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    token_slots = _slots("some_none").to(device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=device, dtype=torch.bfloat16)
+    lora_a, lora_b, scaling, _ = _weights(torch.bfloat16, device, mixed_ranks=False)
+    delta = torch.zeros(x.shape[0], sum(WIDTHS), device=device)
+    expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, delta, token_slots)
+    with ops.use_backend(backend):
+        ops.add_lora(x, lora_a, lora_b, scaling, delta, mapping)
+    assert delta.dtype == torch.float32
+    assert_close(delta, expected, torch.bfloat16, scale=2.0)
