@@ -16,7 +16,13 @@ from loraplex.adapters.errors import (
     UnknownAdapterError,
 )
 from loraplex.adapters.identity import compute_version_id
-from loraplex.adapters.peft_format import load_peft_adapter, validate_adapter_dir
+from loraplex.adapters.peft_format import (
+    AdapterLayout,
+    adapter_files_signature,
+    inspect_peft_adapter,
+    load_peft_adapter,
+    validate_adapter_dir,
+)
 from loraplex.adapters.slot_pool import LoRASlotPool, SlotInfo, SlotPoolStats
 from loraplex.adapters.spec import LORA_MODULE_NAMES, BaseModelSpec
 
@@ -28,6 +34,7 @@ __all__ = [
     "AdapterFormatError",
     "AdapterIncompatibleError",
     "AdapterInfo",
+    "AdapterLayout",
     "AdapterUnsupportedError",
     "BaseModelSpec",
     "LoRAAdapter",
@@ -38,7 +45,9 @@ __all__ = [
     "SlotPoolError",
     "SlotPoolStats",
     "UnknownAdapterError",
+    "adapter_files_signature",
     "compute_version_id",
+    "inspect_peft_adapter",
     "load_peft_adapter",
     "validate_adapter_dir",
 ]

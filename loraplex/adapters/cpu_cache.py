@@ -42,6 +42,13 @@ class AdapterLRUCache:
             evicted.append(old_id)
         return evicted
 
+    def put_if_room(self, int_id: int, adapter: LoRAAdapter) -> bool:
+        """Insert (or refresh) ``int_id`` only if that evicts nothing; returns whether it is cached."""
+        if int_id not in self._entries and len(self._entries) >= self.capacity:
+            return False
+        self.put(int_id, adapter)
+        return True
+
     def pop(self, int_id: int) -> None:
         """Drop ``int_id`` if cached."""
         self._entries.pop(int_id, None)

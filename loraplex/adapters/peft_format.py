@@ -7,6 +7,10 @@ and the config's ranks), then the tensor values (finite). A refusal raises an
 ``AdapterError`` subclass naming the field / file / tensor and the value; nothing is
 returned partially loaded.
 
+``inspect_peft_adapter`` runs every check that needs no tensor data (all but the
+finite-values one) from ``adapter_config.json`` and the safetensors header alone;
+``load_peft_adapter`` runs the same checks, then reads the tensors.
+
 Tensor names (PEFT ``get_peft_model_state_dict``):
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A[.{adapter}].weight``
 ``[r, in_features]`` and ``...lora_B[.{adapter}].weight`` ``[out_features, r]``; the
@@ -18,6 +22,7 @@ Compatibility is decided from these shapes and ``BaseModelSpec``, never from
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -49,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 SAFETENSORS_NAME = "adapter_model.safetensors"
 _PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
-_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_FLOAT_DTYPES = tuple(_DTYPE_BYTES)
 _LORA_TENSOR = re.compile(
     r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight"
 )
@@ -81,26 +87,57 @@ class _ModulePlan:
     hyper: ModuleHyperparams
 
 
-def load_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> LoRAAdapter:
+@dataclass(frozen=True)
+class AdapterLayout:
+    """A PEFT adapter checked from its config and safetensors header alone (no tensor data read).
+
+    - ``path``: the adapter folder; ``config``: its parsed ``adapter_config.json``.
+    - ``rank``: the largest module rank; ``target_modules``: modules present, in ``LORA_MODULE_NAMES`` order.
+    - ``num_layers_targeted``: layers with at least one LoRA module.
+    - ``size_bytes``: bytes of the tensors as stored in ``adapter_model.safetensors`` (from the header).
+    """
+
+    path: str
+    config: PeftLoraConfig
+    rank: int
+    target_modules: tuple[str, ...]
+    num_layers_targeted: int
+    size_bytes: int
+    modules: tuple[_ModulePlan, ...]
+
+
+def inspect_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterLayout:
+    """Run every check of ``load_peft_adapter`` that needs no tensor data, reading only
+    ``adapter_config.json`` and the safetensors header (names, dtypes, shapes).
+
+    Not checked (no data read): that the tensor values are finite, and the ``version_id``.
+    Raises what ``load_peft_adapter`` raises, except its NaN/Inf ``AdapterFormatError``.
+    """
+    folder, config = _checked_config(path, spec, max_lora_rank)
+    with _open_weights(folder) as handle:
+        return _layout(folder, config, _read_header(handle), spec, max_lora_rank)
+
+
+def load_peft_adapter(
+    path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int, *, version_id: str | None = None
+) -> LoRAAdapter:
     """Validate then load the PEFT LoRA adapter in folder ``path`` for the model ``spec``.
 
     Returns a ``LoRAAdapter`` whose ``weights`` hold ``a [r, in] fp32``, ``b [out, r] fp32``
     and the per-module ``scaling`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA).
+    ``version_id``: the caller's known content id of these files (declared, or verified
+    earlier): it is used as is and nothing is hashed; ``None`` computes it
+    (``identity.compute_version_id``, a sha256 over config and tensors).
 
     Raises ``AdapterFormatError``, ``AdapterIncompatibleError`` or ``AdapterUnsupportedError``
     (all ``AdapterError``, a ``ValueError``) naming the field and value.
     """
-    if max_lora_rank < 1:
-        raise ValueError(f"max_lora_rank={max_lora_rank!r}: must be >= 1")
-    folder = _adapter_folder(path)
-    _refuse_pickle(folder)
-    config = read_adapter_config(folder)
-    _check_layers_to_transform(config, spec)
+    folder, config = _checked_config(path, spec, max_lora_rank)
     with _open_weights(folder) as handle:
         header = _read_header(handle)
-        plans = _plan_modules(header, config, spec, max_lora_rank)
+        layout = _layout(folder, config, header, spec, max_lora_rank)
         tensors = _read_tensors(handle, header)
-    return _build_adapter(folder, config, plans, tensors)
+    return _build_adapter(layout, tensors, version_id)
 
 
 def validate_adapter_dir(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterInfo:
@@ -109,6 +146,56 @@ def validate_adapter_dir(path: str | os.PathLike[str], spec: BaseModelSpec, max_
     For the platform to call before storing an upload. Raises what ``load_peft_adapter`` raises.
     """
     return load_peft_adapter(path, spec, max_lora_rank).info()
+
+
+FileSignature = tuple[tuple[int, int], tuple[int, int]]
+
+
+def adapter_files_signature(path: str | os.PathLike[str]) -> FileSignature | None:
+    """``((size_bytes, mtime_ns) of adapter_config.json, (size_bytes, mtime_ns) of the safetensors file)``.
+
+    A cheap change detector (one ``stat`` per file, nothing read): equal signatures mean
+    the files were not rewritten in between. ``None`` when a file cannot be stat'ed.
+    """
+    folder = Path(path)
+    try:
+        config, weights = (folder / CONFIG_NAME).stat(), (folder / SAFETENSORS_NAME).stat()
+    except OSError:
+        return None
+    return (config.st_size, config.st_mtime_ns), (weights.st_size, weights.st_mtime_ns)
+
+
+def _checked_config(
+    path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int
+) -> tuple[Path, PeftLoraConfig]:
+    """The folder and its parsed config, after the folder, pickle and config checks."""
+    if max_lora_rank < 1:
+        raise ValueError(f"max_lora_rank={max_lora_rank!r}: must be >= 1")
+    folder = _adapter_folder(path)
+    _refuse_pickle(folder)
+    config = read_adapter_config(folder)
+    _check_layers_to_transform(config, spec)
+    return folder, config
+
+
+def _layout(
+    folder: Path,
+    config: PeftLoraConfig,
+    header: dict[str, tuple[str, tuple[int, ...]]],
+    spec: BaseModelSpec,
+    max_lora_rank: int,
+) -> AdapterLayout:
+    plans = _plan_modules(header, config, spec, max_lora_rank)
+    present = {plan.module for plan in plans}
+    return AdapterLayout(
+        path=str(folder),
+        config=config,
+        rank=max(plan.hyper.rank for plan in plans),
+        target_modules=tuple(module for module in LORA_MODULE_NAMES if module in present),
+        num_layers_targeted=len({plan.layer for plan in plans}),
+        size_bytes=sum(_DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in header.values()),
+        modules=tuple(plans),
+    )
 
 
 def _adapter_folder(path: str | os.PathLike[str]) -> Path:
@@ -310,29 +397,28 @@ def _check_tensor(
 
 
 def _build_adapter(
-    folder: Path, config: PeftLoraConfig, plans: list[_ModulePlan], tensors: dict[str, torch.Tensor]
+    layout: AdapterLayout, tensors: dict[str, torch.Tensor], version_id: str | None
 ) -> LoRAAdapter:
     _check_finite(tensors)
     weights = {
         (plan.layer, plan.module): LoRAWeight(
             a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(), scaling=plan.hyper.scaling
         )
-        for plan in plans
+        for plan in layout.modules
     }
     warnings = _zero_b_warnings(weights)
     for message in warnings:
-        logger.warning("adapter '%s': %s", folder, message)
-    present = {module for _, module in weights}
+        logger.warning("adapter '%s': %s", layout.path, message)
     return LoRAAdapter(
-        version_id=compute_version_id(config.raw, tensors),
-        rank=max(weight.rank for weight in weights.values()),
-        alpha=config.lora_alpha,
-        use_rslora=config.use_rslora,
-        target_modules=tuple(module for module in LORA_MODULE_NAMES if module in present),
+        version_id=version_id if version_id is not None else compute_version_id(layout.config.raw, tensors),
+        rank=layout.rank,
+        alpha=layout.config.lora_alpha,
+        use_rslora=layout.config.use_rslora,
+        target_modules=layout.target_modules,
         weights=weights,
-        size_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        size_bytes=layout.size_bytes,
         warnings=warnings,
-        path=str(folder),
+        path=layout.path,
     )
 
 

@@ -6,6 +6,22 @@ recorded), up to ``max_cpu_loras`` *cached* in host memory (LRU), and up to ``ma
 *resident* in a GPU slot. A running request *pins* its adapter's slot; only unpinned
 slots are ever overwritten, so an adapter never changes under a running request.
 
+Registration cost: with a declared ``LoRARequest.version_id`` only ``adapter_config.json``
+and the safetensors header are read (every structural check runs; tensors are read at
+first use and never hashed). Without one, the files are read and hashed once (as the
+platform's upload does) and the adapter is cached only if the host cache has room:
+registering never evicts another adapter. Either way the files' stat signature
+(size, mtime_ns) is recorded; a later read trusts the registered ``version_id`` while
+the signature is unchanged and re-hashes (``AdapterChangedError`` on a mismatch) otherwise.
+
+Loads off the critical path: ``ensure_ready(id)`` is True when ``pin(id)`` will not
+touch the disk (resident or cached); otherwise it starts a background read (one worker
+thread, at most ``max_loads_in_flight`` queued) and returns False, and a later call moves
+the finished read into the host cache. ``pin`` of an adapter that is not ready reads it
+synchronously (waiting for its in-flight read if any). A failed read raises its
+``AdapterError`` from the ``ensure_ready``/``pin`` call that claims it, once; the next
+call starts a new read. With ``background_loads=False`` ``ensure_ready`` reads inline.
+
 Slot tensors, per layer ``l`` and module ``m`` (S = max_loras, R = max_lora_rank):
 
 - ``a[l][m]``: ``[S, R, in_features]`` in ``dtype`` (lora_A, rows ``r..R`` zero),
@@ -15,11 +31,13 @@ Slot tensors, per layer ``l`` and module ``m`` (S = max_loras, R = max_lora_rank
 Semantics: ``y[t] += scaling[l][m][s] * (x[t] @ a[l][m][s].T) @ b[l][m][s].T`` for ``s = slot(t)``,
 nothing when ``s == -1``. Zero padding makes the rank-R product equal the rank-r one.
 
-Not thread-safe: the engine calls it from its step loop.
+Not thread-safe: the engine calls it from its step loop. The loader thread only reads
+files into new host tensors; all pool state is changed on the caller's thread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from dataclasses import dataclass
 
@@ -30,11 +48,18 @@ from loraplex.adapters.cpu_cache import AdapterLRUCache
 from loraplex.adapters.errors import (
     AdapterChangedError,
     AdapterConflictError,
+    AdapterError,
+    AdapterFormatError,
     NoFreeSlotError,
     SlotPoolError,
     UnknownAdapterError,
 )
-from loraplex.adapters.peft_format import load_peft_adapter
+from loraplex.adapters.peft_format import (
+    FileSignature,
+    adapter_files_signature,
+    inspect_peft_adapter,
+    load_peft_adapter,
+)
 from loraplex.adapters.spec import BaseModelSpec
 from loraplex.engine.lora_request import LoRARequest
 
@@ -61,11 +86,15 @@ class SlotPoolStats:
     - ``cpu_cache_lru``: lora names in the host cache, least recently used first.
     - ``registered``: lora names accepting new requests, by int id.
     - ``pending_removal``: lora names removed while pinned (dropped at their last unpin).
-    - ``disk_loads``: adapters read and validated from disk (``add_lora`` and reloads).
+    - ``disk_loads``: adapters' tensors read from disk (``add_lora`` without a declared
+      ``version_id``, first uses, reloads after a host-cache eviction); a header-only
+      registration is not a load.
     - ``slot_loads``: adapters written into a GPU slot.
     - ``cpu_evictions``: adapters dropped from the host cache for capacity.
     - ``slot_evictions``: resident adapters overwritten by another adapter.
     - ``slot_memory_bytes``: device memory of the slot tensors.
+    - ``loads_in_flight``: background reads started and not yet claimed.
+    - ``load_failures``: reads of registered adapters that failed (file gone, corrupt, changed).
     """
 
     slots: list[SlotInfo]
@@ -77,13 +106,26 @@ class SlotPoolStats:
     cpu_evictions: int
     slot_evictions: int
     slot_memory_bytes: int
+    loads_in_flight: int = 0
+    load_failures: int = 0
 
 
 @dataclass
 class _Registration:
+    """``signature``: the files' stat when registered or last verified (``None``: could not stat)."""
+
     request: LoRARequest
     version_id: str
+    signature: FileSignature | None
     pending_removal: bool = False
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A finished read: the adapter in host memory and the files' signature it was read under."""
+
+    adapter: LoRAAdapter
+    signature: FileSignature | None
 
 
 @dataclass
@@ -99,6 +141,9 @@ class LoRASlotPool:
     - ``max_cpu_loras``: adapters kept in host memory (pinned when ``device`` is CUDA);
       evicted ones are re-read from disk when needed.
     - ``dtype``: slot tensor dtype (fp16, bf16 or fp32); ``device``: where slots live.
+    - ``background_loads``: ``ensure_ready`` reads adapters on a worker thread (True) or
+      inline (False: deterministic, for CPU tests).
+    - ``max_loads_in_flight``: background reads started and not yet claimed, at most.
 
     Raises ``ValueError`` naming the argument for sizes < 1 or another dtype.
     """
@@ -111,8 +156,16 @@ class LoRASlotPool:
         max_cpu_loras: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        background_loads: bool = True,
+        max_loads_in_flight: int = 2,
     ) -> None:
-        sizes = {"max_loras": max_loras, "max_lora_rank": max_lora_rank, "max_cpu_loras": max_cpu_loras}
+        sizes = {
+            "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank,
+            "max_cpu_loras": max_cpu_loras,
+            "max_loads_in_flight": max_loads_in_flight,
+        }
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LoRASlotPool.{name}={value!r}: must be an integer >= 1")
@@ -124,34 +177,50 @@ class LoRASlotPool:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.device = torch.device(device)
+        self.background_loads = background_loads
+        self.max_loads_in_flight = max_loads_in_flight
         self.a, self.b, self.scaling = self._allocate()
         self._registry: dict[int, _Registration] = {}
         self._cpu = AdapterLRUCache(max_cpu_loras)
         self._slots: list[_Resident | None] = [None] * max_loras
         self._slot_of: dict[int, int] = {}
+        self._loading: dict[int, concurrent.futures.Future[_Read]] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._tick = 0
         self._disk_loads = 0
         self._slot_loads = 0
         self._cpu_evictions = 0
         self._slot_evictions = 0
+        self._load_failures = 0
 
     # ------------------------------------------------------------------ registry
 
     def add_lora(self, request: LoRARequest) -> bool:
-        """Register ``request``'s adapter: load and validate it from disk into the host cache.
+        """Register ``request``'s adapter after validating it.
+
+        With ``request.version_id`` declared, only ``adapter_config.json`` and the safetensors
+        header are read (``inspect_peft_adapter``: every check but finite values); the tensors
+        are read at first use. Without it the adapter is loaded and hashed now and cached
+        in host memory if that evicts nothing.
 
         Returns True if newly registered, False if this exact request is already registered.
         The int id is the identity: one name may be registered under several ids (a
         re-uploaded adapter's new version gets a new id while requests on the old one finish).
-        Raises ``AdapterConflictError`` if its int id is registered with another name or path
-        (or is being removed); any ``AdapterError`` of ``load_peft_adapter`` (the pool is then unchanged).
+        Raises ``AdapterConflictError`` if its int id is registered with another name, path or
+        version id (or is being removed); any ``AdapterError`` of ``load_peft_adapter`` (the
+        pool is then unchanged).
         """
         known = self._registry.get(request.lora_int_id)
         if known is not None:
             return self._check_same(known, request)
+        signature = adapter_files_signature(request.lora_path)
+        if request.version_id is not None:
+            inspect_peft_adapter(request.lora_path, self.spec, self.max_lora_rank)
+            self._registry[request.lora_int_id] = _Registration(request, request.version_id, signature)
+            return True
         adapter = self._load(request.lora_path)
-        self._registry[request.lora_int_id] = _Registration(request=request, version_id=adapter.version_id)
-        self._cache(request.lora_int_id, adapter)
+        self._registry[request.lora_int_id] = _Registration(request, adapter.version_id, signature)
+        self._cpu.put_if_room(request.lora_int_id, adapter)
         return True
 
     def remove_lora(self, int_id: int) -> bool:
@@ -184,6 +253,60 @@ class LoRASlotPool:
             raise UnknownAdapterError(f"lora_int_id={int_id!r} is not registered")
         return registration.version_id
 
+    # ------------------------------------------------------------------ host loads
+
+    def ensure_ready(self, int_id: int) -> bool:
+        """True when ``pin(int_id)`` will not touch the disk: the adapter is resident in a slot
+        or cached in host memory (the cache entry becomes most recently used).
+
+        Otherwise starts a background read (idempotent; not started while
+        ``max_loads_in_flight`` reads are unclaimed) and returns False; the call that finds
+        the read finished moves it into the host cache and returns True. With
+        ``background_loads=False`` the read happens inline and the result is True.
+
+        Raises ``UnknownAdapterError`` (not registered or being removed) or the read's
+        ``AdapterError`` (files gone, corrupt, invalid, ``AdapterChangedError``), once per
+        failed read.
+        """
+        registration = self._accepting(int_id)
+        if int_id in self._slot_of or self._cpu.get(int_id) is not None:
+            return True
+        future = self._loading.get(int_id)
+        if future is None and not self.background_loads:
+            self._cache(int_id, self._read_now(registration))
+            return True
+        if future is None:
+            self._start_load(int_id, registration)
+            return False
+        if not future.done():
+            return False
+        self._cache(int_id, self._claim(int_id, registration))
+        return True
+
+    def preload(self, int_id: int) -> None:
+        """Read ``int_id`` into the host cache now (synchronously; the LRU entry is evicted if the
+        cache is full) unless it is resident or cached already: an explicit warm-up.
+
+        Raises ``UnknownAdapterError`` or the read's ``AdapterError``.
+        """
+        registration = self._accepting(int_id)
+        if int_id not in self._slot_of:
+            self._host_copy(int_id, registration)
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until one background read finishes or ``timeout_s`` passes (at once if none runs)."""
+        if self._loading:
+            concurrent.futures.wait(
+                list(self._loading.values()), timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+
+    def close(self) -> None:
+        """Stop the loader thread (reads not started are cancelled); the pool stays usable inline."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._loading.clear()
+
     # ------------------------------------------------------------------ slots
 
     def pin(self, int_id: int) -> int:
@@ -191,17 +314,18 @@ class LoRASlotPool:
 
         Slot choice: its current slot if resident; else the lowest free slot; else the
         least recently used unpinned slot (its adapter is evicted). The weights come
-        from the host cache, or are re-read from disk if they were evicted from it.
+        from the host cache, else from its in-flight background read (waited for), else
+        are read from disk now.
 
         Raises ``UnknownAdapterError`` (not registered or being removed), ``NoFreeSlotError``
         (every slot pinned by other adapters), ``AdapterChangedError`` or another
-        ``AdapterError`` if a re-read from disk fails; the pool is then unchanged.
+        ``AdapterError`` if a read from disk fails; the slots are then unchanged.
         """
         registration = self._accepting(int_id)
         slot = self._slot_of.get(int_id)
         if slot is None:
             slot = self._choose_slot(registration.request)
-            adapter = self._host_copy(int_id)
+            adapter = self._host_copy(int_id, registration)
             self._install(slot, int_id, adapter)
         resident = self._resident(slot)
         resident.pin_count += 1
@@ -243,6 +367,8 @@ class LoRASlotPool:
             cpu_evictions=self._cpu_evictions,
             slot_evictions=self._slot_evictions,
             slot_memory_bytes=self._slot_memory_bytes(),
+            loads_in_flight=len(self._loading),
+            load_failures=self._load_failures,
         )
 
     # ------------------------------------------------------------------ internals
@@ -271,6 +397,11 @@ class LoRASlotPool:
                     f"LoRARequest.{field_name}={new!r}: lora_int_id={request.lora_int_id} is already registered "
                     f"with {field_name}={old!r}"
                 )
+        if request.version_id is not None and request.version_id != known.version_id:
+            raise AdapterConflictError(
+                f"LoRARequest.version_id={request.version_id!r}: lora_int_id={request.lora_int_id} is already "
+                f"registered with version_id={known.version_id!r}"
+            )
         return False
 
     def _accepting(self, int_id: int) -> _Registration:
@@ -282,9 +413,85 @@ class LoRASlotPool:
         return registration
 
     def _load(self, path: str) -> LoRAAdapter:
+        """Read, validate and hash the adapter at ``path`` (registration without a declared id)."""
         adapter = load_peft_adapter(path, self.spec, self.max_lora_rank)
         self._disk_loads += 1
         return self._to_host_memory(adapter)
+
+    def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None) -> _Read:
+        """Read a registered adapter's tensors (runs on the loader thread: touches no pool state).
+
+        While the files' stat signature equals ``signature`` (before and after the read) the
+        registered ``version_id`` is trusted; otherwise the content is re-hashed and must match.
+        Raises ``AdapterError`` (anything else the read raises is wrapped in ``AdapterFormatError``).
+        """
+        path = request.lora_path
+        try:
+            before = adapter_files_signature(path)
+            if before is not None and before == signature:
+                adapter = load_peft_adapter(path, self.spec, self.max_lora_rank, version_id=version_id)
+                if adapter_files_signature(path) == before:
+                    return _Read(self._to_host_memory(adapter), before)
+            adapter = load_peft_adapter(path, self.spec, self.max_lora_rank)
+            if adapter.version_id != version_id:
+                raise AdapterChangedError(
+                    f"adapter {request.lora_name!r} at lora_path={path!r} changed on disk: "
+                    f"version_id {adapter.version_id} != registered {version_id}"
+                )
+            return _Read(self._to_host_memory(adapter), adapter_files_signature(path))
+        except AdapterError:
+            raise
+        except Exception as exc:  # an unreadable file is an adapter error, not an engine crash
+            raise AdapterFormatError(
+                f"adapter {request.lora_name!r} at lora_path={path!r} could not be read ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _start_load(self, int_id: int, registration: _Registration) -> None:
+        """Queue a background read of ``int_id`` unless ``max_loads_in_flight`` reads are unclaimed
+        (finished reads nobody asked for again are then cached if there is room, or dropped)."""
+        if len(self._loading) >= self.max_loads_in_flight:
+            self._reap_finished()
+        if len(self._loading) >= self.max_loads_in_flight:
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="loraplex-lora-loader"
+            )
+        request = registration.request
+        self._loading[int_id] = self._executor.submit(
+            self._read, request, registration.version_id, registration.signature
+        )
+
+    def _reap_finished(self) -> None:
+        for int_id in [i for i, future in self._loading.items() if future.done()]:
+            try:
+                adapter = self._claim(int_id, self._registry[int_id])
+            except AdapterError:
+                continue  # reported again by the next read of this adapter
+            self._cpu.put_if_room(int_id, adapter)
+
+    def _claim(self, int_id: int, registration: _Registration) -> LoRAAdapter:
+        """The result of ``int_id``'s background read (waiting for it); raises its ``AdapterError``."""
+        future = self._loading.pop(int_id)
+        try:
+            read = future.result()
+        except AdapterError:
+            self._load_failures += 1
+            raise
+        return self._accept_read(registration, read)
+
+    def _read_now(self, registration: _Registration) -> LoRAAdapter:
+        try:
+            read = self._read(registration.request, registration.version_id, registration.signature)
+        except AdapterError:
+            self._load_failures += 1
+            raise
+        return self._accept_read(registration, read)
+
+    def _accept_read(self, registration: _Registration, read: _Read) -> LoRAAdapter:
+        self._disk_loads += 1
+        registration.signature = read.signature
+        return read.adapter
 
     def _to_host_memory(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Pin the adapter's host tensors when slots live on CUDA (async host-to-device copies)."""
@@ -299,18 +506,12 @@ class LoRASlotPool:
     def _cache(self, int_id: int, adapter: LoRAAdapter) -> None:
         self._cpu_evictions += len(self._cpu.put(int_id, adapter))
 
-    def _host_copy(self, int_id: int) -> LoRAAdapter:
-        """The adapter from the host cache, re-read from disk (and re-cached) if it was evicted."""
+    def _host_copy(self, int_id: int, registration: _Registration) -> LoRAAdapter:
+        """The adapter from the host cache, else from its background read, else read now; then cached."""
         adapter = self._cpu.get(int_id)
         if adapter is not None:
             return adapter
-        registration = self._registry[int_id]
-        adapter = self._load(registration.request.lora_path)
-        if adapter.version_id != registration.version_id:
-            raise AdapterChangedError(
-                f"adapter {registration.request.lora_name!r} at lora_path={registration.request.lora_path!r} changed "
-                f"on disk: version_id {adapter.version_id} != registered {registration.version_id}"
-            )
+        adapter = self._claim(int_id, registration) if int_id in self._loading else self._read_now(registration)
         self._cache(int_id, adapter)
         return adapter
 
@@ -358,6 +559,9 @@ class LoRASlotPool:
         """Forget ``int_id``: registry, host cache, and its slot (whose scaling is zeroed)."""
         del self._registry[int_id]
         self._cpu.pop(int_id)
+        future = self._loading.pop(int_id, None)
+        if future is not None:
+            future.cancel()  # a read already running finishes on the loader thread and is dropped
         slot = self._slot_of.pop(int_id, None)
         if slot is None:
             return

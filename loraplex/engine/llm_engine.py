@@ -64,7 +64,7 @@ class EngineStats:
 
 
 class _AdapterPins:
-    """Pins adapters in the slot pool and remembers which slot each got."""
+    """Pins adapters in the slot pool and remembers which slot each got (the scheduler's ``AdapterPins``)."""
 
     def __init__(self, pool) -> None:
         self.pool = pool
@@ -77,6 +77,9 @@ class _AdapterPins:
 
     def unpin(self, lora_int_id: int) -> None:
         self.pool.unpin(lora_int_id)
+
+    def ensure_ready(self, lora_int_id: int) -> bool:
+        return self.pool.ensure_ready(lora_int_id)
 
     def slot_of(self, lora_int_id: int) -> int:
         return self.slots[lora_int_id]
@@ -148,8 +151,10 @@ class LLMEngine:
 
         spec = BaseModelSpec(num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size,
                              module_shapes=self.spec.module_shapes, architecture=self.spec.architecture)
+        # Background adapter reads keep disk loads out of the GPU step; on CPU the reads run
+        # inline so tests are deterministic (``pool.background_loads`` may be switched later).
         pool = LoRASlotPool(spec, self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras,
-                            self.dtype, self.device)
+                            self.dtype, self.device, background_loads=self.device.type == "cuda")
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
                           [pool.scaling[layer][m] for m in lin.module_names])
@@ -167,7 +172,8 @@ class LLMEngine:
         self.kv_cache = KVCache(self.spec, sizing, self.dtype, self.device, num_swap)
         self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
-                                                   self.max_model_len), self.kv_manager, self.pins)
+                                                   self.max_model_len, max_lookahead_loras=c.max_cpu_loras),
+                                   self.kv_manager, self.pins)
 
     def _activation_bytes(self) -> int:
         """Upper estimate of one step's activation memory (kept out of the KV cache),
@@ -179,9 +185,21 @@ class LLMEngine:
 
     # -- adapters ---------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register (load and validate) an adapter; raises ``AdapterError`` for a bad one."""
+        """Register an adapter after validating it; raises ``AdapterError`` for a bad one.
+
+        With ``lora_request.version_id`` declared only its config and safetensors header are
+        read now (tensors at first use); without it the tensors are read and hashed now.
+        """
         self._require_lora()
         return self.lora_pool.add_lora(lora_request)
+
+    def preload_lora(self, lora_request: LoRARequest) -> bool:
+        """``add_lora``, then read the adapter into the host cache now (unless it is resident or
+        cached already) so its first request does not wait for the disk. Returns ``add_lora``'s
+        result; raises ``AdapterError`` for a bad adapter or a failed read."""
+        added = self.add_lora(lora_request)
+        self.lora_pool.preload(lora_request.lora_int_id)
+        return added
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unregister an adapter; running requests on it finish first."""
@@ -200,10 +218,15 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request. ``prompt`` is text or token ids.
 
+        An unknown adapter is registered first (``add_lora``: cheap with a declared
+        ``version_id``). Its tensors are read in the background when the scheduler first
+        wants it; if that read fails, the request finishes with ``finish_reason="error"``
+        and ``RequestOutput.error`` set.
+
         Raises:
             InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, LoRA disabled.
             PromptTooLongError: ``len(prompt_tokens) >= max_model_len``.
-            AdapterError: the adapter cannot be loaded.
+            AdapterError: the adapter fails validation at registration.
         """
         params = params or SamplingParams()
         if request_id in self.groups:
@@ -240,8 +263,7 @@ class LLMEngine:
         if lora_request is None:
             return None
         self._require_lora()
-        if lora_request.lora_int_id not in self.list_loras():
-            self.lora_pool.add_lora(lora_request)
+        self.lora_pool.add_lora(lora_request)  # no-op (False) when registered already
         return self.lora_pool.version_id(lora_request.lora_int_id)
 
     def _effective_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
@@ -276,13 +298,34 @@ class LLMEngine:
         """Run one scheduling step; returns the outputs of requests that progressed."""
         batch = self.scheduler.schedule()
         self._preemptions += batch.num_preempted
+        failed = self._fail_requests(batch) if batch.failures else []
         if batch.is_empty:
-            return []
+            if self.lora_pool is not None and not failed:
+                self.lora_pool.wait_for_loads(timeout_s=0.005)  # idle until an adapter read lands
+            return failed
         result = self.runner.execute(batch)
         touched = self._postprocess(batch, result)
         self._throughput.add(batch.num_tokens)
-        return [self._make_output(g, finished) for g, finished in touched
-                if finished or g.params.output_kind == "cumulative"]
+        return failed + [self._make_output(g, finished) for g, finished in touched
+                         if finished or g.params.output_kind == "cumulative"]
+
+    def _fail_requests(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Final outputs (``finish_reason="error"``) of the requests whose adapter could not be read."""
+        outputs = []
+        for failure in batch.failures:
+            for seq in failure.seqs:
+                group = self.groups.pop(seq.group.request_id, None)
+                if group is None:
+                    continue  # another sequence of this group was reported already
+                name = group.lora_request.lora_name if group.lora_request else None
+                error = f"adapter {name!r} (lora_int_id={failure.lora_int_id}) could not be loaded: {failure.error}"
+                logger.warning("request %s failed: %s", group.request_id, error)
+                for member in group.seqs:
+                    if not member.is_finished:
+                        self.scheduler.finish(member)
+                    member.finish_reason = "error"
+                outputs.append(self._make_output(group, True, error))
+        return outputs
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[tuple[RequestGroup, bool]]:
         """Apply the step's results; returns each touched group with whether it finished."""
@@ -336,7 +379,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = state.finish_reason, state.stop_reason
             self.scheduler.finish(seq)
 
-    def _make_output(self, group: RequestGroup, finished: bool) -> RequestOutput:
+    def _make_output(self, group: RequestGroup, finished: bool, error: str | None = None) -> RequestOutput:
         outputs = []
         for seq in group.seqs if group.forked else group.seqs[:1]:
             outputs.append(CompletionOutput(
@@ -346,7 +389,7 @@ class LLMEngine:
                 stop_reason=seq.stop_reason))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
-                             group.num_cached_tokens)
+                             group.num_cached_tokens, error)
 
     # -- stats ------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -16,7 +16,8 @@ class CompletionOutput:
     ``logprobs[i]`` holds the top log-probabilities at generated position i,
     always including the sampled token. ``finish_reason`` is ``None`` while
     running, then ``"stop"`` (EOS, stop string or stop token) or ``"length"``
-    (max_tokens or max_model_len) or ``"abort"``. ``stop_reason`` is the stop
+    (max_tokens or max_model_len) or ``"abort"``, or ``"error"`` when the request
+    failed (``RequestOutput.error`` says why). ``stop_reason`` is the stop
     string or stop token id that ended it, if any.
     """
 
@@ -40,6 +41,8 @@ class RequestOutput:
     ``prompt_logprobs[i]`` is ``None`` for the first prompt token and the top
     log-probabilities of prompt token i given tokens < i otherwise.
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    ``error`` is set (and every completion's ``finish_reason`` is ``"error"``) when
+    the request failed while queued, e.g. its adapter's files could not be read.
     """
 
     request_id: str
@@ -50,3 +53,4 @@ class RequestOutput:
     prompt_logprobs: list[TopLogprobs | None] | None = None
     lora_name: str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None

@@ -180,7 +180,7 @@ class AsyncEngine:
         """Register an adapter now (read from disk into the host cache) so its first request does
         not wait for the disk; the future fails with the engine's ``AdapterError`` for a bad one."""
         def load() -> bool:
-            added = self.engine.add_lora(lora_request)
+            added = self.engine.preload_lora(lora_request)
             self._take_snapshot()
             return added
 

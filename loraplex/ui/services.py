@@ -82,7 +82,7 @@ def preload_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> bool:
     request = adapter_service.lora_request(route)
 
     def load() -> None:  # on the engine thread; the stats snapshot then shows the adapter
-        engine.engine.add_lora(request)
+        engine.engine.preload_lora(request)
         engine._take_snapshot()
 
     engine._submit(load).result(PRELOAD_TIMEOUT_S)

@@ -13,18 +13,36 @@ from loraplex.adapters import (
     AdapterIncompatibleError,
     AdapterUnsupportedError,
     BaseModelSpec,
+    LoRASlotPool,
+    inspect_peft_adapter,
     load_peft_adapter,
     validate_adapter_dir,
 )
+from loraplex.engine.lora_request import LoRARequest
 
 MAX_RANK = 16
 Q0_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 Q0_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 
 
-def refused(folder, spec, error, message, max_lora_rank=MAX_RANK):
-    """Both entry points refuse with ``error`` whose message contains ``message`` verbatim."""
-    for load in (load_peft_adapter, validate_adapter_dir):
+DECLARED_ID = "ab" * 32
+
+
+def register_declared(folder, spec, max_lora_rank):
+    """Header-only registration: ``add_lora`` with a declared ``version_id`` reads no tensor data."""
+    pool = LoRASlotPool(spec, 1, max_lora_rank, 1, torch.float32, "cpu")
+    pool.add_lora(LoRARequest("declared", 1, str(folder), version_id=DECLARED_ID))
+    return pool
+
+
+def refused(folder, spec, error, message, max_lora_rank=MAX_RANK, *, needs_data=False):
+    """Every entry point refuses with ``error`` whose message contains ``message`` verbatim:
+    the loaders, and (unless the check ``needs_data``) the header-only inspection and
+    declared-id registration."""
+    entry_points = [load_peft_adapter, validate_adapter_dir]
+    if not needs_data:
+        entry_points += [inspect_peft_adapter, register_declared]
+    for load in entry_points:
         with pytest.raises(error, match=re.escape(message)):
             load(folder, spec, max_lora_rank)
 
@@ -294,7 +312,15 @@ def test_nan_weight_refused(adapter_copy, spec, edit_tensors):
         return tensors
 
     edit_tensors(adapter_copy, poison)
-    refused(adapter_copy, spec, AdapterFormatError, f"tensor '{Q0_B}' contains NaN or Inf values")
+    message = f"tensor '{Q0_B}' contains NaN or Inf values"
+    refused(adapter_copy, spec, AdapterFormatError, message, needs_data=True)
+    # Values are not read at a declared-id registration: the refusal comes at first use.
+    inspect_peft_adapter(adapter_copy, spec, MAX_RANK)
+    pool = register_declared(adapter_copy, spec, MAX_RANK)
+    with pytest.raises(AdapterFormatError, match=re.escape(message)):
+        pool.pin(1)
+    stats = pool.stats()
+    assert (stats.load_failures, stats.disk_loads, stats.slot_loads) == (1, 0, 0)
 
 
 def test_two_adapter_names_refused(adapter_copy, spec, edit_tensors):

@@ -198,20 +198,25 @@ def test_remove_unpinned_is_immediate(adapters):
 def test_cpu_cache_lru_order_and_reload_from_disk(adapters):
     pool = make_pool(adapters, max_cpu_loras=2, register=("a1", "a2", "a3"))
     stats = pool.stats()
-    assert stats.cpu_cache_lru == ["a2", "a3"]
-    assert (stats.disk_loads, stats.cpu_evictions) == (3, 1)
+    assert stats.cpu_cache_lru == ["a1", "a2"]  # registering a3 found no room and evicted nothing
+    assert (stats.disk_loads, stats.cpu_evictions) == (3, 0)
     assert pool.pin(iid(adapters, "a2")) == 0  # from the cache: no disk read, a2 becomes most recent
-    assert pool.stats().cpu_cache_lru == ["a3", "a2"]
+    assert pool.stats().cpu_cache_lru == ["a1", "a2"]
     assert pool.stats().disk_loads == 3
-    assert pool.pin(iid(adapters, "a1")) == 1  # evicted from the cache: re-read from disk
+    assert pool.pin(iid(adapters, "a3")) == 1  # not cached: read from disk, cached, evicting a1 (LRU)
     stats = pool.stats()
-    assert stats.cpu_cache_lru == ["a2", "a1"]
-    assert (stats.disk_loads, stats.cpu_evictions) == (4, 2)
-    assert_slot_holds(pool, 1, adapters["a1"][1])
+    assert stats.cpu_cache_lru == ["a2", "a3"]
+    assert (stats.disk_loads, stats.cpu_evictions) == (4, 1)
+    assert_slot_holds(pool, 1, adapters["a3"][1])
+    assert pool.pin(iid(adapters, "a1")) == 2  # evicted from the cache: re-read from disk
+    stats = pool.stats()
+    assert stats.cpu_cache_lru == ["a3", "a1"]
+    assert (stats.disk_loads, stats.cpu_evictions) == (5, 2)
+    assert_slot_holds(pool, 2, adapters["a1"][1])
 
 
 def test_reload_refuses_changed_or_vanished_files(adapters, write_adapter):
-    pool = make_pool(adapters, max_cpu_loras=1, register=("a1", "a2"))
+    pool = make_pool(adapters, max_cpu_loras=1, register=("a2", "a1"))  # a1 is not cached
     request = adapters["a1"][0]
     rank, alpha, _ = ADAPTERS["a1"]
     changed = {k: (a, b * 2) for k, (a, b, _) in adapters["a1"][1].items()}

@@ -1,5 +1,8 @@
-"""The decode-time LoRA path of ``LinearWithLoRA`` (delta on a side stream, added after the
-base GEMM) equals the plain reference, eagerly and replayed from a CUDA graph. GPU only."""
+"""``LinearWithLoRA`` with the Triton LoRA path (split-K shrink partials, work-item list)
+equals the float32 reference, eagerly and replayed from a CUDA graph. GPU only.
+
+(An overlapped variant, the delta on a side stream next to the base GEMM, measured slower
+on an H200 and was removed: benchmarks/RESULTS.md.)"""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def _expected(layer: LinearWithLoRA, x: torch.Tensor, mapping: LoRAMapping) -> t
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 200])
-def test_overlapped_lora_equals_reference_eager_and_in_graph(num_tokens):
+def test_lora_linear_equals_reference_eager_and_in_graph(num_tokens):
     torch.manual_seed(num_tokens)
     layer = _layer()
     slots = torch.randint(-1, SLOTS, (num_tokens,), dtype=torch.int32, device="cuda")
@@ -43,7 +46,7 @@ def test_overlapped_lora_equals_reference_eager_and_in_graph(num_tokens):
     expected = _expected(layer, x, mapping)
     with torch.inference_mode():
         eager = layer(x, LoRABatch(mapping))
-        torch.testing.assert_close(eager.float(), expected, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(eager.float(), expected, atol=6e-2, rtol=3e-2)
         graph = torch.cuda.CUDAGraph()
         static_x = x.clone()
         layer(static_x, LoRABatch(mapping))  # warm-up outside capture (compile, tile list)
@@ -54,4 +57,4 @@ def test_overlapped_lora_equals_reference_eager_and_in_graph(num_tokens):
         static_x.copy_(x2)
         graph.replay()
         torch.cuda.synchronize()
-    torch.testing.assert_close(out.float(), _expected(layer, x2, mapping), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), _expected(layer, x2, mapping), atol=6e-2, rtol=3e-2)

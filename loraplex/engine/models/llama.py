@@ -13,7 +13,6 @@ Architecture reference: HF transformers ``modeling_llama.py`` /
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from torch import nn
 
 from loraplex.kernels import ops
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_expand import DECODE_MAX_TOKENS
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.rotary import compute_cos_sin_cache
 
@@ -106,12 +104,6 @@ def _rope_scaling_from_parameters(params: dict | None) -> dict | None:
     return dict(params)
 
 
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the overlapped LoRA deltas."""
-    return torch.cuda.Stream(device=device)
-
-
 @dataclass
 class LoRABatch:
     """Per-step LoRA state handed to every layer: the SGMV mapping of tokens to
@@ -145,27 +137,9 @@ class LinearWithLoRA(nn.Module):
         self.lora_a, self.lora_b, self.lora_scaling = a, b, scaling
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        if lora is None or not self.lora_a or not lora.mapping.has_lora:
-            return F.linear(x, self.weight, self.bias)
-        if x.is_cuda and x.shape[0] <= DECODE_MAX_TOKENS:
-            return self._forward_overlapped(x, lora)
         y = F.linear(x, self.weight, self.bias)
-        ops.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
-        return y
-
-    def _forward_overlapped(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-        """Decode-sized batches on CUDA: the LoRA delta runs on a side stream while the base
-        GEMM runs (the small SGMV kernels are latency-bound; the GEMM leaves SMs free), into a
-        float32 buffer that is added to ``y`` after the join (works inside CUDA graph capture)."""
-        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        delta = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32, device=x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            delta.zero_()
-            ops.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, delta, lora.mapping)
-        y = F.linear(x, self.weight, self.bias)
-        main.wait_stream(side)
-        y += delta
+        if lora is not None and self.lora_a and lora.mapping.has_lora:
+            ops.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
         return y
 
 

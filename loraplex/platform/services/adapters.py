@@ -40,6 +40,7 @@ from loraplex.platform.services.uploads import UploadLimits, UploadPart, remove_
 
 logger = logging.getLogger(__name__)
 MB = 10**6
+_CONTENT_HASH = re.compile(r"[0-9a-f]{64}")
 
 
 def adapter_cache_keys(tenant_id: int, *names: str) -> list[str]:
@@ -216,7 +217,16 @@ def resolve_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> Adapt
 
 
 def lora_request(route: AdapterRoute) -> LoRARequest:
-    return LoRARequest(lora_name=route.lora_name, lora_int_id=route.lora_int_id, lora_path=route.lora_path)
+    """The engine's request for ``route``, declaring the registry's content hash as ``version_id``.
+
+    Stored folders are content-addressed (``adapters/<content_hash>``, written once by
+    ``_store`` and never modified), and ``content_hash`` is the ``version_id`` that
+    ``validate_adapter_dir`` computed at upload, so the engine registers the adapter from
+    its header alone and never re-hashes it. A folder not named by a sha256 hex declares nothing.
+    """
+    content_hash = Path(route.lora_path).name
+    return LoRARequest(lora_name=route.lora_name, lora_int_id=route.lora_int_id, lora_path=route.lora_path,
+                       version_id=content_hash if _CONTENT_HASH.fullmatch(content_hash) else None)
 
 
 # -- delete ----------------------------------------------------------------------------------------

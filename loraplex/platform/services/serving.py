@@ -226,11 +226,18 @@ def _engine_error(exc: BaseException, prep: PreparedRequest) -> BaseException:
     return exc
 
 
+def _raise_if_failed(output: RequestOutput) -> None:
+    """The engine finishes a request whose adapter failed to load with ``error`` set."""
+    if output.error:
+        raise AdapterError(output.error)
+
+
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from all streams as they come; closing aborts the unfinished."""
     if len(streams) == 1:
         try:
             async for output in streams[0]:
+                _raise_if_failed(output)
                 yield 0, output
         finally:
             streams[0].close()
@@ -240,6 +247,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
+                _raise_if_failed(output)
                 await queue.put((i, output))
         except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
             await queue.put((i, exc))

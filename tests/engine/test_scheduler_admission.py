@@ -1,0 +1,193 @@
+"""Adapter-aware admission in the scheduler, on CPU with a fake slot pool and toy sequences.
+
+No head-of-line blocking: a waiting request whose adapter does not fit (``max_loras``
+distinct running) or is not ready is skipped in place; base requests and requests of
+running/ready adapters behind it are admitted; the oldest blocked adapter gets a freed
+slot first; an adapter whose read fails fails only its own requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.adapters import AdapterFormatError
+from loraplex.engine.kv_cache_manager import KVCacheManager
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.sequence import RequestGroup, Sequence, SequenceStatus
+
+PROMPT_TOKENS = 4
+
+
+class FakePins:
+    """``AdapterPins`` with explicit readiness: ``ready`` ids are resident/cached; asking for
+    another one records a prefetch; ``broken`` ids raise on the next ask."""
+
+    def __init__(self, ready=(), broken=None) -> None:
+        self.ready = set(ready)
+        self.broken = dict(broken or {})
+        self.pins: dict[int, int] = {}
+        self.asked: list[int] = []
+        self.prefetches: list[int] = []
+
+    def ensure_ready(self, lora_int_id: int) -> bool:
+        self.asked.append(lora_int_id)
+        if lora_int_id in self.broken:
+            raise AdapterFormatError(self.broken.pop(lora_int_id))
+        if lora_int_id in self.ready:
+            return True
+        if lora_int_id not in self.prefetches:
+            self.prefetches.append(lora_int_id)
+        return False
+
+    def pin(self, lora_int_id: int) -> int:
+        assert lora_int_id in self.ready or lora_int_id in self.pins, f"pin({lora_int_id}) would read the disk"
+        self.pins[lora_int_id] = self.pins.get(lora_int_id, 0) + 1
+        return 0
+
+    def unpin(self, lora_int_id: int) -> None:
+        self.pins[lora_int_id] -= 1
+        if not self.pins[lora_int_id]:
+            del self.pins[lora_int_id]
+
+
+def make_scheduler(pins, *, max_loras=1, max_num_seqs=16, budget=256, num_blocks=64, **config):
+    kv = KVCacheManager(num_blocks, block_size=4, enable_prefix_caching=False)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_loras, 128, **config), kv, pins)
+
+
+def add(scheduler, name: str, lora: int = 0, prompt_tokens: int = PROMPT_TOKENS) -> Sequence:
+    """Queue request ``name`` on adapter ``lora`` (0 = base model)."""
+    request = LoRARequest(f"lora{lora}", lora, f"/adapters/{lora}") if lora else None
+    group = RequestGroup(name, None, list(range(prompt_tokens)), SamplingParams(), request, f"v{lora}")
+    seq = Sequence(len(scheduler.waiting) + len(scheduler.running) + 1, group, 0, list(range(prompt_tokens)),
+                   prompt_tokens, None, None)
+    group.seqs.append(seq)
+    scheduler.add(seq)
+    return seq
+
+
+def names(seqs) -> list[str]:
+    return [s.group.request_id for s in seqs]
+
+
+def scheduled(batch) -> list[str]:
+    return [item.seq.group.request_id for item in batch.seqs]
+
+
+def finish(scheduler, *request_ids: str) -> None:
+    for seq in list(scheduler.running):
+        if seq.group.request_id in request_ids:
+            scheduler.finish(seq)
+
+
+def test_base_and_running_adapter_requests_pass_a_blocked_one():
+    pins = FakePins(ready={1, 2})
+    scheduler = make_scheduler(pins, max_loras=1)
+    add(scheduler, "a1", 1)
+    assert scheduled(scheduler.schedule()) == ["a1"]
+    for name, lora in (("b2", 2), ("base", 0), ("a1-more", 1), ("c2", 2), ("base-2", 0)):
+        add(scheduler, name, lora)
+    batch = scheduler.schedule()
+    assert scheduled(batch) == ["a1", "base", "a1-more", "base-2"]  # a1 decodes; b2, c2 wait for a slot
+    assert names(scheduler.waiting) == ["b2", "c2"]  # skipped requests keep their order
+    assert scheduler.running_adapters() == {1} and pins.pins == {1: 2}
+
+
+def test_not_ready_adapter_is_prefetched_and_skipped_until_ready():
+    pins = FakePins(ready=set())
+    scheduler = make_scheduler(pins, max_loras=4)
+    add(scheduler, "x", 5)
+    add(scheduler, "base", 0)
+    add(scheduler, "x-2", 5)
+    assert scheduled(scheduler.schedule()) == ["base"]
+    assert names(scheduler.waiting) == ["x", "x-2"]
+    assert pins.prefetches == [5] and pins.asked == [5]  # asked once per step, not per request
+    scheduler.schedule()
+    assert pins.prefetches == [5] and pins.asked == [5, 5]
+    pins.ready.add(5)  # the background read landed
+    assert scheduled(scheduler.schedule()) == ["base", "x", "x-2"]
+    assert pins.pins == {5: 2}
+
+
+def test_oldest_blocked_adapter_gets_the_freed_slot_first():
+    pins = FakePins(ready={1, 2, 3, 4})
+    scheduler = make_scheduler(pins, max_loras=2)
+    add(scheduler, "r1", 1)
+    add(scheduler, "r2", 2)
+    assert scheduled(scheduler.schedule()) == ["r1", "r2"]
+    add(scheduler, "r4", 4)  # older than r3
+    add(scheduler, "r3", 3)
+    add(scheduler, "r4-b", 4)
+    scheduler.schedule()
+    assert names(scheduler.waiting) == ["r4", "r3", "r4-b"]
+    finish(scheduler, "r1")
+    batch = scheduler.schedule()
+    assert scheduled(batch) == ["r2", "r4", "r4-b"]  # adapter 4 (oldest waiting) takes the free slot
+    assert names(scheduler.waiting) == ["r3"] and scheduler.running_adapters() == {2, 4}
+    finish(scheduler, "r2")
+    assert scheduled(scheduler.schedule())[-1] == "r3"
+
+
+def test_token_budget_and_kv_blocks_still_stop_the_scan():
+    pins = FakePins(ready={1})
+    scheduler = make_scheduler(pins, max_loras=1, budget=10)
+    add(scheduler, "a", 1)
+    add(scheduler, "long", 0, prompt_tokens=40)  # needs more than the budget left: chunked, then stop
+    add(scheduler, "base-after", 0)
+    batch = scheduler.schedule()
+    assert scheduled(batch) == ["a", "long"]
+    assert [item.num_new_tokens for item in batch.seqs] == [4, 6]
+    assert names(scheduler.waiting) == ["base-after"]
+
+    pins = FakePins(ready={1, 2})
+    scheduler = make_scheduler(pins, max_loras=1, num_blocks=2)  # 2 blocks of 4 tokens
+    add(scheduler, "a", 1)
+    add(scheduler, "b", 2)  # skipped: adapter does not fit
+    add(scheduler, "big", 0, prompt_tokens=12)  # needs 3 blocks: does not fit, the scan stops here
+    add(scheduler, "small", 0)
+    assert scheduled(scheduler.schedule()) == ["a"]
+    assert names(scheduler.waiting) == ["b", "big", "small"]
+
+
+def test_scan_and_lookahead_are_bounded():
+    pins = FakePins(ready=set())
+    scheduler = make_scheduler(pins, max_loras=8, max_waiting_scan=5, max_lookahead_loras=3)
+    for i in range(1, 8):
+        add(scheduler, f"r{i}", i)
+    add(scheduler, "base", 0)  # 8th entry: beyond the scan window
+    assert scheduled(scheduler.schedule()) == []
+    assert pins.asked == [1, 2, 3]  # at most 3 distinct adapters asked per step
+    assert names(scheduler.waiting) == [f"r{i}" for i in range(1, 8)] + ["base"]
+    pins.ready |= {1, 2, 3}
+    assert scheduled(scheduler.schedule()) == ["r1", "r2", "r3"]
+    assert pins.asked[3:] == [1, 2, 3]  # admitted this step, still counted: nothing else is asked
+    assert scheduled(scheduler.schedule()) == ["r1", "r2", "r3", "base"]
+    assert pins.asked[6:] == [4, 5, 6]  # running adapters are not asked: the next three are
+    assert names(scheduler.waiting) == ["r4", "r5", "r6", "r7"]
+
+
+def test_failed_adapter_fails_only_its_requests():
+    pins = FakePins(ready={1}, broken={2: "adapter_model.safetensors: corrupt tensor data"})
+    scheduler = make_scheduler(pins, max_loras=2)
+    add(scheduler, "bad-1", 2)
+    add(scheduler, "good", 1)
+    add(scheduler, "bad-2", 2)
+    add(scheduler, "base", 0)
+    batch = scheduler.schedule()
+    assert scheduled(batch) == ["good", "base"]
+    (failure,) = batch.failures
+    assert failure.lora_int_id == 2 and failure.error == "adapter_model.safetensors: corrupt tensor data"
+    assert names(failure.seqs) == ["bad-1", "bad-2"]
+    assert all(s.status is SequenceStatus.FINISHED for s in failure.seqs)
+    assert list(scheduler.waiting) == [] and scheduler.num_unfinished == 2
+    assert scheduler.schedule().failures == ()
+
+
+@pytest.mark.parametrize("pins", [None, FakePins(ready={1, 2, 3})])
+def test_without_adapter_limits_everything_is_admitted_fcfs(pins):
+    scheduler = make_scheduler(pins, max_loras=3)
+    for i, lora in enumerate((1, 0, 2, 3, 0)):
+        add(scheduler, f"r{i}", lora)
+    assert scheduled(scheduler.schedule()) == [f"r{i}" for i in range(5)]
