@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import (ALL_TARGETS, LLAMA2_7B, git_commit, make_model_dir, make_random_adapter,  # noqa: E402
-                    measure_copy_bandwidth, out_dir, print_table)
+                    measure_copy_bandwidth, out_dir, print_table, triton_variants)
 
 from loraplex import LLM, LoRARequest, SamplingParams  # noqa: E402
 
@@ -52,7 +52,7 @@ def zipf_choices(rng: random.Random, n_items: int, count: int, s: float = 1.1) -
 
 
 def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
-                  targets=ALL_TARGETS) -> list[LoRARequest]:
+                  targets=ALL_TARGETS, first_id: int = 1) -> list[LoRARequest]:
     """``count`` adapters; the first ``distinct_files`` have their own weights, the rest
     link to one of them but have their own config (so their own version id)."""
     out = []
@@ -67,7 +67,7 @@ def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
             cfg = json.loads((src / "adapter_config.json").read_text())
             cfg["base_model_name_or_path"] = f"dummy-{i}"
             (path / "adapter_config.json").write_text(json.dumps(cfg))
-        out.append(LoRARequest(f"a{i}", i + 1, str(path), version_id=declared_version_id(path)))
+        out.append(LoRARequest(f"a{first_id + i}", first_id + i, str(path), version_id=declared_version_id(path)))
     return out
 
 
@@ -91,7 +91,8 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) 
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"requests": len(prompts), "total_s": dt, "requests_per_s": len(prompts) / dt,
-            "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps}
+            "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps,
+            "triton_variants_after": triton_variants()}
 
 
 def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: int = 4096) -> LLM:
@@ -178,9 +179,15 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict
     rng = random.Random(1)
     num_requests, in_len, out_len = (64, 64, 16) if quick else (512, 128, 32)
     prompts = [[rng.randrange(10, 31000) for _ in range(in_len)] for _ in range(max(num_requests, max(counts)))]
-    llm = engine(model_dir, max_loras=128, max_cpu_loras=256, max_model_len=1024)
+    # As many GPU slots as max_num_seqs (q/v r=16 slots: 16.8 MB each, 4.3 GB for 256) and a
+    # host cache for 512 adapters: one batch can hold one request per slot.
+    llm = engine(model_dir, max_loras=256, max_cpu_loras=512, max_model_len=1024)
     run_requests(llm, prompts[:8], 4, [None] * 8)
-    out = {"base": run_requests(llm, prompts[:num_requests], out_len, [None] * num_requests)}
+    load_rate = host_load_rate(llm, make_adapters(root / "loadrate", config, 32, distinct_files=32,
+                                                  targets=["q_proj", "v_proj"], first_id=100001))
+    print(f"[scaling] host loads: {load_rate}", flush=True)
+    out = {"base": run_requests(llm, prompts[:num_requests], out_len, [None] * num_requests),
+           "host_loads": load_rate}
     for count in counts:
         n = max(num_requests, count)  # every adapter gets at least one request
         loras = [adapters[i % count] for i in range(n)]
@@ -194,6 +201,32 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict
     del llm
     torch.cuda.empty_cache()
     return out
+
+
+def host_load_rate(llm: LLM, adapters: list[LoRARequest]) -> dict:
+    """Cold reads of ``adapters`` (files in the page cache) through the pool's background readers,
+    as the scheduler drives them (``ensure_ready`` each round), then one slot install each."""
+    engine, pool = llm.engine, llm.engine.lora_pool
+    for a in adapters:
+        engine.add_lora(a)
+    pending = {a.lora_int_id for a in adapters}
+    t0 = time.perf_counter()
+    while pending:
+        pending = {i for i in pending if not pool.ensure_ready(i)}
+        pool.wait_for_loads(timeout_s=0.005)
+    read_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for a in adapters:
+        pool.pin(a.lora_int_id)
+        pool.unpin(a.lora_int_id)
+    torch.cuda.synchronize()
+    install_s = time.perf_counter() - t0
+    for a in adapters:
+        engine.remove_lora(a.lora_int_id)
+    return {"adapters": len(adapters), "read_ms_per_adapter": 1e3 * read_s / len(adapters),
+            "install_ms_per_adapter": 1e3 * install_s / len(adapters),
+            "threads": pool.max_loads_in_flight}
 
 
 def part_decode(model_dir: Path, adapters: list[LoRARequest], floor_ms: float) -> dict:

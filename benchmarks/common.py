@@ -111,3 +111,19 @@ def print_table(title: str, header: list[str], rows: list[list]) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def triton_variants() -> int:
+    """Compiled variants of loraplex's Triton kernels so far on this process (a variant is
+    compiled the first time a new constexpr / int-specialisation combination is launched)."""
+    import importlib
+    import pkgutil
+
+    import loraplex.kernels as kernels
+    total = 0
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"loraplex.kernels.{info.name}")
+        for obj in vars(module).values():
+            for per_device in getattr(obj, "device_caches", {}).values():
+                total += len(per_device[0]) if isinstance(per_device, tuple) else 0
+    return total

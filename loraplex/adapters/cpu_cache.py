@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Generic, TypeVar
 
-from loraplex.adapters.adapter import LoRAAdapter
+T = TypeVar("T")
 
 
-class AdapterLRUCache:
-    """Up to ``capacity`` ``LoRAAdapter``s keyed by LoRA int id, evicting the least recently used.
+class AdapterLRUCache(Generic[T]):
+    """Up to ``capacity`` host copies of adapters (``T``: e.g. ``SlotImage``) keyed by LoRA
+    int id, evicting the least recently used.
 
     ``get`` and ``put`` mark an entry as most recently used. Raises ``ValueError`` for capacity < 1.
     """
@@ -17,7 +19,7 @@ class AdapterLRUCache:
         if capacity < 1:
             raise ValueError(f"capacity={capacity!r}: must be >= 1")
         self.capacity = capacity
-        self._entries: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._entries: OrderedDict[int, T] = OrderedDict()
 
     def __contains__(self, int_id: int) -> bool:
         return int_id in self._entries
@@ -25,14 +27,14 @@ class AdapterLRUCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, int_id: int) -> LoRAAdapter | None:
+    def get(self, int_id: int) -> T | None:
         """The cached adapter (now most recently used), or None if not cached."""
         adapter = self._entries.get(int_id)
         if adapter is not None:
             self._entries.move_to_end(int_id)
         return adapter
 
-    def put(self, int_id: int, adapter: LoRAAdapter) -> list[int]:
+    def put(self, int_id: int, adapter: T) -> list[int]:
         """Insert (or refresh) ``int_id``; returns the int ids evicted to stay within capacity, oldest first."""
         self._entries[int_id] = adapter
         self._entries.move_to_end(int_id)
@@ -42,7 +44,7 @@ class AdapterLRUCache:
             evicted.append(old_id)
         return evicted
 
-    def put_if_room(self, int_id: int, adapter: LoRAAdapter) -> bool:
+    def put_if_room(self, int_id: int, adapter: T) -> bool:
         """Insert (or refresh) ``int_id`` only if that evicts nothing; returns whether it is cached."""
         if int_id not in self._entries and len(self._entries) >= self.capacity:
             return False

@@ -140,6 +140,21 @@ def load_peft_adapter(
     return _build_adapter(layout, tensors, version_id)
 
 
+def read_module_tensors(layout: AdapterLayout) -> Iterator[tuple[_ModulePlan, torch.Tensor, torch.Tensor]]:
+    """Yield ``(plan, lora_A [r, in], lora_B [out, r])`` per module of ``layout``, tensors in
+    their stored dtype, read from ``layout.path`` (checked by ``inspect_peft_adapter``).
+
+    Values are not checked (the caller checks them after its own conversion). Raises
+    ``AdapterFormatError`` if the file is gone, corrupt, or no longer matches ``layout``.
+    """
+    with _open_weights(Path(layout.path)) as handle:
+        try:
+            for plan in layout.modules:
+                yield plan, handle.get_tensor(plan.a_name), handle.get_tensor(plan.b_name)
+        except SafetensorError as exc:
+            raise AdapterFormatError(f"{SAFETENSORS_NAME}: corrupt tensor data ({exc})") from exc
+
+
 def validate_adapter_dir(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterInfo:
     """Run every check of ``load_peft_adapter`` and return the summary; no tensors are kept.
 

@@ -15,12 +15,16 @@ registering never evicts another adapter. Either way the files' stat signature
 the signature is unchanged and re-hashes (``AdapterChangedError`` on a mismatch) otherwise.
 
 Loads off the critical path: ``ensure_ready(id)`` is True when ``pin(id)`` will not
-touch the disk (resident or cached); otherwise it starts a background read (one worker
-thread, at most ``max_loads_in_flight`` queued) and returns False, and a later call moves
+touch the disk (resident or cached); otherwise it starts a background read (at most
+``max_loads_in_flight`` at once, each on its own worker thread) and returns False, and a later call moves
 the finished read into the host cache. ``pin`` of an adapter that is not ready reads it
 synchronously (waiting for its in-flight read if any). A failed read raises its
 ``AdapterError`` from the ``ensure_ready``/``pin`` call that claims it, once; the next
 call starts a new read. With ``background_loads=False`` ``ensure_ready`` reads inline.
+
+Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to
+rank R (pinned when slots live on CUDA), so installing one is two contiguous copies per
+targeted module and one for the scalings, enqueued without waiting.
 
 Slot tensors, per layer ``l`` and module ``m`` (S = max_loras, R = max_lora_rank):
 
@@ -38,12 +42,11 @@ files into new host tensors; all pool state is changed on the caller's thread.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from loraplex.adapters.adapter import LoRAAdapter, LoRAWeight
+from loraplex.adapters.adapter import LoRAAdapter
 from loraplex.adapters.cpu_cache import AdapterLRUCache
 from loraplex.adapters.errors import (
     AdapterChangedError,
@@ -60,6 +63,7 @@ from loraplex.adapters.peft_format import (
     inspect_peft_adapter,
     load_peft_adapter,
 )
+from loraplex.adapters.slot_image import ModuleKey, SlotImage, read_slot_image, slot_image_from_adapter
 from loraplex.adapters.spec import BaseModelSpec
 from loraplex.engine.lora_request import LoRARequest
 
@@ -122,9 +126,10 @@ class _Registration:
 
 @dataclass(frozen=True)
 class _Read:
-    """A finished read: the adapter in host memory and the files' signature it was read under."""
+    """A finished read: the adapter laid out for a slot in host memory, and the files'
+    signature it was read under."""
 
-    adapter: LoRAAdapter
+    image: SlotImage
     signature: FileSignature | None
 
 
@@ -143,7 +148,8 @@ class LoRASlotPool:
     - ``dtype``: slot tensor dtype (fp16, bf16 or fp32); ``device``: where slots live.
     - ``background_loads``: ``ensure_ready`` reads adapters on a worker thread (True) or
       inline (False: deterministic, for CPU tests).
-    - ``max_loads_in_flight``: background reads started and not yet claimed, at most.
+    - ``max_loads_in_flight``: background reads started and not yet claimed, at most (also
+      the number of reader threads).
 
     Raises ``ValueError`` naming the argument for sizes < 1 or another dtype.
     """
@@ -158,7 +164,7 @@ class LoRASlotPool:
         device: torch.device | str,
         *,
         background_loads: bool = True,
-        max_loads_in_flight: int = 2,
+        max_loads_in_flight: int = 4,
     ) -> None:
         sizes = {
             "max_loras": max_loras,
@@ -179,7 +185,9 @@ class LoRASlotPool:
         self.device = torch.device(device)
         self.background_loads = background_loads
         self.max_loads_in_flight = max_loads_in_flight
+        self._scaling_table = self._zeros(spec.num_layers, len(spec.module_shapes), max_loras, dtype=torch.float32)
         self.a, self.b, self.scaling = self._allocate()
+        self._written: list[frozenset[ModuleKey]] = [frozenset()] * max_loras  # (layer, module)s non-zero per slot
         self._registry: dict[int, _Registration] = {}
         self._cpu = AdapterLRUCache(max_cpu_loras)
         self._slots: list[_Resident | None] = [None] * max_loras
@@ -218,9 +226,9 @@ class LoRASlotPool:
             inspect_peft_adapter(request.lora_path, self.spec, self.max_lora_rank)
             self._registry[request.lora_int_id] = _Registration(request, request.version_id, signature)
             return True
-        adapter = self._load(request.lora_path)
-        self._registry[request.lora_int_id] = _Registration(request, adapter.version_id, signature)
-        self._cpu.put_if_room(request.lora_int_id, adapter)
+        image = self._load(request.lora_path)
+        self._registry[request.lora_int_id] = _Registration(request, image.version_id, signature)
+        self._cpu.put_if_room(request.lora_int_id, image)
         return True
 
     def remove_lora(self, int_id: int) -> bool:
@@ -294,11 +302,11 @@ class LoRASlotPool:
             self._host_copy(int_id, registration)
 
     def wait_for_loads(self, timeout_s: float) -> None:
-        """Block until one background read finishes or ``timeout_s`` passes (at once if none runs)."""
-        if self._loading:
-            concurrent.futures.wait(
-                list(self._loading.values()), timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
-            )
+        """Block until one running background read finishes or ``timeout_s`` passes (at once if
+        none runs; finished reads not yet claimed do not count)."""
+        running = [future for future in self._loading.values() if not future.done()]
+        if running:
+            concurrent.futures.wait(running, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def close(self) -> None:
         """Stop the loader thread (reads not started are cancelled); the pool stays usable inline."""
@@ -325,8 +333,8 @@ class LoRASlotPool:
         slot = self._slot_of.get(int_id)
         if slot is None:
             slot = self._choose_slot(registration.request)
-            adapter = self._host_copy(int_id, registration)
-            self._install(slot, int_id, adapter)
+            image = self._host_copy(int_id, registration)
+            self._install(slot, int_id, image)
         resident = self._resident(slot)
         resident.pin_count += 1
         resident.last_used = self._next_tick()
@@ -374,12 +382,13 @@ class LoRASlotPool:
     # ------------------------------------------------------------------ internals
 
     def _allocate(self) -> tuple[_PerLayer, _PerLayer, _PerLayer]:
-        """Zeroed ``a [S, R, in]``, ``b [S, out, R]`` (``dtype``) and ``scaling [S] fp32`` per layer and module."""
+        """Zeroed ``a [S, R, in]``, ``b [S, out, R]`` (``dtype``) per layer and module, and ``scaling``
+        ``[S] fp32`` views of the ``[L, M, S]`` scaling table (one copy writes a slot's scalings)."""
         S, R = self.max_loras, self.max_lora_rank
         shapes = self.spec.module_shapes
         a = [{m: self._zeros(S, R, i) for m, (i, _) in shapes.items()} for _ in range(self.spec.num_layers)]
         b = [{m: self._zeros(S, o, R) for m, (_, o) in shapes.items()} for _ in range(self.spec.num_layers)]
-        scaling = [{m: self._zeros(S, dtype=torch.float32) for m in shapes} for _ in range(self.spec.num_layers)]
+        scaling = [{m: self._scaling_table[layer, i] for i, m in enumerate(shapes)} for layer in range(self.spec.num_layers)]
         return a, b, scaling
 
     def _zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -412,11 +421,24 @@ class LoRASlotPool:
             raise UnknownAdapterError(f"lora_int_id={int_id!r} is being removed and accepts no new requests")
         return registration
 
-    def _load(self, path: str) -> LoRAAdapter:
+    def _load(self, path: str) -> SlotImage:
         """Read, validate and hash the adapter at ``path`` (registration without a declared id)."""
-        adapter = load_peft_adapter(path, self.spec, self.max_lora_rank)
+        image = self._image_of(load_peft_adapter(path, self.spec, self.max_lora_rank))
         self._disk_loads += 1
-        return self._to_host_memory(adapter)
+        return image
+
+    def _image_of(self, adapter: LoRAAdapter) -> SlotImage:
+        return slot_image_from_adapter(
+            adapter, self.spec, self.max_lora_rank, self.dtype, pin_memory=self.device.type == "cuda"
+        )
+
+    def _read_declared(self, path: str, version_id: str) -> SlotImage:
+        """Header checks, then the tensors straight into a slot image; nothing hashed."""
+        layout = inspect_peft_adapter(path, self.spec, self.max_lora_rank)
+        return read_slot_image(
+            layout, self.spec, self.max_lora_rank, self.dtype,
+            version_id=version_id, pin_memory=self.device.type == "cuda",
+        )
 
     def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None) -> _Read:
         """Read a registered adapter's tensors (runs on the loader thread: touches no pool state).
@@ -429,16 +451,16 @@ class LoRASlotPool:
         try:
             before = adapter_files_signature(path)
             if before is not None and before == signature:
-                adapter = load_peft_adapter(path, self.spec, self.max_lora_rank, version_id=version_id)
+                image = self._read_declared(path, version_id)
                 if adapter_files_signature(path) == before:
-                    return _Read(self._to_host_memory(adapter), before)
+                    return _Read(image, before)
             adapter = load_peft_adapter(path, self.spec, self.max_lora_rank)
             if adapter.version_id != version_id:
                 raise AdapterChangedError(
                     f"adapter {request.lora_name!r} at lora_path={path!r} changed on disk: "
                     f"version_id {adapter.version_id} != registered {version_id}"
                 )
-            return _Read(self._to_host_memory(adapter), adapter_files_signature(path))
+            return _Read(self._image_of(adapter), adapter_files_signature(path))
         except AdapterError:
             raise
         except Exception as exc:  # an unreadable file is an adapter error, not an engine crash
@@ -455,7 +477,7 @@ class LoRASlotPool:
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="loraplex-lora-loader"
+                max_workers=self.max_loads_in_flight, thread_name_prefix="loraplex-lora-loader"
             )
         request = registration.request
         self._loading[int_id] = self._executor.submit(
@@ -465,12 +487,12 @@ class LoRASlotPool:
     def _reap_finished(self) -> None:
         for int_id in [i for i, future in self._loading.items() if future.done()]:
             try:
-                adapter = self._claim(int_id, self._registry[int_id])
+                image = self._claim(int_id, self._registry[int_id])
             except AdapterError:
                 continue  # reported again by the next read of this adapter
-            self._cpu.put_if_room(int_id, adapter)
+            self._cpu.put_if_room(int_id, image)
 
-    def _claim(self, int_id: int, registration: _Registration) -> LoRAAdapter:
+    def _claim(self, int_id: int, registration: _Registration) -> SlotImage:
         """The result of ``int_id``'s background read (waiting for it); raises its ``AdapterError``."""
         future = self._loading.pop(int_id)
         try:
@@ -480,7 +502,7 @@ class LoRASlotPool:
             raise
         return self._accept_read(registration, read)
 
-    def _read_now(self, registration: _Registration) -> LoRAAdapter:
+    def _read_now(self, registration: _Registration) -> SlotImage:
         try:
             read = self._read(registration.request, registration.version_id, registration.signature)
         except AdapterError:
@@ -488,32 +510,22 @@ class LoRASlotPool:
             raise
         return self._accept_read(registration, read)
 
-    def _accept_read(self, registration: _Registration, read: _Read) -> LoRAAdapter:
+    def _accept_read(self, registration: _Registration, read: _Read) -> SlotImage:
         self._disk_loads += 1
         registration.signature = read.signature
-        return read.adapter
+        return read.image
 
-    def _to_host_memory(self, adapter: LoRAAdapter) -> LoRAAdapter:
-        """Pin the adapter's host tensors when slots live on CUDA (async host-to-device copies)."""
-        if self.device.type != "cuda":
-            return adapter
-        pinned = {
-            key: LoRAWeight(a=w.a.pin_memory(), b=w.b.pin_memory(), scaling=w.scaling)
-            for key, w in adapter.weights.items()
-        }
-        return dataclasses.replace(adapter, weights=pinned)
+    def _cache(self, int_id: int, image: SlotImage) -> None:
+        self._cpu_evictions += len(self._cpu.put(int_id, image))
 
-    def _cache(self, int_id: int, adapter: LoRAAdapter) -> None:
-        self._cpu_evictions += len(self._cpu.put(int_id, adapter))
-
-    def _host_copy(self, int_id: int, registration: _Registration) -> LoRAAdapter:
+    def _host_copy(self, int_id: int, registration: _Registration) -> SlotImage:
         """The adapter from the host cache, else from its background read, else read now; then cached."""
-        adapter = self._cpu.get(int_id)
-        if adapter is not None:
-            return adapter
-        adapter = self._claim(int_id, registration) if int_id in self._loading else self._read_now(registration)
-        self._cache(int_id, adapter)
-        return adapter
+        image = self._cpu.get(int_id)
+        if image is not None:
+            return image
+        image = self._claim(int_id, registration) if int_id in self._loading else self._read_now(registration)
+        self._cache(int_id, image)
+        return image
 
     def _choose_slot(self, request: LoRARequest) -> int:
         for slot, resident in enumerate(self._slots):
@@ -528,32 +540,28 @@ class LoRASlotPool:
             )
         return min(unpinned)[1]
 
-    def _install(self, slot: int, int_id: int, adapter: LoRAAdapter) -> None:
+    def _install(self, slot: int, int_id: int, image: SlotImage) -> None:
         previous = self._slots[slot]
         if previous is not None:
             del self._slot_of[previous.int_id]
             self._slot_evictions += 1
-        self._write_slot(slot, adapter)
+        self._write_slot(slot, image)
         self._slots[slot] = _Resident(int_id=int_id, pin_count=0, last_used=self._next_tick())
         self._slot_of[int_id] = slot
         self._slot_loads += 1
 
-    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Overwrite every layer and module of ``slot``: nothing of a previous adapter survives."""
-        for layer in range(self.spec.num_layers):
-            for module in self.spec.module_shapes:
-                self._write_module(slot, layer, module, adapter.weights.get((layer, module)))
-
-    def _write_module(self, slot: int, layer: int, module: str, weight: LoRAWeight | None) -> None:
-        a_slot, b_slot = self.a[layer][module][slot], self.b[layer][module][slot]
-        a_slot.zero_()
-        b_slot.zero_()
-        if weight is None:
-            self.scaling[layer][module][slot] = 0.0
-            return
-        a_slot[: weight.rank].copy_(weight.a, non_blocking=True)
-        b_slot[:, : weight.rank].copy_(weight.b, non_blocking=True)
-        self.scaling[layer][module][slot] = weight.scaling
+    def _write_slot(self, slot: int, image: SlotImage) -> None:
+        """Overwrite ``slot`` with ``image``: two contiguous copies per targeted module (already
+        rank-padded), zeros for modules an earlier occupant wrote and this one does not
+        target, one copy for all scalings. Nothing of a previous adapter survives."""
+        for layer, module in self._written[slot] - image.offsets.keys():
+            self.a[layer][module][slot].zero_()
+            self.b[layer][module][slot].zero_()
+        for layer, module in image.offsets:
+            self.a[layer][module][slot].copy_(image.a((layer, module)), non_blocking=True)
+            self.b[layer][module][slot].copy_(image.b((layer, module)), non_blocking=True)
+        self._scaling_table[:, :, slot].copy_(image.scaling, non_blocking=True)
+        self._written[slot] = frozenset(image.offsets)
 
     def _drop(self, int_id: int) -> None:
         """Forget ``int_id``: registry, host cache, and its slot (whose scaling is zeroed)."""
@@ -566,9 +574,7 @@ class LoRASlotPool:
         if slot is None:
             return
         self._slots[slot] = None
-        for per_layer in self.scaling:
-            for tensor in per_layer.values():
-                tensor[slot] = 0.0
+        self._scaling_table[:, :, slot] = 0.0
 
     def _resident(self, slot: int) -> _Resident:
         resident = self._slots[slot]

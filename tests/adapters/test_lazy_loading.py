@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from loraplex.adapters import (
     peft_format,
 )
 from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters import slot_image
 
 SPEC = BaseModelSpec(
     num_layers=2,
@@ -46,16 +48,22 @@ class ReadSpy:
         self.tensor_reads = 0
         self.hashes = 0
         read_tensors, hash_fn = peft_format._read_tensors, peft_format.compute_version_id
+        read_modules = slot_image.read_module_tensors
 
         def counting_read(*args, **kwargs):
             self.tensor_reads += 1
             return read_tensors(*args, **kwargs)
+
+        def counting_module_read(*args, **kwargs):
+            self.tensor_reads += 1
+            return read_modules(*args, **kwargs)
 
         def counting_hash(*args, **kwargs):
             self.hashes += 1
             return hash_fn(*args, **kwargs)
 
         monkeypatch.setattr(peft_format, "_read_tensors", counting_read)
+        monkeypatch.setattr(slot_image, "read_module_tensors", counting_module_read)
         monkeypatch.setattr(peft_format, "compute_version_id", counting_hash)
 
     @property
@@ -110,7 +118,8 @@ def assert_slot_holds(pool, slot, reference):
 
 def wait_ready(pool, int_id, *, timeout_s=30.0) -> None:
     """Poll ``ensure_ready`` (as the scheduler does each step) until it is True."""
-    for _ in range(int(timeout_s / 0.01)):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if pool.ensure_ready(int_id):
             return
         pool.wait_for_loads(timeout_s=0.01)

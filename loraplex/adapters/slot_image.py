@@ -1,0 +1,162 @@
+"""An adapter laid out in host memory exactly as a GPU adapter slot holds it.
+
+The host-cache tier of ``LoRASlotPool`` keeps ``SlotImage``s, not ``LoRAAdapter``s:
+one buffer per adapter in the slot dtype (pinned when slots live on CUDA), with every
+module's factors already padded to the pool's rank ``R``, so that installing the adapter
+in a slot is two contiguous host-to-device copies per module and one for all scalings
+(S-LoRA, Sheng et al. 2023, "unified paging" of adapter weights; here without paging).
+
+Layout of ``SlotImage.data`` (1-D, slot dtype): for each targeted ``(layer, module)``
+in (layer, ``LORA_MODULE_NAMES``) order, ``A`` padded to ``[R, in_features]`` (rows
+``r..R`` zero) then ``B`` padded to ``[out_features, R]`` (columns ``r..R`` zero).
+
+Semantics (per module): ``delta(x) = scaling * (x @ A.T) @ B.T``; the zero padding
+makes the rank-R product equal the rank-r one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapters.adapter import LoRAAdapter
+from loraplex.adapters.errors import AdapterFormatError
+from loraplex.adapters.peft_format import AdapterLayout, read_module_tensors
+from loraplex.adapters.spec import BaseModelSpec
+
+ModuleKey = tuple[int, str]  # (layer index, module name)
+
+
+@dataclass(frozen=True)
+class SlotImage:
+    """One adapter ready to be copied into a GPU slot.
+
+    - ``version_id``: the adapter's content id (as registered).
+    - ``max_rank``: the pool rank ``R`` every module is padded to.
+    - ``data``: ``[numel]`` in the slot dtype; see the module docstring for the layout.
+    - ``offsets``: ``(layer, module) -> (a_offset, b_offset)`` element offsets into ``data``
+      for the targeted modules only.
+    - ``scaling``: ``[num_layers, len(spec.module_shapes)] fp32``, module columns in
+      ``spec.module_shapes`` order; 0 where the adapter does not target ``(layer, module)``.
+    - ``module_shapes``: ``spec.module_shapes`` (``module -> (in_features, out_features)``).
+    """
+
+    version_id: str
+    max_rank: int
+    data: torch.Tensor
+    offsets: dict[ModuleKey, tuple[int, int]]
+    scaling: torch.Tensor
+    module_shapes: dict[str, tuple[int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of ``data`` (the scaling table is negligible)."""
+        return self.data.numel() * self.data.element_size()
+
+    def a(self, key: ModuleKey) -> torch.Tensor:
+        """``A`` of ``key`` padded to ``[R, in_features]`` (a view of ``data``). Raises ``KeyError`` if untargeted."""
+        in_features, _ = self.module_shapes[key[1]]
+        start = self.offsets[key][0]
+        return self.data[start : start + self.max_rank * in_features].view(self.max_rank, in_features)
+
+    def b(self, key: ModuleKey) -> torch.Tensor:
+        """``B`` of ``key`` padded to ``[out_features, R]`` (a view of ``data``). Raises ``KeyError`` if untargeted."""
+        _, out_features = self.module_shapes[key[1]]
+        start = self.offsets[key][1]
+        return self.data[start : start + out_features * self.max_rank].view(out_features, self.max_rank)
+
+
+def read_slot_image(
+    layout: AdapterLayout,
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    *,
+    version_id: str,
+    pin_memory: bool,
+) -> SlotImage:
+    """Read the tensors of the adapter ``layout`` (checked by ``inspect_peft_adapter``)
+    straight into a ``SlotImage`` of ``dtype``; nothing is hashed (``version_id`` is trusted).
+
+    Raises ``AdapterFormatError`` for unreadable tensor data or a NaN/Inf value (also one
+    that appears only after the conversion to ``dtype``, e.g. fp32 70000 into float16).
+    """
+    ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
+    image = _empty_image(ranks, spec, max_rank, dtype, version_id, pin_memory)
+    names: dict[ModuleKey, tuple[str, str]] = {}
+    for plan, a, b in read_module_tensors(layout):
+        key = (plan.layer, plan.module)
+        _fill(image, key, a, b, plan.hyper.scaling, spec)
+        names[key] = (plan.a_name, plan.b_name)
+    _check_finite(image, names, dtype)
+    return image
+
+
+def slot_image_from_adapter(
+    adapter: LoRAAdapter, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype, *, pin_memory: bool
+) -> SlotImage:
+    """The ``SlotImage`` of a loaded (validated, finite) ``adapter``.
+
+    Raises ``AdapterFormatError`` if a value overflows to Inf in ``dtype``.
+    """
+    ranks = {key: weight.rank for key, weight in adapter.weights.items()}
+    image = _empty_image(ranks, spec, max_rank, dtype, adapter.version_id, pin_memory)
+    for key, weight in adapter.weights.items():
+        _fill(image, key, weight.a, weight.b, weight.scaling, spec)
+    _check_finite(image, {key: (f"layer {key[0]} {key[1]} lora_A", f"layer {key[0]} {key[1]} lora_B")
+                          for key in adapter.weights}, dtype)
+    return image
+
+
+def _empty_image(
+    ranks: dict[ModuleKey, int],
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    version_id: str,
+    pin_memory: bool,
+) -> SlotImage:
+    """An image for the modules in ``ranks``; zero-filled only if some module needs rank padding."""
+    offsets: dict[ModuleKey, tuple[int, int]] = {}
+    numel = 0
+    for key in _ordered(ranks, spec.module_shapes):
+        in_features, out_features = spec.module_shapes[key[1]]
+        offsets[key] = (numel, numel + max_rank * in_features)
+        numel += max_rank * (in_features + out_features)
+    padded = any(rank != max_rank for rank in ranks.values())
+    make = torch.zeros if padded else torch.empty
+    data = make(numel, dtype=dtype, pin_memory=pin_memory)
+    scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
+    return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes))
+
+
+def _ordered(keys: Iterable[ModuleKey], module_order: Iterable[str]) -> list[ModuleKey]:
+    """``keys`` by layer, then by the position of the module in ``module_order``."""
+    column = {module: i for i, module in enumerate(module_order)}
+    return sorted(keys, key=lambda key: (key[0], column[key[1]]))
+
+
+def _fill(
+    image: SlotImage, key: ModuleKey, a: torch.Tensor, b: torch.Tensor, scaling: float, spec: BaseModelSpec
+) -> None:
+    rank = a.shape[0]
+    image.a(key)[:rank].copy_(a)
+    image.b(key)[:, :rank].copy_(b)
+    image.scaling[key[0], list(spec.module_shapes).index(key[1])] = scaling
+
+
+def _check_finite(image: SlotImage, names: dict[ModuleKey, tuple[str, str]], dtype: torch.dtype) -> None:
+    """One pass over the whole buffer; only on failure is the offending tensor looked up."""
+    if image.data.numel() == 0:
+        return
+    low, high = torch.aminmax(image.data)
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        return
+    for key in _ordered(image.offsets, image.module_shapes):
+        for name, tensor in zip(names[key], (image.a(key), image.b(key))):
+            if not bool(torch.isfinite(tensor).all()):
+                raise AdapterFormatError(f"tensor {name!r} contains NaN or Inf values (as {dtype})")
+    raise AdapterFormatError(f"adapter {image.version_id[:12]} contains NaN or Inf values (as {dtype})")
+
