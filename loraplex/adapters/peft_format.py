@@ -21,6 +21,7 @@ Compatibility is decided from these shapes and ``BaseModelSpec``, never from
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -140,19 +141,49 @@ def load_peft_adapter(
     return _build_adapter(layout, tensors, version_id)
 
 
-def read_module_tensors(layout: AdapterLayout) -> Iterator[tuple[_ModulePlan, torch.Tensor, torch.Tensor]]:
-    """Yield ``(plan, lora_A [r, in], lora_B [out, r])`` per module of ``layout``, tensors in
-    their stored dtype, read from ``layout.path`` (checked by ``inspect_peft_adapter``).
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in ``adapter_model.safetensors`` (from its JSON header).
 
-    Values are not checked (the caller checks them after its own conversion). Raises
-    ``AdapterFormatError`` if the file is gone, corrupt, or no longer matches ``layout``.
+    - ``dtype``: safetensors dtype string (``"BF16"``, ``"F32"``, ...); ``shape``: its shape.
+    - ``offset_bytes``: absolute file offset of the first byte; ``nbytes``: byte count.
     """
-    with _open_weights(Path(layout.path)) as handle:
-        try:
-            for plan in layout.modules:
-                yield plan, handle.get_tensor(plan.a_name), handle.get_tensor(plan.b_name)
-        except SafetensorError as exc:
-            raise AdapterFormatError(f"{SAFETENSORS_NAME}: corrupt tensor data ({exc})") from exc
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset_bytes: int
+    nbytes: int
+
+
+_MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+
+
+def stored_tensors(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
+    """name -> ``StoredTensor`` for the safetensors file ``path`` (header only; safetensors
+    format: an 8-byte little-endian header length, a JSON header whose ``data_offsets``
+    are relative to the end of the header, then the data).
+
+    For reading tensors straight into preallocated (e.g. pinned) memory. Raises
+    ``AdapterFormatError`` for an unreadable or malformed header.
+    """
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if not 0 < length <= _MAX_HEADER_BYTES:
+                raise ValueError(f"header length {length}")
+            header = json.loads(handle.read(length))
+        return {
+            name: StoredTensor(
+                dtype=entry["dtype"],
+                shape=tuple(entry["shape"]),
+                offset_bytes=8 + length + entry["data_offsets"][0],
+                nbytes=entry["data_offsets"][1] - entry["data_offsets"][0],
+            )
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: unreadable header ({type(exc).__name__}: {exc})") from exc
 
 
 def validate_adapter_dir(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterInfo:

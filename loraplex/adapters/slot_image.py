@@ -16,17 +16,20 @@ makes the rank-R product equal the rank-r one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from loraplex.adapters.adapter import LoRAAdapter
 from loraplex.adapters.errors import AdapterFormatError
-from loraplex.adapters.peft_format import AdapterLayout, read_module_tensors
+from loraplex.adapters.peft_format import SAFETENSORS_NAME, AdapterLayout, StoredTensor, stored_tensors
 from loraplex.adapters.spec import BaseModelSpec
 
 ModuleKey = tuple[int, str]  # (layer index, module name)
+_STORED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -80,16 +83,30 @@ def read_slot_image(
     """Read the tensors of the adapter ``layout`` (checked by ``inspect_peft_adapter``)
     straight into a ``SlotImage`` of ``dtype``; nothing is hashed (``version_id`` is trusted).
 
-    Raises ``AdapterFormatError`` for unreadable tensor data or a NaN/Inf value (also one
-    that appears only after the conversion to ``dtype``, e.g. fp32 70000 into float16).
+    A tensor stored in ``dtype`` whose image rows are contiguous (every ``lora_A``; a
+    ``lora_B`` of rank R) is read from the file directly into the image (``pread``, no
+    intermediate copy, the GIL released); others go through a temporary and a converting copy.
+
+    Raises ``AdapterFormatError`` for unreadable or truncated tensor data, a file no longer
+    matching ``layout``, or a NaN/Inf value (also one that appears only after the conversion
+    to ``dtype``, e.g. fp32 70000 into float16).
     """
     ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
     image = _empty_image(ranks, spec, max_rank, dtype, version_id, pin_memory)
+    path = Path(layout.path) / SAFETENSORS_NAME
+    stored = stored_tensors(path)
     names: dict[ModuleKey, tuple[str, str]] = {}
-    for plan, a, b in read_module_tensors(layout):
-        key = (plan.layer, plan.module)
-        _fill(image, key, a, b, plan.hyper.scaling, spec)
-        names[key] = (plan.a_name, plan.b_name)
+    columns = list(spec.module_shapes)
+    fd = _open(path)
+    try:
+        for plan in layout.modules:
+            key, rank = (plan.layer, plan.module), plan.hyper.rank
+            _read_into(fd, plan.a_name, stored, image.a(key)[:rank])
+            _read_into(fd, plan.b_name, stored, image.b(key)[:, :rank])
+            image.scaling[plan.layer, columns.index(plan.module)] = plan.hyper.scaling
+            names[key] = (plan.a_name, plan.b_name)
+    finally:
+        os.close(fd)
     _check_finite(image, names, dtype)
     return image
 
@@ -108,6 +125,40 @@ def slot_image_from_adapter(
     _check_finite(image, {key: (f"layer {key[0]} {key[1]} lora_A", f"layer {key[0]} {key[1]} lora_B")
                           for key in adapter.weights}, dtype)
     return image
+
+
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: cannot be opened ({exc})") from exc
+
+
+def _read_into(fd: int, name: str, stored: dict[str, StoredTensor], dest: torch.Tensor) -> None:
+    """Fill ``dest`` with tensor ``name`` of the open file ``fd`` (converted to ``dest.dtype``)."""
+    ref = stored.get(name)
+    if ref is None or ref.dtype not in _STORED_DTYPES or ref.shape != tuple(dest.shape):
+        raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} changed since it was checked")
+    source_dtype = _STORED_DTYPES[ref.dtype]
+    if ref.nbytes != dest.numel() * source_dtype.itemsize:
+        raise AdapterFormatError(f"tensor {name!r}: {ref.nbytes} bytes stored for shape {list(ref.shape)}")
+    if source_dtype == dest.dtype and dest.is_contiguous():
+        _pread_exact(fd, dest, ref.offset_bytes, name)
+        return
+    staging = torch.empty(ref.shape, dtype=source_dtype)
+    _pread_exact(fd, staging, ref.offset_bytes, name)
+    dest.copy_(staging)
+
+
+def _pread_exact(fd: int, dest: torch.Tensor, offset_bytes: int, name: str) -> None:
+    """Read ``dest.nbytes`` bytes at ``offset_bytes`` into the contiguous CPU tensor ``dest``."""
+    view = memoryview(dest.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset_bytes + done)
+        if count <= 0:
+            raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} is truncated")
+        done += count
 
 
 def _empty_image(

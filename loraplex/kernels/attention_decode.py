@@ -62,7 +62,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -110,7 +110,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -118,12 +118,12 @@ def _paged_decode_kernel(
         # An empty split (start >= seq_len) stores lse = -inf and a zero partial.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        row = (b * num_q_heads + heads) * NUM_SPLITS + split
+        row = (b * num_q_heads + heads) * tl.num_programs(2) + split
         tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -131,7 +131,7 @@ def _paged_decode_reduce_kernel(
     out_ptr,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -142,12 +142,12 @@ def _paged_decode_reduce_kernel(
     tok = tl.load(query_start_loc_ptr + b).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    row = (b * tl.num_programs(1) + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     parts = tl.load(
         part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-        mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM),
+        mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM),
         other=0.0,
     )
     out = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)
@@ -204,7 +204,7 @@ def _launch_paged_decode(
         part_out = torch.empty((num_seqs, num_q_heads, splits, head_dim), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((num_seqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
     else:
-        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+        part_out = part_lse = out  # unused by the kernel when SPLIT is False
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         query,
         key_cache,
@@ -234,7 +234,7 @@ def _launch_paged_decode(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n,
-        NUM_SPLITS=splits,
+        SPLIT=splits > 1,
         DOT_DTYPE=dot_dtype(query.dtype, query.device),
         PRECISION=dot_precision(query.dtype, query.device),
         num_warps=4,
@@ -247,7 +247,7 @@ def _launch_paged_decode(
             out,
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=splits,
+            splits,
             BLOCK_S=next_pow2(splits),
             HEAD_DIM=head_dim,
             BLOCK_D=next_pow2(head_dim),

@@ -42,7 +42,8 @@ DECODE_MAX_TOKENS = 256
 DECODE_BLOCK_M = 16  # token rows per program in decode-sized batches (shrink and expand)
 
 
-@triton.jit
+# Per-step ints are not specialised (no recompile when a count becomes 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["num_tiles", "split_k"])
 def _lora_expand_kernel(
     v_ptr,
     b_ptrs,
@@ -63,7 +64,7 @@ def _lora_expand_kernel(
     stride_v_slice,
     stride_vt,
     stride_yt,
-    SPLIT_K: tl.constexpr,
+    split_k,
     HAS_RANKS: tl.constexpr,
     B_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -92,11 +93,11 @@ def _lora_expand_kernel(
     tok = tl.load(sorted_token_ids_ptr + seg_start + rows, mask=row_mask, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
-    # v is the sum of SPLIT_K partial shrink results, added in a fixed order (deterministic).
+    # v is the sum of split_k partial shrink results, added in a fixed order (deterministic).
     v_ptrs = v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + r[None, :]
     v_mask = row_mask[:, None] & r_mask[None, :]
     v = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for split in tl.static_range(SPLIT_K):
+    for split in range(split_k):
         v += tl.load(v_ptrs + split * stride_v_split, mask=v_mask, other=0.0)
     y_dtype = y_ptr.dtype.element_ty
     v = v.to(B_DTYPE).to(DOT_DTYPE)
@@ -216,7 +217,7 @@ def _launch_lora_expand(
         v3.stride(0),
         v3.stride(1),
         y.stride(0),
-        SPLIT_K=split,
+        split,
         HAS_RANKS=ranks is not None,
         B_DTYPE=tl_dtype(lora_b[0].dtype),
         BLOCK_M=block_m,

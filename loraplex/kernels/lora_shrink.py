@@ -51,7 +51,8 @@ def decode_k_per_split(num_tokens: int) -> int:
     return 2 * DECODE_K_PER_SPLIT if num_tokens <= 128 else 4 * DECODE_K_PER_SPLIT
 
 
-@triton.jit
+# Per-step ints are not specialised (no recompile when a count becomes 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["num_tiles", "split_k"])
 def _lora_shrink_kernel(
     x_ptr,
     a_ptrs,
@@ -72,7 +73,7 @@ def _lora_shrink_kernel(
     stride_o_split,
     stride_o_slice,
     stride_ot,
-    SPLIT_K: tl.constexpr,
+    split_k,
     HAS_RANKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -82,8 +83,8 @@ def _lora_shrink_kernel(
 ):
     seg = tl.load(tiles_ptr + tl.program_id(0))
     m_tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
-    slice_id = tl.program_id(1) // SPLIT_K
-    k_split = tl.program_id(1) % SPLIT_K
+    slice_id = tl.program_id(1) // split_k
+    k_split = tl.program_id(1) % split_k
     seg_len = tl.load(segment_lens_ptr + seg)
     if m_tile * BLOCK_M >= seg_len:
         return
@@ -213,7 +214,7 @@ def _run_kernel(
         target.stride(0) if split > 1 else 0,
         target.stride(-3),
         target.stride(-2),
-        SPLIT_K=split,
+        split,
         HAS_RANKS=ranks is not None,
         BLOCK_M=block_m,
         BLOCK_R=max(16, next_pow2(lora_a[0].shape[1])),

@@ -48,7 +48,7 @@ class ReadSpy:
         self.tensor_reads = 0
         self.hashes = 0
         read_tensors, hash_fn = peft_format._read_tensors, peft_format.compute_version_id
-        read_modules = slot_image.read_module_tensors
+        read_modules = slot_image.stored_tensors
 
         def counting_read(*args, **kwargs):
             self.tensor_reads += 1
@@ -63,7 +63,7 @@ class ReadSpy:
             return hash_fn(*args, **kwargs)
 
         monkeypatch.setattr(peft_format, "_read_tensors", counting_read)
-        monkeypatch.setattr(slot_image, "read_module_tensors", counting_module_read)
+        monkeypatch.setattr(slot_image, "stored_tensors", counting_module_read)
         monkeypatch.setattr(peft_format, "compute_version_id", counting_hash)
 
     @property

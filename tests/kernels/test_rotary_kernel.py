@@ -56,7 +56,7 @@ def test_llama3_scaling_changes_only_low_frequencies():
 
 def _hf_apply(positions, query, key, cache_name: str, head_dim: int):
     base = 500000.0 if cache_name == "llama3" else 10000.0
-    cos, sin = _hf_rope(head_dim, base, SCALINGS[cache_name])(query, positions.cpu()[None])
+    cos, sin = _hf_rope(head_dim, base, SCALINGS[cache_name])(query.cpu(), positions.cpu()[None])  # reference on CPU
     t = query.shape[0]
     q = query.cpu().view(1, t, -1, head_dim).transpose(1, 2)
     k = key.cpu().view(1, t, -1, head_dim).transpose(1, 2)
