@@ -83,30 +83,28 @@ def read_slot_image(
     """Read the tensors of the adapter ``layout`` (checked by ``inspect_peft_adapter``)
     straight into a ``SlotImage`` of ``dtype``; nothing is hashed (``version_id`` is trusted).
 
-    A tensor stored in ``dtype`` whose image rows are contiguous (every ``lora_A``; a
-    ``lora_B`` of rank R) is read from the file directly into the image (``pread``, no
-    intermediate copy, the GIL released); others go through a temporary and a converting copy.
+    When every tensor is stored in ``dtype`` with rank R, the image *is* the file's data
+    section: one ``pread`` (the GIL released throughout) and the offsets taken from the
+    header. Otherwise a tensor stored in ``dtype`` whose image rows are contiguous (every
+    ``lora_A``; a ``lora_B`` of rank R) is read directly into its place, and the others go
+    through a temporary and a converting copy.
 
     Raises ``AdapterFormatError`` for unreadable or truncated tensor data, a file no longer
     matching ``layout``, or a NaN/Inf value (also one that appears only after the conversion
     to ``dtype``, e.g. fp32 70000 into float16).
     """
-    ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
-    image = _empty_image(ranks, spec, max_rank, dtype, version_id, pin_memory)
     path = Path(layout.path) / SAFETENSORS_NAME
     stored = stored_tensors(path)
-    names: dict[ModuleKey, tuple[str, str]] = {}
-    columns = list(spec.module_shapes)
+    names = {(plan.layer, plan.module): (plan.a_name, plan.b_name) for plan in layout.modules}
     fd = _open(path)
     try:
-        for plan in layout.modules:
-            key, rank = (plan.layer, plan.module), plan.hyper.rank
-            _read_into(fd, plan.a_name, stored, image.a(key)[:rank])
-            _read_into(fd, plan.b_name, stored, image.b(key)[:, :rank])
-            image.scaling[plan.layer, columns.index(plan.module)] = plan.hyper.scaling
-            names[key] = (plan.a_name, plan.b_name)
+        if _is_verbatim(layout, stored, max_rank, dtype):
+            image = _read_verbatim(fd, layout, stored, spec, max_rank, dtype, version_id, pin_memory)
+        else:
+            image = _read_per_tensor(fd, layout, stored, spec, max_rank, dtype, version_id, pin_memory)
     finally:
         os.close(fd)
+    _set_scalings(image, layout, spec)
     _check_finite(image, names, dtype)
     return image
 
@@ -125,6 +123,71 @@ def slot_image_from_adapter(
     _check_finite(image, {key: (f"layer {key[0]} {key[1]} lora_A", f"layer {key[0]} {key[1]} lora_B")
                           for key in adapter.weights}, dtype)
     return image
+
+
+def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_rank: int, dtype: torch.dtype) -> bool:
+    """Every module has rank R and every tensor is stored in ``dtype`` at an aligned offset."""
+    if any(plan.hyper.rank != max_rank for plan in layout.modules):
+        return False
+    names = [name for plan in layout.modules for name in (plan.a_name, plan.b_name)]
+    return all(
+        name in stored and _STORED_DTYPES.get(stored[name].dtype) == dtype
+        and stored[name].offset_bytes % dtype.itemsize == 0
+        for name in names
+    )
+
+
+def _read_verbatim(
+    fd: int,
+    layout: AdapterLayout,
+    stored: dict[str, StoredTensor],
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    version_id: str,
+    pin_memory: bool,
+) -> SlotImage:
+    """The file's data section as the image (one read); module offsets from the header."""
+    refs = [stored[name] for plan in layout.modules for name in (plan.a_name, plan.b_name)]
+    start = min(ref.offset_bytes for ref in refs)
+    end = max(ref.offset_bytes + ref.nbytes for ref in refs)
+    data = torch.empty((end - start) // dtype.itemsize, dtype=dtype, pin_memory=pin_memory)
+    _pread_exact(fd, data, start, SAFETENSORS_NAME)
+    offsets = {}
+    for plan in layout.modules:
+        a, b = stored[plan.a_name], stored[plan.b_name]
+        in_features, out_features = spec.module_shapes[plan.module]
+        if (a.shape, b.shape) != ((max_rank, in_features), (out_features, max_rank)):
+            raise AdapterFormatError(f"tensor {plan.a_name!r}: {SAFETENSORS_NAME} changed since it was checked")
+        offsets[(plan.layer, plan.module)] = ((a.offset_bytes - start) // dtype.itemsize,
+                                              (b.offset_bytes - start) // dtype.itemsize)
+    scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
+    return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes))
+
+
+def _read_per_tensor(
+    fd: int,
+    layout: AdapterLayout,
+    stored: dict[str, StoredTensor],
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    version_id: str,
+    pin_memory: bool,
+) -> SlotImage:
+    ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
+    image = _empty_image(ranks, spec, max_rank, dtype, version_id, pin_memory)
+    for plan in layout.modules:
+        key, rank = (plan.layer, plan.module), plan.hyper.rank
+        _read_into(fd, plan.a_name, stored, image.a(key)[:rank])
+        _read_into(fd, plan.b_name, stored, image.b(key)[:, :rank])
+    return image
+
+
+def _set_scalings(image: SlotImage, layout: AdapterLayout, spec: BaseModelSpec) -> None:
+    columns = list(spec.module_shapes)
+    for plan in layout.modules:
+        image.scaling[plan.layer, columns.index(plan.module)] = plan.hyper.scaling
 
 
 def _open(path: Path) -> int:

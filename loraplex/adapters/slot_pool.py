@@ -58,6 +58,7 @@ from loraplex.adapters.errors import (
     UnknownAdapterError,
 )
 from loraplex.adapters.peft_format import (
+    AdapterLayout,
     FileSignature,
     adapter_files_signature,
     inspect_peft_adapter,
@@ -116,11 +117,13 @@ class SlotPoolStats:
 
 @dataclass
 class _Registration:
-    """``signature``: the files' stat when registered or last verified (``None``: could not stat)."""
+    """``signature``: the files' stat when registered or last verified (``None``: could not stat);
+    ``layout``: the header checks' result, reused by reads while the signature holds."""
 
     request: LoRARequest
     version_id: str
     signature: FileSignature | None
+    layout: AdapterLayout | None = None
     pending_removal: bool = False
 
 
@@ -223,8 +226,8 @@ class LoRASlotPool:
             return self._check_same(known, request)
         signature = adapter_files_signature(request.lora_path)
         if request.version_id is not None:
-            inspect_peft_adapter(request.lora_path, self.spec, self.max_lora_rank)
-            self._registry[request.lora_int_id] = _Registration(request, request.version_id, signature)
+            layout = inspect_peft_adapter(request.lora_path, self.spec, self.max_lora_rank)
+            self._registry[request.lora_int_id] = _Registration(request, request.version_id, signature, layout)
             return True
         image = self._load(request.lora_path)
         self._registry[request.lora_int_id] = _Registration(request, image.version_id, signature)
@@ -432,15 +435,22 @@ class LoRASlotPool:
             adapter, self.spec, self.max_lora_rank, self.dtype, pin_memory=self.device.type == "cuda"
         )
 
-    def _read_declared(self, path: str, version_id: str) -> SlotImage:
-        """Header checks, then the tensors straight into a slot image; nothing hashed."""
-        layout = inspect_peft_adapter(path, self.spec, self.max_lora_rank)
+    def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None) -> SlotImage:
+        """Header checks (unless ``layout`` holds them), then the tensors straight into a slot
+        image; nothing hashed."""
+        layout = layout or inspect_peft_adapter(path, self.spec, self.max_lora_rank)
         return read_slot_image(
             layout, self.spec, self.max_lora_rank, self.dtype,
             version_id=version_id, pin_memory=self.device.type == "cuda",
         )
 
-    def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None) -> _Read:
+    def _read(
+        self,
+        request: LoRARequest,
+        version_id: str,
+        signature: FileSignature | None,
+        layout: AdapterLayout | None = None,
+    ) -> _Read:
         """Read a registered adapter's tensors (runs on the loader thread: touches no pool state).
 
         While the files' stat signature equals ``signature`` (before and after the read) the
@@ -451,7 +461,7 @@ class LoRASlotPool:
         try:
             before = adapter_files_signature(path)
             if before is not None and before == signature:
-                image = self._read_declared(path, version_id)
+                image = self._read_declared(path, version_id, layout)
                 if adapter_files_signature(path) == before:
                     return _Read(image, before)
             adapter = load_peft_adapter(path, self.spec, self.max_lora_rank)
@@ -481,7 +491,7 @@ class LoRASlotPool:
             )
         request = registration.request
         self._loading[int_id] = self._executor.submit(
-            self._read, request, registration.version_id, registration.signature
+            self._read, request, registration.version_id, registration.signature, registration.layout
         )
 
     def _reap_finished(self) -> None:
@@ -504,7 +514,9 @@ class LoRASlotPool:
 
     def _read_now(self, registration: _Registration) -> SlotImage:
         try:
-            read = self._read(registration.request, registration.version_id, registration.signature)
+            read = self._read(
+                registration.request, registration.version_id, registration.signature, registration.layout
+            )
         except AdapterError:
             self._load_failures += 1
             raise
@@ -557,9 +569,10 @@ class LoRASlotPool:
         for layer, module in self._written[slot] - image.offsets.keys():
             self.a[layer][module][slot].zero_()
             self.b[layer][module][slot].zero_()
-        for layer, module in image.offsets:
-            self.a[layer][module][slot].copy_(image.a((layer, module)), non_blocking=True)
-            self.b[layer][module][slot].copy_(image.b((layer, module)), non_blocking=True)
+        keys = list(image.offsets)
+        destinations = [self.a[l][m][slot] for l, m in keys] + [self.b[l][m][slot] for l, m in keys]
+        sources = [image.a(key) for key in keys] + [image.b(key) for key in keys]
+        torch._foreach_copy_(destinations, sources, non_blocking=True)  # one call, not 2 per module
         self._scaling_table[:, :, slot].copy_(image.scaling, non_blocking=True)
         self._written[slot] = frozenset(image.offsets)
 

@@ -209,6 +209,13 @@ class LLMEngine:
     def list_loras(self) -> set[int]:
         return {r.lora_int_id for r in self.lora_pool.list_loras()} if self.lora_pool else set()
 
+    def close(self) -> None:
+        """Stop the adapter reader threads (reads not started are cancelled). The engine's
+        device memory is released once the engine is garbage (``gc.collect()`` then
+        ``torch.cuda.empty_cache()`` hand it back to the device)."""
+        if self.lora_pool is not None:
+            self.lora_pool.close()
+
     def _require_lora(self) -> None:
         if self.lora_pool is None:
             raise InvalidRequestError("LoRA is disabled: start the engine with enable_lora=True")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,27 +20,30 @@ MAX_RANK = 8
 TARGETS = [(0, "q_proj"), (0, "down_proj"), (1, "v_proj")]
 
 
-@pytest.fixture
-def adapter_dir(tmp_path, write_adapter):
+def write(tmp_path, write_adapter, rank: int, stored_dtype: torch.dtype):
     generator = torch.Generator().manual_seed(7)
     weights = {}
     for layer, module in TARGETS:
         in_features, out_features = SPEC.module_shapes[module]
-        weights[(layer, module)] = (torch.randn(3, in_features, generator=generator),
-                                    torch.randn(out_features, 3, generator=generator))
-    write_adapter(tmp_path / "ad", weights, r=3, lora_alpha=6.0)
+        weights[(layer, module)] = (torch.randn(rank, in_features, generator=generator).to(stored_dtype),
+                                    torch.randn(out_features, rank, generator=generator).to(stored_dtype))
+    write_adapter(tmp_path / "ad", weights, r=rank, lora_alpha=2.0 * rank)
     return tmp_path / "ad", weights
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_image_equals_loaded_adapter_padded(adapter_dir, dtype):
-    folder, weights = adapter_dir
+# rank 3 < R: per-tensor reads into a padded image; rank R stored in the slot dtype: the
+# image is the file's data section (one read); rank R in another dtype: converting copies.
+@pytest.mark.parametrize("rank,stored_dtype", [(3, torch.float32), (MAX_RANK, torch.float32),
+                                               (MAX_RANK, torch.bfloat16)], ids=["r3-fp32", "r8-fp32", "r8-bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_image_equals_loaded_adapter_padded(tmp_path, write_adapter, rank, stored_dtype, dtype):
+    folder, weights = write(tmp_path, write_adapter, rank, stored_dtype)
     layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
     image = read_slot_image(layout, SPEC, MAX_RANK, dtype, version_id="v" * 64, pin_memory=False)
     loaded = slot_image_from_adapter(load_peft_adapter(folder, SPEC, MAX_RANK), SPEC, MAX_RANK, dtype,
                                      pin_memory=False)
-    assert image.version_id == "v" * 64
-    assert image.data.dtype == dtype and torch.equal(image.data, loaded.data)
+    assert image.version_id == "v" * 64 and image.data.dtype == dtype
+    assert image.offsets.keys() == loaded.offsets.keys() == set(TARGETS)
     assert torch.equal(image.scaling, loaded.scaling)
     expected_numel = sum(MAX_RANK * sum(SPEC.module_shapes[module]) for _, module in TARGETS)
     assert image.nbytes == expected_numel * image.data.element_size()
@@ -50,9 +55,10 @@ def test_image_equals_loaded_adapter_padded(adapter_dir, dtype):
                 assert key not in image.offsets and image.scaling[layer, columns.index(module)] == 0.0
                 continue
             a, b = weights[key]
-            assert torch.equal(image.a(key)[:3], a.to(dtype)) and not image.a(key)[3:].any()
-            assert torch.equal(image.b(key)[:, :3], b.to(dtype)) and not image.b(key)[:, 3:].any()
-            assert image.scaling[layer, columns.index(module)] == pytest.approx(6.0 / 3)
+            for got in (image, loaded):
+                assert torch.equal(got.a(key)[:rank], a.to(dtype)) and not got.a(key)[rank:].any()
+                assert torch.equal(got.b(key)[:, :rank], b.to(dtype)) and not got.b(key)[:, rank:].any()
+            assert image.scaling[layer, columns.index(module)] == pytest.approx(2.0)
 
 
 def test_overflow_in_slot_dtype_is_refused_naming_the_tensor(tmp_path, write_adapter):
@@ -64,3 +70,13 @@ def test_overflow_in_slot_dtype_is_refused_naming_the_tensor(tmp_path, write_ada
     read_slot_image(layout, SPEC, MAX_RANK, torch.bfloat16, version_id="x" * 64, pin_memory=False)  # fits bf16
     with pytest.raises(AdapterFormatError, match=r"layers\.1\.self_attn\.q_proj\.lora_B.*NaN or Inf.*float16"):
         read_slot_image(layout, SPEC, MAX_RANK, torch.float16, version_id="x" * 64, pin_memory=False)
+
+
+@pytest.mark.parametrize("rank", [3, MAX_RANK])
+def test_truncated_file_is_refused(tmp_path, write_adapter, rank):
+    folder, _ = write(tmp_path, write_adapter, rank, torch.bfloat16)
+    layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
+    path = folder / "adapter_model.safetensors"
+    os.truncate(path, path.stat().st_size - 10)
+    with pytest.raises(AdapterFormatError, match="truncated"):
+        read_slot_image(layout, SPEC, MAX_RANK, torch.bfloat16, version_id="x" * 64, pin_memory=False)

@@ -98,10 +98,13 @@ def test_kernel_matches_hf(triton_backend, scaling, dtype):
     untouched = qkv[:, 4 * HEAD_DIM :].clone()
     q_mag, k_mag = _term_magnitude(query), _term_magnitude(key)
     ops.rotary_embedding(positions, query, key, cache, HEAD_DIM)
-    if dtype == torch.float16:
+    interpreted = torch.device(triton_backend).type == "cpu"
+    if dtype == torch.float16 and interpreted:
         assert torch.equal(query.cpu(), expected_q) and torch.equal(key.cpu(), expected_k)
-    assert_within_ulps(query, expected_q, dtype, ULPS[dtype], q_mag)
-    assert_within_ulps(key, expected_k, dtype, ULPS[dtype], k_mag)
+    # On a GPU the compiler contracts x1 * cos - x2 * sin into an FMA: fp16 may differ by an ulp.
+    ulps = ULPS[dtype] if interpreted else max(ULPS[dtype], 1)
+    assert_within_ulps(query, expected_q, dtype, ulps, q_mag)
+    assert_within_ulps(key, expected_k, dtype, ulps, k_mag)
     assert torch.equal(qkv[:, 4 * HEAD_DIM :], untouched)  # the value slice is not written
 
 
