@@ -52,13 +52,10 @@ def one_at_a_time(spec: BaseModelSpec, folders: list[Path]) -> dict:
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
-def pool_throughput(spec: BaseModelSpec, folders: list[Path], threads: int, first_id: int) -> dict:
-    pool = LoRASlotPool(spec, 8, 16, len(folders), torch.bfloat16, "cuda", max_loads_in_flight=threads)
-    requests = [LoRARequest(f"l{first_id + i}", first_id + i, str(f), version_id=f"{first_id + i:064d}")
-                for i, f in enumerate(folders)]
-    for r in requests:
-        pool.add_lora(r)
-    pending = {r.lora_int_id for r in requests}
+def read_and_install(pool: LoRASlotPool, int_ids: list[int]) -> dict:
+    """Cold reads of registered ``int_ids`` through the pool's background readers, driven as the
+    scheduler drives them (``ensure_ready`` each round), then one slot install each; ms per adapter."""
+    pending = set(int_ids)
     t0 = time.perf_counter()
     while pending:
         pending = {i for i in pending if not pool.ensure_ready(i)}
@@ -66,14 +63,24 @@ def pool_throughput(spec: BaseModelSpec, folders: list[Path], threads: int, firs
     read_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for r in requests:
-        pool.pin(r.lora_int_id)
-        pool.unpin(r.lora_int_id)
+    for int_id in int_ids:
+        pool.pin(int_id)
+        pool.unpin(int_id)
     torch.cuda.synchronize()
     install_s = time.perf_counter() - t0
+    return {"threads": pool.max_loads_in_flight, "adapters": len(int_ids),
+            "read_ms_per_adapter": 1e3 * read_s / len(int_ids), "install_ms_per_adapter": 1e3 * install_s / len(int_ids)}
+
+
+def pool_throughput(spec: BaseModelSpec, folders: list[Path], threads: int, first_id: int) -> dict:
+    pool = LoRASlotPool(spec, 8, 16, len(folders), torch.bfloat16, "cuda", max_loads_in_flight=threads)
+    requests = [LoRARequest(f"l{first_id + i}", first_id + i, str(f), version_id=f"{first_id + i:064d}")
+                for i, f in enumerate(folders)]
+    for r in requests:
+        pool.add_lora(r)
+    result = read_and_install(pool, [r.lora_int_id for r in requests])
     pool.close()
-    return {"threads": threads, "adapters": len(folders), "read_ms_per_adapter": 1e3 * read_s / len(folders),
-            "install_ms_per_adapter": 1e3 * install_s / len(folders)}
+    return result
 
 
 def main() -> None:

@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import (ALL_TARGETS, LLAMA2_7B, git_commit, make_model_dir, make_random_adapter,  # noqa: E402
                     measure_copy_bandwidth, out_dir, print_table, triton_variants)
 
+from bench_adapter_loads import read_and_install  # noqa: E402
+
 from loraplex import LLM, LoRARequest, SamplingParams  # noqa: E402
 
 SCENARIOS = [("chatbot", 128, 64), ("long-document summary", 2048, 256), ("code generation", 512, 512),
@@ -225,27 +227,13 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict
 def host_load_rate(llm: LLM, adapters: list[LoRARequest]) -> dict:
     """Cold reads of ``adapters`` (files in the page cache) through the pool's background readers,
     as the scheduler drives them (``ensure_ready`` each round), then one slot install each."""
-    engine, pool = llm.engine, llm.engine.lora_pool
+    engine = llm.engine
     for a in adapters:
         engine.add_lora(a)
-    pending = {a.lora_int_id for a in adapters}
-    t0 = time.perf_counter()
-    while pending:
-        pending = {i for i in pending if not pool.ensure_ready(i)}
-        pool.wait_for_loads(timeout_s=0.005)
-    read_s = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for a in adapters:
-        pool.pin(a.lora_int_id)
-        pool.unpin(a.lora_int_id)
-    torch.cuda.synchronize()
-    install_s = time.perf_counter() - t0
+    result = read_and_install(engine.lora_pool, [a.lora_int_id for a in adapters])
     for a in adapters:
         engine.remove_lora(a.lora_int_id)
-    return {"adapters": len(adapters), "read_ms_per_adapter": 1e3 * read_s / len(adapters),
-            "install_ms_per_adapter": 1e3 * install_s / len(adapters),
-            "threads": pool.max_loads_in_flight}
+    return result
 
 
 def part_decode(model_dir: Path, adapters: list[LoRARequest], floor_ms: float) -> dict:
@@ -327,7 +315,7 @@ def summarize() -> None:
     if "error" not in scl:
         print_table("Adapter-count scaling (uniform popularity)", ["adapters", "out tok/s", "of base", "slot loads"],
                     [[k, f"{v['output_tokens_per_s']:.0f}", f"{v.get('fraction_of_base', 1):.2f}",
-                      v.get("lora_stats", {}).get("slot_loads", "-")] for k, v in scl.items()])
+                      v.get("lora_stats", {}).get("slot_loads", "-")] for k, v in scl.items() if k != "host_loads"])
     dec = RESULTS.get("decode", {})
     if "error" not in dec:
         print_table("Decode step vs weight-bandwidth floor", ["batch", "step ms", "floor / step"],

@@ -98,10 +98,9 @@ def read_slot_image(
     names = {(plan.layer, plan.module): (plan.a_name, plan.b_name) for plan in layout.modules}
     fd = _open(path)
     try:
-        if _is_verbatim(layout, stored, max_rank, dtype):
-            image = _read_verbatim(fd, layout, stored, spec, max_rank, dtype, version_id, pin_memory)
-        else:
-            image = _read_per_tensor(fd, layout, stored, spec, max_rank, dtype, version_id, pin_memory)
+        target = _Target(spec, max_rank, dtype, version_id, pin_memory)
+        read = _read_verbatim if _is_verbatim(layout, stored, max_rank, dtype) else _read_per_tensor
+        image = read(fd, layout, stored, target)
     finally:
         os.close(fd)
     _set_scalings(image, layout, spec)
@@ -137,46 +136,42 @@ def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_ran
     )
 
 
-def _read_verbatim(
-    fd: int,
-    layout: AdapterLayout,
-    stored: dict[str, StoredTensor],
-    spec: BaseModelSpec,
-    max_rank: int,
-    dtype: torch.dtype,
-    version_id: str,
-    pin_memory: bool,
-) -> SlotImage:
+@dataclass(frozen=True)
+class _Target:
+    """What an image is built for: model shapes, pool rank R, slot dtype, id, pinned or not."""
+
+    spec: BaseModelSpec
+    max_rank: int
+    dtype: torch.dtype
+    version_id: str
+    pin_memory: bool
+
+
+def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
     """The file's data section as the image (one read); module offsets from the header."""
+    spec, max_rank, dtype = target.spec, target.max_rank, target.dtype
     refs = [stored[name] for plan in layout.modules for name in (plan.a_name, plan.b_name)]
     start = min(ref.offset_bytes for ref in refs)
     end = max(ref.offset_bytes + ref.nbytes for ref in refs)
-    data = torch.empty((end - start) // dtype.itemsize, dtype=dtype, pin_memory=pin_memory)
+    data = torch.empty((end - start) // dtype.itemsize, dtype=dtype, pin_memory=target.pin_memory)
     _pread_exact(fd, data, start, SAFETENSORS_NAME)
     offsets = {}
     for plan in layout.modules:
         a, b = stored[plan.a_name], stored[plan.b_name]
         in_features, out_features = spec.module_shapes[plan.module]
-        if (a.shape, b.shape) != ((max_rank, in_features), (out_features, max_rank)):
+        expected = max_rank * in_features * dtype.itemsize, out_features * max_rank * dtype.itemsize
+        if (a.shape, b.shape) != ((max_rank, in_features), (out_features, max_rank)) or (a.nbytes, b.nbytes) != expected:
             raise AdapterFormatError(f"tensor {plan.a_name!r}: {SAFETENSORS_NAME} changed since it was checked")
         offsets[(plan.layer, plan.module)] = ((a.offset_bytes - start) // dtype.itemsize,
                                               (b.offset_bytes - start) // dtype.itemsize)
     scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
-    return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes))
+    return SlotImage(target.version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes))
 
 
-def _read_per_tensor(
-    fd: int,
-    layout: AdapterLayout,
-    stored: dict[str, StoredTensor],
-    spec: BaseModelSpec,
-    max_rank: int,
-    dtype: torch.dtype,
-    version_id: str,
-    pin_memory: bool,
-) -> SlotImage:
+def _read_per_tensor(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
+    """A padded image filled tensor by tensor (direct reads where the layout allows)."""
     ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
-    image = _empty_image(ranks, spec, max_rank, dtype, version_id, pin_memory)
+    image = _empty_image(ranks, target.spec, target.max_rank, target.dtype, target.version_id, target.pin_memory)
     for plan in layout.modules:
         key, rank = (plan.layer, plan.module), plan.hyper.rank
         _read_into(fd, plan.a_name, stored, image.a(key)[:rank])

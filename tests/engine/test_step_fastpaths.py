@@ -77,7 +77,7 @@ def _emulate_graphs(llm: LLM) -> list[_EagerReplay]:
     replays = []
     for size in graphs.sizes:
         for with_lora in (False, True):
-            hidden = torch.full((size, engine.spec.hidden_size), float("nan"), device=engine.device)
+            hidden = torch.full((size, engine.spec.hidden_size), float("nan"), device=engine.device, dtype=engine.dtype)
             replay = _EagerReplay(graphs, size, with_lora, hidden)
             graphs.graphs[(size, with_lora)] = _Graph(replay, hidden)
             replays.append(replay)
