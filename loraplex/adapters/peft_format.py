@@ -163,8 +163,10 @@ def stored_tensors(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
     format: an 8-byte little-endian header length, a JSON header whose ``data_offsets``
     are relative to the end of the header, then the data).
 
-    For reading tensors straight into preallocated (e.g. pinned) memory. Raises
-    ``AdapterFormatError`` for an unreadable or malformed header.
+    For reading tensors straight into preallocated (e.g. pinned) memory. Every tensor's
+    byte range must lie inside the data section and no two may overlap (as the
+    ``safetensors`` library requires). Raises ``AdapterFormatError`` for an unreadable
+    or malformed header.
     """
     try:
         with open(path, "rb") as handle:
@@ -172,18 +174,29 @@ def stored_tensors(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
             if not 0 < length <= _MAX_HEADER_BYTES:
                 raise ValueError(f"header length {length}")
             header = json.loads(handle.read(length))
-        return {
-            name: StoredTensor(
-                dtype=entry["dtype"],
-                shape=tuple(entry["shape"]),
-                offset_bytes=8 + length + entry["data_offsets"][0],
-                nbytes=entry["data_offsets"][1] - entry["data_offsets"][0],
-            )
-            for name, entry in header.items()
-            if name != "__metadata__"
-        }
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            data_bytes = os.fstat(handle.fileno()).st_size - 8 - length
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        tensors = {name: _stored(entry, 8 + length, data_bytes) for name, entry in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise AdapterFormatError(f"{SAFETENSORS_NAME}: unreadable header ({type(exc).__name__}: {exc})") from exc
+    _check_disjoint(tensors)
+    return tensors
+
+
+def _stored(entry: dict[str, Any], data_start: int, data_bytes: int) -> StoredTensor:
+    begin, end = entry["data_offsets"]
+    if not all(type(v) is int for v in (begin, end)) or not 0 <= begin <= end <= data_bytes:
+        raise ValueError(f"data_offsets {entry['data_offsets']!r}: must be integers within the {data_bytes}-byte data section")
+    return StoredTensor(dtype=str(entry["dtype"]), shape=tuple(int(d) for d in entry["shape"]),
+                        offset_bytes=data_start + begin, nbytes=end - begin)
+
+
+def _check_disjoint(tensors: dict[str, StoredTensor]) -> None:
+    spans = sorted((t.offset_bytes, t.offset_bytes + t.nbytes, name) for name, t in tensors.items())
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise AdapterFormatError(f"{SAFETENSORS_NAME}: tensors {first!r} and {second!r} overlap in the file")
 
 
 def validate_adapter_dir(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterInfo:

@@ -154,7 +154,7 @@ def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTenso
     start = min(ref.offset_bytes for ref in refs)
     end = max(ref.offset_bytes + ref.nbytes for ref in refs)
     data = torch.empty((end - start) // dtype.itemsize, dtype=dtype, pin_memory=target.pin_memory)
-    _pread_exact(fd, data, start, SAFETENSORS_NAME)
+    _pread_exact(fd, data, start, f"{layout.modules[0].a_name} .. {layout.modules[-1].b_name}")
     offsets = {}
     for plan in layout.modules:
         a, b = stored[plan.a_name], stored[plan.b_name]

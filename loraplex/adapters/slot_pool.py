@@ -554,13 +554,26 @@ class LoRASlotPool:
 
     def _install(self, slot: int, int_id: int, image: SlotImage) -> None:
         previous = self._slots[slot]
+        try:
+            self._write_slot(slot, image)
+        except Exception:
+            self._vacate(slot)  # partly overwritten: it holds no adapter now
+            raise
         if previous is not None:
             del self._slot_of[previous.int_id]
             self._slot_evictions += 1
-        self._write_slot(slot, image)
         self._slots[slot] = _Resident(int_id=int_id, pin_count=0, last_used=self._next_tick())
         self._slot_of[int_id] = slot
         self._slot_loads += 1
+
+    def _vacate(self, slot: int) -> None:
+        """Empty ``slot`` whose contents are unknown: no adapter, scalings zero, all modules to re-zero."""
+        resident = self._slots[slot]
+        if resident is not None:
+            del self._slot_of[resident.int_id]
+            self._slots[slot] = None
+        self._scaling_table[:, :, slot] = 0.0
+        self._written[slot] = frozenset((layer, m) for layer in range(self.spec.num_layers) for m in self.spec.module_shapes)
 
     def _write_slot(self, slot: int, image: SlotImage) -> None:
         """Overwrite ``slot`` with ``image``: two contiguous copies per targeted module (already

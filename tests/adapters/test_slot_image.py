@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -78,5 +79,39 @@ def test_truncated_file_is_refused(tmp_path, write_adapter, rank):
     layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
     path = folder / "adapter_model.safetensors"
     os.truncate(path, path.stat().st_size - 10)
-    with pytest.raises(AdapterFormatError, match="truncated"):
+    with pytest.raises(AdapterFormatError, match="truncated|data_offsets"):
+        read_slot_image(layout, SPEC, MAX_RANK, torch.bfloat16, version_id="x" * 64, pin_memory=False)
+
+
+def _rewrite_offsets(path, edit) -> None:
+    """Rewrite the safetensors header in place (same length, padded with spaces): ``edit(header)``."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    header.pop("__metadata__", None)  # room for longer offsets
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    path.write_bytes(raw[:8] + text.ljust(length) + raw[8 + length :])
+
+
+@pytest.mark.parametrize("rank", [3, MAX_RANK])
+@pytest.mark.parametrize("case", ["overlap", "into_header", "float", "beyond_end"])
+def test_header_offsets_rewritten_after_inspection_are_refused(tmp_path, write_adapter, rank, case):
+    folder, _ = write(tmp_path, write_adapter, rank, torch.bfloat16)
+    layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
+    b_name = layout.modules[0].b_name
+    a_name = layout.modules[0].a_name
+
+    def edit(header):
+        begin, end = header[b_name]["data_offsets"]
+        header[b_name]["data_offsets"] = {
+            "overlap": header[a_name]["data_offsets"][:1] + [header[a_name]["data_offsets"][0] + end - begin],
+            "into_header": [-(end - begin), 0],
+            "float": [float(begin), float(end)],
+            "beyond_end": [begin + 10**6, end + 10**6],
+        }[case]
+
+    _rewrite_offsets(folder / "adapter_model.safetensors", edit)
+    with pytest.raises(AdapterFormatError, match="overlap|data_offsets"):
         read_slot_image(layout, SPEC, MAX_RANK, torch.bfloat16, version_id="x" * 64, pin_memory=False)
