@@ -87,14 +87,14 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) 
     t0 = time.perf_counter()
     for i, (p, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"q{time.monotonic_ns()}-{i}", p, params, lora)
-    steps = 0
+    steps = errors = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        errors += sum(1 for out in engine.step() if out.finished and out.error is not None)
         steps += 1
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"requests": len(prompts), "total_s": dt, "requests_per_s": len(prompts) / dt,
-            "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps,
+            "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps, "errors": errors,
             "triton_variants_after": triton_variants()}
 
 
@@ -118,9 +118,11 @@ def warm_up(llm: LLM, adapters: list[LoRARequest]) -> None:
 
 
 def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: int = 4096) -> LLM:
-    return LLM(model=str(model_dir), dummy_weights=True, dtype="bfloat16", max_model_len=max_model_len,
-               gpu_memory_utilization=0.85, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
-               max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM(model=str(model_dir), dummy_weights=True, dtype="bfloat16", max_model_len=max_model_len,
+              gpu_memory_utilization=0.85, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
+              max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm.engine.lora_pool.pin_host_cache = RESULTS["host_cache"] == "pinned"
+    return llm
 
 
 def scenario_prompts(rng: random.Random, name: str, count: int, in_len: int) -> list[list[int]]:
@@ -272,7 +274,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="scenarios,scaling,decode")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--host-cache", choices=["pinned", "pageable"], default="pinned",
+                    help="host memory of the adapter cache (LoRASlotPool.pin_host_cache)")
     args = ap.parse_args()
+    RESULTS["host_cache"] = args.host_cache
     config = dict(LLAMA2_7B)
     if args.quick:
         config.update(num_hidden_layers=2)
@@ -299,7 +304,8 @@ def main() -> None:
             traceback.print_exc()
             RESULTS[part] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"[{part}] {time.perf_counter() - t0:.1f} s", flush=True)
-        (out_dir() / f"serving-{args.parts.replace(',', '-')}.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+        suffix = "" if args.host_cache == "pinned" else f"-{args.host_cache}"
+        (out_dir() / f"serving-{args.parts.replace(',', '-')}{suffix}.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     summarize()
 
 

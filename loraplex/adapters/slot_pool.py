@@ -149,6 +149,9 @@ class LoRASlotPool:
     - ``max_cpu_loras``: adapters kept in host memory (pinned when ``device`` is CUDA);
       evicted ones are re-read from disk when needed.
     - ``dtype``: slot tensor dtype (fp16, bf16 or fp32); ``device``: where slots live.
+    - ``pin_host_cache``: host images in pinned memory when slots live on CUDA (installs are
+      asynchronous copies; a first read pays the page locking) or pageable (installs
+      block the caller while the driver stages the copy); may be switched later (new reads).
     - ``background_loads``: ``ensure_ready`` reads adapters on a worker thread (True) or
       inline (False: deterministic, for CPU tests).
     - ``max_loads_in_flight``: background reads started and not yet claimed, at most (also
@@ -168,6 +171,7 @@ class LoRASlotPool:
         *,
         background_loads: bool = True,
         max_loads_in_flight: int = 4,
+        pin_host_cache: bool = True,
     ) -> None:
         sizes = {
             "max_loras": max_loras,
@@ -188,6 +192,7 @@ class LoRASlotPool:
         self.device = torch.device(device)
         self.background_loads = background_loads
         self.max_loads_in_flight = max_loads_in_flight
+        self.pin_host_cache = pin_host_cache
         self._scaling_table = self._zeros(spec.num_layers, len(spec.module_shapes), max_loras, dtype=torch.float32)
         self.a, self.b, self.scaling = self._allocate()
         self._written: list[frozenset[ModuleKey]] = [frozenset()] * max_loras  # (layer, module)s non-zero per slot
@@ -430,9 +435,12 @@ class LoRASlotPool:
         self._disk_loads += 1
         return image
 
+    def _pin_images(self) -> bool:
+        return self.pin_host_cache and self.device.type == "cuda"
+
     def _image_of(self, adapter: LoRAAdapter) -> SlotImage:
         return slot_image_from_adapter(
-            adapter, self.spec, self.max_lora_rank, self.dtype, pin_memory=self.device.type == "cuda"
+            adapter, self.spec, self.max_lora_rank, self.dtype, pin_memory=self._pin_images()
         )
 
     def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None) -> SlotImage:
@@ -441,7 +449,7 @@ class LoRASlotPool:
         layout = layout or inspect_peft_adapter(path, self.spec, self.max_lora_rank)
         return read_slot_image(
             layout, self.spec, self.max_lora_rank, self.dtype,
-            version_id=version_id, pin_memory=self.device.type == "cuda",
+            version_id=version_id, pin_memory=self._pin_images(),
         )
 
     def _read(
