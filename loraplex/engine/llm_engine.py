@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
@@ -29,6 +30,10 @@ from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence
+from loraplex.kernels.ops import Kernels, default_backend
+
+if TYPE_CHECKING:
+    from loraplex.adapters.slot_pool import SlotPoolStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ class EngineStats:
     generated_tokens_total: int
     prompt_tokens_total: int
     tokens_per_s: float
-    lora: object | None = None
+    lora: SlotPoolStats | None = None  # None when the engine runs without LoRA
 
 
 class _AdapterPins:
@@ -127,7 +132,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         torch.manual_seed(config.seed)
-        self.model = build_model(self.model_path, self.spec, self.dtype, self.device, dummy_weights, config.seed)
+        kernels = Kernels(default_backend(self.device))
+        self.model = build_model(self.model_path, self.spec, self.dtype, self.device, kernels, dummy_weights,
+                                 config.seed)
         self.eos_token_ids = set(self.spec.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.lora_pool = self._build_lora_pool() if config.enable_lora else None
         self.pins = _AdapterPins(self.lora_pool) if self.lora_pool else None

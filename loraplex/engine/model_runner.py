@@ -103,6 +103,12 @@ class StepResult:
 
 
 class ModelRunner:
+    """Runs one :class:`ScheduledBatch` on the device: ``execute(batch)`` builds the step's input tensors
+    (token ids, positions, :class:`AttentionMetadata`, the LoRA mapping from ``slot_of``), applies the batch's
+    block copies to ``kv_cache``, runs the model's forward (eagerly, or by replaying a captured CUDA graph for
+    decode-only steps), computes the logits of the rows that sample and returns a :class:`StepResult` of sampled
+    tokens (and prompt logprobs when asked). It decides nothing about which sequences run or what outputs mean."""
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device,
                  slot_of=None) -> None:
         """``slot_of(lora_int_id) -> int`` gives the device slot of a pinned adapter."""

@@ -292,38 +292,6 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
     ]
 
 
-def compute_prompt_logprobs(
-    logits: torch.Tensor, prompt_token_ids: list[int], num_top: int
-) -> list[TopLogprobs | None]:
-    """Prompt logprobs (the ``prompt_logprobs`` request option).
-
-    ``logits``: ``[P, V] float32`` raw model logits at prompt positions
-    ``0..P-1`` (row ``i`` predicts ``prompt_token_ids[i + 1]``), with
-    ``P = len(prompt_token_ids) - 1`` or ``len(prompt_token_ids)`` (the last
-    row, which predicts the first generated token, is then ignored).
-    Returns ``len(prompt_token_ids)`` entries: ``None`` for the first token,
-    else the ``num_top`` largest raw logprobs plus the actual prompt token
-    (see :func:`top_logprobs`). For chunked prefill, call it per chunk with the
-    chunk's ids plus the next prompt id and drop the leading ``None``.
-    Raises ``ValueError`` on a wrong shape or dtype or an empty prompt.
-    """
-    num_prompt = len(prompt_token_ids)
-    if num_prompt == 0:
-        raise ValueError("compute_prompt_logprobs: prompt_token_ids must not be empty")
-    if logits.dim() != 2 or logits.shape[0] not in (num_prompt - 1, num_prompt):
-        raise ValueError(
-            f"compute_prompt_logprobs: logits.shape={tuple(logits.shape)} must be "
-            f"[{num_prompt - 1} or {num_prompt}, V] for {num_prompt} prompt tokens"
-        )
-    if logits.dtype != torch.float32:
-        raise ValueError(f"compute_prompt_logprobs: logits.dtype={logits.dtype} must be torch.float32")
-    if num_prompt == 1:
-        return [None]
-    logprobs = torch.log_softmax(logits[: num_prompt - 1], dim=-1)
-    targets = torch.tensor(prompt_token_ids[1:], dtype=torch.int64, device=logits.device)
-    return [None, *top_logprobs(logprobs, targets, num_top)]
-
-
 # --- batch construction helpers ------------------------------------------------
 
 

@@ -166,6 +166,12 @@ class _AdapterGate:
 
 
 class Scheduler:
+    """Decides which sequences run each step and how many tokens each computes; owns the waiting, running and
+    swapped queues. ``schedule()`` returns a :class:`ScheduledBatch` (running first, then swapped, then waiting
+    FCFS, under ``max_num_batched_tokens`` and ``max_num_seqs``) and allocates, swaps and frees KV blocks through
+    ``kv`` (the :class:`KVCacheManager`) and adapter slots through ``pins``; ``finish`` removes a finished or
+    aborted sequence. It never touches tensors (see the module docstring for preemption and adapter admission)."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pins: AdapterPins | None = None) -> None:
         self.config = config
         self.kv = kv

@@ -86,11 +86,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def prompt_done(self) -> bool:
-        """The whole prompt has been computed at least once."""
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
 
 @dataclass(eq=False)
 class RequestGroup:

@@ -1,6 +1,6 @@
 """SwiGLU gate (Shazeer 2020 "GLU Variants Improve Transformer"): ``silu(gate) * up`` on a fused gate/up output.
 
-Semantics: ``out[t, i] = silu(x[t, i]) * x[t, I + i]`` with ``silu(g) = g * sigmoid(g)``.
+Semantics: :data:`SILU_AND_MUL`, with ``silu(g) = g * sigmoid(g)``.
 
 Rounding matches HF ``act_fn(gate_proj(x)) * up_proj(x)``: silu is computed in
 fp32 and rounded to the input dtype, then the product is rounded again.
@@ -20,6 +20,7 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
 _BLOCK = 1024
@@ -51,7 +52,8 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
     check_device(_OP, "out", out, x.device)
 
 
-def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns)."""
     require_triton(_OP)
     _check_args(x)
     check_last_dim_contiguous(_OP, "x", x)
@@ -68,30 +70,19 @@ def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None) -> torch.Ten
     return out
 
 
-def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``silu(gate) * up`` for a fused gate/up projection.
-
-    Semantics: ``out[t] = silu(x[t, :I]) * x[t, I:]``.
+def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for a fused gate/up projection (plain torch: HF ``act_fn(gate) * up``).
 
     Args:
-        x: ``[T, 2I]`` fp16/bf16/fp32, last dim stride 1.
+        x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
         out: optional ``[T, I]`` output of x's dtype.
 
     Returns:
-        ``[T, I]`` in x.dtype.
+        ``[T, I]`` in x.dtype (``out`` when given).
 
     Raises:
         KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
-        TritonUnavailableError: triton is not installed.
-    """
-    return _launch_silu_and_mul(x, out)
-
-
-def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-torch reference of :func:`silu_and_mul` (HF ``act_fn(gate) * up``).
-
-    Raises:
-        KernelArgumentError: bad shape/dtype or odd ``x.shape[1]``.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x)
     gate, up = x.chunk(2, dim=-1)
@@ -100,3 +91,11 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
         return result
     _check_out(x, out)
     return out.copy_(result)
+
+
+SILU_AND_MUL = Op(
+    name=_OP,
+    semantics="out[t, i] = silu(x[t, i]) * x[t, I + i], x [T, 2I] -> out [T, I]",
+    reference=silu_and_mul_ref,
+    triton=_launch_silu_and_mul,
+)

@@ -70,12 +70,6 @@ class MemoryStore:
             for key in keys:
                 self._data.pop(key, None)
 
-    def delete_prefix(self, prefix: str) -> None:
-        """Delete every key starting with ``prefix``."""
-        with self._lock:
-            for key in [k for k in self._data if k.startswith(prefix)]:
-                del self._data[key]
-
     def incr(self, key: str, amount: int, ttl_s: float) -> int:
         with self._lock:
             current = self._live(key)

@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels import ops
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.ops import Kernels
 from loraplex.kernels.rotary import compute_cos_sin_cache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,9 @@ class LinearWithLoRA(nn.Module):
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], module_names: list[str], bias: bool,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.out_sizes = out_sizes
         self.module_names = module_names
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features, dtype=dtype, device=device),
@@ -139,30 +139,32 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
-            ops.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
+            self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
         return y
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         d = spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         self.scale = d ** -0.5
         self.qkv_proj = LinearWithLoRA(spec.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                       ["q_proj", "k_proj", "v_proj"], spec.attention_bias, dtype, device)
-        self.o_proj = LinearWithLoRA(self.q_size, [spec.hidden_size], ["o_proj"], False, dtype, device)
+                                       ["q_proj", "k_proj", "v_proj"], spec.attention_bias, dtype, device, kernels)
+        self.o_proj = LinearWithLoRA(self.q_size, [spec.hidden_size], ["o_proj"], False, dtype, device, kernels)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRABatch | None):
@@ -170,32 +172,36 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.contiguous(), k.contiguous()
-        ops.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
+        self.kernels.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
         k_cache, v_cache = kv
-        ops.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
-                              v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q.view(t, self.num_heads, self.head_dim), k_cache, v_cache, meta, self.scale)
+        self.kernels.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
+                                       v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache,
+                                       meta.slot_mapping)
+        q = q.view(t, self.num_heads, self.head_dim)
+        out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size), lora)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         i = spec.intermediate_size
-        self.gate_up_proj = LinearWithLoRA(spec.hidden_size, [i, i], ["gate_proj", "up_proj"], False, dtype, device)
-        self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], False, dtype, device)
+        self.gate_up_proj = LinearWithLoRA(spec.hidden_size, [i, i], ["gate_proj", "up_proj"], False, dtype, device,
+                                           kernels)
+        self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], False, dtype, device, kernels)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(spec, dtype, device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, kernels)
+        self.self_attn = Attention(spec, dtype, device, kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, kernels)
+        self.mlp = MLP(spec, dtype, device, kernels)
 
     def forward(self, hidden, residual, positions, cos_sin, kv, meta, lora):
         if residual is None:
@@ -214,15 +220,16 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids [T] int64, positions [T] int64, kv_caches, meta, lora) -> hidden [T, hidden] dtype``;
     ``compute_logits(hidden [B, hidden]) -> [B, vocab] float32``.
     ``kv_caches[l] = (k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``kernels``: the ops of the backend chosen for the model's device, used by every layer.
     """
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device, kernels) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, kernels)
         self.lm_head = (None if spec.tie_word_embeddings else
                         nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                      requires_grad=False))
