@@ -7,6 +7,10 @@
     loraplex adapter upload TENANT NAME PATH [--model DIR_OR_DEMO]
     loraplex demo up [--host H --port P --cache-dir DIR --data-dir DIR]   (loraplex.platform.demo)
 
+``add_commands(subparsers, mount_console=fn)``: ``serve`` and ``demo up`` call
+``fn(app)`` on the app they run (``loraplex.cli`` passes the Gradio console's
+mounter; the platform never imports the console).
+
 Engine flags are named as vLLM's. Flags left out fall back to ``LORAPLEX_*``
 environment variables, then to defaults (``Settings``): every flag defaults
 to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
@@ -15,18 +19,28 @@ to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from loraplex.platform.demo import add_demo_command
 
 _S = argparse.SUPPRESS
 
 
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``serve``, ``tenant``, ``key``, ``adapter`` and ``demo``; each sets ``handler(args) -> exit status``."""
-    _add_serve(subparsers)
+MountConsole = Callable[[Any], None]
+"""``fn(app: FastAPI) -> None``: mounts a console on the app that ``serve`` / ``demo up`` run."""
+
+
+def add_commands(subparsers: argparse._SubParsersAction, *, mount_console: MountConsole | None = None) -> None:
+    """Add ``serve``, ``tenant``, ``key``, ``adapter`` and ``demo``; each sets ``handler(args) -> exit status``.
+
+    ``mount_console``: called on the app of ``serve`` and ``demo up`` (None: the API runs alone).
+    """
+    _add_serve(subparsers, mount_console)
     tenant = subparsers.add_parser("tenant", help="manage tenants").add_subparsers(
         dest="tenant_command", required=True, metavar="ACTION")
     create = tenant.add_parser("create", help="create a tenant")
@@ -57,7 +71,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_storage_flags(upload)
     upload.set_defaults(handler=_adapter_upload)
 
-    add_demo_command(subparsers)
+    add_demo_command(subparsers, mount_console)
 
 
 def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +80,7 @@ def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=_S, help="redis://... (LORAPLEX_REDIS_URL)")
 
 
-def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConsole | None) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
     serve.add_argument("--model", default=_S, help="HF model folder or demo model name")
     serve.add_argument("--served-model-name", default=_S)
@@ -90,7 +104,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S)
     _add_storage_flags(serve)
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=functools.partial(_serve, mount_console=mount_console))
 
 
 _NOT_SETTINGS = {"command", "handler", "tenant_command", "key_command", "adapter_command", "name", "tenant",
@@ -113,7 +127,7 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = None) -> int:
     import uvicorn
     from pydantic import ValidationError
 
@@ -123,9 +137,11 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         if not settings.model:
             return _fail("--model (or LORAPLEX_MODEL) is required")
-        app = create_app(settings, console=True)
+        app = create_app(settings)
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
+    if mount_console is not None:
+        mount_console(app)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import socket
 import sys
 import threading
@@ -85,8 +86,9 @@ class DemoSetup:
 
 
 # -- command line -----------------------------------------------------------------------------------
-def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
-    """``demo up``; its handler returns the exit status."""
+def add_demo_command(subparsers: argparse._SubParsersAction,
+                     mount_console: Callable[[FastAPI], None] | None = None) -> None:
+    """``demo up``; its handler returns the exit status and calls ``mount_console(app)`` on the app it serves."""
     demo = subparsers.add_parser("demo", help="run the SmolLM2 demo: tenant, trained adapters, API and console")
     actions = demo.add_subparsers(dest="demo_command", required=True, metavar="ACTION")
     up = actions.add_parser("up", help="prepare everything that is missing, then serve (Ctrl+C stops)")
@@ -96,10 +98,10 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--data-dir", type=Path, default=_S, help="registry and stored adapters (LORAPLEX_DATA_DIR)")
     up.add_argument("--adapters-dir", type=Path, default=DEFAULT_ADAPTERS_DIR,
                     help=f"folder with the PEFT folders {', '.join(DEMO_ADAPTERS)} (default: {DEFAULT_ADAPTERS_DIR})")
-    up.set_defaults(handler=demo_up)
+    up.set_defaults(handler=functools.partial(demo_up, mount_console=mount_console))
 
 
-def demo_up(args: argparse.Namespace) -> int:
+def demo_up(args: argparse.Namespace, *, mount_console: Callable[[FastAPI], None] | None = None) -> int:
     """Handler of ``loraplex demo up``: set up what is missing, serve until stopped; the exit status."""
     from pydantic import ValidationError
 
@@ -114,7 +116,9 @@ def demo_up(args: argparse.Namespace) -> int:
         ensure_model(settings)
         admin_key = settle_admin_key(settings)
         _say(f"loading {DEMO_MODEL} (max_model_len={settings.max_model_len})")
-        app = create_app(settings, console=True)
+        app = create_app(settings)
+        if mount_console is not None:
+            mount_console(app)
         setup = provision(app.state.ctx, folders, admin_key=admin_key)
     except (ValidationError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
         return _fail(str(exc), admin_key)

@@ -1,12 +1,13 @@
-"""The app factory: ``create_app(settings, engine=None, console=False)``.
+"""The app factory: ``create_app(settings, engine=None)``.
 
 ``engine`` may be an :class:`~loraplex.engine.llm_engine.LLMEngine` (wrapped),
 an :class:`~loraplex.platform.async_engine.AsyncEngine`, or None: then the
 model in ``settings.model`` is loaded, or, without one, only the admin API
 works (serving answers 503). The app starts the engine thread at startup and
 stops it at shutdown; ``app.state.ctx`` is the :class:`PlatformContext` the
-console shares. With ``console=True`` (``loraplex serve``, ``loraplex demo up``) the
-Gradio console is mounted at ``/ui`` when Gradio is installed.
+console shares. The platform never imports the console: ``loraplex serve`` and
+``loraplex demo up`` mount it through the hook the CLI passes in
+(:func:`loraplex.platform.cli.add_commands`).
 """
 
 from __future__ import annotations
@@ -50,11 +51,8 @@ def build_engine(settings: Settings):
     return LLMEngine(config)
 
 
-def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout, console: bool = False) -> FastAPI:
+def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> FastAPI:
     """Build the FastAPI app (database migrated, admin key settled, engine wrapped).
-
-    ``console``: also mount the Gradio console at ``/ui`` (skipped with a warning when
-    Gradio is not installed; the API works either way).
 
     Raises ``ValueError`` for an unusable model and what ``LLMEngine`` raises.
     """
@@ -69,19 +67,7 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout, con
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
     app.add_middleware(_RequestMetrics, ctx=ctx)
-    if console:
-        _mount_console(app)
     return app
-
-
-def _mount_console(app: FastAPI) -> None:
-    """The console at ``/ui``; without Gradio (or the ``loraplex.ui`` package) the API runs alone."""
-    try:
-        from loraplex.ui import mount_console
-    except ImportError as exc:
-        logger.warning("console not mounted at /ui (%s): install 'loraplex[serve]'", exc)
-        return
-    mount_console(app)
 
 
 def _as_async_engine(settings: Settings, engine) -> AsyncEngine | None:
