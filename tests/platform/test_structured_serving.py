@@ -54,8 +54,22 @@ def live(smollm2_dir, tmp_path_factory):
                               files={"file": ("adapter.zip", data, "application/zip")})
         assert response.status_code == 201, response.text
     client = openai.OpenAI(api_key=key, base_url=server.url + "/v1", max_retries=0, timeout=300)
+    server.key = key
     yield server, client, client.models.list().data[0].id
     server.stop()
+
+
+def test_demo_banner_json_answer_example_follows_its_schema(live):
+    from loraplex.platform.demo import JSON_ANSWER_SCHEMA, json_answer_example
+
+    server, _, _ = live
+    command = json_answer_example(server.url, server.key)
+    body = json.loads(command.split("-d '", 1)[1].rstrip("'"))
+    with server.tenant(server.key) as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    reply = json.loads(response.json()["choices"][0]["message"]["content"])
+    assert jsonschema_rs.is_valid(JSON_ANSWER_SCHEMA, reply), reply
 
 
 @pytest.mark.parametrize("model_kind", ["base", "json-answer"])
