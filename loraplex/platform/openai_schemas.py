@@ -101,6 +101,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: Any = None  # OpenAI's retired function calling: refused (use tools)
+    function_call: Any = None
 
 
 # -- responses -------------------------------------------------------------------------------------

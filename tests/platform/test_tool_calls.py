@@ -8,6 +8,7 @@ import random
 import jsonschema_rs
 import pytest
 
+from loraplex.platform.errors import InvalidRequest
 from loraplex.platform.openai_schemas import ChatCompletionRequest
 from loraplex.platform.services.tool_calls import ToolPlan
 
@@ -77,3 +78,14 @@ def test_forced_choices_constrain_to_the_parameters_schema():
     assert not jsonschema_rs.is_valid(schema, [{"name": "sub", "parameters": {}}])
     assert _calls(required.parse(json.dumps(good))[1]) == [("add", {"a": 1, "b": 2})]
     assert plan(tool_choice="none").parse(TEXT) == (TEXT, [])
+
+
+def test_bad_tool_requests_are_refused():
+    with pytest.raises(InvalidRequest, match="functions is not supported: use tools") as info:
+        plan(functions=[{"name": "add"}])
+    assert info.value.param == "functions"
+    with pytest.raises(InvalidRequest, match="'sub' is not among tools"):
+        plan(tool_choice={"type": "function", "function": {"name": "sub"}})
+    with pytest.raises(InvalidRequest, match="names must be unique"):
+        ToolPlan.from_request(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                    tools=[TOOLS[0], TOOLS[0]]))

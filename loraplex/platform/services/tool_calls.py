@@ -119,7 +119,12 @@ class ToolPlan:
 
     @classmethod
     def from_request(cls, body) -> ToolPlan | None:
-        """None when the request has no tools. Raises ``InvalidRequest`` for a bad ``tool_choice``."""
+        """None when the request has no tools. Raises ``InvalidRequest`` for a bad ``tool_choice``
+        and for OpenAI's retired ``functions``/``function_call`` (use ``tools``/``tool_choice``)."""
+        for retired in ("functions", "function_call"):
+            if getattr(body, retired, None) is not None:
+                raise InvalidRequest(f"{retired} is not supported: use tools and tool_choice", param=retired,
+                                     code="unsupported_parameter")
         choice = body.tool_choice
         if not body.tools:
             if choice not in (None, "none"):
