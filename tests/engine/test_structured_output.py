@@ -218,3 +218,19 @@ def test_forks_and_preemption_keep_each_matcher_in_step(tiny_llama_dir):
     solo = big.generate({"prompt_token_ids": prompts[0]},
                         SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs=regex))[0]
     assert solo.outputs[0].token_ids == expected[0][1][0]
+
+
+def test_stop_strings_and_max_tokens_end_a_constrained_output(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=200)
+    prompt = {"prompt_token_ids": _tiny_prompts(tiny_llama_dir, 1)[0]}
+    words = StructuredOutputsParams(regex=r"[a-z]{4,8}(,[a-z]{4,8}){3}")
+    cut = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, structured_outputs=words))[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3 and re.fullmatch(r"[a-z,]+", cut.text)
+    whole = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=words))[0]
+    assert whole.outputs[0].finish_reason == "stop" and re.fullmatch(r"[a-z]{4,8}(,[a-z]{4,8}){3}",
+                                                                     whole.outputs[0].text)
+    assert whole.outputs[0].token_ids[:3] == cut.token_ids
+    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=60, stop=[","],
+                                                  structured_outputs=words))[0].outputs[0]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", ",")
+    assert stopped.text == whole.outputs[0].text.split(",")[0]
