@@ -185,3 +185,26 @@ def test_named_and_required_tool_calls_round_trip(live):
                           {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
     final = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=16, temperature=0)
     assert final.choices[0].message.content
+
+
+def test_auto_tool_calls_are_parsed_whole_and_streamed(live):
+    """``tool_choice: auto``: the Hermes text (forced here by a grammar, so the test does not depend
+    on the 135M model choosing to call) comes back as ``tool_calls``, whole and as stream deltas."""
+    _, client, model = live
+    grammar = ('root ::= "Checking.\\n<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"city\\": \\"" '
+               '("Paris" | "Rome") "\\"}}\\n</tool_call>"')
+    args = dict(model=model, messages=[{"role": "user", "content": "What time is it in Paris?"}], tools=TOOLS,
+                tool_choice="auto", max_tokens=60, temperature=0, extra_body={"structured_outputs": {"grammar": grammar}})
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    content, calls, reasons = "", [], []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert content.strip() == "Checking." and reasons[-1] == "tool_calls"
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == \
+        [(0, "get_time", call.function.arguments)]
