@@ -54,7 +54,7 @@ class StructuredOutputError(ValueError):
     """A constraint that cannot be compiled (bad JSON schema, regex or grammar, or no xgrammar)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """One output constraint (vLLM's ``StructuredOutputsParams``); set exactly one of:
 
@@ -96,7 +96,7 @@ class StructuredOutputsParams:
                     raise ValueError(f"StructuredOutputsParams.json: not valid JSON ({exc})") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"StructuredOutputsParams.json: a JSON schema is an object, got {type(schema).__name__}")
-            self.json = schema
+            object.__setattr__(self, "json", schema)
             text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         elif kind == "choice":
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
@@ -108,7 +108,7 @@ class StructuredOutputsParams:
                 raise ValueError(f"StructuredOutputsParams.{kind}: must be a non-empty string")
         else:
             text = ""
-        self._key = (f"{kind}|ws={int(self.any_whitespace)}|strict={int(self.strict)}", text)
+        object.__setattr__(self, "_key", (f"{kind}|ws={int(self.any_whitespace)}|strict={int(self.strict)}", text))
 
     @property
     def kind(self) -> str:

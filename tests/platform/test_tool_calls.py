@@ -89,3 +89,27 @@ def test_bad_tool_requests_are_refused():
     with pytest.raises(InvalidRequest, match="names must be unique"):
         ToolPlan.from_request(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                                     tools=[TOOLS[0], TOOLS[0]]))
+
+
+def test_chatml_tool_template_renders_the_qwen25_hermes_layout(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from loraplex.platform.services.tool_calls import CHATML_TOOLS_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    call = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": '{"tz": "CET"}'}}
+    messages = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "13:00"}]
+    text = tokenizer.apply_chat_template(messages, tools=[TOOLS[1]], chat_template=CHATML_TOOLS_TEMPLATE,
+                                         add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to "
+        "assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML "
+        'tags:\n<tools>\n{"type": "function", "function": {"name": "now"}}\n</tools>\n\nFor each function call, '
+        "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nTime?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "now", "arguments": {"tz": "CET"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n")
