@@ -242,7 +242,10 @@ class GrammarMaskFiller:
     def _fill(self, states: list[GrammarState | None]) -> torch.Tensor:
         start = time.perf_counter()
         xgr = _xgrammar()
-        bitmask = torch.full((len(states), self.num_words), -1, dtype=torch.int32)
+        # Pinned on CUDA so the copy in PendingMask.result is asynchronous (the caching host
+        # allocator does not hand the block out again before that copy has run).
+        bitmask = torch.full((len(states), self.num_words), -1, dtype=torch.int32,
+                             pin_memory=self.device.type == "cuda")
         rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated]
         if rows:
             if self._batch_matcher is None:
@@ -270,7 +273,7 @@ class PendingMask:
         mask = self.future.result()
         self.filler.wait_s += time.perf_counter() - start
         device = self.filler.device
-        return mask if device.type == "cpu" else mask.to(device, non_blocking=False)
+        return mask if device.type == "cpu" else mask.to(device, non_blocking=True)
 
 
 def _xgrammar():

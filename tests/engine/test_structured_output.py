@@ -22,7 +22,11 @@ ADAPTERS = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 
 
 # -- the sampler's mask ----------------------------------------------------------------------------
-def test_token_bitmask_matches_a_loop():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_bitmask_matches_a_loop(device):
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     num_rows, vocab = 5, 77  # 3 words, the last one partly past the vocabulary
     bitmask = torch.randint(-(2**31), 2**31 - 1, (num_rows, 3), dtype=torch.int32, generator=gen)
@@ -33,7 +37,7 @@ def test_token_bitmask_matches_a_loop():
         for t in range(vocab):
             if (int(bitmask[b, t // 32]) >> (t % 32)) & 1 == 0:
                 expected[b, t] = float("-inf")
-    out = apply_token_bitmask_(logits.clone(), bitmask)
+    out = apply_token_bitmask_(logits.clone().to(device), bitmask.to(device)).cpu()
     assert torch.equal(out, expected)
     assert torch.equal(out[2], logits[2])
 
