@@ -199,7 +199,8 @@ def _tiny_prompts(tiny_llama_dir, count: int) -> list[list[int]]:
     return [[rng.choice(vocab) for _ in range(rng.randint(5, 30))] for _ in range(count)]
 
 
-def test_forks_and_preemption_keep_each_matcher_in_step(tiny_llama_dir):
+@pytest.mark.parametrize("swap_space", [0.0, 0.01])  # preemption by recompute, by swap
+def test_forks_and_preemption_keep_each_matcher_in_step(tiny_llama_dir, swap_space):
     prompts = _tiny_prompts(tiny_llama_dir, 8)
     regex = StructuredOutputsParams(regex=PATTERN)
     params = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=40, structured_outputs=regex) for i in range(4)]
@@ -211,7 +212,8 @@ def test_forks_and_preemption_keep_each_matcher_in_step(tiny_llama_dir):
 
     big = LLM(str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=400)
     expected = run(big)
-    small = LLM(str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=20, enable_prefix_caching=False)
+    small = LLM(str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=20, enable_prefix_caching=False,
+                swap_space=swap_space)
     assert run(small) == expected
     assert small.engine.get_stats().num_preemptions > 0
     for group in expected[:4]:
