@@ -131,7 +131,8 @@ def _chat_ids(llm: LLM, text: str) -> dict:
 @pytest.mark.smollm2
 def test_every_constrained_output_validates_with_and_without_adapter(smol_llm):
     json_answer = LoRARequest("json-answer", 1, str(ADAPTERS / "json-answer"))
-    cases = [(schema, lora) for schema in SCHEMAS for lora in (None, json_answer)]
+    # One batch: every schema once, every other one on the adapter (schemas alternate in kind).
+    cases = [(schema, json_answer if i % 2 else None) for i, schema in enumerate(SCHEMAS)]
     prompts = [_chat_ids(smol_llm, f"Reply with JSON for this schema: {json.dumps(s)}") for s, _ in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=s))
               for s, _ in cases]
