@@ -9,6 +9,7 @@ both drive it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence
+from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputManager
 from loraplex.kernels.ops import Kernels, default_backend
 
 if TYPE_CHECKING:
@@ -146,6 +148,8 @@ class LLMEngine:
             self.runner.enable_cuda_graphs(self.max_model_len, config.max_num_seqs,
                                            config.max_loras if self.lora_pool else 0)
         self.groups: dict[str, RequestGroup] = {}
+        self._structured: StructuredOutputManager | None = None
+        self._structured_lock = threading.Lock()
         self._next_seq_id = 0
         self._throughput = _Throughput()
         self._generated_total = 0
@@ -222,6 +226,16 @@ class LLMEngine:
         ``torch.cuda.empty_cache()`` hand it back to the device)."""
         if self.lora_pool is not None:
             self.lora_pool.close()
+        self.runner.grammar_masks.close()
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar compiler/cache for this model's tokenizer (built at first use; thread-safe)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
+                                                           sorted(self.eos_token_ids))
+            return self._structured
 
     def _require_lora(self) -> None:
         if self.lora_pool is None:
@@ -237,8 +251,12 @@ class LLMEngine:
         wants it; if that read fails, the request finishes with ``finish_reason="error"``
         and ``RequestOutput.error`` set.
 
+        With ``params.structured_outputs`` its grammar is compiled (cached) and each of the
+        ``n`` sequences gets its own matcher.
+
         Raises:
-            InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, LoRA disabled.
+            InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, LoRA disabled,
+                a structured-output constraint that does not compile (message names the problem).
             PromptTooLongError: ``len(prompt_tokens) >= max_model_len``.
             AdapterError: the adapter fails validation at registration.
         """
@@ -254,6 +272,12 @@ class LLMEngine:
         max_tokens = self._effective_max_tokens(params, len(token_ids))
         for index in range(params.n):
             group.seqs.append(self._new_sequence(group, index, max_tokens))
+        if params.structured_outputs is not None:
+            try:
+                for seq in group.seqs:
+                    seq.grammar = self.structured_outputs.new_state(params.structured_outputs)
+            except StructuredOutputError as exc:
+                raise InvalidRequestError(f"structured_outputs: {exc}") from None
         self.groups[request_id] = group
         self._prompt_total += len(token_ids)
         self.scheduler.add(group.seqs[0])
@@ -383,6 +407,13 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, sample: SampledToken) -> None:
         seq.append_token(sample.token_id)
+        if seq.grammar is not None and not seq.grammar.accept(sample.token_id):
+            # The mask allows only grammar tokens, so this means a bug: end the sequence, say so.
+            logger.error("request %s: token %d refused by its grammar after %d tokens; sequence aborted",
+                         seq.group.request_id, sample.token_id, seq.grammar.num_accepted_tokens)
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+            return
         seq.cumulative_logprob += sample.logprob
         if seq.logprobs is not None:
             seq.logprobs.append(sample.top_logprobs or {sample.token_id: sample.logprob})

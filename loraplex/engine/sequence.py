@@ -45,6 +45,9 @@ class Sequence:
     kept as its own list (no slicing per step). Generated tokens are added with
     :meth:`append_token`, which grows both. ``sampling_row`` is the model
     runner's per-sequence sampling input, built once on the first sample.
+    ``grammar`` is the sequence's structured-output matcher
+    (:class:`~loraplex.engine.structured_output.GrammarState`) or None; it
+    has accepted exactly ``output_token_ids`` (kept across preemption).
     """
 
     seq_id: int
@@ -63,6 +66,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    grammar: Any = None
     output_token_ids: list[int] = field(init=False)
     sampling_row: Any = field(default=None, init=False, repr=False)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import socket
 import sys
 import threading
@@ -52,6 +53,10 @@ DEFAULT_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "examples" / "adapt
 EXAMPLE_ADAPTER = "french"
 EXAMPLE_QUESTION = "What is the capital of Germany?"
 EXAMPLE_MAX_TOKENS = 48
+# The json-answer adapter's reply format, enforced with response_format (structured output).
+JSON_ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80},
+                                                       "confidence": {"enum": ["high", "medium", "low"]}},
+                      "required": ["answer", "confidence"], "additionalProperties": False}
 KEY_ENV_VAR = "DEMO_KEY"
 """Shell variable the examples read the demo key from when it was printed at an earlier start."""
 
@@ -341,6 +346,10 @@ def banner(base_url: str, model_id: str, setup: DemoSetup) -> str:
         "",
         curl_example(base_url, key_expr, EXAMPLE_ADAPTER),
         "",
+        "the 'json-answer' adapter with its reply format enforced (response_format, a JSON schema):",
+        "",
+        json_answer_example(base_url, key_expr),
+        "",
         "or the base model and every adapter with the openai client:",
         "",
         openai_example(base_url, setup.tenant_key, [model_id, *(a.name for a in setup.adapters)]),
@@ -369,6 +378,19 @@ def curl_example(base_url: str, key_expr: str, model: str) -> str:
     """A ``curl`` chat completion for ``model``; ``key_expr`` is the key or a ``$VAR`` to expand."""
     body = (f'{{"model": "{model}", "messages": [{{"role": "user", "content": "{EXAMPLE_QUESTION}"}}], '
             f'"temperature": 0, "max_tokens": {EXAMPLE_MAX_TOKENS}}}')
+    return "\n".join([
+        f"curl -s {base_url}/v1/chat/completions \\",
+        f'  -H "Authorization: Bearer {key_expr}" \\',
+        '  -H "Content-Type: application/json" \\',
+        f"  -d '{body}'",
+    ])
+
+
+def json_answer_example(base_url: str, key_expr: str) -> str:
+    """A ``curl`` chat completion of the json-answer adapter constrained by :data:`JSON_ANSWER_SCHEMA`."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": JSON_ANSWER_SCHEMA}}
+    body = json.dumps({"model": "json-answer", "messages": [{"role": "user", "content": EXAMPLE_QUESTION}],
+                       "temperature": 0, "max_tokens": EXAMPLE_MAX_TOKENS, "response_format": fmt})
     return "\n".join([
         f"curl -s {base_url}/v1/chat/completions \\",
         f'  -H "Authorization: Bearer {key_expr}" \\',

@@ -8,6 +8,7 @@ Screenshots go to the test's temporary directory; a failing test lists them
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -260,6 +261,16 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
             tenant.tab("Playground")
             tenant.page.wait_for_timeout(1000)
             tenant.shot("tenant-playground")
+            # The JSON schema box: the reply follows the schema (response_format).
+            tenant.choose("chat-model", "shouty")
+            tenant.set_number("chat-temperature", "0")
+            tenant.field("chat-json-schema").fill(
+                '{"type": "object", "properties": {"mood": {"enum": ["calm", "loud"]}}, "required": ["mood"]}')
+            tenant.field("chat-message").fill(PROMPT)
+            tenant.page.click("#chat-send")
+            expect(tenant.element("chat-status")).to_contain_text("characters from shouty")
+            [reply] = tenant.bot_replies("chat-main")
+            assert json.loads(reply) in ({"mood": "calm"}, {"mood": "loud"}), reply
     finally:
         context.close()
 

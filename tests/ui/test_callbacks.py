@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import io
+import json
 import itertools
 import zipfile
 
@@ -501,3 +502,19 @@ def test_tab_opening_refreshes_tenants_without_resetting_the_choice(ctx):
     assert tenant_choices_for(ctx, admin(), "acme") == (gr.update(choices=["acme"]), "")
     assert tenant_choices_for(ctx, admin(), "gone") == (gr.update(choices=["acme"], value=None), "")
     assert tenant_choices_for(ctx, login(ctx, add_tenant(ctx, "globex")), "globex") == (gr.skip(), "")
+
+
+def test_json_schema_box_constrains_the_reply(running_ctx):
+    ctx = running_ctx
+    add_tenant(ctx, "acme")
+    schema_text = '{"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}'
+    settings = playground_tab.sampling_settings("", 0.0, 1.0, 32, "", schema_text)
+    body = playground_tab.chat_request(MODEL_ID, [], "hi", settings)
+    assert body.response_format.json_schema.schema_ == json.loads(schema_text)
+    reply = collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "Pick a color", [], settings))[-1][0][-1]
+    assert json.loads(reply["content"]) in ({"color": "red"}, {"color": "green"})
+    with pytest.raises(InvalidRequest, match="JSON schema: not valid JSON"):
+        playground_tab.sampling_settings("", 0.0, 1.0, 8, "", "{nope")
+    bad = playground_tab.sampling_settings("", 0.0, 1.0, 8, "", '{"type": "objet"}')
+    with pytest.raises(InvalidRequest, match='Unsupported type "objet"'):
+        collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "hi", [], bad))

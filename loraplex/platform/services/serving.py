@@ -44,6 +44,7 @@ from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRe
 from loraplex.platform.schemas import TenantContext
 from loraplex.platform.services.adapters import lora_request, resolve_adapter
 from loraplex.platform.services.openai_format import OpenAIFormatter, finish_reason, has_entries, sse
+from loraplex.platform.services import structured, tool_calls  # structured output / tool calling hooks
 
 logger = logging.getLogger(__name__)
 Kind = Literal["completion", "chat"]
@@ -67,6 +68,7 @@ class PreparedRequest:
     top_logprobs: int | None
     decode: Callable[[int], str]
     started: float = field(default_factory=time.monotonic)
+    tools: tool_calls.ToolPlan | None = None  # tool calling hook: parses text into tool_calls
 
 
 # -- preparation -----------------------------------------------------------------------------------
@@ -77,6 +79,7 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
                         best_of=body.best_of if body.best_of not in (None, body.n) else None)
     lora, label = _resolve_model(ctx, tenant, body.model)
     params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    params = structured.constrain(engine.engine, params, *structured.requested_constraint(body))  # hook
     prompts = _completion_prompts(engine, body.prompt)
     _check_lengths(ctx.max_model_len, prompts, body.max_tokens, "prompt")
     return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
@@ -87,15 +90,18 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
 def prepare_chat(*, ctx: PlatformContext, tenant: TenantContext, body: ChatCompletionRequest) -> PreparedRequest:
     """As :func:`prepare_completion`, with the tokenizer's chat template applied to ``messages``."""
     engine = _require_engine(ctx)
-    _refuse_unsupported(logit_bias=body.logit_bias, tools=body.tools or None)
+    _refuse_unsupported(logit_bias=body.logit_bias)
     lora, label = _resolve_model(ctx, tenant, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=top)
+    tools = tool_calls.ToolPlan.from_request(body)  # tool calling hook
+    params = structured.constrain(engine.engine, params, *structured.chat_constraint(body, tools))  # hook
     prompt = _chat_prompt(engine, body)
     _check_lengths(ctx.max_model_len, [prompt], max_tokens, "messages")
     return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
-                           [prompt], params, lora, body.stream, _include_usage(body), top, _decoder(engine))
+                           [prompt], params, lora, body.stream, _include_usage(body), top, _decoder(engine),
+                           tools=tools)
 
 
 def _require_engine(ctx: PlatformContext) -> AsyncEngine:
@@ -157,23 +163,16 @@ def _tokens(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
 
 
 def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+    messages, template_kwargs = tool_calls.chat_template_inputs(engine.tokenizer, body)  # tool calling hook
     try:
-        out = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   **template_kwargs)
     except Exception as exc:  # jinja errors (e.g. a template that rejects a role order)
         raise InvalidRequest(f"messages: the chat template refused them ({exc})", param="messages") from None
     ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     if not ids:
         raise InvalidRequest("messages: produce an empty prompt", param="messages")
     return ids
-
-
-def _message_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
 
 
 def _decoder(engine: AsyncEngine) -> Callable[[int], str]:
@@ -382,6 +381,8 @@ async def _consume(merged: AsyncIterator[tuple[int, RequestOutput]], tracker: _T
 def _final_body(prep: PreparedRequest, tracker: _Tracker) -> dict[str, Any]:
     fmt = OpenAIFormatter(prep)
     choices = [fmt.final_choice(index, tracker.finals[index]) for index in sorted(tracker.finals)]
+    if prep.tools is not None:  # tool calling hook
+        choices = [prep.tools.final_choice(choice) for choice in choices]
     return {"id": prep.id, "object": "text_completion" if prep.kind == "completion" else "chat.completion",
             "created": prep.created, "model": prep.model, "choices": choices, "usage": tracker.usage()}
 
@@ -432,4 +433,10 @@ def _delta_chunk(fmt: OpenAIFormatter, tracker: _Tracker, index: int, completion
         return None
     tracker.sent_chars[index] = len(completion.text)
     delta = text if fmt.prep.kind == "completion" else {"content": text}
-    return fmt.chunk(index, delta, logprobs, finish_reason(completion))
+    reason = finish_reason(completion)
+    if fmt.prep.tools is not None:  # tool calling hook: text -> content / tool_calls deltas
+        delta = fmt.prep.tools.delta(index, text, completion.finished)
+        reason = fmt.prep.tools.finish_reason(index, reason)
+        if delta is None and reason is None and not (logprobs and has_entries(logprobs)):
+            return None
+    return fmt.chunk(index, delta or {}, logprobs, reason)
