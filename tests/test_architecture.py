@@ -34,6 +34,13 @@ THIRD_PARTY = {
     "engine": {"torch", "triton", "transformers", "safetensors"},
 }
 
+# Optional third-party packages a part may import lazily (inside a function, never at module level), so
+# that the part still imports without them: the engine's structured output (issue 20) needs xgrammar
+# only when a request asks for a constraint.
+OPTIONAL_LAZY = {
+    "engine": {"xgrammar"},
+}
+
 # Upward arrows that another open issue removes, as (importing file, imported part).
 KNOWN_VIOLATIONS = {
     # Issue 17 (multi-LoRA): the engine <-> adapters cycle; the slot pool takes the engine's LoRARequest.
@@ -70,6 +77,10 @@ def arrow_violations(rel_path: str, source: str) -> list[tuple[str, str, str]]:
     module = "loraplex." + rel_path.removesuffix(".py").replace("/", ".")
     importer = part_of(module)
     allowed = THIRD_PARTY.get(importer)
+    lazy_ok = OPTIONAL_LAZY.get(importer, set())
+    module_level = {name.split(".")[0] for node in ast.parse(source).body
+                    for name in imported_modules(ast.unparse(node), module)
+                    if isinstance(node, (ast.Import, ast.ImportFrom))}
     found = []
     for name in imported_modules(source, module):
         top = name.split(".")[0]
@@ -77,6 +88,8 @@ def arrow_violations(rel_path: str, source: str) -> list[tuple[str, str, str]]:
             target = part_of(name)
             if target != importer and LAYERS[target] >= LAYERS[importer]:
                 found.append((rel_path, name, f"{importer} (layer {LAYERS[importer]}) imports {target}"))
+        elif top in lazy_ok and top not in module_level:
+            continue
         elif allowed is not None and top not in allowed and top not in sys.stdlib_module_names:
             found.append((rel_path, name, f"{importer} may import only {sorted(allowed)} and the standard library"))
     return found
@@ -125,3 +138,9 @@ def test_checker_sees_lazy_relative_and_from_imports():
         ("platform/main.py", "loraplex.ui.mount_console", "platform (layer 3) imports ui")
     ]
     assert arrow_violations("cli.py", "from loraplex.ui import mount_console\nimport packaging\n") == []
+
+
+def test_optional_packages_are_imported_lazily_only():
+    src = "import xgrammar\n"
+    assert arrow_violations("engine/x.py", src), "a module-level optional import must be refused"
+    assert not arrow_violations("engine/x.py", "def f():\n    import xgrammar\n")
