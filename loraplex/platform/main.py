@@ -71,9 +71,9 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout, con
     app.add_middleware(RequestGuard, ctx=ctx, max_json_body_bytes=int(settings.max_json_body_mb * MB),
                        max_upload_body_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
     app.add_middleware(_RequestMetrics, ctx=ctx)
-    app.add_middleware(SecurityHeaders)
     if console:
         _mount_console(app)
+    app.add_middleware(SecurityHeaders)  # outermost: every response, the console's included
     return app
 
 

@@ -234,6 +234,7 @@ def test_usage_columns_count_the_last_24_hours_and_all_time(ctx):
 def test_tenant_usage_view(ctx):
     key = add_tenant(ctx, "acme", tokens_per_minute=500)
     serving.record_usage(ctx, acting_tenant(ctx, admin(), "acme").tenant_id, 11, 4)
+    assert ctx.usage.flush()  # usage is written by a background writer
     limits, table, _ = usage_tab.own_usage(ctx, login(ctx, key))
     assert records(table) == [
         {"period": "last 24 h", "requests": 1, "prompt tokens": 11, "completion tokens": 4, "total tokens": 15},

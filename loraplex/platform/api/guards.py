@@ -6,8 +6,8 @@
   unauthenticated body is refused (401) without one byte of it being read; then cap the
   body: adapter uploads (``POST .../adapters``) at the upload limit, streamed and counted;
   every other body (JSON) at ``max_json_body_bytes``, read here first (413 before the app
-  sees it). A declared ``Content-Length`` over the cap is refused at once. Other paths
-  (the console under ``/ui``) get the JSON cap unless a rule of their own applies.
+  sees it). A declared ``Content-Length`` over the cap is refused at once. (The console
+  under ``/ui`` has its own gate: ``loraplex.ui.gate``.)
 - :class:`SecurityHeaders`: every response says ``X-Frame-Options: DENY``,
   ``Content-Security-Policy: frame-ancestors 'none'`` and ``X-Content-Type-Options: nosniff``
   (the console must not be framed by another site: clickjacking).
@@ -91,13 +91,13 @@ class RequestGuard:
         self.max_upload_body_bytes = max_upload_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") not in _BODY_METHODS:
+        path: str = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") not in _BODY_METHODS or not path.startswith(
+                ("/v1/", "/admin/")):
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
         try:
-            if path.startswith(("/v1/", "/admin/")):
-                await self._authenticate(scope, path)
+            await self._authenticate(scope, path)
         except PlatformError as exc:
             await send_error(exc, scope, receive, send)
             return
@@ -105,7 +105,7 @@ class RequestGuard:
             logger.warning("authentication needs the registry, which is unreachable", exc_info=True)
             await send_error(registry_unavailable(), scope, receive, send)
             return
-        is_upload = path.startswith(("/v1/", "/admin/")) and path.rstrip("/").endswith("/adapters")
+        is_upload = path.rstrip("/").endswith("/adapters")
         limit = self.max_upload_body_bytes if is_upload else self.max_json_body_bytes
         what = "the upload" if is_upload else "the request body"
         declared = declared_length(scope)
