@@ -98,6 +98,7 @@ def test_serving_survives_redis_being_killed(serve, redis_server):
         assert response.usage.completion_tokens >= 1
     assert time.monotonic() - started < 10
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert live.ctx.usage.flush()  # usage is written by a background writer
     with live.admin() as admin:
         stats = admin.get("/admin/stats").json()
         assert stats["cache"]["available"] is False

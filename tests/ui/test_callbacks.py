@@ -402,6 +402,7 @@ def test_chat_streams_the_reply_the_api_gives(running_ctx, peft_files):
     assert updates[-1][0][-2] == {"role": "user", "content": "Hello there"}
     base = collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "Hello there", [], GREEDY))[-1][0][-1]
     assert base["content"] == _api_reply(ctx, "acme", MODEL_ID, "Hello there", GREEDY) != replies[-1]
+    assert ctx.usage.flush()  # usage is written by a background writer
     with ctx.sessions() as db:  # the playground's requests are charged to the tenant
         assert crud.usage_by_tenant(session=db)[0][1] == 4
 
