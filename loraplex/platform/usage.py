@@ -53,8 +53,9 @@ class UsageWriter:
     """Buffered, retried writer of per-tenant usage counters (see the module docstring)."""
 
     def __init__(self, sessions: sessionmaker[Session], *, max_entries: int = 10_000, retry_min_s: float = 0.5,
-                 retry_max_s: float = 30.0, give_up_s: float = 3600.0,
+                 retry_max_s: float = 30.0, give_up_s: float = 3600.0, background: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``background=False``: no writer thread (only :meth:`flush` writes; for tests and tools)."""
         self._sessions = sessions
         self.max_entries = max_entries
         self.retry_min_s = retry_min_s
@@ -66,7 +67,7 @@ class UsageWriter:
         self._write_lock = threading.Lock()  # one writer at a time (thread or flush())
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._stopping = not background
         self.lost = UsageLost()
         self.last_error: str | None = None
 
