@@ -71,12 +71,28 @@ class Reservation:
 
 
 class MemoryStore:
-    """Thread-safe in-process :class:`Store` with per-key expiry (monotonic clock)."""
+    """Thread-safe in-process :class:`Store` with per-key expiry (monotonic clock). Expired
+    keys are swept every ``SWEEP_S`` of writes (rate-limit windows are never read again)."""
+
+    SWEEP_S = 60.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._data: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
         self._clock = clock
+        self._next_sweep = clock() + self.SWEEP_S
+
+    def __len__(self) -> int:
+        """Keys held, expired ones not yet swept included."""
+        return len(self._data)
+
+    def _sweep(self, now: float) -> None:
+        """Drop expired keys once per ``SWEEP_S`` (call with the lock held)."""
+        if now < self._next_sweep:
+            return
+        for key in [k for k, (_, expires) in self._data.items() if expires <= now]:
+            del self._data[key]
+        self._next_sweep = now + self.SWEEP_S
 
     def get(self, key: str) -> str | None:
         with self._lock:
@@ -84,7 +100,9 @@ class MemoryStore:
 
     def set(self, key: str, value: str, ttl_s: float) -> None:
         with self._lock:
-            self._data[key] = (value, self._clock() + ttl_s)
+            now = self._clock()
+            self._sweep(now)
+            self._data[key] = (value, now + ttl_s)
 
     def delete(self, *keys: str) -> None:
         with self._lock:
@@ -99,6 +117,7 @@ class MemoryStore:
 
     def incr(self, key: str, amount: int, ttl_s: float) -> int:
         with self._lock:
+            self._sweep(self._clock())
             current = self._live(key)
             expires = self._data[key][1] if current is not None else self._clock() + ttl_s
             value = int(current or 0) + amount
@@ -113,6 +132,7 @@ class MemoryStore:
                 if limit is not None and value + amount > limit:
                     return Reservation(False, tuple(values))
             now = self._clock()
+            self._sweep(now)
             for i, (key, amount) in enumerate(zip(keys, amounts, strict=True)):
                 expires = self._data[key][1] if key in self._data else now + ttl_s
                 values[i] += amount
@@ -122,6 +142,7 @@ class MemoryStore:
     def raise_to(self, key: str, value: int, ttl_s: float) -> int:
         """Set counter ``key`` to ``max(current, value)``; return the new value."""
         with self._lock:
+            self._sweep(self._clock())
             current = self._live(key)
             expires = self._data[key][1] if current is not None else self._clock() + ttl_s
             new = max(int(current or 0), value)

@@ -229,3 +229,14 @@ def test_outage_seen_by_one_process_merges_with_what_others_counted(redis_server
     monotonic.now += 6.0
     assert limiter_a.used(1)[0] == 45  # merged: Redis 30 + 15 admitted by A during its outage
     assert admit_all(limiter_a, rpm=60, attempts=30) == 15
+
+
+def test_in_process_windows_do_not_accumulate():
+    monotonic, wall = Clock(0.0), Clock(WINDOW_NOW_S)
+    store = MemoryStore(monotonic)
+    limiter = RateLimiter(store, clock=wall)
+    for _ in range(1000):  # 1,000 minutes of one request each
+        admit(limiter, rpm=60, tokens=5)
+        monotonic.now += 60
+        wall.now += 60
+    assert len(store) <= 2 * 4  # (requests, tokens) of the windows not yet past their 120 s expiry
