@@ -96,3 +96,17 @@ def test_console_pages_cannot_be_framed(live):
         assert response.headers["x-frame-options"] == "DENY"
         assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
         assert response.headers["x-content-type-options"] == "nosniff"
+
+
+def test_a_console_callback_shows_a_clean_message_when_the_registry_is_down():
+    from sqlalchemy.exc import OperationalError
+
+    from loraplex.ui.wiring import with_error_message
+
+    def callback():
+        raise OperationalError("SELECT 1", {}, ConnectionRefusedError('connection to server at "db.internal" '
+                                                                      "(10.0.0.5), port 5432 failed"))
+
+    table, message = with_error_message(2, callback)
+    assert "registry is unavailable" in message
+    assert "5432" not in message and "db.internal" not in message and "psycopg" not in message.lower()
