@@ -63,6 +63,7 @@ class UsageWriter:
         self.give_up_s = give_up_s
         self._clock = clock
         self._rows: dict[tuple[int, dt.date], UsageRow] = {}
+        self._writing: set[tuple[int, dt.date]] = set()  # rows taken by the flush in progress
         self._lock = threading.Lock()  # guards _rows and lost
         self._write_lock = threading.Lock()  # one writer at a time (thread or flush())
         self._wake = threading.Condition(self._lock)
@@ -89,9 +90,9 @@ class UsageWriter:
             self._wake.notify()
 
     def pending(self) -> int:
-        """Rows (tenant, day) waiting to be written."""
+        """Rows (tenant, day) waiting to be written (buffered or being written now)."""
         with self._lock:
-            return len(self._rows)
+            return len(self._rows.keys() | self._writing)
 
     # -- writer side ---------------------------------------------------------------------------
     def flush(self) -> bool:
@@ -99,12 +100,14 @@ class UsageWriter:
         with self._write_lock:
             with self._lock:
                 batch, self._rows = self._rows, {}
+                self._writing = set(batch)
             failed: dict[tuple[int, dt.date], UsageRow] = {}
             for key, row in batch.items():
                 outcome = self._write(key, row)
                 if outcome == "retry":
                     failed[key] = row
             with self._lock:
+                self._writing = set()
                 now = self._clock()
                 for key, row in failed.items():
                     if now - row.first_added_s >= self.give_up_s:

@@ -142,7 +142,9 @@ def test_registry_outage_serves_cached_adapters_and_writes_usage_after(serve, pr
     assert unknown.status_code == 503 and leaks(unknown.text, proxy) == []
     assert httpx.get(live.url + "/health").status_code == 200
     ready = httpx.get(live.url + "/health/ready")
-    assert ready.status_code == 503 and ready.json()["registry"] == "unavailable"
+    assert ready.status_code == 503 and ready.json() == {
+        "status": "not_ready", "registry": "unavailable", "cache": "ok", "engine": "ok",
+        "usage_pending": 1, "usage_lost_requests": 0}
     assert live.ctx.usage.pending() >= 1  # buffered, not lost
     assert live.ctx.usage.lost.requests == 0
 

@@ -18,12 +18,14 @@ Reachability = Literal["ok", "unavailable"]
 class Readiness:
     """``registry``: the database; ``cache``: Redis ("ok" for the in-process store);
     ``engine``: "ok", "stopped" or "none" (admin API only); ``usage_pending``: usage rows
-    (tenant, day) waiting to be written."""
+    (tenant, day) waiting to be written; ``usage_lost_requests``: requests whose usage was
+    dropped (logged) since start."""
 
     registry: Reachability
     cache: Reachability
     engine: Literal["ok", "stopped", "none"]
     usage_pending: int
+    usage_lost_requests: int
 
     @property
     def ready(self) -> bool:
@@ -44,4 +46,5 @@ def readiness(ctx: PlatformContext) -> Readiness:
         registry = "unavailable"
     cache: Reachability = "ok" if ctx.store.available() else "unavailable"
     engine = "none" if ctx.engine is None else ("ok" if ctx.engine.is_running else "stopped")
-    return Readiness(registry=registry, cache=cache, engine=engine, usage_pending=ctx.usage.pending())
+    return Readiness(registry=registry, cache=cache, engine=engine, usage_pending=ctx.usage.pending(),
+                     usage_lost_requests=ctx.usage.lost.requests)
