@@ -25,7 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import adapters, completions, models, stats, tenants
-from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES, BodySizeLimit
+from loraplex.platform.api.guards import RequestGuard, SecurityHeaders
+from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES
 from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.cache import publish_stats
 from loraplex.platform.context import PlatformContext, build_context
@@ -65,8 +66,10 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> 
     for router in (completions.router, models.router, adapters.tenant_router, adapters.admin_router,
                    tenants.router, stats.router):
         app.include_router(router)
-    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
+    app.add_middleware(RequestGuard, ctx=ctx, max_json_body_bytes=int(settings.max_json_body_mb * MB),
+                       max_upload_body_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
     app.add_middleware(_RequestMetrics, ctx=ctx)
+    app.add_middleware(SecurityHeaders)  # outermost: every response, the console's included
     return app
 
 
@@ -96,6 +99,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 await publisher
         if ctx.engine is not None:
             await run_in_threadpool(ctx.engine.shutdown)
+        await run_in_threadpool(ctx.usage.close)
         ctx.db.dispose()
 
 

@@ -251,6 +251,7 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
             expect(tenant.element("adapters-table")).to_contain_text("shouty")
             for hidden in ("Tenants", "Cache & engine"):
                 expect(tenant.page.get_by_role("tab", name=hidden, exact=True)).to_have_count(0)
+            assert live.app.state.ctx.usage.flush()  # usage is written by a background writer
             tenant.tab("Usage")
             with live.app.state.ctx.sessions() as db:
                 [(_, requests, prompt, completion)] = crud.usage_by_tenant(session=db)

@@ -235,6 +235,7 @@ def test_usage_columns_count_the_last_24_hours_and_all_time(ctx):
 def test_tenant_usage_view(ctx):
     key = add_tenant(ctx, "acme", tokens_per_minute=500)
     serving.record_usage(ctx, acting_tenant(ctx, admin(), "acme").tenant_id, 11, 4)
+    assert ctx.usage.flush()  # usage is written by a background writer
     limits, table, _ = usage_tab.own_usage(ctx, login(ctx, key))
     assert records(table) == [
         {"period": "last 24 h", "requests": 1, "prompt tokens": 11, "completion tokens": 4, "total tokens": 15},
@@ -402,6 +403,7 @@ def test_chat_streams_the_reply_the_api_gives(running_ctx, peft_files):
     assert updates[-1][0][-2] == {"role": "user", "content": "Hello there"}
     base = collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "Hello there", [], GREEDY))[-1][0][-1]
     assert base["content"] == _api_reply(ctx, "acme", MODEL_ID, "Hello there", GREEDY) != replies[-1]
+    assert ctx.usage.flush()  # usage is written by a background writer
     with ctx.sessions() as db:  # the playground's requests are charged to the tenant
         assert crud.usage_by_tenant(session=db)[0][1] == 4
 

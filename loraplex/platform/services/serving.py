@@ -10,7 +10,9 @@
    completion index``. Streaming turns cumulative outputs into deltas: the
    engine's text only grows (stop strings are held back), so the delta is the
    text past what was sent.
-3. Usage (tokens) is charged to the tenant's rate-limit window, usage counters and metrics.
+3. Rate limits are reserved at admission (``limits.RateLimiter.admit``: completions =
+   prompts x n, tokens = prompts + max_tokens per completion) and settled with the tokens
+   used; usage counters go to the background ``usage.UsageWriter`` (never on the response path).
 """
 
 from __future__ import annotations
@@ -23,23 +25,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sqlalchemy.exc import IntegrityError
-
 from loraplex.adapters import AdapterError
 from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.platform import crud
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream
 from loraplex.platform.context import PlatformContext
-from loraplex.platform.db import session_scope
 from loraplex.platform.errors import (
     ContextLengthExceeded,
     InvalidRequest,
     PlatformError,
     ServiceUnavailable,
 )
+from loraplex.platform.limits import Admission, reserved_tokens
 from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.schemas import TenantContext
 from loraplex.platform.services.adapters import lora_request, resolve_adapter
@@ -69,6 +68,7 @@ class PreparedRequest:
     decode: Callable[[int], str]
     started: float = field(default_factory=time.monotonic)
     tools: tool_calls.ToolPlan | None = None  # tool calling hook: parses text into tool_calls
+    admission: Admission | None = None
 
 
 # -- preparation -----------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
     lora, label = _resolve_model(ctx, tenant, body.model)
     params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     params = structured.constrain(engine.engine, params, *structured.requested_constraint(body))  # hook
-    prompts = _completion_prompts(engine, body.prompt)
+    prompts = _completion_prompts(engine, body.prompt, ctx.settings.max_prompts_per_request)
     _check_lengths(ctx.max_model_len, prompts, body.max_tokens, "prompt")
     return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
                            prompts, params, lora, body.stream, _include_usage(body), body.logprobs,
@@ -139,7 +139,7 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tok
         raise InvalidRequest(message, param=param) from None
 
 
-def _completion_prompts(engine: AsyncEngine, prompt: str | list) -> list[list[int]]:
+def _completion_prompts(engine: AsyncEngine, prompt: str | list, max_prompts: int) -> list[list[int]]:
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -148,6 +148,9 @@ def _completion_prompts(engine: AsyncEngine, prompt: str | list) -> list[list[in
         items = list(prompt)
     if not items:
         raise InvalidRequest("prompt: must not be empty", param="prompt")
+    if len(items) > max_prompts:
+        raise InvalidRequest(f"prompt: {len(items)} prompts in one request; at most {max_prompts} "
+                             "(max_prompts_per_request)", param="prompt", code="too_many_prompts")
     return [_tokens(engine, p) for p in items]
 
 
@@ -198,8 +201,12 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
 # -- running ---------------------------------------------------------------------------------------
 async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStream]:
     """Add one engine request per prompt (all or none). Raises 400/404/503 ``PlatformError``s."""
-    ctx.limiter.check_request(tenant_id=prep.tenant.tenant_id, requests_per_minute=prep.tenant.requests_per_minute,
-                              tokens_per_minute=prep.tenant.tokens_per_minute)
+    n = prep.params.n
+    prep.admission = ctx.limiter.admit(
+        tenant_id=prep.tenant.tenant_id, requests_per_minute=prep.tenant.requests_per_minute,
+        tokens_per_minute=prep.tenant.tokens_per_minute, completions=len(prep.prompts) * n,
+        tokens=reserved_tokens([len(p) for p in prep.prompts], n=n, max_tokens=prep.params.max_tokens,
+                               max_model_len=ctx.max_model_len))
     ctx.metrics.adapter_requests.labels(prep.adapter_label).inc()
     streams: list[RequestStream] = []
     try:
@@ -208,6 +215,7 @@ async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStre
     except BaseException as exc:
         for stream in streams:
             stream.close()
+        await asyncio.get_running_loop().run_in_executor(None, ctx.limiter.settle, prep.admission, 0)
         raise _engine_error(exc, prep) from None
     return streams
 
@@ -323,24 +331,21 @@ class _Tracker:
         ctx.metrics.request_latency.labels(prep.kind).observe(time.monotonic() - prep.started)
 
         def charge() -> None:
-            record_usage(ctx, prep.tenant.tenant_id, usage["prompt_tokens"], usage["completion_tokens"])
+            record_usage(ctx, prep.tenant.tenant_id, usage["prompt_tokens"], usage["completion_tokens"],
+                         admission=prep.admission)
 
         return charge
 
 
-def record_usage(ctx: PlatformContext, tenant_id: int, prompt_tokens: int, completion_tokens: int) -> None:
-    """Charge tokens to the tenant's rate-limit window and daily usage counters."""
-    ctx.limiter.add_tokens(tenant_id=tenant_id, tokens=prompt_tokens + completion_tokens)
-    for _ in range(3):  # the first insert of a (tenant, day) row can race another request's
-        try:
-            with session_scope(ctx.sessions) as session:
-                crud.record_usage(session=session, tenant_id=tenant_id, requests=1, prompt_tokens=prompt_tokens,
-                                  completion_tokens=completion_tokens)
-            return
-        except IntegrityError:  # lost the race (or the tenant was just deleted): retry as an update
-            continue
-    logger.warning("usage of tenant %d not recorded (%d prompt + %d completion tokens): the tenant is gone",
-                   tenant_id, prompt_tokens, completion_tokens)
+def record_usage(ctx: PlatformContext, tenant_id: int, prompt_tokens: int, completion_tokens: int, *,
+                 admission: Admission | None = None) -> None:
+    """Settle the request's rate-limit reservation (``admission``; without one, charge the
+    tokens to the current window) and buffer one request's usage for the database."""
+    if admission is not None:
+        ctx.limiter.settle(admission, prompt_tokens + completion_tokens)
+    else:
+        ctx.limiter.charge(tenant_id=tenant_id, tokens=prompt_tokens + completion_tokens)
+    ctx.usage.add(tenant_id, requests=1, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
 
 async def _charge_later(charge: Callable[[], None], *, wait: bool) -> None:
@@ -411,8 +416,10 @@ async def stream_sse(ctx: PlatformContext, prep: PreparedRequest, streams: list[
         yield sse(exc.to_body())
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
         err = _engine_error(exc, prep)
+        if not isinstance(err, PlatformError):
+            logger.exception("stream %s failed", prep.id)  # details in the log, not in the response
         body = err.to_body() if isinstance(err, PlatformError) else {
-            "error": {"message": f"internal error: {exc}", "type": "server_error", "param": None, "code": None}}
+            "error": {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}}
         yield sse(body)
     finally:
         if not completed:

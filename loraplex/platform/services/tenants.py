@@ -145,3 +145,12 @@ def authenticate_admin(*, ctx: PlatformContext, token: str | None) -> None:
     """Raises ``Unauthenticated`` unless ``token`` is the admin key."""
     if not token or not key_matches(token, ctx.admin_key_hash):
         raise Unauthenticated("Missing or incorrect admin key.")
+
+
+def authenticate_metrics_reader(*, ctx: PlatformContext, token: str | None) -> None:
+    """Raises ``Unauthenticated`` unless ``token`` is the admin key or ``settings.metrics_key``."""
+    metrics_key = ctx.settings.metrics_key
+    if token and metrics_key is not None and key_matches(token, hash_key(metrics_key.get_secret_value())):
+        return
+    if not token or not key_matches(token, ctx.admin_key_hash):
+        raise Unauthenticated("Missing or incorrect key: /metrics needs the admin key or the metrics key.")
