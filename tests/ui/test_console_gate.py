@@ -20,12 +20,15 @@ SMALL_FILE = ("adapter_config.json", b'{"r": 8}', "application/json")
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, tiny_llama_dir):
+    from loraplex.cli import mount_console_if_installed
     from loraplex.platform.main import create_app
     from loraplex.platform.settings import Settings
 
     settings = Settings(data_dir=tmp_path_factory.mktemp("gate"), admin_key=ADMIN_KEY, served_model_name=MODEL_ID,
                         console_file_lifetime_s=600, max_upload_mb=1.0)
-    server = run_server(create_app(settings, make_engine(tiny_llama_dir), console=True))
+    app = create_app(settings, make_engine(tiny_llama_dir))
+    mount_console_if_installed(app)
+    server = run_server(app)
     yield server
     server.stop()
 

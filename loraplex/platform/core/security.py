@@ -46,3 +46,13 @@ def key_matches(plaintext: str, key_hash: str) -> bool:
     """Constant-time check of ``plaintext`` against a stored hash."""
     return hmac.compare_digest(hash_key(plaintext), key_hash)
 
+
+
+def parse_bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None when absent/malformed."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
