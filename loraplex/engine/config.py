@@ -48,6 +48,11 @@ class EngineConfig:
         max_lora_rank: largest adapter rank accepted; slots are padded to it.
         max_cpu_loras: adapters kept in the host-memory LRU cache.
         enforce_eager: disable CUDA graphs.
+        max_adapter_wait_steps: aging bound of adapter admission, in scheduler steps: once a
+            request that needs an adapter slot (all ``max_loras`` taken) has waited this long,
+            one running adapter admits nothing new until its slot drains and the waiting
+            adapter takes it. Its first token then comes within about this many steps plus
+            one request duration.
     """
 
     model: str
@@ -69,6 +74,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     enforce_eager: bool = False
+    max_adapter_wait_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -89,6 +95,7 @@ class EngineConfig:
             (self.max_loras > 0, "max_loras", "must be > 0"),
             (self.max_lora_rank in (1, 2, 4, 8, 16, 32, 64, 128, 256), "max_lora_rank",
              "must be a power of two <= 256"),
+            (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps", "must be >= 0"),
             (self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f"must be >= max_loras={self.max_loras}"),
         ]
         for ok, name, rule in checks:

@@ -172,7 +172,8 @@ class LLMEngine:
         self.kv_cache = KVCache(self.spec, sizing, self.dtype, self.device, num_swap)
         self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
-                                                   self.max_model_len, max_lookahead_loras=c.max_cpu_loras),
+                                                   self.max_model_len, max_lookahead_loras=c.max_cpu_loras,
+                                                   max_adapter_wait_steps=c.max_adapter_wait_steps),
                                    self.kv_manager, self.pins)
 
     def _activation_bytes(self) -> int:

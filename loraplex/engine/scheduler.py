@@ -31,6 +31,20 @@ request that the token budget, ``max_num_seqs`` or the KV blocks cannot take.
     waiting (FCFS): | r0 A(full) | r1 base | r2 B(loading) | r3 C(running) | r4 D(ready) | ...
                       skipped      admit     skipped          admit          admit if a slot is free
 
+Aging (no waiting request is overtaken forever): skipping a request whose
+adapter needs a slot could starve it while resident adapters keep receiving
+new requests, since no slot would ever drain. Once the oldest request blocked
+on a slot has waited more than ``max_adapter_wait_steps`` steps, one running
+adapter is *drained*: it admits no new (or swapped) sequence, and the slot it
+frees is reserved for the starved request's adapter (no other new adapter
+may take it). The drained adapter is the one with the fewest running
+sequences, ties broken by the oldest last admission (it empties soonest).
+Bound: a request blocked only on a slot gets one after at most
+``max_adapter_wait_steps`` + (the longest remaining run of the drained
+adapter's sequences) steps, i.e. about ``max_adapter_wait_steps`` plus one
+request duration (see ``SchedulerConfig``); the other adapters lose at most
+that one slot meanwhile.
+
 Readiness is asked for at most ``max_lookahead_loras`` distinct adapters per
 step (the host cache size), so prefetches never evict each other before they
 are pinned. An adapter whose read fails fails exactly its waiting and swapped
@@ -97,7 +111,10 @@ class SchedulerConfig:
     """``max_waiting_scan``: waiting entries examined per step, at most.
     ``max_lookahead_loras``: distinct adapters (not yet running) asked for readiness per step,
     at most; keep it <= the host adapter cache size so prefetched adapters are not evicted
-    by later prefetches before they are pinned."""
+    by later prefetches before they are pinned.
+    ``max_adapter_wait_steps``: scheduler steps a request blocked on an adapter slot may wait
+    before one running adapter is drained for it (aging, see the module docstring); its first
+    token then comes within this many steps plus one request duration of the drained adapter."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -105,6 +122,7 @@ class SchedulerConfig:
     max_model_len: int
     max_waiting_scan: int = 256
     max_lookahead_loras: int = 8
+    max_adapter_wait_steps: int = 32
 
 
 class AdapterPins(Protocol):
@@ -134,13 +152,25 @@ class _AdapterGate:
         self.max_lookahead = config.max_lookahead_loras
         self.ready: dict[int, bool] = {}
         self.failed: dict[int, str] = {}
+        self.draining = 0  # adapter admitting nothing new (its slot drains); 0 = none
+        self.reserved_for = 0  # adapter the next free slot is kept for; 0 = none
 
     def admits(self, lora: int) -> bool:
         """Whether a sequence on adapter ``lora`` (0 = base model) may start running now."""
-        if not lora or lora in self.active:
+        if not lora:
+            return True
+        if lora == self.draining:
+            return False
+        if lora in self.active:
             return True
         ready = self._is_ready(lora)  # asked even when no slot is free: a prefetch ahead of time
+        if self.reserved_for and lora != self.reserved_for:
+            return False
         return ready and len(self.active) < self.max_loras
+
+    def blocked_on_slot(self, lora: int) -> bool:
+        """``lora`` is an adapter that needs a slot none is free for (aging candidate)."""
+        return bool(lora) and lora not in self.active and lora not in self.failed and len(self.active) >= self.max_loras
 
     def admitted(self, lora: int) -> None:
         if lora:
@@ -173,9 +203,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.num_steps = 0
+        self._drain: tuple[int, int] | None = None  # (drained adapter, adapter it drains for)
+        self._last_admit_step: dict[int, int] = {}
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        seq.wait_since_step = self.num_steps
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -204,6 +238,7 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         planned: list[ScheduledSeq] = []
         preempted = self._schedule_running(planned, budget)
@@ -211,6 +246,7 @@ class Scheduler:
         failures: tuple[AdapterLoadFailure, ...] = ()
         if not preempted:
             gate = _AdapterGate(self.pins, self.running_adapters(), self.config)
+            self._age(gate)
             budget = self._schedule_swapped(planned, budget, gate)
             self._schedule_waiting(planned, budget, gate)
             failures = self._fail_adapters(gate.failed)
@@ -251,7 +287,40 @@ class Scheduler:
             budget -= n
         return preempted
 
+    def _age(self, gate: _AdapterGate) -> None:
+        """Aging rule: drain one running adapter for a request blocked on a slot too long."""
+        if self._drain is not None:
+            victim, starved = self._drain
+            pending = any(s.group.lora_int_id == starved for q in (self.waiting, self.swapped) for s in q)
+            if starved in gate.active or not pending:
+                self._drain = None
+            else:  # until the starved adapter runs: the victim admits nothing, the freed slot is kept
+                gate.draining, gate.reserved_for = victim, starved
+                return
+        if len(gate.active) < self.config.max_loras:
+            return
+        oldest = None
+        for queue in (self.swapped, self.waiting):
+            for i, seq in enumerate(queue):
+                if i >= self.config.max_waiting_scan:
+                    break
+                if gate.blocked_on_slot(seq.group.lora_int_id) and (
+                        oldest is None or seq.wait_since_step < oldest.wait_since_step):
+                    oldest = seq
+        if oldest is None or self.num_steps - oldest.wait_since_step <= self.config.max_adapter_wait_steps:
+            return
+        running_per_adapter: dict[int, int] = {}
+        for seq in self.running:
+            lora = seq.group.lora_int_id
+            if lora:
+                running_per_adapter[lora] = running_per_adapter.get(lora, 0) + 1
+        victim = min(running_per_adapter, key=lambda a: (running_per_adapter[a], self._last_admit_step.get(a, 0)))
+        self._drain = (victim, oldest.group.lora_int_id)
+        gate.draining, gate.reserved_for = self._drain
+
     def _start_running(self, seq: Sequence) -> None:
+        if seq.group.lora_int_id:
+            self._last_admit_step[seq.group.lora_int_id] = self.num_steps
         if self.pins is not None and seq.group.lora_int_id:
             self.pins.pin(seq.group.lora_int_id)
         seq.status = SequenceStatus.RUNNING
@@ -274,6 +343,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.block_hashes = []
             seq.status = SequenceStatus.WAITING
+            seq.wait_since_step = self.num_steps
             self.waiting.appendleft(seq)
 
     def _schedule_swapped(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> int:

@@ -83,6 +83,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int, default=_S)
     serve.add_argument("--swap-space", type=float, default=_S, help="GiB")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_S)
+    serve.add_argument("--max-adapter-wait-steps", type=int, default=_S,
+                       help="steps a request may wait for an adapter slot before one is drained for it")
     serve.add_argument("--tensor-parallel-size", type=int, default=_S, help="only 1 is supported")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_S)
     serve.add_argument("--device", choices=["auto", "cuda", "cpu"], default=_S)
