@@ -372,17 +372,14 @@ class Scheduler:
             if not gate.admits(seq.group.lora_int_id):
                 skipped.append(self.waiting.popleft())
                 continue
-            hit = 0 if seq.group.params.prompt_logprobs is not None else self.kv.compute_prefix_hit(seq)
+            computed = None if seq.group.params.prompt_logprobs is not None else self.kv.get_computed_blocks(seq)
+            hit = computed.num_tokens if computed is not None else 0
+            n = min(seq.num_tokens - hit, budget)
+            if not self.kv.allocate_new_computed(seq, computed, n):
+                break  # the lookup had no side effects: retried next step, counted once when admitted
             if seq.index == 0 and seq.group.num_cached_tokens == 0:
                 seq.group.num_cached_tokens = hit
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.can_allocate(seq, n):
-                self.kv.free(seq)
-                seq.num_computed_tokens = 0
-                seq.block_hashes = []
-                break
             self.waiting.popleft()
-            self.kv.allocate_slots(seq, n)
             self._start_running(seq)
             gate.admitted(seq.group.lora_int_id)
             planned.append(self._plan(seq, budget))
