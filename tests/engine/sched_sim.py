@@ -38,12 +38,12 @@ class SimRequest:
 
     @property
     def ttft_steps(self) -> int:
-        """Steps from arrival to the step that sampled the first token, inclusive (alone: 1)."""
-        return self.first_token_step - self.arrival_step + 1
+        """Steps taken from arrival to the first token (alone and short: 1, the prefill step)."""
+        return self.first_token_step - self.arrival_step
 
     @property
     def duration_steps(self) -> int:
-        return self.finish_step - self.arrival_step + 1
+        return self.finish_step - self.arrival_step
 
 
 @dataclass
@@ -56,6 +56,7 @@ class Sim:
     service: list[dict[str, list[int]]] = field(default_factory=list)
     lora_outputs: list[dict[int, int]] = field(default_factory=list)
     weights: dict[str, float] = field(default_factory=dict)
+    num_preempted: int = 0
 
     def submit(self, name: str, *, at: int | None = None, lora: int = 0, prompt_tokens: int = 4,
                max_tokens: int = 32, tenant: str = "", weight: float = 1.0, on_finish=None) -> SimRequest:
@@ -84,6 +85,7 @@ class Sim:
             self._enqueue(req)
         self.now += 1
         batch = self.scheduler.schedule()
+        self.num_preempted += batch.num_preempted
         served: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         outputs: dict[int, int] = defaultdict(int)
         for item in batch.seqs:
