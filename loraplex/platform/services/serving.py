@@ -10,6 +10,9 @@
    completion index``. Streaming turns cumulative outputs into deltas: the
    engine's text only grows (stop strings are held back), so the delta is the
    text past what was sent.
+   Each prompt passes the tenant's admission gate first (``ctx.admission``: concurrency,
+   queue length and queue time limits; 429/503 with ``Retry-After``) and reaches the engine
+   with the tenant's fair-scheduling share and queueing deadline.
 3. Usage (tokens) is charged to the tenant's rate-limit window, usage counters and metrics.
 """
 
@@ -26,11 +29,13 @@ from typing import Any, Literal
 from sqlalchemy.exc import IntegrityError
 
 from loraplex.adapters import AdapterError
+from loraplex.engine.fairness import TenantShare
 from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform import crud
+from loraplex.platform.admission import retry_after_s
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.db import session_scope
@@ -67,6 +72,7 @@ class PreparedRequest:
     top_logprobs: int | None
     decode: Callable[[int], str]
     started: float = field(default_factory=time.monotonic)
+    gate_wait_s: float = 0.0  # time spent in the tenant's admission queue
 
 
 # -- preparation -----------------------------------------------------------------------------------
@@ -202,15 +208,41 @@ async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStre
     ctx.limiter.check_request(tenant_id=prep.tenant.tenant_id, requests_per_minute=prep.tenant.requests_per_minute,
                               tokens_per_minute=prep.tenant.tokens_per_minute)
     ctx.metrics.adapter_requests.labels(prep.adapter_label).inc()
+    tenant = prep.tenant
+    share = TenantShare(tenant.tenant_name, tenant.weight)
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prep.prompts):
-            streams.append(await ctx.engine.add_request(f"{prep.id}-{i}", prompt, prep.params, prep.lora))
+            ticket = await ctx.admission.acquire(tenant)
+            prep.gate_wait_s = max(prep.gate_wait_s, ticket.waited_s)
+            release = _releaser(ctx, tenant.tenant_id)
+            try:
+                streams.append(await ctx.engine.add_request(
+                    f"{prep.id}-{i}", prompt, prep.params, prep.lora, tenant=share, queue_deadline=ticket.deadline,
+                    retry_after_s=retry_after_s(tenant), on_done=release))
+            except BaseException:
+                release()
+                raise
     except BaseException as exc:
         for stream in streams:
             stream.close()
+        if isinstance(exc, PlatformError) and exc.status_code in (429, 503):
+            ctx.metrics.tenant_refused.labels(tenant.tenant_name, str(exc.status_code)).inc()
         raise _engine_error(exc, prep) from None
     return streams
+
+
+def _releaser(ctx: PlatformContext, tenant_id: int) -> Callable[[], None]:
+    """Frees one admission slot of the tenant, once however often it is called."""
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            ctx.admission.release(tenant_id)
+
+    return release
 
 
 def _engine_error(exc: BaseException, prep: PreparedRequest) -> BaseException:
@@ -303,6 +335,9 @@ class _Tracker:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.ctx.metrics.ttft.observe(now - self.prep.started)
+                if output.queued_s is not None:
+                    self.ctx.metrics.tenant_queueing_delay.labels(self.prep.tenant.tenant_name).observe(
+                        self.prep.gate_wait_s + output.queued_s)
             elif self.last_output_at is not None:
                 self.ctx.metrics.inter_token.observe((now - self.last_output_at) / new_tokens)
             self.last_output_at = now
