@@ -5,7 +5,10 @@ sequence's ``num_computed_tokens`` towards ``num_tokens`` under one token
 budget (``max_num_batched_tokens``). Running sequences go first (oldest
 first), so decodes keep flowing while long prompts are chunked (chunked
 prefill); then swapped sequences (FIFO); then waiting sequences are admitted
-FCFS while budget, ``max_num_seqs`` and KV blocks allow.
+(FCFS, or fair across tenants, below) while budget, ``max_num_seqs`` and KV
+blocks allow. Admission looks the prompt up in the prefix cache without side
+effects and commits the hit together with the new blocks, so a request that
+waits many steps for blocks is counted once in the prefix-cache stats.
 
 When blocks run out the newest running sequence is preempted: its blocks are
 swapped to host memory when swap space is configured and has room, otherwise
@@ -440,21 +443,24 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit(self, seq: Sequence, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> int:
+    def _admit(self, seq: Sequence, planned: list[ScheduledSeq], budget: int,
+               gate: _AdapterGate) -> ScheduledSeq | None:
         """Admit waiting ``seq`` (its adapter admitted by ``gate``) with its cached prefix; returns
-        the tokens planned, 0 when its KV blocks do not fit (nothing changes)."""
+        its planned work (also appended to ``planned``), None when its KV blocks do not fit
+        (then nothing changes)."""
         computed = None if seq.group.params.prompt_logprobs is not None else self.kv.get_computed_blocks(seq)
         hit = computed.num_tokens if computed is not None else 0
         n = min(seq.num_tokens - hit, budget)
         if not self.kv.allocate_new_computed(seq, computed, n):
-            return 0  # the lookup had no side effects: retried next step, counted once when admitted
+            return None  # the lookup had no side effects: retried next step, counted once when admitted
         if seq.index == 0 and seq.group.num_cached_tokens == 0:
             seq.group.num_cached_tokens = hit
         self._dequeued(seq)
         self._start_running(seq)
         gate.admitted(seq.group.lora_int_id)
-        planned.append(self._plan(seq, budget))
-        return n
+        item = self._plan(seq, budget)
+        planned.append(item)
+        return item
 
     def _schedule_waiting(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> None:
         if self.fair:
@@ -484,11 +490,11 @@ class Scheduler:
                     break
             else:
                 continue  # nothing of this tenant can start now
-            n = self._admit(seq, planned, budget, gate)
-            if not n:
+            item = self._admit(seq, planned, budget, gate)
+            if item is None:
                 break  # KV blocks: nobody overtakes this request
             admitted = True
-            budget -= n
+            budget -= item.num_new_tokens
             if queue:
                 heapq.heappush(heap, (counter(tenant), queue[0].wait_since_step, order, tenant))
         if admitted:
@@ -507,11 +513,11 @@ class Scheduler:
             if not gate.admits(seq.group.lora_int_id):
                 skipped.append(self.waiting.popleft())
                 continue
-            n = self._admit(seq, planned, budget, gate)
-            if not n:
+            item = self._admit(seq, planned, budget, gate)
+            if item is None:
                 break
             self.waiting.popleft()
-            budget -= n
+            budget -= item.num_new_tokens
         self.waiting.extendleft(reversed(skipped))
 
     def _fail_adapters(self, failed: dict[int, str]) -> tuple[AdapterLoadFailure, ...]:
