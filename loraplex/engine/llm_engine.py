@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import SequenceTextState
+from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.engine.lora_request import LoRARequest
@@ -68,6 +69,8 @@ class EngineStats:
     prompt_tokens_total: int
     tokens_per_s: float
     lora: SlotPoolStats | None = None  # None when the engine runs without LoRA
+    scheduling_policy: str = "fcfs"
+    tenants: tuple[TenantServiceStats, ...] = ()  # per tenant: queue, running, tokens served, counter
 
 
 class _AdapterPins:
@@ -183,7 +186,11 @@ class LLMEngine:
         self.kv_cache = KVCache(self.spec, sizing, self.dtype, self.device, num_swap)
         self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
-                                                   self.max_model_len, max_lookahead_loras=c.max_cpu_loras),
+                                                   self.max_model_len, max_lookahead_loras=c.max_cpu_loras,
+                                                   max_adapter_wait_steps=c.max_adapter_wait_steps,
+                                                   policy=c.scheduling_policy,
+                                                   prompt_token_weight=c.fair_prompt_token_weight,
+                                                   output_token_weight=c.fair_output_token_weight),
                                    self.kv_manager, self.pins)
 
     def _activation_bytes(self) -> int:
@@ -243,8 +250,10 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
-        """Queue a request. ``prompt`` is text or token ids.
+                    lora_request: LoRARequest | None = None, tenant: TenantShare | None = None) -> None:
+        """Queue a request. ``prompt`` is text or token ids. ``tenant``: who it is served for and
+        that tenant's weight (the fair policy shares service by it; ``None``: the anonymous
+        tenant ``""`` of weight 1).
 
         An unknown adapter is registered first (``add_lora``: cheap with a declared
         ``version_id``). Its tensors are read in the background when the scheduler first
@@ -267,6 +276,8 @@ class LLMEngine:
         self._check_prompt(token_ids)
         version = self._adapter_version(lora_request)
         group = RequestGroup(request_id, text, token_ids, params, lora_request, version)
+        if tenant is not None:
+            group.tenant_id, group.tenant_weight = tenant.tenant_id, tenant.weight
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         max_tokens = self._effective_max_tokens(params, len(token_ids))
@@ -434,7 +445,9 @@ class LLMEngine:
                 stop_reason=seq.stop_reason))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
-                             group.num_cached_tokens, error)
+                             group.num_cached_tokens, error,
+                             None if group.first_scheduled_time is None
+                             else max(0.0, group.first_scheduled_time - group.arrival_time))
 
     # -- stats ------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -447,7 +460,8 @@ class LLMEngine:
             prefix_queries_tokens=prefix.queries_tokens, prefix_hits_tokens=prefix.hits_tokens,
             prefix_hit_rate=prefix.hit_rate, num_preemptions=self._preemptions,
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
-            tokens_per_s=self._throughput.rate(), lora=self.lora_pool.stats() if self.lora_pool else None)
+            tokens_per_s=self._throughput.rate(), lora=self.lora_pool.stats() if self.lora_pool else None,
+            scheduling_policy=self.config.scheduling_policy, tenants=self.scheduler.tenant_stats())
 
 
 def _resolve_model(config: EngineConfig) -> Path:

@@ -67,6 +67,8 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     grammar: Any = None
+    wait_since_step: int = 0  # scheduler step at which it last entered the waiting queue
+    num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant (fair policy)
     output_token_ids: list[int] = field(init=False)
     sampling_row: Any = field(default=None, init=False, repr=False)
 
@@ -106,6 +108,9 @@ class RequestGroup:
     prompt_logprobs: list[TopLogprobs | None] | None = None
     num_cached_tokens: int = 0
     forked: bool = False
+    tenant_id: str = ""  # who is served (fair scheduling); "" = the anonymous tenant
+    tenant_weight: float = 1.0  # the tenant's share weight (> 0)
+    first_scheduled_time: float | None = None  # time.monotonic() of the first admission (queueing delay)
     lora_int_id: int = field(init=False)  # the adapter's id, 0 for the base model
 
     def __post_init__(self) -> None:

@@ -49,6 +49,10 @@ def add_commands(subparsers: argparse._SubParsersAction, *, mount_console: Mount
     create.add_argument("--tokens-per-minute", type=int, default=None)
     create.add_argument("--max-adapters", type=int, default=None)
     create.add_argument("--max-upload-mb", type=float, default=None)
+    create.add_argument("--weight", type=float, default=None, help="fair-scheduler share (default 1)")
+    create.add_argument("--max-concurrent-requests", type=int, default=None)
+    create.add_argument("--max-queued-requests", type=int, default=None)
+    create.add_argument("--max-queue-time-s", type=float, default=None)
     _add_storage_flags(create)
     create.set_defaults(handler=_tenant_create)
 
@@ -97,6 +101,12 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
     serve.add_argument("--max-num-batched-tokens", type=int, default=_S)
     serve.add_argument("--swap-space", type=float, default=_S, help="GiB")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_S)
+    serve.add_argument("--max-adapter-wait-steps", type=int, default=_S,
+                       help="steps a request may wait for an adapter slot before one is drained for it")
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "fair"], default=_S,
+                       help="fair (default): least-served tenant first (Virtual Token Counter); fcfs: arrival order")
+    serve.add_argument("--fair-prompt-token-weight", type=float, default=_S)
+    serve.add_argument("--fair-output-token-weight", type=float, default=_S)
     serve.add_argument("--tensor-parallel-size", type=int, default=_S, help="only 1 is supported")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_S)
     serve.add_argument("--device", choices=["auto", "cuda", "cpu"], default=_S)
@@ -107,9 +117,10 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
     serve.set_defaults(handler=functools.partial(_serve, mount_console=mount_console))
 
 
+_TENANT_FLAGS = ("requests_per_minute", "tokens_per_minute", "max_adapters", "max_upload_mb", "weight",
+                 "max_concurrent_requests", "max_queued_requests", "max_queue_time_s")
 _NOT_SETTINGS = {"command", "handler", "tenant_command", "key_command", "adapter_command", "name", "tenant",
-                 "path", "requests_per_minute", "tokens_per_minute", "max_adapters", "max_upload_mb",
-                 "accepts_any_arguments"}
+                 "path", "accepts_any_arguments", *_TENANT_FLAGS}
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -173,8 +184,7 @@ def _tenant_create(args: argparse.Namespace) -> int:
     from loraplex.platform.schemas import TenantCreate
     from loraplex.platform.services import tenants
 
-    fields = {k: getattr(args, k) for k in ("requests_per_minute", "tokens_per_minute", "max_adapters",
-                                            "max_upload_mb") if getattr(args, k) is not None}
+    fields = {k: getattr(args, k) for k in _TENANT_FLAGS if getattr(args, k) is not None}
     return _with_context(args, lambda ctx, s: tenants.create_tenant(
         session=s, ctx=ctx, spec=TenantCreate(name=args.name, **fields)))
 

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.platform import crud
+from loraplex.platform.admission import TenantAdmission
 from loraplex.platform.cache import LookupCache, Store, make_store
 from loraplex.platform.core.security import ADMIN_KEY_PREFIX, generate_key, hash_key
 from loraplex.platform.db import make_db_engine, make_session_factory, session_scope, upgrade_database
@@ -53,6 +54,7 @@ class PlatformContext:
     max_model_len: int | None = None
     base_spec: BaseModelSpec | None = None
     max_lora_rank: int | None = None
+    admission: TenantAdmission = field(default_factory=TenantAdmission)
     started_at: float = field(default_factory=time.time)
 
 
@@ -81,7 +83,9 @@ def attach_engine(ctx: PlatformContext, engine: AsyncEngine) -> None:
     ctx.max_model_len = engine.max_model_len
     ctx.base_spec = engine.base_spec if engine.lora_enabled else None
     ctx.max_lora_rank = engine.max_lora_rank
+    ctx.admission = TenantAdmission(clock=engine.clock)  # one timeline for gate and engine deadlines
     ctx.metrics.bind_engine(engine)
+    ctx.metrics.bind_admission(ctx.admission)
 
 
 def attach_model_spec(ctx: PlatformContext) -> None:

@@ -53,6 +53,13 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     swap_space: float | None = Field(None, ge=0.0, description="Host swap space for KV blocks in GiB.")
     enable_prefix_caching: bool | None = None
+    max_adapter_wait_steps: int | None = Field(
+        None, ge=0, description="Aging bound (scheduler steps) before a running adapter's slot is drained "
+                                "for a request waiting for an adapter slot.")
+    scheduling_policy: Literal["fcfs", "fair"] = Field(
+        "fair", description="fair: Virtual Token Counter across tenants (by tenant weight); fcfs: arrival order.")
+    fair_prompt_token_weight: float | None = Field(None, ge=0, description="Service weight of a prompt token.")
+    fair_output_token_weight: float | None = Field(None, ge=0, description="Service weight of a generated token.")
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     device: Literal["auto", "cuda", "cpu"] | None = None

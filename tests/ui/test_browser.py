@@ -164,6 +164,13 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         tenant_key = ui.field("new-key").input_value()
         assert tenant_key.startswith("lpx-")
 
+        # Fair-share settings of the tenant (issue 21): weight and queueing limits.
+        ui.field("edit-weight").fill("2")
+        ui.field("edit-max-concurrent").fill("4")
+        ui.page.get_by_role("button", name="Save limits").click()
+        expect(ui.element("tenants-message")).to_contain_text("weight 2, 4 concurrent, unlimited queued")
+        expect(ui.element("tenants-table")).to_contain_text("4")
+
         # Adapters: check the upload, confirm it, see it listed and loaded.
         ui.tab("Adapters")
         ui.choose("adapters-tenant", "acme")
@@ -232,6 +239,8 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         expect(ui.element("stats-summary")).to_contain_text(re.compile(r"; [1-9]\d* generated"))
         after = ui.text("stats-summary")
         assert _summary_number(after, r"(\d+) cached") > _summary_number(before, r"(\d+) cached")
+        expect(ui.element("stats-tenants")).to_contain_text("acme")  # per-tenant service (issue 21)
+        expect(ui.element("stats-policy")).to_contain_text("Scheduling policy")
         ui.tab("Adapters")
         expect(ui.element("adapters-table")).to_contain_text("in GPU slot 0")
 

@@ -520,3 +520,45 @@ def test_json_schema_box_constrains_the_reply(running_ctx):
     bad = playground_tab.sampling_settings("", 0.0, 1.0, 8, "", '{"type": "objet"}')
     with pytest.raises(InvalidRequest, match='Unsupported type "objet"'):
         collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "hi", [], bad))
+
+
+# -- fair-share settings and per-tenant service (issue 21) -----------------------------------------
+def test_tenant_weight_and_queueing_limits_round_trip(ctx):
+    tenants_tab.create_tenant(ctx, admin(), "gold", "", "", "", "", "3")
+    assert tenants_tab.load_tenant(ctx, admin(), "gold")[4:8] == ("3", "", "", "")
+    table, message = tenants_tab.save_limits(ctx, admin(), "gold", "", "", "", "", "", "4", "10", "2.5")
+    with ctx.sessions() as db:
+        stored = tenant_service.get_tenant(session=db, name="gold")
+    assert (stored.weight, stored.max_concurrent_requests, stored.max_queued_requests, stored.max_queue_time_s) == (
+        3.0, 4, 10, 2.5)  # empty weight = unchanged
+    row = records(table)[0]
+    assert (row["weight"], row["max concurrent"], row["max queued"], row["max queue s"]) == (3.0, "4", "10", "2.5")
+    assert "weight 3, 4 concurrent, 10 queued, 2.5 s queue time" in message
+    tenants_tab.save_limits(ctx, admin(), "gold", "", "", "", "", "0.5", "", "", "")
+    assert tenants_tab.load_tenant(ctx, admin(), "gold")[4:8] == ("0.5", "", "", "")  # empty limit = unlimited
+    with pytest.raises(ValidationError) as bad:
+        tenants_tab.save_limits(ctx, admin(), "gold", "", "", "", "", "0", "", "", "")
+    assert "`weight`='0'" in error_text(bad.value)
+
+
+def test_per_tenant_service_table_and_rate_plot():
+    def stats(a_tokens: int, b_tokens: int) -> dict:
+        return {"num_running": 1, "tenants": [
+            {"tenant_id": "acme", "weight": 1.0, "num_waiting": 3, "num_running": 1, "prompt_tokens_served": a_tokens,
+             "output_tokens_served": 0, "virtual_counter": float(a_tokens)},
+            {"tenant_id": "globex", "weight": 3.0, "num_waiting": 0, "num_running": 0,
+             "prompt_tokens_served": 0, "output_tokens_served": b_tokens, "virtual_counter": 2 * b_tokens / 3}]}
+
+    assert records(stats_tab.tenant_service_table(stats(300, 100))) == [
+        {"tenant": "acme", "weight": 1.0, "waiting": 3, "running": 1, "prompt tokens served": 300,
+         "output tokens served": 0, "virtual counter": 300.0, "share of tokens": "75.0%"},
+        {"tenant": "globex", "weight": 3.0, "waiting": 0, "running": 0, "prompt tokens served": 0,
+         "output tokens served": 100, "virtual counter": 66.7, "share of tokens": "25.0%"}]
+    now = [1000.0]
+    history = StatsHistory(window_s=60, min_interval_s=1.0, clock=lambda: now[0])
+    history.observe(stats(0, 0))
+    now[0] = 1002.0
+    history.observe(stats(300, 100))
+    assert records(history.tenant_rate_frame()) == [{"seconds": 0.0, "value": 150.0, "series": "acme"},
+                                                    {"seconds": 0.0, "value": 50.0, "series": "globex"}]
+    assert stats_tab.tenant_service_table(None).empty

@@ -13,6 +13,9 @@
 3. Rate limits are reserved at admission (``limits.RateLimiter.admit``: completions =
    prompts x n, tokens = prompts + max_tokens per completion) and settled with the tokens
    used; usage counters go to the background ``usage.UsageWriter`` (never on the response path).
+   Each prompt passes the tenant's admission gate first (``ctx.admission``: concurrency,
+   queue length and queue time limits; 429/503 with ``Retry-After``) and reaches the engine
+   with the tenant's fair-scheduling share and queueing deadline.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loraplex.adapters import AdapterError
+from loraplex.engine.fairness import TenantShare
 from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.admission import retry_after_s
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import (
@@ -69,6 +74,7 @@ class PreparedRequest:
     started: float = field(default_factory=time.monotonic)
     tools: tool_calls.ToolPlan | None = None  # tool calling hook: parses text into tool_calls
     admission: Admission | None = None
+    gate_wait_s: float = 0.0  # time spent in the tenant's admission queue
 
 
 # -- preparation -----------------------------------------------------------------------------------
@@ -208,16 +214,42 @@ async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStre
         tokens=reserved_tokens([len(p) for p in prep.prompts], n=n, max_tokens=prep.params.max_tokens,
                                max_model_len=ctx.max_model_len))
     ctx.metrics.adapter_requests.labels(prep.adapter_label).inc()
+    tenant = prep.tenant
+    share = TenantShare(tenant.tenant_name, tenant.weight)
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prep.prompts):
-            streams.append(await ctx.engine.add_request(f"{prep.id}-{i}", prompt, prep.params, prep.lora))
+            ticket = await ctx.admission.acquire(tenant)
+            prep.gate_wait_s = max(prep.gate_wait_s, ticket.waited_s)
+            release = _releaser(ctx, tenant.tenant_id)
+            try:
+                streams.append(await ctx.engine.add_request(
+                    f"{prep.id}-{i}", prompt, prep.params, prep.lora, tenant=share, queue_deadline=ticket.deadline,
+                    retry_after_s=retry_after_s(tenant), on_done=release))
+            except BaseException:
+                release()
+                raise
     except BaseException as exc:
         for stream in streams:
             stream.close()
         await asyncio.get_running_loop().run_in_executor(None, ctx.limiter.settle, prep.admission, 0)
+        if isinstance(exc, PlatformError) and exc.status_code in (429, 503):
+            ctx.metrics.tenant_refused.labels(tenant.tenant_name, str(exc.status_code)).inc()
         raise _engine_error(exc, prep) from None
     return streams
+
+
+def _releaser(ctx: PlatformContext, tenant_id: int) -> Callable[[], None]:
+    """Frees one admission slot of the tenant, once however often it is called."""
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            ctx.admission.release(tenant_id)
+
+    return release
 
 
 def _engine_error(exc: BaseException, prep: PreparedRequest) -> BaseException:
@@ -310,6 +342,9 @@ class _Tracker:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.ctx.metrics.ttft.observe(now - self.prep.started)
+                if output.queued_s is not None:
+                    self.ctx.metrics.tenant_queueing_delay.labels(self.prep.tenant.tenant_name).observe(
+                        self.prep.gate_wait_s + output.queued_s)
             elif self.last_output_at is not None:
                 self.ctx.metrics.inter_token.observe((now - self.last_output_at) / new_tokens)
             self.last_output_at = now
