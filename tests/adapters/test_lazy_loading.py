@@ -129,7 +129,7 @@ def wait_ready(pool, int_id, *, timeout_s=30.0) -> None:
 # ---------------------------------------------------------------- declared version id
 
 
-def test_declared_registration_reads_header_only_and_first_use_reads_without_hashing(make_adapters, monkeypatch):
+def test_declared_registration_reads_header_only_and_first_use_verifies_the_hash(make_adapters, monkeypatch):
     (request, reference), = make_adapters(1)
     spy = ReadSpy(monkeypatch)
     pool = make_pool()
@@ -138,8 +138,8 @@ def test_declared_registration_reads_header_only_and_first_use_reads_without_has
     stats = pool.stats()
     assert (stats.disk_loads, stats.cpu_cache_lru, stats.registered) == (0, [], ["ad1"])
     assert pool.version_id(1) == request.version_id
-    assert pool.pin(1) == 0  # first use: tensors read now, still not hashed
-    assert spy.counts == (1, 0)
+    assert pool.pin(1) == 0  # first use: tensors read now and hashed once (checked against the declared id)
+    assert spy.counts == (1, 1)
     assert (pool.stats().disk_loads, pool.stats().cpu_cache_lru) == (1, ["ad1"])
     assert_slot_holds(pool, 0, reference)
 
@@ -155,8 +155,11 @@ def test_preload_warms_the_host_cache_explicitly(make_adapters, monkeypatch):
     pool.preload(3)  # cached already: nothing read
     stats = pool.stats()
     assert (stats.disk_loads, stats.cpu_cache_lru, stats.cpu_evictions) == (3, ["ad2", "ad3"], 1)
-    assert pool.pin(3) == 0 and spy.counts == (3, 0)
+    assert pool.pin(3) == 0 and spy.counts == (3, 3)  # each first read verified its hash
     assert_slot_holds(pool, 0, made[2][1])
+    pool.unpin(3)
+    assert pool.pin(1) == 0 and spy.counts == (4, 3)  # evicted ad1 re-read: verified before, not re-hashed
+    assert_slot_holds(pool, 0, made[0][1])
 
 
 def test_inspect_matches_the_loaded_adapter(make_adapters):
@@ -252,7 +255,7 @@ def test_background_read_is_claimed_by_ensure_ready(make_adapters, monkeypatch):
         stats = pool.stats()
         assert (stats.disk_loads, stats.loads_in_flight, stats.cpu_cache_lru) == (1, 0, ["ad1"])
         assert pool.pin(1) == 0  # from host memory
-        assert spy.counts == (1, 0) and pool.stats().disk_loads == 1
+        assert spy.counts == (1, 1) and pool.stats().disk_loads == 1
         assert_slot_holds(pool, 0, reference)
     finally:
         pool.close()
@@ -266,7 +269,7 @@ def test_pin_waits_for_an_in_flight_read_instead_of_reading_twice(make_adapters,
     try:
         assert pool.ensure_ready(1) is False
         assert pool.pin(1) == 0
-        assert spy.counts == (1, 0)
+        assert spy.counts == (1, 1)
         assert (pool.stats().disk_loads, pool.stats().loads_in_flight) == (1, 0)
         assert_slot_holds(pool, 0, reference)
     finally:
@@ -355,7 +358,7 @@ def test_many_declared_adapters_one_read_each(make_adapters, monkeypatch, backgr
                 for _ in range(4):
                     pool.unpin(int_id)
         stats = pool.stats()
-        assert stats.disk_loads == 8 and spy.counts == (8, 0)
+        assert stats.disk_loads == 8 and spy.counts == (8, 8)
         assert (stats.load_failures, stats.slot_loads, stats.cpu_evictions) == (0, 8, 6)
     finally:
         pool.close()
