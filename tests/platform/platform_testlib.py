@@ -212,3 +212,36 @@ def stored_state(live: LiveServer) -> tuple[int, int, list[str]]:
     leftovers = sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
     assert leftovers == [], f"staging folders left behind: {leftovers}"
     return adapters, versions, folders
+
+
+# -- upload checks -----------------------------------------------------------------------------------
+ISSUE_REGEX = r"model\.layers\.(\d+)+\.self_attn\.q_projX"
+ISSUE_NAME = "model.layers." + "0" * 26 + ".self_attn.q_proj"
+
+
+def gil_holding_check(job):
+    """An upload check (run in the worker process) that holds the GIL for a long time: Python's
+    ``re`` on the issue's pattern and name (11.6 s on the reporter's machine, 2x per extra zero)."""
+    import re
+
+    re.fullmatch(ISSUE_REGEX, ISSUE_NAME)
+    raise AssertionError("the upload deadline should have killed this check")
+
+
+def streamed_chunks(live: LiveServer, key: str, model: str, stop: threading.Event, pending: threading.Event,
+                    counts: dict[str, int]) -> None:
+    """Stream completions of ``model`` back to back until ``stop``; count chunks with text in
+    ``counts["total"]`` and, of those, the ones received while ``pending`` is set in ``counts["pending"]``."""
+    import json
+
+    with live.tenant(key) as client:
+        while not stop.is_set():
+            body = {"model": model, "prompt": "Paris is", "max_tokens": 48, "ignore_eos": True, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if json.loads(line[6:])["choices"][0]["text"]:
+                        counts["total"] += 1
+                        counts["pending"] += pending.is_set()
