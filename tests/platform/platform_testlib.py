@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
+from upload_checks import ISSUE_NAME, ISSUE_REGEX, crashing_check, gil_holding_check, memory_hungry_check  # noqa: F401
 
 ADMIN_KEY = "test-admin-key"
 
@@ -215,17 +216,6 @@ def stored_state(live: LiveServer) -> tuple[int, int, list[str]]:
 
 
 # -- upload checks -----------------------------------------------------------------------------------
-ISSUE_REGEX = r"model\.layers\.(\d+)+\.self_attn\.q_projX"
-ISSUE_NAME = "model.layers." + "0" * 26 + ".self_attn.q_proj"
-
-
-def gil_holding_check(job):
-    """An upload check (run in the worker process) that holds the GIL for a long time: Python's
-    ``re`` on the issue's pattern and name (11.6 s on the reporter's machine, 2x per extra zero)."""
-    import re
-
-    re.fullmatch(ISSUE_REGEX, ISSUE_NAME)
-    raise AssertionError("the upload deadline should have killed this check")
 
 
 def streamed_chunks(live: LiveServer, key: str, model: str, stop: threading.Event, pending: threading.Event,
@@ -245,3 +235,4 @@ def streamed_chunks(live: LiveServer, key: str, model: str, stop: threading.Even
                     if json.loads(line[6:])["choices"][0]["text"]:
                         counts["total"] += 1
                         counts["pending"] += pending.is_set()
+

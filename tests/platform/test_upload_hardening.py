@@ -92,7 +92,7 @@ def test_other_tenants_stream_keeps_producing_tokens_while_an_upload_is_checked(
     from loraplex.platform.services.validation import UploadValidator
 
     live = serve()
-    live.ctx.upload_validator = UploadValidator(deadline_s=4.0, max_concurrent=1, memory_bytes=None,
+    live.ctx.upload_validator = UploadValidator(deadline_s=6.0, max_concurrent=1, memory_bytes=None,
                                                 check=gil_holding_check)
     uploader, streamer = new_tenant(live, "mallory"), new_tenant(live, "alice")
     stop, pending, counts = threading.Event(), threading.Event(), {"total": 0, "pending": 0}
@@ -320,3 +320,34 @@ def test_error_bodies_carry_no_paths_ids_or_driver_text(serve, adapter_dir, tmp_
         assert data_dir not in text and str(tmp_path) not in text, text
         for leak in LEAKS:
             assert leak not in text, (leak, text)
+
+
+# -- the worker's bounds -----------------------------------------------------------------------------
+def _job(tmp_path):
+    from loraplex.adapters import BaseModelSpec
+    from loraplex.platform.services.uploads import UploadLimits
+    from loraplex.platform.services.validation import UploadCheck
+
+    spec = BaseModelSpec(num_layers=1, hidden_size=8, module_shapes={"q_proj": (8, 8)}, architecture="x")
+    return UploadCheck(parts=(), dest=str(tmp_path / "adapter"), limits=UploadLimits(1, 2, 2.0), spec=spec,
+                       max_lora_rank=4, serving_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("check_name", "memory_mb", "code"), [
+    ("memory_hungry_check", 256, "validation_memory"),
+    ("crashing_check", None, "validation_failed"),
+    ("gil_holding_check", None, "validation_timeout"),
+])
+def test_worker_bounds_become_400s(tmp_path, check_name, memory_mb, code):
+    import platform_testlib
+
+    from loraplex.platform.errors import InvalidRequest
+    from loraplex.platform.services.validation import UploadValidator
+
+    validator = UploadValidator(deadline_s=30.0 if check_name != "gil_holding_check" else 5.0, max_concurrent=1,
+                                check=getattr(platform_testlib, check_name),
+                                memory_bytes=None if memory_mb is None else memory_mb * 10**6)
+    with pytest.raises(InvalidRequest) as refused:
+        validator.run(_job(tmp_path))
+    assert (refused.value.status_code, refused.value.code) == (400, code)
+    assert str(tmp_path) not in refused.value.message
