@@ -208,6 +208,30 @@ def test_declared_adapter_changed_on_disk_is_refused_at_first_use(make_adapters,
     assert (stats.load_failures, stats.slot_loads, stats.slots[0].lora_name) == (1, 0, None)
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_declared_adapter_changed_before_registration_is_refused_at_first_read(make_adapters, background):
+    """Issue 14 item 15: the stored file changed after upload and before the engine ever saw it
+    (so the stat signature recorded at registration is the changed file's). The first read into
+    the host cache hashes it and refuses it; the pool stays unchanged."""
+    (request, _), = make_adapters(1)
+    weights = Path(request.lora_path) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(b ^ 0x55 for b in data[-8:])  # same size, same header, other values
+    weights.write_bytes(bytes(data))
+    pool = make_pool(background=background)
+    try:
+        pool.add_lora(request)  # header only: still accepted
+        with pytest.raises(AdapterChangedError, match=f"changed on disk: version_id .* != registered "
+                                                      f"{request.version_id}"):
+            if background:
+                wait_ready(pool, 1)
+            pool.pin(1)
+        stats = pool.stats()
+        assert (stats.load_failures, stats.cpu_cache_lru, stats.slot_loads) == (1, [], 0)
+    finally:
+        pool.close()
+
+
 # ---------------------------------------------------------------- without a declared id
 
 

@@ -91,9 +91,10 @@ def upload_adapter(*, session: Session, ctx: PlatformContext, tenant: TenantCont
     """Validate and store an upload as the new live version of ``tenant``'s adapter ``name``.
 
     Raises ``InvalidRequest`` (400: bad name, bad archive, adapter refused by
-    ``loraplex.adapters`` — the message is its ``AdapterError``), ``LimitExceeded``
-    (403: max adapters), ``PayloadTooLarge`` (413), ``UnsupportedMediaType`` (415),
-    ``ServiceUnavailable`` (503: no base model to validate against).
+    ``loraplex.adapters`` — the message is its ``AdapterError`` without server paths —,
+    or its check passed its deadline / memory cap), ``LimitExceeded`` (403: max adapters),
+    ``PayloadTooLarge`` (413), ``UnsupportedMediaType`` (415), ``ServiceUnavailable``
+    (503: no base model to validate against, every check worker busy, storage failing).
     """
     _check_ready(ctx, name)
     is_new = crud.get_adapter(session=session, tenant_id=tenant.tenant_id, name=name) is None
