@@ -17,6 +17,14 @@ PEFT rules mirrored here (peft 0.13-0.21, ``tuners_utils.check_target_module_exi
   ``re.match(rf"(.*\\.)?({p})$", key)`` overrides ``r`` / ``lora_alpha`` for that module.
 - ``scaling = alpha / r``, or ``alpha / sqrt(r)`` with ``use_rslora``
   (Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA").
+
+Bounded work: the file is at most ``MAX_CONFIG_BYTES`` and ``MAX_CONFIG_DEPTH`` levels deep;
+user regexes (``target_modules``, ``exclude_modules``, ``rank_pattern``, ``alpha_pattern``)
+are checked for syntax with ``re`` (as PEFT does) and matched with the ``regex`` package
+(its ``re``-compatible V0 syntax) under a timeout: at most ``REGEX_MATCH_TIMEOUT_S`` per
+match and ``REGEX_BUDGET_S`` for all matches of one config, else ``AdapterFormatError``.
+Callers match them only against module keys already decided structurally (a layer index
+below ``num_layers``, a module of the model), so their inputs are short.
 """
 
 from __future__ import annotations
@@ -24,14 +32,22 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from loraplex.adapters.errors import AdapterFormatError, AdapterUnsupportedError
 
 CONFIG_NAME = "adapter_config.json"
 ALL_LINEAR = "all-linear"
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KB
+MAX_CONFIG_DEPTH = 32  # nesting of JSON objects / arrays; PEFT writes 3
+MAX_PATTERN_CHARS = 1024
+REGEX_MATCH_TIMEOUT_S = 0.05
+REGEX_BUDGET_S = 0.5
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 
 # LoraConfig fields that select a LoRA variant whose forward pass (or saved tensors)
@@ -92,6 +108,7 @@ class PeftLoraConfig:
     layers_to_transform: tuple[int, ...] | None
     exclude_modules: tuple[str, ...] | str | None
     raw: dict[str, Any]
+    patterns: PatternMatcher = field(default_factory=lambda: PatternMatcher(), compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PeftLoraConfig:
@@ -101,16 +118,18 @@ class PeftLoraConfig:
         ``AdapterFormatError`` for missing or ill-typed fields, each naming field and value.
         """
         _refuse_unsupported(raw)
+        patterns = PatternMatcher()
         return cls(
             r=_positive_int(raw, "r"),
             lora_alpha=_positive_number(raw, "lora_alpha"),
             use_rslora=_bool(raw, "use_rslora"),
-            target_modules=_target_modules(raw),
-            rank_pattern={k: _pattern_int(k, v) for k, v in _pattern_dict(raw, "rank_pattern").items()},
-            alpha_pattern={k: _pattern_number(k, v) for k, v in _pattern_dict(raw, "alpha_pattern").items()},
+            target_modules=_target_modules(raw, patterns),
+            rank_pattern={k: _pattern_int(k, v) for k, v in _pattern_dict(raw, "rank_pattern", patterns).items()},
+            alpha_pattern={k: _pattern_number(k, v) for k, v in _pattern_dict(raw, "alpha_pattern", patterns).items()},
             layers_to_transform=_layers_to_transform(raw),
-            exclude_modules=_exclude_modules(raw),
+            exclude_modules=_exclude_modules(raw, patterns),
             raw=raw,
+            patterns=patterns,
         )
 
     def targets(self, module_key: str, layer: int) -> bool:
@@ -120,7 +139,7 @@ class PeftLoraConfig:
         if isinstance(self.target_modules, str):
             if self.target_modules == ALL_LINEAR:
                 return True
-            return re.fullmatch(self.target_modules, module_key) is not None
+            return self.patterns.fullmatch(self.target_modules, module_key, "target_modules")
         found = _matches_list(self.target_modules, module_key)
         if found and self.layers_to_transform is not None:
             return layer in self.layers_to_transform
@@ -128,29 +147,92 @@ class PeftLoraConfig:
 
     def hyperparams(self, module_key: str) -> ModuleHyperparams:
         """Rank, alpha and scaling PEFT uses for ``module_key``."""
-        rank_key = _pattern_key(self.rank_pattern, module_key)
-        alpha_key = _pattern_key(self.alpha_pattern, module_key)
+        rank_key = self._pattern_key(self.rank_pattern, module_key, "rank_pattern")
+        alpha_key = self._pattern_key(self.alpha_pattern, module_key, "alpha_pattern")
         rank = self.r if rank_key is None else self.rank_pattern[rank_key]
         alpha = self.lora_alpha if alpha_key is None else self.alpha_pattern[alpha_key]
         scaling = alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
-        rank_field = "r" if rank_key is None else f"rank_pattern[{rank_key!r}]"
+        rank_field = "r" if rank_key is None else f"rank_pattern[{_short(rank_key)}]"
         return ModuleHyperparams(rank=rank, alpha=alpha, scaling=scaling, rank_field=rank_field)
 
     def describe_targets(self) -> str:
         """``target_modules=...`` (and ``layers_to_transform=...``) as written in the file."""
-        text = f"target_modules={self.raw.get('target_modules')!r}"
+        text = f"target_modules={_short(self.raw.get('target_modules'))}"
         if self.layers_to_transform is not None:
-            text += f", layers_to_transform={list(self.layers_to_transform)!r}"
+            text += f", layers_to_transform={_short(list(self.layers_to_transform))}"
         if self.exclude_modules:
-            text += f", exclude_modules={self.raw.get('exclude_modules')!r}"
+            text += f", exclude_modules={_short(self.raw.get('exclude_modules'))}"
         return text
 
     def _excluded(self, module_key: str) -> bool:
         if self.exclude_modules is None:
             return False
         if isinstance(self.exclude_modules, str):
-            return re.fullmatch(self.exclude_modules, module_key) is not None
+            return self.patterns.fullmatch(self.exclude_modules, module_key, "exclude_modules")
         return _matches_list(self.exclude_modules, module_key)
+
+    def _pattern_key(self, patterns: dict[str, Any], module_key: str, name: str) -> str | None:
+        """The first key ``p`` of ``patterns`` with ``re.match(rf"(.*\\.)?({p})$", module_key)`` (PEFT's rule)."""
+        for key in patterns:
+            if self.patterns.match(_pattern_regex(key), module_key, f"{name} key {_short(key)}"):
+                return key
+        return None
+
+
+class PatternMatcher:
+    """The user regexes of one config, compiled once and matched under a time bound.
+
+    Each match may take at most ``REGEX_MATCH_TIMEOUT_S`` and all matches together
+    ``REGEX_BUDGET_S``; past either, ``AdapterFormatError`` names the field. Not thread-safe
+    (one config is checked by one thread).
+    """
+
+    def __init__(self, budget_s: float = REGEX_BUDGET_S) -> None:
+        self.remaining_s = budget_s
+        self._compiled: dict[str, Any] = {}
+
+    def compile(self, pattern: str, field_text: str) -> None:
+        """Raise ``AdapterFormatError`` naming ``field_text`` unless ``pattern`` is a valid regex
+        (for Python's ``re``, as PEFT, and for the ``regex`` package that matches it)."""
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise AdapterFormatError(
+                f"{CONFIG_NAME}: {field_text[:80]}... is {len(pattern)} characters long; at most {MAX_PATTERN_CHARS}"
+            )
+        try:
+            re.compile(pattern)
+            self._compiled[pattern] = regex.compile(pattern, flags=regex.V0)
+        except (re.error, regex.error, RecursionError, OverflowError) as exc:
+            raise AdapterFormatError(
+                f"{CONFIG_NAME}: {field_text} is not a valid regular expression ({exc})"
+            ) from None
+
+    def fullmatch(self, pattern: str, text: str, field_text: str) -> bool:
+        """``re.fullmatch(pattern, text) is not None``, time-bounded."""
+        return self._run(pattern, text, field_text, full=True)
+
+    def match(self, pattern: str, text: str, field_text: str) -> bool:
+        """``re.match(pattern, text) is not None``, time-bounded."""
+        return self._run(pattern, text, field_text, full=False)
+
+    def _run(self, pattern: str, text: str, field_text: str, *, full: bool) -> bool:
+        if pattern not in self._compiled:
+            self.compile(pattern, field_text)
+        compiled = self._compiled[pattern]
+        timeout_s = min(REGEX_MATCH_TIMEOUT_S, self.remaining_s)
+        started = time.perf_counter()
+        try:
+            if timeout_s <= 0:
+                raise TimeoutError
+            found = (compiled.fullmatch if full else compiled.match)(text, timeout=timeout_s) is not None
+        except TimeoutError:
+            raise AdapterFormatError(
+                f"{CONFIG_NAME}: {field_text} takes too long to match module names (e.g. {text!r}): "
+                f"more than {REGEX_MATCH_TIMEOUT_S:g} s per name or {REGEX_BUDGET_S:g} s in all; "
+                "simplify the regular expression (nested quantifiers?)"
+            ) from None
+        finally:
+            self.remaining_s -= time.perf_counter() - started
+        return found
 
 
 def read_adapter_config(folder: Path) -> PeftLoraConfig:
@@ -162,13 +244,54 @@ def read_adapter_config(folder: Path) -> PeftLoraConfig:
     path = folder / CONFIG_NAME
     if not path.is_file():
         raise AdapterFormatError(f"{CONFIG_NAME}: missing in adapter folder '{folder}'")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise AdapterFormatError(f"{CONFIG_NAME}: {size} bytes; at most {MAX_CONFIG_BYTES} bytes are accepted")
+    raw = parse_config_json(path.read_bytes())
+    return PeftLoraConfig.from_dict(raw)
+
+
+def parse_config_json(data: bytes) -> dict[str, Any]:
+    """``adapter_config.json``'s bytes as a JSON object nested at most ``MAX_CONFIG_DEPTH`` levels.
+
+    Raises ``AdapterFormatError`` for invalid UTF-8 / JSON (numbers over Python's digit limit
+    included), deeper nesting, or a top level that is not an object.
+    """
+    depth = _max_depth(data)
+    if depth > MAX_CONFIG_DEPTH:
+        raise AdapterFormatError(
+            f"{CONFIG_NAME}: nested {depth} levels deep; at most {MAX_CONFIG_DEPTH} are accepted"
+        )
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterFormatError(f"{CONFIG_NAME}: not valid JSON ({exc})") from exc
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise AdapterFormatError(f"{CONFIG_NAME}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(raw, dict):
         raise AdapterFormatError(f"{CONFIG_NAME}: must be a JSON object, got {type(raw).__name__}")
-    return PeftLoraConfig.from_dict(raw)
+    return raw
+
+
+def _max_depth(data: bytes) -> int:
+    """Deepest nesting of ``[``/``{`` outside JSON strings (an upper bound for invalid JSON),
+    counted without recursion before anything is parsed."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
 
 
 def is_unsupported_target(module_key: str) -> bool:
@@ -179,22 +302,22 @@ def is_unsupported_target(module_key: str) -> bool:
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise AdapterUnsupportedError(f"{CONFIG_NAME}: peft_type={peft_type!r} is not supported; only 'LORA'")
+        raise AdapterUnsupportedError(f"{CONFIG_NAME}: peft_type={_short(peft_type)} is not supported; only 'LORA'")
     bias = raw.get("bias", "none")
     if bias != "none":
-        raise AdapterUnsupportedError(f"{CONFIG_NAME}: bias={bias!r} is not supported; only 'none'")
+        raise AdapterUnsupportedError(f"{CONFIG_NAME}: bias={_short(bias)} is not supported; only 'none'")
     for name, variant in _VARIANT_FIELDS.items():
         if raw.get(name):
             raise AdapterUnsupportedError(
-                f"{CONFIG_NAME}: {name}={raw[name]!r} is not supported ({variant}); only plain LoRA is served"
+                f"{CONFIG_NAME}: {name}={_short(raw[name])} is not supported ({variant}); only plain LoRA is served"
             )
     for name, reason in _MUST_BE_OFF.items():
         if raw.get(name):
-            raise AdapterUnsupportedError(f"{CONFIG_NAME}: {name}={raw[name]!r} is not supported: {reason}")
+            raise AdapterUnsupportedError(f"{CONFIG_NAME}: {name}={_short(raw[name])} is not supported: {reason}")
     init = raw.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
         raise AdapterUnsupportedError(
-            f"{CONFIG_NAME}: init_lora_weights={init!r} is not supported: it modifies the base model's weights; "
+            f"{CONFIG_NAME}: init_lora_weights={_short(init)} is not supported: it modifies the base model's weights; "
             "convert it to plain LoRA first (PEFT save_pretrained(path_initial_model_for_weight_conversion=...))"
         )
 
@@ -204,7 +327,7 @@ def _positive_int(raw: dict[str, Any], name: str) -> int:
     if value is None:
         raise AdapterFormatError(f"{CONFIG_NAME}: {name} is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={value!r} must be an integer >= 1")
+        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={_short(value)} must be an integer >= 1")
     return value
 
 
@@ -212,63 +335,78 @@ def _positive_number(raw: dict[str, Any], name: str) -> float:
     value = raw.get(name)
     if value is None:
         raise AdapterFormatError(f"{CONFIG_NAME}: {name} is missing")
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={value!r} must be a finite number > 0")
+    if not _is_finite_positive(value):
+        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={_short(value)} must be a finite number > 0")
     return float(value)
+
+
+def _is_finite_positive(value: Any) -> bool:
+    """A JSON number > 0 that is finite as a Python float (a 400-digit integer is not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:
+        return False
 
 
 def _bool(raw: dict[str, Any], name: str) -> bool:
     value = raw.get(name, False)
     if not isinstance(value, bool):
-        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={value!r} must be true or false")
+        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={_short(value)} must be true or false")
     return value
 
 
-def _target_modules(raw: dict[str, Any]) -> tuple[str, ...] | str:
+def _target_modules(raw: dict[str, Any], patterns: PatternMatcher) -> tuple[str, ...] | str:
     value = raw.get("target_modules")
     if value is None:
         raise AdapterFormatError(f"{CONFIG_NAME}: target_modules is missing")
     if value == ALL_LINEAR:
         return value
     if isinstance(value, str):
-        _compile(value, f"target_modules={value!r}")
+        patterns.compile(value, f"target_modules={_short(value)}")
         for name in ("lm_head", "embed_tokens", "model.embed_tokens"):
-            if re.fullmatch(value, name):
+            if patterns.fullmatch(value, name, "target_modules"):
                 raise AdapterUnsupportedError(
-                    f"{CONFIG_NAME}: target_modules={value!r} matches {name!r}: "
+                    f"{CONFIG_NAME}: target_modules={_short(value)} matches {name!r}: "
                     "LoRA on embed_tokens/lm_head is not supported"
                 )
         return value
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
         raise AdapterFormatError(
-            f"{CONFIG_NAME}: target_modules={value!r} must be a regex string or a non-empty list of module names"
+            f"{CONFIG_NAME}: target_modules={_short(value)} must be a regex string or a non-empty list of module names"
         )
     for name in value:
         if is_unsupported_target(name):
             raise AdapterUnsupportedError(
-                f"{CONFIG_NAME}: target_modules contains {name!r}: LoRA on embed_tokens/lm_head is not supported"
+                f"{CONFIG_NAME}: target_modules contains {_short(name)}: LoRA on embed_tokens/lm_head is not supported"
             )
     return tuple(value)
 
 
-def _pattern_dict(raw: dict[str, Any], name: str) -> dict[str, Any]:
+def _pattern_dict(raw: dict[str, Any], name: str, patterns: PatternMatcher) -> dict[str, Any]:
     value = raw.get(name) or {}
     if not isinstance(value, dict):
-        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={value!r} must be an object of pattern -> value")
+        raise AdapterFormatError(f"{CONFIG_NAME}: {name}={_short(value)} must be an object of pattern -> value")
     for key in value:
-        _compile(rf"(.*\.)?({key})$", f"{name} key {key!r}")
+        patterns.compile(_pattern_regex(key), f"{name} key {_short(key)}")
     return value
+
+
+def _pattern_regex(key: str) -> str:
+    """PEFT's ``get_pattern_key`` regex for a ``rank_pattern`` / ``alpha_pattern`` key."""
+    return rf"(.*\.)?({key})$"
 
 
 def _pattern_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AdapterFormatError(f"{CONFIG_NAME}: rank_pattern[{key!r}]={value!r} must be an integer >= 1")
+        raise AdapterFormatError(f"{CONFIG_NAME}: rank_pattern[{_short(key)}]={_short(value)} must be an integer >= 1")
     return value
 
 
 def _pattern_number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise AdapterFormatError(f"{CONFIG_NAME}: alpha_pattern[{key!r}]={value!r} must be a finite number > 0")
+    if not _is_finite_positive(value):
+        raise AdapterFormatError(f"{CONFIG_NAME}: alpha_pattern[{_short(key)}]={_short(value)} must be a finite number > 0")
     return float(value)
 
 
@@ -279,37 +417,28 @@ def _layers_to_transform(raw: dict[str, Any]) -> tuple[int, ...] | None:
     items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(items, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
         raise AdapterFormatError(
-            f"{CONFIG_NAME}: layers_to_transform={value!r} must be an integer >= 0 or a list of them"
+            f"{CONFIG_NAME}: layers_to_transform={_short(value)} must be an integer >= 0 or a list of them"
         )
-    return tuple(items)
+    return tuple(sorted(set(items)))
 
 
-def _exclude_modules(raw: dict[str, Any]) -> tuple[str, ...] | str | None:
+def _exclude_modules(raw: dict[str, Any], patterns: PatternMatcher) -> tuple[str, ...] | str | None:
     value = raw.get("exclude_modules")
     if not value:
         return None
     if isinstance(value, str):
-        _compile(value, f"exclude_modules={value!r}")
+        patterns.compile(value, f"exclude_modules={_short(value)}")
         return value
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise AdapterFormatError(f"{CONFIG_NAME}: exclude_modules={value!r} must be a regex string or a list")
+        raise AdapterFormatError(f"{CONFIG_NAME}: exclude_modules={_short(value)} must be a regex string or a list")
     return tuple(value)
-
-
-def _compile(pattern: str, field_text: str) -> None:
-    """Raise ``AdapterFormatError`` naming ``field_text`` if ``pattern`` is not a valid regex."""
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise AdapterFormatError(f"{CONFIG_NAME}: {field_text} is not a valid regular expression ({exc})") from exc
 
 
 def _matches_list(names: tuple[str, ...], module_key: str) -> bool:
     return module_key in names or any(module_key.endswith("." + name) for name in names)
 
 
-def _pattern_key(patterns: dict[str, Any], module_key: str) -> str | None:
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_key):
-            return key
-    return None
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters (error messages quote user values)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

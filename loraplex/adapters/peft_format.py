@@ -3,7 +3,11 @@
 Everything is checked before any tensor is handed out, in this order: the folder,
 pickle files (refused), the config (``peft_config``), ``layers_to_transform`` against
 the model, the safetensors header (names, dtypes, shapes against ``BaseModelSpec``
-and the config's ranks), then the tensor values (finite). A refusal raises an
+and the config's ranks), then the tensor values (finite, and ``scaling * lora_B @ lora_A``
+finite in the serving dtype). Tensor names are decided structurally (at most
+``2 * num_layers * modules`` tensors, names of at most ``MAX_TENSOR_NAME_CHARS``, a layer
+index of at most 6 digits below ``num_layers``, a module of the model) before any
+user regex of the config runs on them. A refusal raises an
 ``AdapterError`` subclass naming the field / file / tensor and the value; nothing is
 returned partially loaded.
 
@@ -60,7 +64,9 @@ _FLOAT_DTYPES = tuple(_DTYPE_BYTES)
 _LORA_TENSOR = re.compile(
     r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight"
 )
-_LAYER_MODULE = re.compile(r"(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)")
+_LAYER_MODULE = re.compile(r"(?:model\.)?layers\.(?P<layer>[0-9]+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)")
+_LAYER_INDEX = re.compile(r"0|[1-9][0-9]{0,5}")  # a layer index as PEFT writes it: <= 6 digits, no leading zero
+MAX_TENSOR_NAME_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,12 @@ def inspect_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_
 
 
 def load_peft_adapter(
-    path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int, *, version_id: str | None = None
+    path: str | os.PathLike[str],
+    spec: BaseModelSpec,
+    max_lora_rank: int,
+    *,
+    version_id: str | None = None,
+    serving_dtype: torch.dtype = torch.float32,
 ) -> LoRAAdapter:
     """Validate then load the PEFT LoRA adapter in folder ``path`` for the model ``spec``.
 
@@ -129,6 +140,9 @@ def load_peft_adapter(
     ``version_id``: the caller's known content id of these files (declared, or verified
     earlier): it is used as is and nothing is hashed; ``None`` computes it
     (``identity.compute_version_id``, a sha256 over config and tensors).
+    ``serving_dtype``: the dtype the adapter will be served in (the slot dtype); every
+    module's ``scaling * lora_B @ lora_A`` must be finite in it (bounded per factor:
+    ``|scaling| * sum_k max_i |B[i, k]| * max_j |A[k, j]|``), and the scaling in float32.
 
     Raises ``AdapterFormatError``, ``AdapterIncompatibleError`` or ``AdapterUnsupportedError``
     (all ``AdapterError``, a ``ValueError``) naming the field and value.
@@ -138,7 +152,7 @@ def load_peft_adapter(
         header = _read_header(handle)
         layout = _layout(folder, config, header, spec, max_lora_rank)
         tensors = _read_tensors(handle, header)
-    return _build_adapter(layout, tensors, version_id)
+    return _build_adapter(layout, tensors, version_id, serving_dtype)
 
 
 @dataclass(frozen=True)
@@ -178,8 +192,10 @@ def stored_tensors(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         tensors = {name: _stored(entry, 8 + length, data_bytes) for name, entry in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise AdapterFormatError(f"{SAFETENSORS_NAME}: unreadable header ({type(exc).__name__}: {exc})") from exc
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
+        raise AdapterFormatError(
+            f"{SAFETENSORS_NAME}: unreadable header ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
     _check_disjoint(tensors)
     return tensors
 
@@ -199,12 +215,18 @@ def _check_disjoint(tensors: dict[str, StoredTensor]) -> None:
             raise AdapterFormatError(f"{SAFETENSORS_NAME}: tensors {first!r} and {second!r} overlap in the file")
 
 
-def validate_adapter_dir(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterInfo:
+def validate_adapter_dir(
+    path: str | os.PathLike[str],
+    spec: BaseModelSpec,
+    max_lora_rank: int,
+    *,
+    serving_dtype: torch.dtype = torch.float32,
+) -> AdapterInfo:
     """Run every check of ``load_peft_adapter`` and return the summary; no tensors are kept.
 
     For the platform to call before storing an upload. Raises what ``load_peft_adapter`` raises.
     """
-    return load_peft_adapter(path, spec, max_lora_rank).info()
+    return load_peft_adapter(path, spec, max_lora_rank, serving_dtype=serving_dtype).info()
 
 
 FileSignature = tuple[tuple[int, int], tuple[int, int]]
@@ -234,6 +256,7 @@ def _checked_config(
     _refuse_pickle(folder)
     config = read_adapter_config(folder)
     _check_layers_to_transform(config, spec)
+    _check_target_modules_exist(config, spec)
     return folder, config
 
 
@@ -281,6 +304,24 @@ def _check_layers_to_transform(config: PeftLoraConfig, spec: BaseModelSpec) -> N
             )
 
 
+def _check_target_modules_exist(config: PeftLoraConfig, spec: BaseModelSpec) -> None:
+    """Every entry of a ``target_modules`` list must name a LoRA-able module of the model
+    (equal to a module key such as ``model.layers.0.self_attn.q_proj``, or a ``.``-suffix of one)."""
+    if not isinstance(config.target_modules, tuple):
+        return
+    names: set[str] = set()
+    for layer in range(spec.num_layers):
+        for module in spec.module_shapes:
+            parts = ["model", "layers", str(layer), MODULE_PARENT[module], module]
+            names.update(".".join(parts[i:]) for i in range(len(parts)))
+    for entry in config.target_modules:
+        if entry not in names:
+            raise AdapterIncompatibleError(
+                f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}, which the base model ({spec.architecture}) "
+                f"does not have; its LoRA-able modules are {', '.join(spec.module_shapes)}"
+            )
+
+
 @contextmanager
 def _open_weights(folder: Path) -> Iterator[Any]:
     path = folder / SAFETENSORS_NAME
@@ -321,6 +362,12 @@ def _plan_modules(
     """Check every tensor of the header against the config and the model; one plan per module."""
     if not header:
         raise AdapterFormatError(f"{SAFETENSORS_NAME}: holds no tensors")
+    most = 2 * spec.num_layers * len(spec.module_shapes)
+    if len(header) > 2 * most + 64:  # bounds the work; a few extra tensors get the precise refusal below
+        raise AdapterIncompatibleError(
+            f"{SAFETENSORS_NAME}: holds {len(header)} tensors; an adapter of this base model has at most {most} "
+            f"(lora_A and lora_B of {len(spec.module_shapes)} modules in {spec.num_layers} layers)"
+        )
     refs = [_parse_name(name, dtype, shape, spec) for name, (dtype, shape) in sorted(header.items())]
     _check_adapter_names(refs)
     _check_mapped(refs, spec)
@@ -331,6 +378,10 @@ def _plan_modules(
 
 
 def _parse_name(name: str, dtype: str, shape: tuple[int, ...], spec: BaseModelSpec) -> _TensorRef:
+    if len(name) > MAX_TENSOR_NAME_CHARS:
+        raise AdapterFormatError(
+            f"tensor name {name[:60]!r}... is {len(name)} characters long; at most {MAX_TENSOR_NAME_CHARS}"
+        )
     if any(is_unsupported_target(part) for part in name.split(".")):
         raise AdapterUnsupportedError(f"tensor {name!r}: LoRA on embed_tokens/lm_head is not supported")
     match = _LORA_TENSOR.fullmatch(name)
@@ -357,6 +408,11 @@ def _map_module(module_key: str, spec: BaseModelSpec) -> tuple[int | None, str |
     match = _LAYER_MODULE.fullmatch(module_key)
     if match is None:
         return None, None
+    if _LAYER_INDEX.fullmatch(match["layer"]) is None:
+        raise AdapterIncompatibleError(
+            f"module {module_key!r}: layer index {match['layer']!r} is not a decimal of at most 6 digits "
+            "without leading zeros"
+        )
     module = match["module"]
     if module not in spec.module_shapes or MODULE_PARENT[module] != match["parent"]:
         return None, None
@@ -456,9 +512,10 @@ def _check_tensor(
 
 
 def _build_adapter(
-    layout: AdapterLayout, tensors: dict[str, torch.Tensor], version_id: str | None
+    layout: AdapterLayout, tensors: dict[str, torch.Tensor], version_id: str | None, serving_dtype: torch.dtype
 ) -> LoRAAdapter:
     _check_finite(tensors)
+    _check_scaled_finite(layout, tensors, serving_dtype)
     weights = {
         (plan.layer, plan.module): LoRAWeight(
             a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(), scaling=plan.hyper.scaling
@@ -485,6 +542,32 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
     for name in sorted(tensors):
         if not bool(torch.isfinite(tensors[name]).all()):
             raise AdapterFormatError(f"tensor {name!r} contains NaN or Inf values")
+
+
+def _check_scaled_finite(layout: AdapterLayout, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Per module: the scaling finite in float32 (the slot scaling table), and
+    ``|scaling| * sum_k max_i |B[i, k]| * max_j |A[k, j]|`` (a bound of every entry of
+    ``scaling * B @ A``, computed in float64) at most the largest finite value of ``dtype``."""
+    fp32_max = torch.finfo(torch.float32).max
+    limit = torch.finfo(dtype).max
+    for plan in layout.modules:
+        where = f"layer {plan.layer} {plan.module}"
+        scaling = plan.hyper.scaling
+        if not abs(scaling) <= fp32_max:
+            raise AdapterIncompatibleError(
+                f"{CONFIG_NAME}: {where}: scaling {scaling:.4g} (lora_alpha={plan.hyper.alpha:.4g}, "
+                f"{plan.hyper.rank_field}={plan.hyper.rank}) is not finite in float32"
+            )
+        a_max = tensors[plan.a_name].double().abs().amax(dim=1)  # [r]
+        b_max = tensors[plan.b_name].double().abs().amax(dim=0)  # [r]
+        bound = abs(scaling) * float((a_max * b_max).sum())
+        largest = max(float(a_max.max()), float(b_max.max()))
+        if not (bound <= limit and largest <= limit):
+            raise AdapterIncompatibleError(
+                f"{where}: scaling * lora_B @ lora_A is not finite in {str(dtype).removeprefix('torch.')} "
+                f"(scaling {scaling:.4g}, |lora_A| and |lora_B| up to {largest:.4g}: entries up to {bound:.4g}, "
+                f"largest finite value {limit:.4g})"
+            )
 
 
 def _zero_b_warnings(weights: dict[tuple[int, str], LoRAWeight]) -> tuple[str, ...]:

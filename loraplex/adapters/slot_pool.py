@@ -8,11 +8,15 @@ slots are ever overwritten, so an adapter never changes under a running request.
 
 Registration cost: with a declared ``LoRARequest.version_id`` only ``adapter_config.json``
 and the safetensors header are read (every structural check runs; tensors are read at
-first use and never hashed). Without one, the files are read and hashed once (as the
-platform's upload does) and the adapter is cached only if the host cache has room:
-registering never evicts another adapter. Either way the files' stat signature
-(size, mtime_ns) is recorded; a later read trusts the registered ``version_id`` while
-the signature is unchanged and re-hashes (``AdapterChangedError`` on a mismatch) otherwise.
+first use). Without one, the files are read and hashed once (as the platform's upload
+does) and the adapter is cached only if the host cache has room: registering never
+evicts another adapter.
+
+Content verification: the first read of a registration's tensors (into the host cache)
+hashes them and compares with the registered ``version_id`` (``AdapterChangedError`` on a
+mismatch: files changed on disk after they were validated); the files' stat signature
+(size, mtime_ns) is then recorded, and later reads trust the ``version_id`` while it is
+unchanged and re-hash otherwise.
 
 Loads off the critical path: ``ensure_ready(id)`` is True when ``pin(id)`` will not
 touch the disk (resident or cached); otherwise it starts a background read (at most
@@ -118,13 +122,15 @@ class SlotPoolStats:
 @dataclass
 class _Registration:
     """``signature``: the files' stat when registered or last verified (``None``: could not stat);
-    ``layout``: the header checks' result, reused by reads while the signature holds."""
+    ``layout``: the header checks' result, reused by reads while the signature holds;
+    ``verified``: the content was hashed and matched ``version_id`` under ``signature``."""
 
     request: LoRARequest
     version_id: str
     signature: FileSignature | None
     layout: AdapterLayout | None = None
     pending_removal: bool = False
+    verified: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,7 +241,7 @@ class LoRASlotPool:
             self._registry[request.lora_int_id] = _Registration(request, request.version_id, signature, layout)
             return True
         image = self._load(request.lora_path)
-        self._registry[request.lora_int_id] = _Registration(request, image.version_id, signature)
+        self._registry[request.lora_int_id] = _Registration(request, image.version_id, signature, verified=True)
         self._cpu.put_if_room(request.lora_int_id, image)
         return True
 
@@ -431,7 +437,7 @@ class LoRASlotPool:
 
     def _load(self, path: str) -> SlotImage:
         """Read, validate and hash the adapter at ``path`` (registration without a declared id)."""
-        image = self._image_of(load_peft_adapter(path, self.spec, self.max_lora_rank))
+        image = self._image_of(load_peft_adapter(path, self.spec, self.max_lora_rank, serving_dtype=self.dtype))
         self._disk_loads += 1
         return image
 
@@ -458,21 +464,23 @@ class LoRASlotPool:
         version_id: str,
         signature: FileSignature | None,
         layout: AdapterLayout | None = None,
+        verified: bool = False,
     ) -> _Read:
         """Read a registered adapter's tensors (runs on the loader thread: touches no pool state).
 
-        While the files' stat signature equals ``signature`` (before and after the read) the
-        registered ``version_id`` is trusted; otherwise the content is re-hashed and must match.
+        Once ``verified``, while the files' stat signature equals ``signature`` (before and after
+        the read) the registered ``version_id`` is trusted; otherwise (first read, or files
+        touched since) the content is hashed and must match.
         Raises ``AdapterError`` (anything else the read raises is wrapped in ``AdapterFormatError``).
         """
         path = request.lora_path
         try:
             before = adapter_files_signature(path)
-            if before is not None and before == signature:
+            if verified and before is not None and before == signature:
                 image = self._read_declared(path, version_id, layout)
                 if adapter_files_signature(path) == before:
                     return _Read(image, before)
-            adapter = load_peft_adapter(path, self.spec, self.max_lora_rank)
+            adapter = load_peft_adapter(path, self.spec, self.max_lora_rank, serving_dtype=self.dtype)
             if adapter.version_id != version_id:
                 raise AdapterChangedError(
                     f"adapter {request.lora_name!r} at lora_path={path!r} changed on disk: "
@@ -499,7 +507,8 @@ class LoRASlotPool:
             )
         request = registration.request
         self._loading[int_id] = self._executor.submit(
-            self._read, request, registration.version_id, registration.signature, registration.layout
+            self._read, request, registration.version_id, registration.signature, registration.layout,
+            registration.verified,
         )
 
     def _reap_finished(self) -> None:
@@ -523,7 +532,8 @@ class LoRASlotPool:
     def _read_now(self, registration: _Registration) -> SlotImage:
         try:
             read = self._read(
-                registration.request, registration.version_id, registration.signature, registration.layout
+                registration.request, registration.version_id, registration.signature, registration.layout,
+                registration.verified,
             )
         except AdapterError:
             self._load_failures += 1
@@ -533,6 +543,7 @@ class LoRASlotPool:
     def _accept_read(self, registration: _Registration, read: _Read) -> SlotImage:
         self._disk_loads += 1
         registration.signature = read.signature
+        registration.verified = True
         return read.image
 
     def _cache(self, int_id: int, image: SlotImage) -> None:

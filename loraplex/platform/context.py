@@ -26,8 +26,11 @@ from loraplex.platform.settings import Settings
 from loraplex.platform.usage import UsageWriter
 
 if TYPE_CHECKING:
+    import torch
+
     from loraplex.adapters import BaseModelSpec
     from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.services.validation import UploadValidator
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,9 @@ class PlatformContext:
     """Everything a service function may need.
 
     ``engine`` is None when the app serves no model (admin API only); then
-    ``model_id``, ``max_model_len`` and ``base_spec`` are None too.
+    ``model_id``, ``max_model_len`` and ``base_spec`` are None too. ``serving_dtype``:
+    the dtype adapters are served in (the engine's slot dtype), which uploads are checked
+    against; ``upload_validator`` runs those checks in worker processes.
     """
 
     settings: Settings
@@ -55,6 +60,8 @@ class PlatformContext:
     base_spec: BaseModelSpec | None = None
     max_lora_rank: int | None = None
     admission: TenantAdmission = field(default_factory=TenantAdmission)
+    serving_dtype: torch.dtype | None = None
+    upload_validator: UploadValidator | None = None
     started_at: float = field(default_factory=time.time)
 
 
@@ -70,7 +77,8 @@ def build_context(settings: Settings, engine: AsyncEngine | None, *, out: TextIO
         cache=LookupCache(store, settings.cache_ttl_s), limiter=RateLimiter(store),
         metrics=PlatformMetrics(), admin_key_hash=_admin_key_hash(settings, sessions, out),
         usage=UsageWriter(sessions, max_entries=settings.usage_buffer_max_entries,
-                          give_up_s=settings.usage_give_up_s))
+                          give_up_s=settings.usage_give_up_s),
+        upload_validator=_upload_validator(settings))
     if engine is not None:
         attach_engine(ctx, engine)
     return ctx
@@ -84,6 +92,7 @@ def attach_engine(ctx: PlatformContext, engine: AsyncEngine) -> None:
     ctx.base_spec = engine.base_spec if engine.lora_enabled else None
     ctx.max_lora_rank = engine.max_lora_rank
     ctx.admission = TenantAdmission(clock=engine.clock)  # one timeline for gate and engine deadlines
+    ctx.serving_dtype = engine.engine.lora_pool.dtype if engine.lora_enabled else None
     ctx.metrics.bind_engine(engine)
     ctx.metrics.bind_admission(ctx.admission)
 
@@ -104,6 +113,24 @@ def attach_model_spec(ctx: PlatformContext) -> None:
     ctx.base_spec = BaseModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder)))
     ctx.max_lora_rank = settings.max_lora_rank or EngineConfig.__dataclass_fields__["max_lora_rank"].default
     ctx.model_id = settings.model_id
+    ctx.serving_dtype = _strictest_dtype(settings.dtype)
+
+
+def _strictest_dtype(dtype: str | None) -> torch.dtype:
+    """The serving dtype for ``Settings.dtype`` without an engine: as named; ``auto`` (bfloat16
+    on CUDA, float32 on CPU) checks against bfloat16, the narrower range of the two."""
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16}.get(dtype or "auto", torch.bfloat16)
+
+
+def _upload_validator(settings: Settings) -> UploadValidator:
+    from loraplex.platform.services.validation import UploadValidator
+
+    memory_mb = settings.upload_check_memory_mb
+    return UploadValidator(deadline_s=settings.upload_check_timeout_s,
+                           max_concurrent=settings.max_concurrent_upload_checks,
+                           memory_bytes=None if memory_mb is None else int(memory_mb * 10**6))
 
 
 def _admin_key_hash(settings: Settings, sessions: sessionmaker[Session], out: TextIO) -> str:

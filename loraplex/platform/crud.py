@@ -15,6 +15,8 @@ from loraplex.platform.models import Adapter, AdapterVersion, AdminKey, ApiKey, 
 
 READY = "ready"
 SUPERSEDED = "superseded"
+BROKEN = "broken"  # live, but its stored files failed the engine's content-hash check
+LIVE = (READY, BROKEN)
 
 
 # -- tenants ---------------------------------------------------------------------------------------
@@ -118,9 +120,10 @@ def get_adapter(*, session: Session, tenant_id: int, name: str) -> Adapter | Non
 
 
 def live_version(*, session: Session, adapter_id: int) -> AdapterVersion | None:
-    """The newest ``ready`` version of an adapter."""
+    """The newest ``ready`` or ``broken`` version of an adapter (a broken one is not skipped:
+    its requests fail clearly rather than silently running an older version)."""
     return session.scalar(sa.select(AdapterVersion).where(
-        AdapterVersion.adapter_id == adapter_id, AdapterVersion.status == READY,
+        AdapterVersion.adapter_id == adapter_id, AdapterVersion.status.in_(LIVE),
     ).order_by(AdapterVersion.version.desc()).limit(1))
 
 
@@ -128,7 +131,7 @@ def list_live_adapters(*, session: Session, tenant_id: int) -> list[tuple[Adapte
     """(adapter, live version) pairs of a tenant, by name."""
     rows = session.execute(sa.select(Adapter, AdapterVersion).join(
         AdapterVersion, AdapterVersion.adapter_id == Adapter.id).where(
-        Adapter.tenant_id == tenant_id, AdapterVersion.status == READY).order_by(Adapter.name))
+        Adapter.tenant_id == tenant_id, AdapterVersion.status.in_(LIVE)).order_by(Adapter.name))
     return [(a, v) for a, v in rows]
 
 
@@ -149,7 +152,7 @@ def add_adapter_version(*, session: Session, tenant_id: int, name: str, content_
     last = session.scalar(sa.select(sa.func.max(AdapterVersion.version)).where(
         AdapterVersion.adapter_id == adapter.id)) or 0
     superseded = list(session.scalars(sa.select(AdapterVersion).where(
-        AdapterVersion.adapter_id == adapter.id, AdapterVersion.status == READY)))
+        AdapterVersion.adapter_id == adapter.id, AdapterVersion.status.in_(LIVE))))
     for old in superseded:
         old.status = SUPERSEDED
     version = AdapterVersion(adapter_id=adapter.id, version=last + 1, content_hash=content_hash, rank=rank,
@@ -173,9 +176,31 @@ def delete_adapter(*, session: Session, adapter: Adapter) -> None:
 
 
 def content_hash_in_use(*, session: Session, content_hash: str) -> bool:
-    """True if any recorded version still points at this stored folder."""
+    """True if any live (ready or broken) version still points at this stored folder."""
     return session.scalar(sa.select(sa.func.count(AdapterVersion.id)).where(
-        AdapterVersion.content_hash == content_hash, AdapterVersion.status == READY)) > 0
+        AdapterVersion.content_hash == content_hash, AdapterVersion.status.in_(LIVE))) > 0
+
+
+def stored_content_hashes(*, session: Session) -> set[str]:
+    """Content hashes of all live (ready or broken) versions: the folders the store must keep."""
+    return set(session.scalars(sa.select(AdapterVersion.content_hash).where(AdapterVersion.status.in_(LIVE))))
+
+
+def mark_version_broken(*, session: Session, version_id: int) -> bool:
+    """Set a ``ready`` version ``broken``; False if it is not (any more) ready."""
+    return session.execute(sa.update(AdapterVersion).where(
+        AdapterVersion.id == version_id, AdapterVersion.status == READY).values(status=BROKEN)).rowcount > 0
+
+
+def repair_versions(*, session: Session, content_hash: str) -> list[tuple[int, str]]:
+    """Set the ``broken`` versions of this content ``ready`` again (its files were just stored
+    anew); returns their (tenant id, adapter name) pairs."""
+    rows = session.execute(sa.select(AdapterVersion, Adapter.tenant_id, Adapter.name).join(Adapter).where(
+        AdapterVersion.content_hash == content_hash, AdapterVersion.status == BROKEN)).all()
+    for version, _, _ in rows:
+        version.status = READY
+    session.flush()
+    return [(tenant_id, name) for _, tenant_id, name in rows]
 
 
 # -- usage -----------------------------------------------------------------------------------------

@@ -22,6 +22,10 @@ class PlatformError(Exception):
         if code is not None:
             self.code = code
 
+    def __reduce__(self):
+        # Pickled with its param and code (upload checks raise them in a worker process).
+        return _restore, (type(self), self.__dict__.copy())
+
     def to_body(self) -> dict[str, Any]:
         """The JSON error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -29,6 +33,13 @@ class PlatformError(Exception):
     def headers(self) -> dict[str, str]:
         """Extra response headers."""
         return {}
+
+
+def _restore(cls: type[PlatformError], state: dict[str, Any]) -> PlatformError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, state.get("message", ""))
+    error.__dict__.update(state)
+    return error
 
 
 class InvalidRequest(PlatformError):
@@ -131,3 +142,28 @@ class QueueTimedOut(ServiceUnavailable):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class AdapterBroken(PlatformError):
+    """409: the adapter's stored files no longer match what was uploaded (changed or damaged
+    on the server); uploading the original again repairs it."""
+
+    status_code = 409
+    code = "adapter_broken"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"adapter {name!r} cannot be served: its stored files are damaged; upload it again to "
+                         "repair it", param="model")
+
+
+class InternalError(PlatformError):
+    """500: an unexpected failure. The body says only that (and a reference to find the
+    details in the server log); never exception text, paths or database driver messages."""
+
+    status_code = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, reference: str | None = None) -> None:
+        suffix = f" (reference {reference})" if reference else ""
+        super().__init__(f"internal server error{suffix}")

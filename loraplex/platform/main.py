@@ -4,7 +4,9 @@
 an :class:`~loraplex.platform.async_engine.AsyncEngine`, or None: then the
 model in ``settings.model`` is loaded, or, without one, only the admin API
 works (serving answers 503). The app starts the engine thread at startup and
-stops it at shutdown; ``app.state.ctx`` is the :class:`PlatformContext` the
+stops it at shutdown; at startup it also removes what interrupted uploads left on disk
+(``services.adapters.clean_storage``) and starts the upload checkers' forkserver;
+``app.state.ctx`` is the :class:`PlatformContext` the
 console shares. The platform never imports the console: ``loraplex serve`` and
 ``loraplex demo up`` mount it through the hook the CLI passes in
 (:func:`loraplex.platform.cli.add_commands`).
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import AsyncIterator
 from typing import TextIO
 
@@ -30,7 +33,7 @@ from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES
 from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.cache import publish_stats
 from loraplex.platform.context import PlatformContext, build_context
-from loraplex.platform.services.adapters import MB
+from loraplex.platform.services.adapters import MB, clean_storage
 from loraplex.platform.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,9 @@ def _as_async_engine(settings: Settings, engine) -> AsyncEngine | None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     ctx: PlatformContext = app.state.ctx
+    await run_in_threadpool(clean_storage, ctx)
+    if ctx.upload_validator is not None:
+        threading.Thread(target=ctx.upload_validator.warm_up, name="loraplex-forkserver-start", daemon=True).start()
     publisher = None
     if ctx.engine is not None:
         ctx.engine.start()

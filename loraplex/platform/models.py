@@ -128,11 +128,16 @@ class Adapter(Base):
 class AdapterVersion(Base):
     """One uploaded, validated version. ``content_hash`` (sha256 hex, the adapters package's
     ``version_id``) names its folder under ``<data_dir>/adapters/``; ``id`` doubles as the
-    engine's ``lora_int_id``. ``status``: ``ready`` (live), ``superseded`` (a newer version is live).
+    engine's ``lora_int_id`` and is never reused, not even after a delete (SQLite
+    ``AUTOINCREMENT``; PostgreSQL sequences never hand a value out twice): requests of a
+    deleted version may still be running under its id. ``status``: ``ready`` (live),
+    ``superseded`` (a newer version is live), ``broken`` (live, but its stored files failed
+    the engine's content-hash check; see ``services.adapters``).
     """
 
     __tablename__ = "adapter_versions"
-    __table_args__ = (UniqueConstraint("adapter_id", "version", name="uq_adapter_versions_adapter_id_version"),)
+    __table_args__ = (UniqueConstraint("adapter_id", "version", name="uq_adapter_versions_adapter_id_version"),
+                      {"sqlite_autoincrement": True})
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), index=True)

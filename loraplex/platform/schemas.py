@@ -123,7 +123,7 @@ class TenantContext(BaseModel):
 
 class AdapterRoute(BaseModel):
     """What serving needs to run a tenant's adapter: the engine's ``lora_int_id`` (the
-    version's id), a unique ``lora_name`` and the folder."""
+    version's id, never reused), a unique ``lora_name``, the folder and the version's status."""
 
     name: str
     version: int
@@ -131,6 +131,7 @@ class AdapterRoute(BaseModel):
     lora_name: str
     lora_path: str
     created_at: dt.datetime
+    status: str = "ready"
 
 
 class UsagePublic(BaseModel):

@@ -73,6 +73,13 @@ class Settings(BaseSettings):
     default_tenant_tokens_per_minute: int | None = Field(None, ge=1)
     max_archive_members: int = Field(16, ge=2, description="Most members an uploaded archive may hold.")
     max_compression_ratio: float = Field(200.0, gt=1.0, description="Largest uncompressed/compressed ratio.")
+    upload_check_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of one upload's checks (extraction, config, header, regexes, tensors, "
+                                "hash) in their worker process; past it the upload is refused (400).")
+    upload_check_memory_mb: float | None = Field(
+        2000.0, gt=0, description="Memory an upload's check process may use beyond its size at start (MB); "
+                                  "None = no cap.")
+    max_concurrent_upload_checks: int = Field(2, ge=1, description="Upload check processes at once.")
 
     # --- request limits and usage accounting ---------------------------------------------------
     max_json_body_mb: float = Field(

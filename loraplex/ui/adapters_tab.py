@@ -8,7 +8,9 @@ through the platform's ``upload_adapter`` service (the same as
 
 from __future__ import annotations
 
+
 import contextlib
+import logging
 import mimetypes
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -34,6 +36,7 @@ from loraplex.ui.wiring import on, with_error_message
 ADAPTER_COLUMNS = ["adapter", "version", "rank", "alpha", "target modules", "size", "status", "uploaded (UTC)",
                    "version id"]
 Progress = Callable[..., object]
+logger = logging.getLogger(__name__)
 INVALIDATE_JS = "() => [{__type__: 'update', interactive: false}, '']"  # (confirm button, report)
 
 
@@ -56,6 +59,8 @@ def residency(lora_int_id: int, lora_name: str, lora_stats: dict | None) -> str:
 
 
 def _status(ctx: PlatformContext, tenant_id: int, adapter: AdapterPublic, lora_stats: dict | None) -> str:
+    if adapter.status == "broken":
+        return "broken: stored files damaged, upload the original again"
     try:
         route = adapter_service.resolve_adapter(ctx=ctx, tenant_id=tenant_id, name=adapter.name)
     except ModelNotFound:  # deleted meanwhile
@@ -149,7 +154,8 @@ def _preload(ctx: PlatformContext, tenant_id: int, name: str) -> str:
     try:
         loaded = services.preload_adapter(ctx=ctx, tenant_id=tenant_id, name=name)
     except (AdapterError, EngineStoppedError, FutureTimeout) as exc:
-        return f"loading it into the engine failed ({exc}); it will be loaded at its first request"
+        logger.warning("console preload of adapter %r (tenant %d) failed: %s", name, tenant_id, exc)
+        return "loading it into the engine failed; it will be loaded at its first request"
     return "loaded into the engine's CPU cache" if loaded else "no engine is running: loaded at first request"
 
 

@@ -24,12 +24,11 @@ from sqlalchemy.orm import Session
 from loraplex.adapters import AdapterInfo
 from loraplex.platform import crud
 from loraplex.platform.context import PlatformContext
-from loraplex.platform.errors import ServiceUnavailable
 from loraplex.platform.models import Tenant, UsageCounter
 from loraplex.platform.schemas import TenantContext, UsagePublic
 from loraplex.platform.services import adapters as adapter_service
 from loraplex.platform.services import tenants as tenant_service
-from loraplex.platform.services.uploads import UploadPart, remove_tree
+from loraplex.platform.services.uploads import UploadPart
 
 PRELOAD_TIMEOUT_S = 60.0
 
@@ -54,14 +53,7 @@ def preview_upload(*, session: Session, ctx: PlatformContext, tenant: TenantCont
     adapter refused: the ``AdapterError`` message), ``PayloadTooLarge``, ``UnsupportedMediaType``,
     ``ServiceUnavailable`` (no base model to validate against).
     """
-    adapter_service._check_name(ctx, name)
-    if ctx.base_spec is None or ctx.max_lora_rank is None:
-        raise ServiceUnavailable("no base model with LoRA enabled is loaded: adapters cannot be validated")
-    staging = adapter_service._stage(ctx, tenant, parts)
-    try:
-        info = adapter_service._validate(ctx, staging)
-    finally:
-        remove_tree(staging)
+    info = adapter_service.validate_upload(ctx=ctx, tenant=tenant, name=name, parts=parts)
     adapter = crud.get_adapter(session=session, tenant_id=tenant.tenant_id, name=name)
     live = crud.live_version(session=session, adapter_id=adapter.id) if adapter else None
     return UploadPreview(name=name, info=info, replaces_version=live.version if live else None,

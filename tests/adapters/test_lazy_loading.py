@@ -129,7 +129,7 @@ def wait_ready(pool, int_id, *, timeout_s=30.0) -> None:
 # ---------------------------------------------------------------- declared version id
 
 
-def test_declared_registration_reads_header_only_and_first_use_reads_without_hashing(make_adapters, monkeypatch):
+def test_declared_registration_reads_header_only_and_first_use_verifies_the_hash(make_adapters, monkeypatch):
     (request, reference), = make_adapters(1)
     spy = ReadSpy(monkeypatch)
     pool = make_pool()
@@ -138,8 +138,8 @@ def test_declared_registration_reads_header_only_and_first_use_reads_without_has
     stats = pool.stats()
     assert (stats.disk_loads, stats.cpu_cache_lru, stats.registered) == (0, [], ["ad1"])
     assert pool.version_id(1) == request.version_id
-    assert pool.pin(1) == 0  # first use: tensors read now, still not hashed
-    assert spy.counts == (1, 0)
+    assert pool.pin(1) == 0  # first use: tensors read now and hashed once (checked against the declared id)
+    assert spy.counts == (1, 1)
     assert (pool.stats().disk_loads, pool.stats().cpu_cache_lru) == (1, ["ad1"])
     assert_slot_holds(pool, 0, reference)
 
@@ -155,8 +155,11 @@ def test_preload_warms_the_host_cache_explicitly(make_adapters, monkeypatch):
     pool.preload(3)  # cached already: nothing read
     stats = pool.stats()
     assert (stats.disk_loads, stats.cpu_cache_lru, stats.cpu_evictions) == (3, ["ad2", "ad3"], 1)
-    assert pool.pin(3) == 0 and spy.counts == (3, 0)
+    assert pool.pin(3) == 0 and spy.counts == (3, 3)  # each first read verified its hash
     assert_slot_holds(pool, 0, made[2][1])
+    pool.unpin(3)
+    assert pool.pin(1) == 0 and spy.counts == (4, 3)  # evicted ad1 re-read: verified before, not re-hashed
+    assert_slot_holds(pool, 0, made[0][1])
 
 
 def test_inspect_matches_the_loaded_adapter(make_adapters):
@@ -203,6 +206,30 @@ def test_declared_adapter_changed_on_disk_is_refused_at_first_use(make_adapters,
         pool.pin(1)
     stats = pool.stats()
     assert (stats.load_failures, stats.slot_loads, stats.slots[0].lora_name) == (1, 0, None)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_declared_adapter_changed_before_registration_is_refused_at_first_read(make_adapters, background):
+    """Issue 14 item 15: the stored file changed after upload and before the engine ever saw it
+    (so the stat signature recorded at registration is the changed file's). The first read into
+    the host cache hashes it and refuses it; the pool stays unchanged."""
+    (request, _), = make_adapters(1)
+    weights = Path(request.lora_path) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(b ^ 0x55 for b in data[-8:])  # same size, same header, other values
+    weights.write_bytes(bytes(data))
+    pool = make_pool(background=background)
+    try:
+        pool.add_lora(request)  # header only: still accepted
+        with pytest.raises(AdapterChangedError, match=f"changed on disk: version_id .* != registered "
+                                                      f"{request.version_id}"):
+            if background:
+                wait_ready(pool, 1)
+            pool.pin(1)
+        stats = pool.stats()
+        assert (stats.load_failures, stats.cpu_cache_lru, stats.slot_loads) == (1, [], 0)
+    finally:
+        pool.close()
 
 
 # ---------------------------------------------------------------- without a declared id
@@ -252,7 +279,7 @@ def test_background_read_is_claimed_by_ensure_ready(make_adapters, monkeypatch):
         stats = pool.stats()
         assert (stats.disk_loads, stats.loads_in_flight, stats.cpu_cache_lru) == (1, 0, ["ad1"])
         assert pool.pin(1) == 0  # from host memory
-        assert spy.counts == (1, 0) and pool.stats().disk_loads == 1
+        assert spy.counts == (1, 1) and pool.stats().disk_loads == 1
         assert_slot_holds(pool, 0, reference)
     finally:
         pool.close()
@@ -266,7 +293,7 @@ def test_pin_waits_for_an_in_flight_read_instead_of_reading_twice(make_adapters,
     try:
         assert pool.ensure_ready(1) is False
         assert pool.pin(1) == 0
-        assert spy.counts == (1, 0)
+        assert spy.counts == (1, 1)
         assert (pool.stats().disk_loads, pool.stats().loads_in_flight) == (1, 0)
         assert_slot_holds(pool, 0, reference)
     finally:
@@ -355,7 +382,7 @@ def test_many_declared_adapters_one_read_each(make_adapters, monkeypatch, backgr
                 for _ in range(4):
                     pool.unpin(int_id)
         stats = pool.stats()
-        assert stats.disk_loads == 8 and spy.counts == (8, 0)
+        assert stats.disk_loads == 8 and spy.counts == (8, 8)
         assert (stats.load_failures, stats.slot_loads, stats.cpu_evictions) == (0, 8, 6)
     finally:
         pool.close()

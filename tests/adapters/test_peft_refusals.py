@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -242,7 +243,18 @@ def test_module_missing_from_spec_refused(adapter_copy, spec):
         module_shapes={m: spec.module_shapes[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
         architecture="AttentionOnlyLoRA",
     )
+    # target_modules names MLP modules, which this model lacks: refused from the config already
+    refused(adapter_copy, no_mlp, AdapterIncompatibleError,
+            "which the base model (AttentionOnlyLoRA) does not have; its LoRA-able modules are q_proj, k_proj, v_proj, o_proj")
+    _edit_config_targets(adapter_copy, ["q_proj", "k_proj", "v_proj", "o_proj"])
     refused(adapter_copy, no_mlp, AdapterIncompatibleError, "module 'model.layers.0.mlp.down_proj' is not one of")
+
+
+def _edit_config_targets(folder, targets):
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["target_modules"] = targets
+    path.write_text(json.dumps(config))
 
 
 def test_lora_tensor_on_lm_head_refused(adapter_copy, spec, edit_tensors):
@@ -335,3 +347,117 @@ def test_duplicate_module_refused(adapter_copy, spec, edit_tensors):
     short = Q0_A.removeprefix("base_model.model.")
     edit_tensors(adapter_copy, lambda t: {**t, short: t[Q0_A].clone()})
     refused(adapter_copy, spec, AdapterFormatError, "both hold lora_A of layer 0 q_proj")
+
+
+# ---------------------------------------------------------------- issue 14: hostile uploads are bounded
+
+
+LAYER_26_ZEROS = "base_model.model.model.layers." + "0" * 26 + ".self_attn.q_proj"
+
+
+def test_nested_quantifier_regex_on_zero_run_layer_index_is_refused_structurally(adapter_copy, spec, edit_config,
+                                                                                 edit_tensors):
+    """Issue 14 item 1: this regex took 11.6 s against these names with Python's ``re``; the
+    layer index is refused before any user pattern runs."""
+    edit_config(adapter_copy, target_modules=r"model\.layers\.(\d+)+\.self_attn\.q_projX")
+
+    def zero_run(tensors):
+        return {LAYER_26_ZEROS + ".lora_A.weight": torch.ones(4, 64), LAYER_26_ZEROS + ".lora_B.weight": torch.ones(64, 4)}
+
+    edit_tensors(adapter_copy, zero_run)
+    refused(adapter_copy, spec, AdapterIncompatibleError,
+            f"layer index '{'0' * 26}' is not a decimal of at most 6 digits without leading zeros")
+
+
+@pytest.mark.parametrize("layer_text", ["00", "01", "1234567", "\u0661"])
+def test_non_canonical_layer_indices_refused(adapter_copy, spec, edit_tensors, layer_text):
+    layer_text = layer_text.encode().decode("unicode_escape")
+    prefix = f"base_model.model.model.layers.{layer_text}.self_attn.q_proj"
+    edit_tensors(adapter_copy, lambda t: {**t, prefix + ".lora_A.weight": torch.ones(4, 64),
+                                          prefix + ".lora_B.weight": torch.ones(64, 4)})
+    with pytest.raises(AdapterError):
+        validate_adapter_dir(adapter_copy, spec, MAX_RANK)
+
+
+def test_same_regex_on_well_formed_names_matches_quickly(adapter_copy, spec, edit_config):
+    """The issue's pattern itself is harmless once names are structural (short, canonical):
+    it matches nothing (the X), so the q_proj tensors are reported as untargeted."""
+    edit_config(adapter_copy, target_modules=r"model\.layers\.(\d+)+\.self_attn\.q_projX")
+    refused(adapter_copy, spec, AdapterFormatError, "is not targeted by adapter_config.json")
+
+
+def test_regex_timeout_is_a_refusal(adapter_copy, spec, edit_config, monkeypatch):
+    """A pattern that exceeds the per-match bound is refused naming the field (the bound is
+    lowered to zero here so the test needs no slow pattern)."""
+    from loraplex.adapters import peft_config
+
+    monkeypatch.setattr(peft_config, "REGEX_MATCH_TIMEOUT_S", 0.0)
+    edit_config(adapter_copy, target_modules=r".*\.(q|k|v|o|gate|up|down)_proj")
+    refused(adapter_copy, spec, AdapterFormatError, "target_modules takes too long to match module names")
+
+
+def test_too_long_pattern_refused(adapter_copy, spec, edit_config):
+    edit_config(adapter_copy, rank_pattern={"a" * 2000: 4})
+    refused(adapter_copy, spec, AdapterFormatError, "characters long; at most 1024")
+
+
+def test_config_nested_100000_levels_refused(adapter_copy, spec):
+    """Issue 14 item 14: this config made the upload answer 500 (RecursionError)."""
+    (adapter_copy / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    refused(adapter_copy, spec, AdapterFormatError, "adapter_config.json: nested 100000 levels deep; at most 32")
+
+
+@pytest.mark.parametrize("text", ['{"r": 1' + "0" * 5000 + "}", '{"r": 4, "lora_alpha": 1' + "0" * 400 + "}",
+                                  '{"r": 4, "x": "\\ud800"}' + "\xff"])
+def test_config_numbers_and_bytes_beyond_python_limits_refused(adapter_copy, spec, text):
+    (adapter_copy / "adapter_config.json").write_bytes(text.encode("utf-8", "surrogatepass"))
+    with pytest.raises(AdapterFormatError, match="adapter_config.json"):
+        validate_adapter_dir(adapter_copy, spec, MAX_RANK)
+
+
+def test_target_module_the_model_lacks_refused(adapter_copy, spec, edit_config):
+    """Issue 14 item 13: ["q_proj", "foo_proj"] was accepted silently as ["q_proj"]."""
+    edit_config(adapter_copy, target_modules=["q_proj", "foo_proj"])
+    refused(adapter_copy, spec, AdapterIncompatibleError,
+            "target_modules contains 'foo_proj', which the base model (LlamaForCausalLM) does not have")
+
+
+def test_target_modules_as_module_path_suffixes_accepted(adapter_copy, spec, edit_config):
+    edit_config(adapter_copy, target_modules=["self_attn.q_proj", "k_proj", "model.layers.0.self_attn.v_proj",
+                                              "layers.1.self_attn.v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"])
+    assert validate_adapter_dir(adapter_copy, spec, MAX_RANK).rank == 4
+
+
+def test_lora_alpha_1e308_refused(adapter_copy, spec, edit_config):
+    """Issue 14 item 12: lora_alpha 1e308 uploaded fine, then every request failed."""
+    edit_config(adapter_copy, lora_alpha=1e308)
+    refused(adapter_copy, spec, AdapterIncompatibleError, "scaling 2.5e+307 (lora_alpha=1e+308, r=4) is not finite "
+            "in float32", needs_data=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_f64_weights_of_1e300_refused_in_every_serving_dtype(adapter_copy, spec, edit_tensors, dtype):
+    """Issue 14 item 12: F64 weights of 1e300 are finite as stored but not as served."""
+    edit_tensors(adapter_copy, lambda t: {n: (torch.full_like(v, 1e300, dtype=torch.float64) if ".q_proj.lora_B" in n
+                                               else v) for n, v in t.items()})
+    with pytest.raises(AdapterIncompatibleError, match=rf"layer 0 q_proj: scaling \* lora_B @ lora_A is not finite "
+                                                       rf"in {str(dtype).removeprefix('torch.')}"):
+        validate_adapter_dir(adapter_copy, spec, MAX_RANK, serving_dtype=dtype)
+
+
+def test_scaled_product_beyond_float16_refused_only_there(adapter_copy, spec, edit_tensors):
+    """A and B finite in float16 whose scaled product is not (entries reach 4 * 2 * 300 * 300 = 720000);
+    the bound is checked against the exact product: it is reached."""
+    def big(tensors):
+        out = dict(tensors)
+        out[Q0_A] = torch.full((4, 64), 300.0)
+        out[Q0_B] = torch.full((64, 4), 300.0)
+        return out
+
+    edit_tensors(adapter_copy, big)
+    exact = 2.0 * (torch.full((64, 4), 300.0, dtype=torch.float64) @ torch.full((4, 64), 300.0, dtype=torch.float64))
+    assert float(exact.abs().max()) == 720000.0 > torch.finfo(torch.float16).max
+    with pytest.raises(AdapterIncompatibleError, match="entries up to 7.2e\\+05"):
+        validate_adapter_dir(adapter_copy, spec, MAX_RANK, serving_dtype=torch.float16)
+    assert validate_adapter_dir(adapter_copy, spec, MAX_RANK, serving_dtype=torch.bfloat16).rank == 4

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
+from upload_checks import ISSUE_NAME, ISSUE_REGEX, crashing_check, gil_holding_check, memory_hungry_check  # noqa: F401
 
 ADMIN_KEY = "test-admin-key"
 
@@ -212,3 +213,26 @@ def stored_state(live: LiveServer) -> tuple[int, int, list[str]]:
     leftovers = sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
     assert leftovers == [], f"staging folders left behind: {leftovers}"
     return adapters, versions, folders
+
+
+# -- upload checks -----------------------------------------------------------------------------------
+
+
+def streamed_chunks(live: LiveServer, key: str, model: str, stop: threading.Event, pending: threading.Event,
+                    counts: dict[str, int]) -> None:
+    """Stream completions of ``model`` back to back until ``stop``; count chunks with text in
+    ``counts["total"]`` and, of those, the ones received while ``pending`` is set in ``counts["pending"]``."""
+    import json
+
+    with live.tenant(key) as client:
+        while not stop.is_set():
+            body = {"model": model, "prompt": "Paris is", "max_tokens": 48, "ignore_eos": True, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if json.loads(line[6:])["choices"][0]["text"]:
+                        counts["total"] += 1
+                        counts["pending"] += pending.is_set()
+

@@ -1,13 +1,26 @@
 """Adapter uploads, listing, deletion and model resolution (shared by the admin
 API, the tenant API, the CLI and the console).
 
-Upload flow: size/quota checks -> safe staging of the two PEFT files
-(``uploads.stage_upload``) -> ``loraplex.adapters.validate_adapter_dir``
-against the served base model -> move to the content-addressed folder
-``<data_dir>/adapters/<version_id>/`` -> record a new version (the previous
-one becomes ``superseded``) -> invalidate cached lookups -> retire the old
-version from the engine once its in-flight requests finish. A refused upload
-leaves no row and no file behind.
+Upload flow: size/quota checks -> the uploaded bytes copied under
+``<data_dir>/tmp/<random>/`` -> in a worker process with a deadline
+(``validation.UploadValidator``): safe extraction of the two PEFT files
+(``uploads.stage_upload``) and ``loraplex.adapters.validate_adapter_dir``
+against the served base model and dtype -> the two files moved into the
+content-addressed folder ``<data_dir>/adapters/<version_id>/`` (replacing the
+files there, so uploading the original again repairs a damaged folder) ->
+record a new version (the previous one becomes ``superseded``; broken versions
+of the same content become ``ready`` again) -> invalidate cached lookups ->
+retire the old version from the engine once its in-flight requests finish. A
+refused upload leaves no row and no file behind.
+
+Version statuses: ``ready`` (live), ``superseded`` (a newer version is live),
+``broken`` (live, but its stored files failed the content-hash check when the
+engine first read them: requests on it get 409 ``adapter_broken`` until the
+original is uploaded again). ``clean_storage`` (at server start) removes
+staging leftovers and folders no live version names: the registry is the truth.
+
+Tenants see error messages without server paths or internal ids
+(:func:`public_text`); the details go to the log.
 """
 
 from __future__ import annotations
@@ -19,25 +32,30 @@ import threading
 import uuid
 from pathlib import Path
 
+import torch
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from loraplex.adapters import AdapterError, AdapterInfo, validate_adapter_dir
+from loraplex.adapters import AdapterError, AdapterInfo
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.platform import crud
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.db import session_scope
 from loraplex.platform.errors import (
+    AdapterBroken,
     Conflict,
     InvalidRequest,
     LimitExceeded,
     ModelNotFound,
     NotFound,
+    PayloadTooLarge,
+    PlatformError,
     ServiceUnavailable,
 )
 from loraplex.platform.models import AdapterVersion
 from loraplex.platform.schemas import NAME_PATTERN, AdapterPublic, AdapterRoute, TenantContext
-from loraplex.platform.services.uploads import UploadLimits, UploadPart, remove_tree, stage_upload
+from loraplex.platform.services.uploads import PEFT_FILES, UploadLimits, UploadPart, remove_tree
+from loraplex.platform.services.validation import StagedPart, UploadCheck, stage_parts
 
 logger = logging.getLogger(__name__)
 MB = 10**6
@@ -74,23 +92,24 @@ def upload_adapter(*, session: Session, ctx: PlatformContext, tenant: TenantCont
     """Validate and store an upload as the new live version of ``tenant``'s adapter ``name``.
 
     Raises ``InvalidRequest`` (400: bad name, bad archive, adapter refused by
-    ``loraplex.adapters`` — the message is its ``AdapterError``), ``LimitExceeded``
-    (403: max adapters), ``PayloadTooLarge`` (413), ``UnsupportedMediaType`` (415),
-    ``ServiceUnavailable`` (503: no base model to validate against).
+    ``loraplex.adapters`` — the message is its ``AdapterError`` without server paths —,
+    or its check passed its deadline / memory cap), ``LimitExceeded`` (403: max adapters),
+    ``PayloadTooLarge`` (413), ``UnsupportedMediaType`` (415), ``ServiceUnavailable``
+    (503: no base model to validate against, every check worker busy, storage failing).
     """
     _check_ready(ctx, name)
     is_new = crud.get_adapter(session=session, tenant_id=tenant.tenant_id, name=name) is None
     if is_new and crud.count_adapters(session=session, tenant_id=tenant.tenant_id) >= tenant.max_adapters:
         raise LimitExceeded(f"tenant {tenant.tenant_name!r} has reached max_adapters={tenant.max_adapters}",
                             param="name")
-    staging = _stage(ctx, tenant, parts)
+    staging, staged = _stage(ctx, tenant, parts)
     try:
-        info = _validate(ctx, staging)
-        stored = _store(ctx, staging, info.version_id)
-        version, superseded = _record(session, ctx, tenant, name, info, stored)
+        info = _validate(ctx, tenant, staging, staged)
+        stored = _store(ctx, staging / _CHECKED, info.version_id)
+        version, superseded, repaired = _record(session, ctx, tenant, name, info, stored)
     finally:
         remove_tree(staging)
-    ctx.cache.invalidate(*adapter_cache_keys(tenant.tenant_id, name))
+    ctx.cache.invalidate(*adapter_cache_keys(tenant.tenant_id, name), *repaired)
     retire_versions(ctx, [(v.id, v.content_hash) for v in superseded])
     return version_public(name, version)
 
@@ -100,9 +119,9 @@ def validate_upload(*, ctx: PlatformContext, tenant: TenantContext, name: str,
     """Run every check of :func:`upload_adapter` except the quota, store nothing, and return
     the adapter's summary (the console's preview). Raises what ``upload_adapter`` raises."""
     _check_ready(ctx, name)
-    staging = _stage(ctx, tenant, parts)
+    staging, staged = _stage(ctx, tenant, parts)
     try:
-        return _validate(ctx, staging)
+        return _validate(ctx, tenant, staging, staged)
     finally:
         remove_tree(staging)
 
@@ -113,48 +132,78 @@ def _check_ready(ctx: PlatformContext, name: str) -> None:
         raise ServiceUnavailable("no base model with LoRA enabled is loaded: adapters cannot be validated")
 
 
-def _stage(ctx: PlatformContext, tenant: TenantContext, parts: list[UploadPart]) -> Path:
+_INCOMING, _CHECKED = "incoming", "adapter"  # inside a staging folder: the uploaded bytes, the checked files
+
+
+def _limits(ctx: PlatformContext, tenant: TenantContext) -> UploadLimits:
     s = ctx.settings
-    limits = UploadLimits(max_bytes=int(min(tenant.max_upload_mb, s.max_upload_mb) * MB),
-                          max_members=s.max_archive_members, max_compression_ratio=s.max_compression_ratio)
-    staging = s.uploads_tmp_dir / uuid.uuid4().hex
-    staging.mkdir(parents=True)
+    return UploadLimits(max_bytes=int(min(tenant.max_upload_mb, s.max_upload_mb) * MB),
+                        max_members=s.max_archive_members, max_compression_ratio=s.max_compression_ratio)
+
+
+def _stage(ctx: PlatformContext, tenant: TenantContext,
+           parts: list[UploadPart]) -> tuple[Path, tuple[StagedPart, ...]]:
+    """A new staging folder holding the uploaded parts' bytes under ``incoming/``, and the parts.
+    Raises ``PayloadTooLarge`` (413, before anything is written) or ``ServiceUnavailable``
+    (503: the bytes could not be written; details logged)."""
+    limits, total = _limits(ctx, tenant), sum(p.size_bytes for p in parts)
+    if total > limits.max_bytes:
+        raise PayloadTooLarge(f"upload is {total} bytes; the limit is {limits.max_bytes} bytes", param="file")
+    staging = ctx.settings.uploads_tmp_dir / uuid.uuid4().hex
     try:
-        stage_upload(parts, staging, limits)
-    except BaseException:
+        staging.mkdir(parents=True)
+        staged = stage_parts(parts, staging / _INCOMING)
+    except OSError:
         remove_tree(staging)
-        raise
-    return staging
+        logger.exception("could not write an upload to %s", staging)
+        raise ServiceUnavailable("the server could not store the upload; retry later",
+                                 code="storage_unavailable") from None
+    return staging, staged
 
 
-def _validate(ctx: PlatformContext, folder: Path) -> AdapterInfo:
+def _validate(ctx: PlatformContext, tenant: TenantContext, staging: Path,
+              staged: tuple[StagedPart, ...]) -> AdapterInfo:
+    """Extract and check the staged upload in a worker process (``ctx.upload_validator``)."""
+    job = UploadCheck(parts=staged, dest=str(staging / _CHECKED), limits=_limits(ctx, tenant), spec=ctx.base_spec,
+                      max_lora_rank=ctx.max_lora_rank, serving_dtype=ctx.serving_dtype or torch.float32)
     try:
-        return validate_adapter_dir(folder, ctx.base_spec, ctx.max_lora_rank)
+        return ctx.upload_validator.run(job)
     except AdapterError as exc:
-        raise InvalidRequest(str(exc), param="file", code="invalid_adapter") from None
+        raise InvalidRequest(public_text(ctx, str(exc), staging), param="file", code="invalid_adapter") from None
+    except PlatformError as exc:
+        exc.message = public_text(ctx, exc.message, staging)
+        raise
 
 
-def _store(ctx: PlatformContext, staging: Path, version_id: str) -> bool:
-    """Move the staged folder to ``adapters/<version_id>``; False if that content was already stored."""
+def _store(ctx: PlatformContext, checked: Path, version_id: str) -> bool:
+    """Put the checked files in ``adapters/<version_id>``; True if that folder is new.
+
+    An existing folder of the same content gets its two files replaced by the checked ones
+    (each ``os.replace`` is atomic; a reader holding the old file keeps reading it), so
+    uploading the original again repairs a folder damaged on disk.
+    """
     target = ctx.settings.adapters_dir / version_id
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        return False
     try:
-        os.replace(staging, target)
-    except OSError:  # another upload of the same content won the race
-        if not target.exists():
+        os.replace(checked, target)
+        return True
+    except OSError:  # the folder exists (stored earlier, or another upload of the same content won a race)
+        if not target.is_dir():
             raise
-        return False
-    return True
+    for name in PEFT_FILES:
+        os.replace(checked / name, target / name)
+    return False
 
 
 def _record(session: Session, ctx: PlatformContext, tenant: TenantContext, name: str, info: AdapterInfo,
-            stored: bool) -> tuple[AdapterVersion, list[AdapterVersion]]:
+            stored: bool) -> tuple[AdapterVersion, list[AdapterVersion], list[str]]:
+    """Record the version; returns it, the versions it superseded, and the cache keys of the
+    broken versions of the same content that the stored files repaired."""
     try:
-        result = crud.add_adapter_version(
+        version, superseded = crud.add_adapter_version(
             session=session, tenant_id=tenant.tenant_id, name=name, content_hash=info.version_id,
             rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules), size_bytes=info.size_bytes)
+        repaired = crud.repair_versions(session=session, content_hash=info.version_id)
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -166,7 +215,10 @@ def _record(session: Session, ctx: PlatformContext, tenant: TenantContext, name:
         if stored:
             _delete_files_if_unused(ctx, info.version_id)
         raise
-    return result
+    if repaired:
+        logger.info("upload of content %s repaired %d broken version(s)", info.version_id, len(repaired))
+    keys = [key for tenant_id, adapter_name in repaired for key in adapter_cache_keys(tenant_id, adapter_name)]
+    return version, superseded, keys
 
 
 # -- read ------------------------------------------------------------------------------------------
@@ -195,7 +247,8 @@ def cached_adapter_names(*, ctx: PlatformContext, tenant_id: int) -> list[dict]:
 
 
 def resolve_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> AdapterRoute:
-    """The live version of the tenant's adapter ``name`` for serving (read through the cache).
+    """The live version of the tenant's adapter ``name`` (read through the cache); its
+    ``status`` may be ``broken`` (see :func:`servable_route`).
 
     Raises ``ModelNotFound`` for unknown names and other tenants' adapters alike.
     """
@@ -209,12 +262,20 @@ def resolve_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> Adapt
                 name=name, version=version.version, lora_int_id=version.id,
                 lora_name=f"{tenant_id}/{name}@{version.version}",
                 lora_path=str((ctx.settings.adapters_dir / version.content_hash).resolve()),
-                created_at=version.created_at).model_dump(mode="json")
+                created_at=version.created_at, status=version.status).model_dump(mode="json")
 
     data = ctx.cache.get_or_load(f"adapter:{tenant_id}:{name}", load)
     if data is None:
         raise ModelNotFound(name)
     return AdapterRoute.model_validate(data)
+
+
+def servable_route(*, ctx: PlatformContext, tenant_id: int, name: str) -> AdapterRoute:
+    """:func:`resolve_adapter`, refusing a broken version with ``AdapterBroken`` (409)."""
+    route = resolve_adapter(ctx=ctx, tenant_id=tenant_id, name=name)
+    if route.status == crud.BROKEN:
+        raise AdapterBroken(name)
+    return route
 
 
 def lora_request(route: AdapterRoute) -> LoRARequest:
@@ -265,3 +326,62 @@ def _delete_files_if_unused(ctx: PlatformContext, content_hash: str) -> None:
         in_use = crud.content_hash_in_use(session=session, content_hash=content_hash)
     if not in_use:
         remove_tree(ctx.settings.adapters_dir / content_hash)
+
+
+# -- broken versions -------------------------------------------------------------------------------
+def mark_broken(ctx: PlatformContext, *, tenant_id: int, name: str, lora_int_id: int, detail: str) -> None:
+    """Record that the engine could not read version ``lora_int_id`` of the tenant's adapter
+    ``name`` from its stored folder (content hash mismatch, damaged or missing files): its
+    status becomes ``broken`` (shown by the API and the console) and its requests get 409
+    ``adapter_broken`` until the original is uploaded again. ``detail`` goes to the log only."""
+    logger.error("adapter %r of tenant %d (version row %d) is broken: %s", name, tenant_id, lora_int_id, detail)
+    with session_scope(ctx.sessions) as session:
+        crud.mark_version_broken(session=session, version_id=lora_int_id)
+    ctx.cache.invalidate(*adapter_cache_keys(tenant_id, name))
+
+
+# -- storage at start ------------------------------------------------------------------------------
+def clean_storage(ctx: PlatformContext) -> tuple[list[str], list[str]]:
+    """Remove what an interrupted upload (e.g. ``kill -9``) may leave: everything under
+    ``<data_dir>/tmp/`` and every folder under ``<data_dir>/adapters/`` that no ready or broken
+    version names (the registry is the source of truth). For server start, before any
+    upload runs. Returns (removed staging entries, removed adapter folders), names only."""
+    settings = ctx.settings
+    removed_tmp = _remove_children(settings.uploads_tmp_dir, keep=set())
+    with ctx.sessions() as session:
+        referenced = crud.stored_content_hashes(session=session)
+    removed_folders = _remove_children(settings.adapters_dir, keep=referenced)
+    if removed_tmp or removed_folders:
+        logger.warning("startup cleanup: removed %d staging leftover(s) and %d orphan adapter folder(s) %s",
+                       len(removed_tmp), len(removed_folders), removed_folders)
+    return removed_tmp, removed_folders
+
+
+def _remove_children(root: Path, *, keep: set[str]) -> list[str]:
+    if not root.is_dir():
+        return []
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if entry.name in keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            remove_tree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+    return removed
+
+
+# -- what tenants see ------------------------------------------------------------------------------
+def public_text(ctx: PlatformContext, text: str, *folders: Path) -> str:
+    """``text`` without server paths: each of ``folders`` (e.g. an upload's staging folder)
+    becomes ``<upload>``, and the data and cache folders (absolute or as configured)
+    ``<data_dir>`` / ``<cache_dir>``."""
+    replacements = [(str(folder), "<upload>") for folder in folders]
+    replacements += [(str(folder.resolve()), "<upload>") for folder in folders]
+    for root, label in ((ctx.settings.data_dir, "<data_dir>"), (ctx.settings.cache_dir, "<cache_dir>")):
+        replacements += [(str(root.resolve()), label), (str(root), label)]
+    for old, new in sorted(replacements, key=lambda pair: -len(pair[0])):
+        if old and old != ".":
+            text = text.replace(old, new)
+    return text

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loraplex.adapters import AdapterError
+from loraplex.adapters import AdapterConflictError, AdapterError, UnknownAdapterError
 from loraplex.engine.fairness import TenantShare
 from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
 from loraplex.engine.lora_request import LoRARequest
@@ -38,7 +38,9 @@ from loraplex.platform.admission import retry_after_s
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import (
+    AdapterBroken,
     ContextLengthExceeded,
+    InternalError,
     InvalidRequest,
     PlatformError,
     ServiceUnavailable,
@@ -46,7 +48,7 @@ from loraplex.platform.errors import (
 from loraplex.platform.limits import Admission, reserved_tokens
 from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.schemas import TenantContext
-from loraplex.platform.services.adapters import lora_request, resolve_adapter
+from loraplex.platform.services.adapters import lora_request, mark_broken, servable_route
 from loraplex.platform.services.openai_format import OpenAIFormatter, finish_reason, has_entries, sse
 from loraplex.platform.services import structured, tool_calls  # structured output / tool calling hooks
 
@@ -126,7 +128,7 @@ def _refuse_unsupported(**fields: Any) -> None:
 def _resolve_model(ctx: PlatformContext, tenant: TenantContext, model: str) -> tuple[LoRARequest | None, str]:
     if model == ctx.model_id:
         return None, model
-    route = resolve_adapter(ctx=ctx, tenant_id=tenant.tenant_id, name=model)
+    route = servable_route(ctx=ctx, tenant_id=tenant.tenant_id, name=model)
     return lora_request(route), f"{tenant.tenant_name}/{model}"
 
 
@@ -235,7 +237,7 @@ async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStre
         await asyncio.get_running_loop().run_in_executor(None, ctx.limiter.settle, prep.admission, 0)
         if isinstance(exc, PlatformError) and exc.status_code in (429, 503):
             ctx.metrics.tenant_refused.labels(tenant.tenant_name, str(exc.status_code)).inc()
-        raise _engine_error(exc, prep) from None
+        raise _engine_error(exc, prep, ctx) from None
     return streams
 
 
@@ -252,17 +254,43 @@ def _releaser(ctx: PlatformContext, tenant_id: int) -> Callable[[], None]:
     return release
 
 
-def _engine_error(exc: BaseException, prep: PreparedRequest) -> BaseException:
+def _engine_error(exc: BaseException, prep: PreparedRequest, ctx: PlatformContext) -> BaseException:
+    """The tenant-facing error for an engine failure: a stable code and a short message, never
+    the engine's text (server paths, internal ids); the details go to the log. An adapter the
+    engine cannot read from its stored folder is marked broken (``mark_broken``)."""
     if isinstance(exc, PromptTooLongError):
         return ContextLengthExceeded(str(exc), param="prompt")
     if isinstance(exc, InvalidRequestError):
         return InvalidRequest(str(exc), param="prompt")
-    if isinstance(exc, AdapterError):
-        return InvalidRequest(f"model {prep.model!r} cannot be loaded: {exc}", param="model",
-                              code="adapter_load_failed")
+    if isinstance(exc, (AdapterConflictError, UnknownAdapterError)):
+        logger.warning("request %s: adapter %r not accepted by the engine: %s", prep.id, prep.adapter_label, exc)
+        return ServiceUnavailable(f"model {prep.model!r} is being replaced; retry", param="model",
+                                  code="adapter_unavailable")
+    if isinstance(exc, AdapterError) and prep.lora is not None:
+        _mark_broken_later(ctx, prep, str(exc))
+        return AdapterBroken(prep.model)
     if isinstance(exc, EngineStoppedError):
-        return ServiceUnavailable(str(exc))
-    return exc
+        logger.error("request %s: %s", prep.id, exc)
+        return ServiceUnavailable("the engine is not running")
+    if isinstance(exc, PlatformError | asyncio.CancelledError):
+        return exc
+    reference = uuid.uuid4().hex[:12]
+    logger.error("request %s failed (reference %s)", prep.id, reference, exc_info=exc)
+    return InternalError(reference)
+
+
+def _mark_broken_later(ctx: PlatformContext, prep: PreparedRequest, detail: str) -> None:
+    """``mark_broken`` on a worker thread (a database write; the event loop must not wait for it)."""
+    lora = prep.lora
+
+    def mark() -> None:
+        try:
+            mark_broken(ctx, tenant_id=prep.tenant.tenant_id, name=prep.model, lora_int_id=lora.lora_int_id,
+                        detail=detail)
+        except Exception:  # noqa: BLE001 - the request has failed anyway; keep the reason in the log
+            logger.exception("could not mark adapter %r as broken", prep.adapter_label)
+
+    asyncio.get_running_loop().run_in_executor(None, mark)
 
 
 def _raise_if_failed(output: RequestOutput) -> None:
@@ -408,7 +436,7 @@ async def run_to_completion(ctx: PlatformContext, prep: PreparedRequest, streams
         raise
     except BaseException as exc:
         await merged.aclose()
-        raise _engine_error(exc, prep) from None
+        raise _engine_error(exc, prep, ctx) from None
     await _charge_later(tracker.account(), wait=True)
     return _final_body(prep, tracker)
 
@@ -450,12 +478,10 @@ async def stream_sse(ctx: PlatformContext, prep: PreparedRequest, streams: list[
     except PlatformError as exc:
         yield sse(exc.to_body())
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        err = _engine_error(exc, prep)
+        err = _engine_error(exc, prep, ctx)
         if not isinstance(err, PlatformError):
             logger.exception("stream %s failed", prep.id)  # details in the log, not in the response
-        body = err.to_body() if isinstance(err, PlatformError) else {
-            "error": {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}}
-        yield sse(body)
+        yield sse(err.to_body() if isinstance(err, PlatformError) else InternalError().to_body())
     finally:
         if not completed:
             await merged.aclose()

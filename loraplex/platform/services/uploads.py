@@ -22,18 +22,22 @@ copying (archive headers can lie).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
+import logging
 import shutil
 import stat
 import tarfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from loraplex.platform.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from loraplex.platform.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable, UnsupportedMediaType
+
+logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -268,15 +272,44 @@ def _require_peft_files(chosen: dict) -> None:
 
 
 def _copy_bounded(src: BinaryIO, target: Path, expected_bytes: int, what: str) -> None:
+    """Copy ``src`` to the new file ``target``, refusing more or fewer than ``expected_bytes``.
+    A failure to write (disk full) is ``ServiceUnavailable`` (503), not the uploader's fault."""
     written = 0
-    with open(target, "xb") as out:
+    with _writing(target) as out:
         while chunk := src.read(_COPY_CHUNK_BYTES):
             written += len(chunk)
             if written > expected_bytes:
                 raise PayloadTooLarge(f"{what!r} holds more bytes than its declared {expected_bytes}", param="file")
-            out.write(chunk)
+            out(chunk)
     if written != expected_bytes:
         raise InvalidRequest(f"{what!r} is truncated: {written} of {expected_bytes} bytes", param="file")
+
+
+@contextlib.contextmanager
+def _writing(target: Path) -> Iterator[Callable[[bytes], object]]:
+    try:
+        out = open(target, "xb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise _storage_error(exc) from None
+
+    def write(chunk: bytes) -> None:
+        try:
+            out.write(chunk)
+        except OSError as exc:
+            raise _storage_error(exc) from None
+
+    try:
+        yield write
+    finally:
+        try:
+            out.close()
+        except OSError as exc:
+            raise _storage_error(exc) from None
+
+
+def _storage_error(exc: OSError) -> ServiceUnavailable:
+    logger.error("writing an upload failed: %s", exc)
+    return ServiceUnavailable("the server could not store the upload; retry later", code="storage_unavailable")
 
 
 def _kind_name(kind: int) -> str:
