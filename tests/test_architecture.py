@@ -30,7 +30,8 @@ LAYERS = {
 # Third-party top-level modules a part may import; parts not listed are unrestricted.
 THIRD_PARTY = {
     "kernels": {"torch", "triton"},
-    "adapters": {"torch", "safetensors", "transformers"},
+    # regex: user patterns of adapter configs matched with a timeout; a dependency of transformers
+    "adapters": {"torch", "safetensors", "transformers", "regex"},
     "engine": {"torch", "triton", "transformers", "safetensors"},
 }
 

@@ -31,8 +31,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('tenants', schema=None) as batch_op:
-        batch_op.drop_column('max_queue_time_s')
-        batch_op.drop_column('max_queued_requests')
-        batch_op.drop_column('max_concurrent_requests')
-        batch_op.drop_column('weight')
+    # Plain ALTER TABLE ... DROP COLUMN (SQLite >= 3.35 has it), never a batch rebuild: rebuilding
+    # ``tenants`` drops the old table, and with foreign keys on that deletes every tenant's
+    # adapters and versions through ON DELETE CASCADE.
+    for column in ('max_queue_time_s', 'max_queued_requests', 'max_concurrent_requests', 'weight'):
+        op.drop_column('tenants', column)
