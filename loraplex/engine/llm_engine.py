@@ -389,11 +389,12 @@ class LLMEngine:
     def _make_output(self, group: RequestGroup, finished: bool, error: str | None = None) -> RequestOutput:
         outputs = []
         for seq in group.seqs if group.forked else group.seqs[:1]:
+            ends = seq.text_state.token_text_ends
             outputs.append(CompletionOutput(
                 index=seq.index, text=seq.text_state.stream_text, token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason))
+                stop_reason=seq.stop_reason, token_text_ends=list(ends) if ends is not None else None))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
                              group.num_cached_tokens, error)

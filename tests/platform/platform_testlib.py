@@ -212,3 +212,23 @@ def stored_state(live: LiveServer) -> tuple[int, int, list[str]]:
     leftovers = sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
     assert leftovers == [], f"staging folders left behind: {leftovers}"
     return adapters, versions, folders
+
+
+# -- token bytes (reference for logprobs) ------------------------------------------------------------
+def raw_token_bytes(tokenizer, token_id: int) -> bytes:
+    """A byte-level BPE token's own bytes, from GPT-2's byte alphabet (transformers' copy)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    if token_id in added:
+        return added[token_id].encode()
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(decoder[c] for c in tokenizer.convert_ids_to_tokens(token_id))
+
+
+def display(raw: bytes) -> str:
+    """OpenAI's token text: the text, or ``bytes:\\xNN...`` when not valid UTF-8."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
