@@ -343,8 +343,8 @@ class LLMEngine:
             group = seq.group
             seq.num_computed_tokens += item.num_new_tokens
             cache_full_blocks(seq)
-            if plp is not None:
-                group.prompt_logprobs.extend(plp)
+            if plp is not None:  # plp[k] is for prompt token start + 1 + k; keep the missing ones
+                group.prompt_logprobs.extend(plp[len(group.prompt_logprobs) - 1 - item.start_position:])
             if samples:
                 if len(samples) == 1 and group.forked:  # the common decode step
                     self._append_token(seq, samples[0])
