@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,7 +69,7 @@ def generations(draw):
         st.sampled_from(specials), st.integers(0, len(tokenizer) - 1))), max_size=3))
     for position, token_id in sorted(extra, reverse=True):
         ids.insert(position, token_id)
-    stop = draw(st.one_of(st.none(), st.sampled_from([s for s in ("，", "🙂", "é", "a", "!", "Ω") ])))
+    stop = draw(st.one_of(st.none(), st.sampled_from(["，", "🙂", "é", "a", "!", "Ω"])))
     stop_token = draw(st.one_of(st.none(), st.sampled_from(ids)))
     skip = draw(st.booleans())
     prompt_text = draw(st.sampled_from(TEXTS))
