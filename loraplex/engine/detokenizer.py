@@ -257,7 +257,7 @@ class SequenceTextState:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         # Without stop strings nothing depends on the text before the end: a
         # final-only request decodes once, when it finishes.
-        self._defer = defer_text and not params.stop
+        self._defer = defer_text and not params.stop and params.logprobs is None
         self._pending: list[int] = []
         self._checker = StopChecker(
             stop=list(params.stop),
@@ -270,6 +270,7 @@ class SequenceTextState:
         self._text = ""
         self._num_output_tokens = 0
         self._decision: StopDecision | None = None
+        self._text_ends: list[int] | None = [] if params.logprobs is not None else None
 
     def _update_deferred(self, token_id: int, token_stop: StopDecision | None, length_stop: bool) -> None:
         if token_stop is None:
@@ -291,6 +292,14 @@ class SequenceTextState:
         if self.finished:
             return self._text
         return self._text[: len(self._text) - self._checker.hold_back_chars(self._text)]
+
+    @property
+    def token_text_ends(self) -> list[int] | None:
+        """``ends[i]`` = characters of :attr:`text` produced by generated tokens ``0..i``
+        (non-decreasing; a token holding only the first bytes of a character adds nothing,
+        the token completing it adds the whole character; a stopping token adds nothing).
+        Kept only when ``params.logprobs`` is set (else None)."""
+        return self._text_ends
 
     @property
     def num_output_tokens(self) -> int:
@@ -335,3 +344,191 @@ class SequenceTextState:
             self._decision = token_stop
         elif length_stop:
             self._decision = StopDecision("length", None)
+        if self._text_ends is not None:
+            self._text_ends.append(len(self._text))
+            if match is not None:  # the cut text: earlier tokens end no later than it
+                self._text_ends = [min(end, len(self._text)) for end in self._text_ends]
+
+
+# -- token text and bytes (logprobs) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenPiece:
+    """What one token contributes to a text: ``text`` (the characters it completes; "" for
+    a token holding only the first bytes of a character), ``raw`` (its share of the text's
+    UTF-8 bytes, split where the tokenizer splits a character) and ``text_offset`` (the
+    character index in the text where ``text`` starts)."""
+
+    text: str
+    raw: bytes
+    text_offset: int
+
+
+class TokenBytes:
+    """Each vocabulary token's own raw bytes, and a display string for it.
+
+    Byte-level BPE (GPT-2 alphabet) and SentencePiece byte fallback (``<0xNN>``, ``▁``) are
+    read from the vocabulary; other tokenizers fall back to the UTF-8 of the token decoded
+    alone. Added tokens (special or not) are their content's UTF-8.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._table = _raw_token_table(tokenizer)
+
+    def raw(self, token_id: int) -> bytes:
+        """The token's bytes; for a token holding part of a character, just that part."""
+        if self._table is not None and 0 <= token_id < len(self._table):
+            return self._table[token_id]
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def display(self, token_id: int) -> str:
+        """The token as text; ``"bytes:\\xe4\\xbd"`` (OpenAI's form) when its bytes are not valid UTF-8."""
+        return display_bytes(self.raw(token_id))
+
+
+def display_bytes(raw: bytes) -> str:
+    """``raw`` as text, or ``"bytes:"`` + escaped bytes when it is not valid UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character alphabet for bytes, inverted (char -> byte)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _decoder_types(tokenizer) -> set[str]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    import json
+
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    found, stack = set(), [decoder]
+    while stack:
+        node = stack.pop()
+        found.add(node.get("type"))
+        stack.extend(node.get("decoders") or [])
+    return found
+
+
+def _raw_token_table(tokenizer) -> list[bytes] | None:
+    types = _decoder_types(tokenizer)
+    if "ByteLevel" in types:
+        alphabet = _gpt2_byte_decoder()
+
+        def convert(token: str) -> bytes | None:
+            if all(ch in alphabet for ch in token):
+                return bytes(alphabet[ch] for ch in token)
+            return None
+    elif "ByteFallback" in types or "Metaspace" in types:
+        def convert(token: str) -> bytes | None:
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                return bytes([int(token[3:5], 16)])
+            return token.replace("\u2581", " ").encode("utf-8")
+    else:
+        return None
+    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    size = max(len(tokenizer), *(i + 1 for i in added)) if added else len(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
+    table = []
+    for token_id, token in enumerate(tokens):
+        raw = None if token_id in added or token is None else convert(token)
+        if raw is None:
+            raw = (added.get(token_id) or token or "").encode("utf-8")
+        table.append(raw)
+    return table
+
+
+class TokenTextSplitter:
+    """Each token's share of a text, for a text that may still grow (streaming).
+
+    Semantics: with ``ends[i]`` the text end after token i (see
+    :attr:`SequenceTextState.token_text_ends`) and ``raws[i]`` token i's own bytes (see
+    :class:`TokenBytes`; b"" for a token whose text is skipped), token i's characters are
+    ``text[ends[i-1]:ends[i]]`` and its bytes end at
+    ``clamp(bytes_end[i-1] + len(raws[i]), utf8_len(text[:ends[i]]), utf8_len(text[:ends[j]]))``,
+    j being the next token that adds characters: joining every piece's ``raw`` gives exactly
+    ``text.encode()``, and a character split over tokens is split as the tokenizer splits it.
+
+    :meth:`advance` returns the pieces of tokens not returned before whose span can no longer
+    change (all of them once ``finished``). Each call costs O(new tokens + new text).
+    """
+
+    def __init__(self) -> None:
+        self.num_tokens = 0  # tokens returned so far
+        self._chars = 0  # characters covered by them
+        self._char_bytes = 0  # UTF-8 length of text[:_chars]
+        self._bytes = 0  # bytes given to them (>= _char_bytes inside a split character)
+
+    def advance(self, text: str, ends: list[int], raws: list[bytes], *, finished: bool) -> list[TokenPiece]:
+        """New pieces; ``text`` must extend the text of earlier calls. Raises ``ValueError``
+        when ``ends`` and ``raws`` differ in length."""
+        if len(ends) != len(raws):
+            raise ValueError(f"TokenTextSplitter.advance: {len(ends)} ends but {len(raws)} raws")
+        pieces: list[TokenPiece] = []
+        size = len(text)
+        while self.num_tokens < len(ends):
+            i = self.num_tokens
+            end = ends[i]
+            if end > size:
+                if not finished:
+                    break
+                end = size
+            low = self._char_bytes + len(text[self._chars:end].encode("utf-8"))
+            want = self._bytes + len(raws[i])
+            span_end = end
+            if want > low:  # the token holds bytes of a character completed later
+                following = self._next_end(ends, i, end, size, finished)
+                if following is None:
+                    break
+                span_end = following
+            encoded = text[self._chars:span_end].encode("utf-8")
+            end_bytes = min(max(want, low), self._char_bytes + len(encoded))
+            raw = encoded[self._bytes - self._char_bytes:end_bytes - self._char_bytes]
+            chunk = text[self._chars:end]
+            pieces.append(TokenPiece(chunk, raw, self._chars))
+            self.num_tokens += 1
+            self._chars, self._char_bytes, self._bytes = end, low, end_bytes
+        return pieces
+
+    @staticmethod
+    def _next_end(ends: list[int], i: int, end: int, size: int, finished: bool) -> int | None:
+        for j in range(i + 1, len(ends)):
+            if ends[j] > end:
+                if ends[j] <= size:
+                    return ends[j]
+                return size if finished else None
+        return size if finished else None
+
+
+def split_text_by_tokens(text: str, ends: list[int], raws: list[bytes]) -> list[TokenPiece]:
+    """Every token's piece of a finished ``text`` (see :class:`TokenTextSplitter`)."""
+    return TokenTextSplitter().advance(text, ends, raws, finished=True)
+
+
+def prompt_text_ends(tokenizer: DecodingTokenizer, prompt_token_ids: list[int],
+                     skip_special_tokens: bool = True) -> tuple[str, list[int]]:
+    """The prompt's text (decoded incrementally, as generated text is) and each token's
+    text end in it (see :attr:`SequenceTextState.token_text_ends`)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
+    ends = []
+    for token_id in prompt_token_ids:
+        detokenizer.append([token_id])
+        ends.append(len(detokenizer.text))
+    detokenizer.flush()
+    text = detokenizer.text
+    if ends:
+        ends[-1] = len(text)
+    return text, ends

@@ -385,8 +385,8 @@ class LLMEngine:
             group = seq.group
             seq.num_computed_tokens += item.num_new_tokens
             cache_full_blocks(seq)
-            if plp is not None:
-                group.prompt_logprobs.extend(plp)
+            if plp is not None:  # plp[k] is for prompt token start + 1 + k; keep the missing ones
+                group.prompt_logprobs.extend(plp[len(group.prompt_logprobs) - 1 - item.start_position:])
             if samples:
                 if len(samples) == 1 and group.forked:  # the common decode step
                     self._append_token(seq, samples[0])
@@ -438,11 +438,12 @@ class LLMEngine:
     def _make_output(self, group: RequestGroup, finished: bool, error: str | None = None) -> RequestOutput:
         outputs = []
         for seq in group.seqs if group.forked else group.seqs[:1]:
+            ends = seq.text_state.token_text_ends
             outputs.append(CompletionOutput(
                 index=seq.index, text=seq.text_state.stream_text, token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason))
+                stop_reason=seq.stop_reason, token_text_ends=list(ends) if ends is not None else None))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
                              group.num_cached_tokens, error,

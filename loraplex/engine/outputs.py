@@ -18,7 +18,10 @@ class CompletionOutput:
     running, then ``"stop"`` (EOS, stop string or stop token) or ``"length"``
     (max_tokens or max_model_len) or ``"abort"``, or ``"error"`` when the request
     failed (``RequestOutput.error`` says why). ``stop_reason`` is the stop
-    string or stop token id that ended it, if any.
+    string or stop token id that ended it, if any. ``token_text_ends[i]`` (when
+    logprobs were asked for) is the length of the text produced by tokens ``0..i``
+    (it may pass ``len(text)`` while text is held back from streaming; see
+    :attr:`~loraplex.engine.detokenizer.SequenceTextState.token_text_ends`).
     """
 
     index: int
@@ -28,6 +31,7 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_text_ends: list[int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -41,7 +41,11 @@ class SamplingParams:
       tokens have been generated.
     - ``logprobs``: number of top log-probabilities returned per generated
       token (the sampled token's logprob is always included); ``None`` = none.
-    - ``prompt_logprobs``: same for each prompt token (from the second on).
+    - ``prompt_logprobs``: same for each prompt token (from the second on),
+      computed once per prompt token. Such a request skips the prefix-cache
+      lookup and recomputes its whole prompt (prefix-cached KV holds no logits):
+      it costs one full prefill of the prompt plus a ``[chunk tokens, vocab]``
+      logits matmul per prefill chunk; its blocks still feed the prefix cache.
     - ``skip_special_tokens``: leave special tokens out of the decoded text.
     - ``output_kind``: ``"cumulative"`` returns the request's state after every
       step (streaming); ``"final_only"`` returns it once, when finished (the

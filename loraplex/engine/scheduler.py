@@ -323,10 +323,13 @@ class Scheduler:
         samples = 0
         if start + n == num_tokens:
             samples = group.params.n if (group.params.n > 1 and not group.forked) else 1
-        # Prompt logprobs cover positions 1.. of the prompt; a chunk continues the
-        # list exactly where it stopped (a recomputation after preemption adds nothing).
-        wants_plp = (group.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens
-                     and len(group.prompt_logprobs) == start + 1)
+        # Prompt logprobs cover prompt tokens 1..; the chunk predicts tokens start+1..start+n and
+        # is asked for them when the next missing one (``have``) is among them, so that the list
+        # grows exactly once per prompt token, also when a preempted prompt is recomputed in
+        # chunks that start elsewhere (the engine keeps only the missing tail).
+        have = len(group.prompt_logprobs) if group.prompt_logprobs is not None else 0
+        wants_plp = (group.prompt_logprobs is not None and seq.index == 0 and have < seq.num_prompt_tokens
+                     and start + 1 <= have <= start + n)
         # Service of this step for the tenant: prompt positions computed for the first time
         # (not cached, not a recomputation after preemption) and the sampled tokens.
         fresh = 0

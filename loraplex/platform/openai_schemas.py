@@ -2,10 +2,10 @@
 
 Reference: https://platform.openai.com/docs/api-reference/completions and
 /chat. ``top_k``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty`` and
-``stop_token_ids`` are vLLM extensions. Unknown request fields are ignored, as
-OpenAI clients send provider-specific extras; features loraplex does not
-serve (``suffix``, ``logit_bias``, ``best_of`` > ``n``, ``echo``, vLLM's ``guided_*``)
-are refused with a 400 naming the field. Structured output (``response_format``,
+``stop_token_ids``, ``prompt_logprobs`` are vLLM extensions. Unknown request fields are
+ignored, as OpenAI clients send provider-specific extras; features loraplex does not
+serve (``suffix``, ``logit_bias``, ``best_of`` > ``n``, vLLM's ``guided_*``) are refused
+with a 400 naming the field. Structured output (``response_format``,
 ``structured_outputs``) and tool calling (``tools``, ``tool_choice``): see
 :mod:`loraplex.platform.structured_schemas`.
 """
@@ -20,6 +20,7 @@ from loraplex.platform.structured_schemas import (
     ResponseFormat,
     StructuredOutputsRequest,
     ToolCall,
+    ToolCallDelta,
     ToolChoice,
     ToolDefinition,
 )
@@ -51,6 +52,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM extension: top log-probabilities "
+                                        "per prompt token (plus the prompt token itself).")
     # structured output (loraplex.platform.services.structured)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -69,7 +72,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20, description="Top log-probabilities per token.")
-    echo: bool = False
+    echo: bool = Field(False, description="Return the prompt before the completion (text and logprobs).")
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -112,10 +115,30 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+# Why a choice ended (OpenAI's values that loraplex produces).
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry: one candidate token at a prompt position."""
+
+    logprob: float
+    rank: int | None = Field(None, description="1 = most likely; None for a prompt token outside the top k.")
+    decoded_token: str
+
+
+# prompt_logprobs[i]: None for the first prompt token, else token id (as a string) -> entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
+    """Legacy logprobs: ``"".join(tokens)`` is the choice's text and ``text_offset[i]`` the
+    character where ``tokens[i]`` starts. With ``echo`` the first entry (the first prompt
+    token) has ``None`` logprobs."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -123,7 +146,8 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM extension (``prompt_logprobs``).")
 
 
 class Completion(BaseModel):
@@ -135,7 +159,14 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionChunk(Completion):
+    """One server-sent event of a streamed completion (the same object as the response, as OpenAI sends it)."""
+
+
 class TopLogprob(BaseModel):
+    """``bytes``: the token's own UTF-8 bytes (part of a character when the tokenizer splits
+    one); joining the chosen tokens' bytes gives exactly the choice's text."""
+
     token: str
     logprob: float
     bytes: list[int] | None
@@ -159,7 +190,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 class ChatCompletion(BaseModel):
@@ -169,6 +200,30 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM extension (``prompt_logprobs``).")
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM extension; in the first chunk.")
 
 
 class ModelCard(BaseModel):

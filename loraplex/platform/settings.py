@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     device: Literal["auto", "cuda", "cpu"] | None = None
     seed: int | None = None
+    chat_content_special_tokens: bool = Field(
+        False, description="Let special-token strings in chat message content become control tokens (unsafe: "
+                           "a user can forge turns); off = content is literal text.")
 
     # --- uploads -----------------------------------------------------------------------------
     max_upload_mb: float = Field(200.0, gt=0, description="Server-wide cap on one upload (MB = 10**6 bytes).")

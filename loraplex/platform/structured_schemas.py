@@ -93,3 +93,18 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a tool call: the first carries ``id``, ``type`` and the name;
+    later ones more ``arguments`` text of the call at ``index``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta

@@ -3,7 +3,7 @@ an optional JSON schema the reply must follow (OpenAI ``response_format`` of typ
 ``json_schema``), replies streamed token by token, and a side-by-side mode (base model | adapter).
 
 Each reply is an OpenAI chat request run by the platform's serving service
-(``prepare_chat`` -> ``start`` -> ``stream_sse``), the same code path as
+(``prepare_chat`` -> ``start`` -> ``stream_chunks``, typed chunks), the same code path as
 ``POST /v1/chat/completions`` with ``stream: true``: model resolution, context
 checks, rate limits and usage accounting (charged to the tenant) all apply.
 """
@@ -20,7 +20,7 @@ import gradio as gr
 
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import InvalidRequest, PlatformError, ServiceUnavailable
-from loraplex.platform.openai_schemas import ChatCompletionRequest
+from loraplex.platform.openai_schemas import ChatCompletionRequest, ErrorResponse
 from loraplex.platform.schemas import TenantContext
 from loraplex.platform.services import adapters as adapter_service
 from loraplex.platform.services import serving
@@ -80,17 +80,17 @@ async def stream_reply(ctx: PlatformContext, tenant: TenantContext, body: ChatCo
     prep = await asyncio.to_thread(serving.prepare_chat, ctx=ctx, tenant=tenant, body=body)
     streams = await serving.start(ctx, prep)
     text = ""
-    async for event in serving.stream_sse(ctx, prep, streams):
-        payload = event.removeprefix("data: ").strip()
-        if payload == "[DONE]":
-            return
-        chunk = json.loads(payload)
-        if "error" in chunk:
-            raise PlatformError(chunk["error"]["message"], param=chunk["error"].get("param"))
-        delta = "".join(c["delta"].get("content") or "" for c in chunk["choices"])
-        if delta:
-            text += delta
-            yield text
+    chunks = serving.stream_chunks(ctx, prep, streams)
+    try:
+        async for chunk in chunks:
+            if isinstance(chunk, ErrorResponse):
+                raise PlatformError(chunk.error.message, param=chunk.error.param)
+            delta = "".join(c.delta.content or "" for c in chunk.choices)
+            if delta:
+                text += delta
+                yield text
+    finally:
+        await chunks.aclose()
 
 
 def sampling_settings(system: str | None, temperature: float, top_p: float, max_tokens: float, seed: str | None,

@@ -65,3 +65,32 @@ def test_prompt_logprobs_equal_hf_logits(tiny_llama_dir):
     first = out.outputs[0].logprobs[0]
     assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
     assert first[out.outputs[0].token_ids[0]] == pytest.approx(ref[-1].max().item(), abs=1e-4)
+
+
+def test_prompt_logprobs_once_each_after_a_preemption_with_other_chunks(tiny_llama_dir):
+    """Preempted (recompute) mid-prompt, then prefilled again in chunks that start elsewhere:
+    every prompt token still gets exactly one logprob, equal to HF's."""
+    import dataclasses
+
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    ids = tok.encode("Large language models serve many LoRA adapters from one GPU.")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, block_size=4, num_kv_blocks=128,
+                                    max_num_batched_tokens=5))
+    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    engine.step()  # prompt tokens 0..4: logprobs of tokens 1..5
+    assert len(engine.groups["r"].prompt_logprobs) == 6
+    engine.scheduler._preempt(engine.groups["r"].seqs[0])  # recompute from scratch
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_batched_tokens=7)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and len(final.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        assert final.prompt_logprobs[pos][ids[pos]] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)

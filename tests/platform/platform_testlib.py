@@ -236,3 +236,22 @@ def streamed_chunks(live: LiveServer, key: str, model: str, stop: threading.Even
                         counts["total"] += 1
                         counts["pending"] += pending.is_set()
 
+
+# -- token bytes (reference for logprobs) ------------------------------------------------------------
+def raw_token_bytes(tokenizer, token_id: int) -> bytes:
+    """A byte-level BPE token's own bytes, from GPT-2's byte alphabet (transformers' copy)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    if token_id in added:
+        return added[token_id].encode()
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(decoder[c] for c in tokenizer.convert_ids_to_tokens(token_id))
+
+
+def display(raw: bytes) -> str:
+    """OpenAI's token text: the text, or ``bytes:\\xNN...`` when not valid UTF-8."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -25,6 +25,7 @@ def probe(client, name: str) -> dict[str, tuple[int, bytes]]:
     out = {}
     for label, method, path, body in [
         ("get", "GET", f"/v1/adapters/{name}", None),
+        ("model", "GET", f"/v1/models/{name}", None),
         ("delete", "DELETE", f"/v1/adapters/{name}", None),
         ("completion", "POST", "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}),
         ("chat", "POST", "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "hi"}]}),

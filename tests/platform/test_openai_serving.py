@@ -10,7 +10,7 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from platform_testlib import new_tenant, peft_reference_greedy
+from platform_testlib import display, new_tenant, peft_reference_greedy, raw_token_bytes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPT = "The quick brown fox"
@@ -129,7 +129,10 @@ def test_logprobs_match_transformers(client, tokenizer, tiny_llama_dir):
     response = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=1, temperature=0, logprobs=3)
     lp = response.choices[0].logprobs
     assert lp.token_logprobs[0] == pytest.approx(top.values[0].item(), abs=1e-3)
-    expected = {tokenizer.decode([int(i)]): v.item() for i, v in zip(top.indices, top.values)}
+    # the chosen token shows as the text it produced, the others as their own text or bytes
+    expected = {lp.tokens[0] if int(i) == top.indices[0] else display(raw_token_bytes(tokenizer, int(i))): v.item()
+                for i, v in zip(top.indices, top.values)}
+    assert lp.tokens[0] == response.choices[0].text
     assert lp.top_logprobs[0] == pytest.approx(expected, abs=1e-3)
 
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,

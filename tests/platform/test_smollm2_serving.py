@@ -40,3 +40,26 @@ def test_chat_answers_and_streams_the_same_text(smol_server, smollm2_dir):
                                               stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
         answer.choices[0].message.content
+
+
+@pytest.mark.parametrize("content", ["Say something in Chinese: 你好", "Translate to Chinese: good morning"])
+def test_chat_logprobs_bytes_rebuild_chinese_text(smol_server, content):
+    """Issue 15.1 on the demo model: no U+FFFD stand-ins; the tokens' own bytes join to the text."""
+    key = new_tenant(smol_server, f"zh-{len(content)}")
+    client = openai.OpenAI(api_key=key, base_url=smol_server.url + "/v1", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=12, logprobs=True,
+                  top_logprobs=2, temperature=0)
+    answer = client.chat.completions.create(**kwargs)
+    text = answer.choices[0].message.content
+    entries = answer.choices[0].logprobs.content
+    assert len(entries) == answer.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in entries) == text.encode()
+    assert "".join(e.token for e in entries) == text
+    assert any(e.token == "" and e.bytes for e in entries)  # a character split over tokens (the case)
+    if "\ufffd" not in text:
+        assert all(e.bytes != [239, 191, 189] for e in entries)
+        assert all(alt.bytes != [239, 191, 189] for e in entries for alt in e.top_logprobs)
+    streamed = [e for c in client.chat.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]

@@ -379,7 +379,7 @@ def _api_reply(ctx, tenant_name: str, model: str, message: str, settings: Sampli
                                  temperature=settings.temperature, top_p=settings.top_p,
                                  max_tokens=settings.max_tokens, seed=settings.seed)
 
-    async def run() -> dict:
+    async def run():
         prep = serving.prepare_chat(ctx=ctx, tenant=tenant, body=body)
         streams = await serving.start(ctx, prep)
 
@@ -388,7 +388,7 @@ def _api_reply(ctx, tenant_name: str, model: str, message: str, settings: Sampli
 
         return await serving.run_to_completion(ctx, prep, streams, connected)
 
-    return asyncio.run(run())["choices"][0]["message"]["content"]
+    return asyncio.run(run()).choices[0].message.content
 
 
 def test_chat_streams_the_reply_the_api_gives(running_ctx, peft_files):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loraplex.platform.context import PlatformContext
+from loraplex.platform.errors import ModelNotFound
 from loraplex.platform.openai_schemas import ModelCard, ModelList
 from loraplex.platform.schemas import TenantContext
 from loraplex.platform.services.adapters import cached_adapter_names
@@ -19,3 +20,14 @@ def list_models(*, ctx: PlatformContext, tenant: TenantContext) -> ModelList:
                           root=a["name"], parent=ctx.model_id, max_model_len=ctx.max_model_len)
                 for a in cached_adapter_names(ctx=ctx, tenant_id=tenant.tenant_id)]
     return ModelList(data=[base, *adapters])
+
+
+def get_model(*, ctx: PlatformContext, tenant: TenantContext, model_id: str) -> ModelCard:
+    """The card :func:`list_models` shows for ``model_id``.
+
+    Raises ``ModelNotFound`` (404) for any other id, another tenant's adapter included.
+    """
+    for card in list_models(ctx=ctx, tenant=tenant).data:
+        if card.id == model_id:
+            return card
+    raise ModelNotFound(model_id)

@@ -4,12 +4,13 @@
    resolve ``model`` (the base model's id, or one of the tenant's adapters,
    else 404 ``model_not_found``), build :class:`SamplingParams`, tokenize, check
    ``prompt_tokens + max_tokens <= max_model_len``.
-2. :func:`run_to_completion` (one JSON response) or :func:`stream_sse`
-   (``data: {chunk}`` events, then ``data: [DONE]``). Each prompt of a request is
+2. :func:`run_to_completion` (one typed response) or :func:`stream_chunks` (typed
+   chunks; the route encodes them as server-sent events). Each prompt of a request is
    one engine request with ``n`` completions; choice index = ``prompt_index * n +
-   completion index``. Streaming turns cumulative outputs into deltas: the
+   completion index``. Streaming turns cumulative outputs into deltas
+   (:class:`~loraplex.platform.services.openai_format.OpenAIFormatter.delta`): the
    engine's text only grows (stop strings are held back), so the delta is the
-   text past what was sent.
+   text past what was sent; a choice's finish is sent once.
 3. Rate limits are reserved at admission (``limits.RateLimiter.admit``: completions =
    prompts x n, tokens = prompts + max_tokens per completion) and settled with the tokens
    used; usage counters go to the background ``usage.UsageWriter`` (never on the response path).
@@ -46,11 +47,22 @@ from loraplex.platform.errors import (
     ServiceUnavailable,
 )
 from loraplex.platform.limits import Admission, reserved_tokens
-from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.openai_schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    DeltaMessage,
+    ErrorResponse,
+    Usage,
+)
 from loraplex.platform.schemas import TenantContext
-from loraplex.platform.services.adapters import lora_request, mark_broken, servable_route
-from loraplex.platform.services.openai_format import OpenAIFormatter, finish_reason, has_entries, sse
 from loraplex.platform.services import structured, tool_calls  # structured output / tool calling hooks
+from loraplex.platform.services.adapters import lora_request, mark_broken, servable_route
+from loraplex.platform.services.chat_prompt import chat_prompt_ids
+from loraplex.platform.services.openai_format import ChoiceProgress, OpenAIFormatter, TokenText, token_text
 
 logger = logging.getLogger(__name__)
 Kind = Literal["completion", "chat"]
@@ -72,44 +84,64 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     top_logprobs: int | None
-    decode: Callable[[int], str]
+    tokens: TokenText
+    echo: bool = False
+    prompt_logprobs: int | None = None
     started: float = field(default_factory=time.monotonic)
     tools: tool_calls.ToolPlan | None = None  # tool calling hook: parses text into tool_calls
     admission: Admission | None = None
     gate_wait_s: float = 0.0  # time spent in the tenant's admission queue
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the engine computes prompt logprobs (echo with logprobs, or ``prompt_logprobs``)."""
+        return self.params.prompt_logprobs is not None
+
 
 # -- preparation -----------------------------------------------------------------------------------
 def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: CompletionRequest) -> PreparedRequest:
-    """Raises ``InvalidRequest``/``ContextLengthExceeded`` (400), ``ModelNotFound`` (404), ``ServiceUnavailable``."""
+    """Raises ``InvalidRequest``/``ContextLengthExceeded`` (400), ``ModelNotFound`` (404), ``ServiceUnavailable``.
+
+    ``echo``: the prompt (decoded from its tokens) precedes the text, and with ``logprobs``
+    its tokens precede the generated ones (the first prompt token's logprob is None).
+    """
     engine = _require_engine(ctx)
-    _refuse_unsupported(suffix=body.suffix, logit_bias=body.logit_bias, echo=body.echo or None,
+    _refuse_unsupported(suffix=body.suffix, logit_bias=body.logit_bias,
                         best_of=body.best_of if body.best_of not in (None, body.n) else None)
     lora, label = _resolve_model(ctx, tenant, body.model)
-    params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    echo_logprobs = body.logprobs if body.echo else None
+    params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                              prompt_logprobs=_max_or_none(body.prompt_logprobs, echo_logprobs))
     params = structured.constrain(engine.engine, params, *structured.requested_constraint(body))  # hook
     prompts = _completion_prompts(engine, body.prompt, ctx.settings.max_prompts_per_request)
     _check_lengths(ctx.max_model_len, prompts, body.max_tokens, "prompt")
     return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
                            prompts, params, lora, body.stream, _include_usage(body), body.logprobs,
-                           _decoder(engine))
+                           token_text(engine.tokenizer), echo=body.echo, prompt_logprobs=body.prompt_logprobs)
 
 
 def prepare_chat(*, ctx: PlatformContext, tenant: TenantContext, body: ChatCompletionRequest) -> PreparedRequest:
     """As :func:`prepare_completion`, with the tokenizer's chat template applied to ``messages``."""
     engine = _require_engine(ctx)
     _refuse_unsupported(logit_bias=body.logit_bias)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs: requires logprobs to be true", param="top_logprobs")
     lora, label = _resolve_model(ctx, tenant, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(body, max_tokens=max_tokens, logprobs=top)
+    params = _sampling_params(body, max_tokens=max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs)
     tools = tool_calls.ToolPlan.from_request(body)  # tool calling hook
     params = structured.constrain(engine.engine, params, *structured.chat_constraint(body, tools))  # hook
-    prompt = _chat_prompt(engine, body)
+    prompt = _chat_prompt(engine, body, literal_content=not ctx.settings.chat_content_special_tokens)
     _check_lengths(ctx.max_model_len, [prompt], max_tokens, "messages")
     return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
-                           [prompt], params, lora, body.stream, _include_usage(body), top, _decoder(engine),
-                           tools=tools)
+                           [prompt], params, lora, body.stream, _include_usage(body), top,
+                           token_text(engine.tokenizer), prompt_logprobs=body.prompt_logprobs, tools=tools)
+
+
+def _max_or_none(*values: int | None) -> int | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
 
 
 def _require_engine(ctx: PlatformContext) -> AsyncEngine:
@@ -133,8 +165,9 @@ def _resolve_model(ctx: PlatformContext, tenant: TenantContext, model: str) -> t
 
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     values = dict(n=body.n, max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
+                  prompt_logprobs=prompt_logprobs,
                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                   repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
@@ -173,22 +206,9 @@ def _tokens(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest, *, literal_content: bool) -> list[int]:
     messages, template_kwargs = tool_calls.chat_template_inputs(engine.tokenizer, body)  # tool calling hook
-    try:
-        out = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   **template_kwargs)
-    except Exception as exc:  # jinja errors (e.g. a template that rejects a role order)
-        raise InvalidRequest(f"messages: the chat template refused them ({exc})", param="messages") from None
-    ids = list(out["input_ids"] if hasattr(out, "keys") else out)
-    if not ids:
-        raise InvalidRequest("messages: produce an empty prompt", param="messages")
-    return ids
-
-
-def _decoder(engine: AsyncEngine) -> Callable[[int], str]:
-    tokenizer = engine.tokenizer
-    return lambda token_id: tokenizer.decode([token_id])
+    return chat_prompt_ids(engine.tokenizer, messages, literal_content=literal_content, **template_kwargs)
 
 
 def _check_lengths(max_model_len: int, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
@@ -341,14 +361,14 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 @dataclass
 class _Tracker:
-    """Per-request accounting: choices' sent text/tokens, usage, latency metrics."""
+    """Per-request accounting: choices' final outputs and what was streamed, usage, latency metrics."""
 
     prep: PreparedRequest
     ctx: PlatformContext
     prompt_tokens: int = 0
     finals: dict[int, CompletionOutput] = field(default_factory=dict)
-    sent_chars: dict[int, int] = field(default_factory=dict)
-    sent_tokens: dict[int, int] = field(default_factory=dict)
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> latest output
+    progress: dict[int, ChoiceProgress] = field(default_factory=dict)  # choice index -> what was streamed
     token_counts: dict[int, int] = field(default_factory=dict)
     first_token_at: float | None = None
     last_output_at: float | None = None
@@ -359,6 +379,7 @@ class _Tracker:
     def observe(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         """Record an engine output; returns (choice index, completion) pairs in it."""
         now = time.monotonic()
+        self.outputs[prompt_index] = output
         choices = [(prompt_index * self.prep.params.n + c.index, c) for c in output.outputs]
         new_tokens = 0
         for index, completion in choices:
@@ -418,8 +439,8 @@ async def _charge_later(charge: Callable[[], None], *, wait: bool) -> None:
 
 
 async def run_to_completion(ctx: PlatformContext, prep: PreparedRequest, streams: list[RequestStream],
-                            is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
-    """Collect the final outputs into one response body; aborts if the client goes away."""
+                            is_disconnected: Callable[[], Awaitable[bool]]) -> Completion | ChatCompletion:
+    """Collect the final outputs into one response; aborts if the client goes away."""
     tracker = _Tracker(prep, ctx)
     merged = _merged(streams)
     consumer = asyncio.ensure_future(_consume(merged, tracker))
@@ -438,7 +459,7 @@ async def run_to_completion(ctx: PlatformContext, prep: PreparedRequest, streams
         await merged.aclose()
         raise _engine_error(exc, prep, ctx) from None
     await _charge_later(tracker.account(), wait=True)
-    return _final_body(prep, tracker)
+    return _response(prep, tracker)
 
 
 async def _consume(merged: AsyncIterator[tuple[int, RequestOutput]], tracker: _Tracker) -> None:
@@ -446,65 +467,78 @@ async def _consume(merged: AsyncIterator[tuple[int, RequestOutput]], tracker: _T
         tracker.observe(prompt_index, output)
 
 
-def _final_body(prep: PreparedRequest, tracker: _Tracker) -> dict[str, Any]:
-    fmt = OpenAIFormatter(prep)
-    choices = [fmt.final_choice(index, tracker.finals[index]) for index in sorted(tracker.finals)]
-    if prep.tools is not None:  # tool calling hook
-        choices = [prep.tools.final_choice(choice) for choice in choices]
-    return {"id": prep.id, "object": "text_completion" if prep.kind == "completion" else "chat.completion",
-            "created": prep.created, "model": prep.model, "choices": choices, "usage": tracker.usage()}
+def _response(prep: PreparedRequest, tracker: _Tracker) -> Completion | ChatCompletion:
+    fmt = OpenAIFormatter(prep, prep.tokens)
+    n = prep.params.n
+    deltas = [fmt.delta(index, tracker.outputs[index // n], tracker.finals[index], ChoiceProgress(),
+                        prompt_index=index // n) for index in sorted(tracker.finals)]
+    response = fmt.response([d for d in deltas if d is not None], Usage(**tracker.usage()))
+    if prep.tools is not None:  # tool calling hook: text -> content / tool_calls
+        body = response.model_dump()
+        body["choices"] = [prep.tools.final_choice(choice) for choice in body["choices"]]
+        response = ChatCompletion.model_validate(body)
+    return response
 
 
-async def stream_sse(ctx: PlatformContext, prep: PreparedRequest, streams: list[RequestStream]) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per choice and engine step with new text, the finish
-    chunk, the usage chunk if asked for, then ``data: [DONE]``. Cancelling (client gone) aborts."""
+StreamEvent = CompletionChunk | ChatCompletionChunk | ErrorResponse
+
+
+async def stream_chunks(ctx: PlatformContext, prep: PreparedRequest, streams: list[RequestStream]
+                        ) -> AsyncIterator[StreamEvent]:
+    """The stream's typed chunks: for chat first each choice's role chunk; then per engine step
+    one chunk per choice with new text or tokens (each choice's ``finish_reason`` once); the
+    usage chunk if asked for. An error after the start comes as an ``ErrorResponse`` (last).
+    Closing the iterator (client gone) aborts the engine requests. The route encodes them
+    as server-sent events and ends with ``[DONE]``."""
     tracker = _Tracker(prep, ctx)
-    fmt = OpenAIFormatter(prep)
+    fmt = OpenAIFormatter(prep, prep.tokens)
     merged = _merged(streams)
     completed = False
     try:
         if prep.kind == "chat":
             for index in range(len(prep.prompts) * prep.params.n):
-                yield sse(fmt.chunk(index, {"role": "assistant", "content": ""}, None, None))
+                yield fmt.role_chunk(index)
         async for prompt_index, output in merged:
             for index, completion in tracker.observe(prompt_index, output):
-                chunk = _delta_chunk(fmt, tracker, index, completion)
-                if chunk is not None:
-                    yield sse(chunk)
+                progress = tracker.progress.setdefault(index, ChoiceProgress())
+                delta = fmt.delta(index, output, completion, progress, prompt_index=prompt_index)
+                if prep.tools is not None:  # tool calling hook: text -> content / tool_calls deltas
+                    chunk = _tool_chunk(fmt, prep.tools, index, delta, completion.finished)
+                    if chunk is not None:
+                        yield chunk
+                elif delta is not None:
+                    yield fmt.chunk(delta)
         completed = True
         await _charge_later(tracker.account(), wait=True)
         if prep.include_usage:
-            yield sse(fmt.usage_chunk(tracker.usage()))
+            yield fmt.usage_chunk(Usage(**tracker.usage()))
     except PlatformError as exc:
-        yield sse(exc.to_body())
+        yield ErrorResponse.model_validate(exc.to_body())
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
         err = _engine_error(exc, prep, ctx)
         if not isinstance(err, PlatformError):
             logger.exception("stream %s failed", prep.id)  # details in the log, not in the response
-        yield sse(err.to_body() if isinstance(err, PlatformError) else InternalError().to_body())
+        yield ErrorResponse.model_validate((err if isinstance(err, PlatformError) else InternalError()).to_body())
     finally:
         if not completed:
             await merged.aclose()
             await _charge_later(tracker.account(), wait=False)
-    yield "data: [DONE]\n\n"
 
 
-def _delta_chunk(fmt: OpenAIFormatter, tracker: _Tracker, index: int, completion: CompletionOutput) -> dict | None:
-    sent_chars = tracker.sent_chars.get(index, 0)
-    sent_tokens = tracker.sent_tokens.get(index, 0)
-    text = completion.text[sent_chars:]
-    logprobs = None
-    if fmt.prep.top_logprobs is not None and completion.logprobs is not None:
-        logprobs = fmt.logprobs(completion, sent_tokens, len(completion.logprobs), sent_chars)
-        tracker.sent_tokens[index] = len(completion.logprobs)
-    if not text and completion.finish_reason is None and not (logprobs and has_entries(logprobs)):
+def _tool_chunk(fmt: OpenAIFormatter, tools: tool_calls.ToolPlan, index: int, delta, finished: bool
+                ) -> ChatCompletionChunk | None:
+    """The chat chunk of a request with tools: the choice's new text goes through the tool-call
+    parser (content and/or ``tool_calls`` deltas); ``finish_reason`` becomes ``tool_calls`` when
+    calls were made. None when there is nothing to send yet (the formatter sends a choice's
+    finish once, so the parser sees each piece of text and the end exactly once)."""
+    if delta is None:
         return None
-    tracker.sent_chars[index] = len(completion.text)
-    delta = text if fmt.prep.kind == "completion" else {"content": text}
-    reason = finish_reason(completion)
-    if fmt.prep.tools is not None:  # tool calling hook: text -> content / tool_calls deltas
-        delta = fmt.prep.tools.delta(index, text, completion.finished)
-        reason = fmt.prep.tools.finish_reason(index, reason)
-        if delta is None and reason is None and not (logprobs and has_entries(logprobs)):
-            return None
-    return fmt.chunk(index, delta or {}, logprobs, reason)
+    piece = tools.delta(index, delta.text, finished)
+    reason = tools.finish_reason(index, delta.finish_reason)
+    if piece is None and reason is None and not delta.entries:
+        return None
+    chunk = fmt.chunk(delta)
+    choice = chunk.choices[0]
+    choice.delta = DeltaMessage(**(piece or {}))
+    choice.finish_reason = reason
+    return chunk
