@@ -32,6 +32,18 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_bias_dir(tmp_path_factory) -> Path:
+    """A random Llama with ``attention_bias`` (q/k/v/o biases) and ``mlp_bias``."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-bias"), "llama", attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_window_dir(tmp_path_factory) -> Path:
+    """A random Mistral with ``sliding_window=16`` (issue 19's silent fault)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mistral-window"), "mistral", sliding_window=16)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The prepared SmolLM2-135M-Instruct folder; CI prepares it, elsewhere the test is skipped if absent."""
     from loraplex.engine.demo_models import default_cache_dir, resolve_model

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, SamplingParams
+from loraplex.engine.models import UnsupportedModelError
 
 PROMPTS = [
     "The quick brown fox",
@@ -35,13 +36,19 @@ def engine_greedy(llm: LLM, prompt_ids: list[list[int]], max_new_tokens: int) ->
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama_bias_dir"])
 def test_greedy_tokens_equal_hf(model_fixture, request):
     path = request.getfixturevalue(model_fixture)
     tok = AutoTokenizer.from_pretrained(str(path))
     prompt_ids = [tok.encode(p) for p in PROMPTS]
     llm = LLM(model=str(path), max_model_len=256, block_size=4, num_kv_blocks=256)
     assert engine_greedy(llm, prompt_ids, 24) == hf_greedy(path, prompt_ids, 24)
+
+
+def test_mistral_sliding_window_is_refused_naming_the_field(tiny_mistral_window_dir):
+    """Issue 19: window 16 used to be ignored (tokens differed from HF on a 50-token prompt)."""
+    with pytest.raises(UnsupportedModelError, match=r"config.sliding_window=16 \(MistralConfig\): sliding-window"):
+        LLM(model=str(tiny_mistral_window_dir), max_model_len=256, block_size=4, num_kv_blocks=256)
 
 
 def test_prompt_logprobs_equal_hf_logits(tiny_llama_dir):

@@ -55,12 +55,13 @@ def test_ops_import_and_run_without_triton():
         import torch
         from loraplex.kernels import ops, AttentionMetadata, LoRAMapping, TritonUnavailableError
         from loraplex.kernels.rms_norm import rms_norm
+        from loraplex.kernels.rotary import rope_inv_freq
         meta = AttentionMetadata.build([2, 1], [2, 3], [[0], [1]], 4, "cpu")
         kc = torch.zeros(2, 4, 1, 8); vc = torch.zeros(2, 4, 1, 8)
         ops.reshape_and_cache(torch.randn(3, 1, 8), torch.randn(3, 1, 8), kc, vc, meta.slot_mapping)
         out = ops.paged_attention(torch.randn(3, 2, 8), kc, vc, meta, 8 ** -0.5)
         ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6)
-        cache = ops.compute_cos_sin_cache(8, 16, 10000.0)
+        cache = ops.compute_cos_sin_cache(rope_inv_freq(8, 10000.0), 16)
         ops.rotary_embedding(torch.arange(3), torch.randn(3, 16), torch.randn(3, 8), cache, 8)
         ops.silu_and_mul(torch.randn(3, 8))
         m = LoRAMapping.from_token_slots(torch.tensor([0, -1, 1], dtype=torch.int32))

@@ -1,0 +1,80 @@
+"""ModelSpec: every field of each supported transformers config class is read, checked or inert;
+anything the engine does not implement is refused at load with the field named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import transformers
+
+from loraplex.adapters.model_spec import FAMILIES, INERT_FIELDS, ModelSpec, UnsupportedModelError
+
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                  "phi3": "Phi3Config"}
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128)
+
+
+def test_every_supported_family_has_its_config_class_audited():
+    assert set(CONFIG_CLASSES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
+def test_every_config_field_is_read_checked_or_inert(model_type):
+    """A field that transformers adds to a config class fails here until it is classified."""
+    fields = {f.name for f in dataclasses.fields(getattr(transformers, CONFIG_CLASSES[model_type]))}
+    family = FAMILIES[model_type]
+    assert fields - family.reads - INERT_FIELDS == set()
+    assert family.reads - fields == set()  # no stale names
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
+def test_default_config_of_each_family_reads(model_type):
+    overrides = dict(sliding_window=None) if model_type == "mistral" else {}
+    config = getattr(transformers, CONFIG_CLASSES[model_type])(**SMALL, **overrides)
+    spec = ModelSpec.from_hf_config(config)
+    assert (spec.model_type, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (model_type, 2, 4, 2)
+    assert spec.layer_windows == (None, None)
+
+
+REFUSED = [
+    # (config class, overrides, message naming the field and value)
+    ("LlamaConfig", dict(hidden_act="gelu"), r"config.hidden_act='gelu' \(LlamaConfig\): not implemented"),
+    ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     r"config.rope_parameters\['partial_rotary_factor'\]=0.5: partial rotary"),
+    ("Phi3Config", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                         "long_factor": [2.0] * 8}, original_max_position_embeddings=64),
+     r"config.rope_parameters\['rope_type'\]='longrope': not implemented"),
+    ("LlamaConfig", dict(attn_logit_softcapping=50.0),
+     r"config.attn_logit_softcapping=50.0: not a field of LlamaConfig"),
+    ("LlamaConfig", dict(final_logit_softcapping=30.0),
+     r"config.final_logit_softcapping=30.0: not a field of LlamaConfig"),
+    ("LlamaConfig", dict(quantization_config={"quant_method": "fp8"}),
+     r"config.quantization_config=\{'quant_method': 'fp8'\}: quantized checkpoints are not implemented"),
+    ("GPT2Config", {}, r"config.model_type='gpt2': unsupported"),
+    ("Gemma2Config", {}, r"config.model_type='gemma2': unsupported"),
+]
+
+
+@pytest.mark.parametrize(("config_name", "overrides", "message"), REFUSED,
+                         ids=[f"{c}-{next(iter(o), 'model_type')}" for c, o, _ in REFUSED])
+def test_unimplemented_field_is_refused_naming_it(config_name, overrides, message):
+    config_cls = getattr(transformers, config_name)
+    config = config_cls(**SMALL, **overrides) if config_name != "GPT2Config" else config_cls(**overrides)
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelSpec.from_hf_config(config)
+
+
+def test_neutral_unknown_attribute_is_accepted():
+    """A key HF keeps but that asks for nothing (None/False) is no request to refuse."""
+    spec = ModelSpec.from_hf_config(transformers.LlamaConfig(**SMALL, sliding_window=None, use_mrope=False))
+    assert spec.layer_windows == (None, None)
+
+
+def test_biases_and_head_dim_are_read():
+    spec = ModelSpec.from_hf_config(transformers.LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True, head_dim=8))
+    assert (spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.head_dim) == (True, True, True, 8)
+    assert spec.module_shapes["q_proj"] == (64, 32) and spec.module_shapes["o_proj"] == (32, 64)
+    qwen2 = ModelSpec.from_hf_config(transformers.Qwen2Config(**SMALL))
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.mlp_bias) == (True, False, False)
