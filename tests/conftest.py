@@ -32,6 +32,18 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """A random Qwen3 (per-head q/k RMSNorm) with head_dim 32 != hidden / heads."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    """A random Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), "phi3")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_bias_dir(tmp_path_factory) -> Path:
     """A random Llama with ``attention_bias`` (q/k/v/o biases) and ``mlp_bias``."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-bias"), "llama", attention_bias=True, mlp_bias=True)
