@@ -38,6 +38,13 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_window_dir(tmp_path_factory) -> Path:
+    """A random Qwen3 whose layer 1 (>= max_window_layers) uses an 8-token sliding window, layer 0 full attention."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-window"), "qwen3", head_dim=32, use_sliding_window=True,
+                           sliding_window=8, max_window_layers=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tmp_path_factory) -> Path:
     """A random Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), "phi3")

@@ -218,7 +218,7 @@ def _check_rope(config: Any) -> None:
 def _layer_windows(config: Any, model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window: every layer for Mistral / Phi-3 (``sliding_window``); the layers HF
     marks ``"sliding_attention"`` in ``layer_types`` for Qwen2/3 (HF's own rule: ``use_sliding_window``
-    and ``max_window_layers``)."""
+    and ``max_window_layers``). Raises for a window that is not a positive int or an unknown layer type."""
     window = getattr(config, "sliding_window", None)
     if model_type in ("qwen2", "qwen3"):
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
@@ -231,7 +231,4 @@ def _layer_windows(config: Any, model_type: str, num_layers: int) -> tuple[int |
     for w in windows:
         if w is not None and (not isinstance(w, int) or w < 1):
             raise UnsupportedModelError(f"config.sliding_window={w!r}: expected a positive number of tokens")
-    if any(w is not None for w in windows):
-        raise UnsupportedModelError(
-            f"config.sliding_window={window!r} ({type(config).__name__}): sliding-window attention is not implemented")
     return windows

@@ -1,8 +1,10 @@
 """Paged attention entry point (prefill, extend, decode and mixed batches) and its reference.
 
-Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[:p+1, h // G].T) @ V_b[:p+1, h // G]`` where token t is
-query i of sequence b, ``p = seq_lens[b] - q_len[b] + i``, ``G = Hq / Hkv`` and ``K_b``/``V_b`` are sequence b's
-positions gathered through ``block_tables[b]`` from the ``[N, block_size, Hkv, D]`` caches.
+Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]`` where token t is
+query i of sequence b, ``p = seq_lens[b] - q_len[b] + i``, ``G = Hq / Hkv``, ``lo = 0`` (full causal) or
+``lo = max(0, p - W + 1)`` with a sliding window of W tokens (Mistral; HF's ``kv_idx > q_idx - W``), and
+``K_b``/``V_b`` are sequence b's positions gathered through ``block_tables[b]`` from the ``[N, block_size, Hkv, D]``
+caches.
 
 The Triton path uses the decode kernel (:mod:`loraplex.kernels.attention_decode`)
 when ``meta.max_query_len == 1`` and the prefill/extend kernel
@@ -29,10 +31,12 @@ def paged_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton paged attention for any batch: decode kernel if ``meta.max_query_len == 1``, else prefill kernel.
 
-    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[:p+1, h // G].T) @ V_b[:p+1, h // G]``.
+    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]``,
+    ``lo = 0`` or ``max(0, p - sliding_window + 1)``.
 
     Args:
         query: ``[T, Hq, D]`` fp16/bf16/fp32, head_dim stride 1.
@@ -40,17 +44,18 @@ def paged_attention(
         meta: :class:`AttentionMetadata` of the step.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[T, Hq, D]`` output; rows of padding tokens are zeroed.
+        sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
 
     Returns:
         ``[T, Hq, D]`` in the query dtype.
 
     Raises:
-        KernelArgumentError: bad shape/dtype/device/layout or metadata.
+        KernelArgumentError: bad shape/dtype/device/layout, metadata or window.
         TritonUnavailableError: triton is not installed.
     """
     if meta.max_query_len == 1:
-        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out)
-    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out)
+        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window)
+    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window)
 
 
 def paged_attention_ref(
@@ -61,6 +66,7 @@ def paged_attention_ref(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`paged_attention` (same arguments and semantics).
 
@@ -72,7 +78,7 @@ def paged_attention_ref(
     Raises:
         KernelArgumentError: bad shape/dtype/device or metadata.
     """
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window)
     out = prepare_out(query, meta, out)
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -86,6 +92,8 @@ def paged_attention_ref(
         q_pos = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if sliding_window is not None:
+            scores.masked_fill_(k_pos[None, None, :] <= q_pos[None, :, None] - sliding_window, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[qsl[b] : qsl[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -1,7 +1,8 @@
 """Paged decode attention: one query token per sequence (``max_query_len == 1``).
 
-Semantics: ``out[t, h] = softmax(scale * q[t, h] . K[b, :seq_len, h // G]) @ V[b, :seq_len, h // G]``
-with ``t = query_start_loc[b]``, ``G = Hq / Hkv`` and K/V read through ``block_tables[b]``.
+Semantics: ``out[t, h] = softmax(scale * q[t, h] . K[b, lo:seq_len, h // G]) @ V[b, lo:seq_len, h // G]``
+with ``t = query_start_loc[b]``, ``G = Hq / Hkv``, ``lo = 0`` or ``max(0, seq_len - W)`` with a sliding window of
+W tokens, and K/V read through ``block_tables[b]``.
 
 Design (after vLLM's Triton decode attention and FlashDecoding, Dao et al. 2023
 "Flash-Decoding for long-context inference"):
@@ -46,6 +47,7 @@ def _paged_decode_kernel(
     qk_scale,
     block_size,
     tokens_per_split,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -65,6 +67,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -74,6 +77,8 @@ def _paged_decode_kernel(
     tok = tl.load(query_start_loc_ptr + b).to(tl.int64)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    if SLIDING:  # positions before the window are skipped (a split wholly before it stays empty)
+        start = tl.maximum(start, seq_len - window)
 
     g = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + g
@@ -181,9 +186,10 @@ def _launch_paged_decode(
     scale: float,
     out: torch.Tensor | None,
     num_splits: int | None,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     require_triton(_OP)
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window)
     if meta.max_query_len != 1:
         raise KernelArgumentError(f"{_OP}: meta.max_query_len={meta.max_query_len}, the decode kernel needs 1")
     if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
@@ -218,6 +224,7 @@ def _launch_paged_decode(
         scale * _LOG2E,
         key_cache.shape[1],
         tokens_per_split,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -237,6 +244,7 @@ def _launch_paged_decode(
         SPLIT=splits > 1,
         DOT_DTYPE=dot_dtype(query.dtype, query.device),
         PRECISION=dot_precision(query.dtype, query.device),
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     if splits > 1:
@@ -265,11 +273,13 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton decode attention over the paged KV cache (every sequence has one query token).
 
-    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[:, h // G].T) @ V_b[:, h // G]``, ``t = query_start_loc[b]``,
-    ``K_b``/``V_b`` = the ``seq_lens[b]`` cached positions of sequence b gathered through ``block_tables[b]``.
+    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:, h // G].T) @ V_b[lo:, h // G]``, ``t = query_start_loc[b]``,
+    ``K_b``/``V_b`` = the ``seq_lens[b]`` cached positions of sequence b gathered through ``block_tables[b]``,
+    ``lo = 0`` or ``max(0, seq_lens[b] - sliding_window)``.
 
     Args:
         query: ``[T, Hq, D]`` fp16/bf16/fp32, head_dim stride 1.
@@ -278,6 +288,7 @@ def paged_decode_attention(
         scale: softmax scale, usually ``D ** -0.5``.
         out: optional ``[T, Hq, D]`` output (same dtype); padding rows are zeroed.
         num_splits: split-K factor (1..64); ``None`` picks one from the batch and GPU size.
+        sliding_window: W tokens a query attends to (itself included); ``None`` = all.
 
     Returns:
         ``out`` ``[T, Hq, D]``, query dtype.
@@ -286,4 +297,4 @@ def paged_decode_attention(
         KernelArgumentError: bad shape/dtype/device/layout, or ``meta.max_query_len != 1``.
         TritonUnavailableError: triton is not installed.
     """
-    return _launch_paged_decode(query, key_cache, value_cache, meta, scale, out, num_splits)
+    return _launch_paged_decode(query, key_cache, value_cache, meta, scale, out, num_splits, sliding_window)

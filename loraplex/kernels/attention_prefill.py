@@ -1,7 +1,8 @@
 """Paged prefill / extend attention: many query tokens per sequence, causal, variable lengths.
 
-Semantics: ``out[t, h] = softmax(scale * q[t, h] . K[b, :p+1, h // G]) @ V[b, :p+1, h // G]`` where token t is
-query i of sequence b at position ``p = seq_lens[b] - q_len[b] + i``; K/V read through ``block_tables[b]``.
+Semantics: ``out[t, h] = softmax(scale * q[t, h] . K[b, lo:p+1, h // G]) @ V[b, lo:p+1, h // G]`` where token t is
+query i of sequence b at position ``p = seq_lens[b] - q_len[b] + i``, ``lo = 0`` or ``max(0, p - W + 1)`` with a
+sliding window of W tokens; K/V read through ``block_tables[b]``.
 
 Covers full prefill (no cached prefix), chunked prefill and prefix-cache hits
 (a cached prefix of ``seq_lens[b] - q_len[b]`` positions), and mixed batches
@@ -10,7 +11,8 @@ are read from the paged cache, so ``reshape_and_cache`` must run first.
 
 Design: FlashAttention-2 (Dao 2023) forward with online softmax in float32;
 one program per (query tile of ``BLOCK_M`` tokens, sequence, query head); the
-KV loop stops at the causal frontier of the tile.
+KV loop stops at the causal frontier of the tile and, with a window, starts at the
+window's start for the tile's first query.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def _paged_prefill_kernel(
     out_ptr,
     qk_scale,
     block_size,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -54,6 +57,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -78,7 +82,10 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
     kv_end = tl.minimum(seq_len, ctx_len + (m_tile + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(ctx_len + m_tile * BLOCK_M - window + 1, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         p_mask = pos < kv_end
         blk = tl.load(bt_row + pos // block_size, mask=p_mask, other=0).to(tl.int64)
@@ -91,11 +98,17 @@ def _paged_prefill_kernel(
         )
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         causal = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            causal = causal & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
-        # Every row sees position 0 in the first tile, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # Without a window every row sees position 0 in the first tile, so m_new is finite from then on;
+        # with one, a row may see no key of a tile before its window starts (m_new = -inf: p = alpha = 0).
+        m_use = m_new
+        if SLIDING:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
@@ -105,6 +118,8 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
         m_i = m_new
 
+    if SLIDING:  # padding rows past q_len may see no key at all (not stored)
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -126,9 +141,10 @@ def _launch_paged_prefill(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     require_triton(_OP)
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window)
     out = prepare_out(query, meta, out)
     check_attention_layout(_OP, query, key_cache, value_cache, out)
     if meta.num_seqs == 0:
@@ -147,6 +163,7 @@ def _launch_paged_prefill(
         out,
         scale * _LOG2E,
         key_cache.shape[1],
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -165,6 +182,7 @@ def _launch_paged_prefill(
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype(query.dtype, query.device),
         PRECISION=dot_precision(query.dtype, query.device),
+        SLIDING=sliding_window is not None,
         num_warps=num_warps,
     )
     return out
@@ -178,11 +196,12 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton causal attention for a prefill / extend / mixed batch over the paged KV cache.
 
-    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[:p+1, h // G].T) @ V_b[:p+1, h // G]``,
-    ``p = seq_lens[b] - q_len[b] + i`` for query i of sequence b.
+    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]``,
+    ``p = seq_lens[b] - q_len[b] + i`` for query i of sequence b, ``lo = 0`` or ``max(0, p - sliding_window + 1)``.
 
     Args:
         query: ``[T, Hq, D]`` fp16/bf16/fp32, head_dim stride 1.
@@ -190,12 +209,13 @@ def paged_prefill_attention(
         meta: :class:`AttentionMetadata` (any ``max_query_len``).
         scale: softmax scale, usually ``D ** -0.5``.
         out: optional ``[T, Hq, D]`` output (same dtype); padding rows are zeroed.
+        sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
 
     Returns:
         ``out`` ``[T, Hq, D]``, query dtype.
 
     Raises:
-        KernelArgumentError: bad shape/dtype/device/layout or metadata.
+        KernelArgumentError: bad shape/dtype/device/layout, metadata or window.
         TritonUnavailableError: triton is not installed.
     """
-    return _launch_paged_prefill(query, key_cache, value_cache, meta, scale, out)
+    return _launch_paged_prefill(query, key_cache, value_cache, meta, scale, out, sliding_window)

@@ -117,14 +117,16 @@ def paged_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill/extend/decode batch over the paged cache (see :mod:`loraplex.kernels.attention`).
 
-    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[:p+1, h // G].T) @ V_b[:p+1, h // G]``, p = token position.
+    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]``, p = token
+    position, ``lo = 0`` or ``max(0, p - sliding_window + 1)``.
     Shapes: query/out ``[T, Hq, D]``, caches ``[N, bs, Hkv, D]``; returns ``[T, Hq, D]`` in the query dtype.
     """
     fn = attention.paged_attention if _use_triton(query) else attention.paged_attention_ref
-    return fn(query, key_cache, value_cache, meta, scale, out=out)
+    return fn(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window)
 
 
 def rms_norm(

@@ -31,7 +31,7 @@ def test_every_config_field_is_read_checked_or_inert(model_type):
 
 @pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
 def test_default_config_of_each_family_reads(model_type):
-    overrides = dict(sliding_window=None) if model_type == "mistral" else {}
+    overrides = dict(sliding_window=None) if model_type == "mistral" else {}  # MistralConfig defaults to 4096
     config = getattr(transformers, CONFIG_CLASSES[model_type])(**SMALL, **overrides)
     spec = ModelSpec.from_hf_config(config)
     assert (spec.model_type, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (model_type, 2, 4, 2)
@@ -70,6 +70,18 @@ def test_neutral_unknown_attribute_is_accepted():
     """A key HF keeps but that asks for nothing (None/False) is no request to refuse."""
     spec = ModelSpec.from_hf_config(transformers.LlamaConfig(**SMALL, sliding_window=None, use_mrope=False))
     assert spec.layer_windows == (None, None)
+
+
+def test_sliding_windows_per_layer():
+    mistral = ModelSpec.from_hf_config(transformers.MistralConfig(**SMALL, sliding_window=16))
+    assert mistral.layer_windows == (16, 16)
+    qwen2 = ModelSpec.from_hf_config(transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8,
+                                                              max_window_layers=1))
+    assert qwen2.layer_windows == (None, 8)  # HF: layers >= max_window_layers slide
+    off = ModelSpec.from_hf_config(transformers.Qwen3Config(**SMALL, use_sliding_window=False, sliding_window=8))
+    assert off.layer_windows == (None, None)
+    with pytest.raises(UnsupportedModelError, match=r"config.sliding_window=0: expected a positive number"):
+        ModelSpec.from_hf_config(transformers.MistralConfig(**SMALL, sliding_window=0))
 
 
 def test_biases_and_head_dim_are_read():

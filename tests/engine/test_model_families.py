@@ -15,8 +15,11 @@ from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft
 FAMILIES = {
     "tiny_qwen3_dir": (("q_proj", "v_proj"), ("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "tiny_phi3_dir": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "tiny_mistral_window_dir": (("q_proj", "v_proj"), ("k_proj", "o_proj", "gate_proj", "down_proj")),  # window 16
 }
-TEXTS = ["The quick brown fox", "Paris is the capital", "def add(a, b):", "Colors: red, green, blue and",
+# The last two prompts (42 and 39 tokens) outgrow a 16-token sliding window.
+TEXTS = ["The quick brown fox", "Paris is the capital", "def add(a, b):",
+         "Paris is the capital of France. Berlin is the capital of Germany. The quick brown fox jumps over the lazy dog.",
          "Large language models serve many LoRA adapters from one GPU. Numbers: 0 1 2 3 4 5 6 7 8 9 10"]
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)

@@ -100,15 +100,17 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache: fused qkv matmul (+ LoRA), optional per-head q/k
-    RMSNorm (Qwen3), RoPE, cache write, paged attention, o_proj (+ LoRA).
+    RMSNorm (Qwen3), RoPE, cache write, paged attention (limited to ``sliding_window`` tokens when
+    set: Mistral, Phi-3, Qwen2/3 sliding layers), o_proj (+ LoRA).
 
     LoRA slices: ``q_proj``/``k_proj``/``v_proj`` on split families, one ``qkv_proj`` on fused
     ones (Phi-3, whose adapters target the fused module).
     """
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, sliding_window: int | None, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         d = spec.head_dim
+        self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         self.scale = d ** -0.5
@@ -134,7 +136,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv
         ops.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
                               v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q.view(t, self.num_heads, self.head_dim), k_cache, v_cache, meta, self.scale)
+        out = ops.paged_attention(q.view(t, self.num_heads, self.head_dim), k_cache, v_cache, meta, self.scale,
+                                  sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size), lora)
 
 
@@ -154,10 +157,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(spec, dtype, device)
+        self.self_attn = Attention(spec, spec.layer_windows[layer_idx], dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = MLP(spec, dtype, device)
 
@@ -185,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = (None if spec.tie_word_embeddings else
                         nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
