@@ -1,6 +1,8 @@
-"""SwiGLU gate (Shazeer 2020 "GLU Variants Improve Transformer"): ``silu(gate) * up`` on a fused gate/up output.
+"""SwiGLU and GeGLU gates (Shazeer 2020 "GLU Variants Improve Transformer"): ``act(gate) * up`` on a fused
+gate/up output.
 
-Semantics: ``out[t, i] = silu(x[t, i]) * x[t, I + i]`` with ``silu(g) = g * sigmoid(g)``.
+Semantics: ``out[t, i] = act(x[t, i]) * x[t, I + i]`` with ``act = silu(g) = g * sigmoid(g)`` (Llama) or
+``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`` (Gemma's ``gelu_pytorch_tanh``).
 
 Rounding matches HF ``act_fn(gate_proj(x)) * up_proj(x)``: silu is computed in
 fp32 and rounded to the input dtype, then the product is rounded again.
@@ -23,17 +25,23 @@ from loraplex.kernels.errors import KernelArgumentError
 
 _OP = "silu_and_mul"
 _BLOCK = 1024
+_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr,
+                         GELU_TANH: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
     gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    if GELU_TANH:  # tanh(z) = 2 sigmoid(2z) - 1
+        z = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        act = (0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))).to(gate.dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + cols, out.to(gate.dtype), mask=mask)
 
@@ -51,7 +59,7 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
     check_device(_OP, "out", out, x.device)
 
 
-def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool = False) -> torch.Tensor:
     require_triton(_OP)
     _check_args(x)
     check_last_dim_contiguous(_OP, "x", x)
@@ -63,7 +71,7 @@ def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None) -> torch.Ten
     if num_tokens == 0 or inter_size == 0:
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](
-        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4
+        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4
     )
     return out
 
@@ -96,6 +104,40 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
     _check_args(x)
     gate, up = x.chunk(2, dim=-1)
     result = torch.nn.functional.silu(gate) * up
+    if out is None:
+        return result
+    _check_out(x, out)
+    return out.copy_(result)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection.
+
+    Semantics: ``out[t] = gelu_tanh(x[t, :I]) * x[t, I:]``, ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``.
+
+    Args:
+        x: ``[T, 2I]`` fp16/bf16/fp32, last dim stride 1.
+        out: optional ``[T, I]`` output of x's dtype.
+
+    Returns:
+        ``[T, I]`` in x.dtype.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
+        TritonUnavailableError: triton is not installed.
+    """
+    return _launch_silu_and_mul(x, out, gelu_tanh=True)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch reference of :func:`gelu_tanh_and_mul` (HF ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype or odd ``x.shape[1]``.
+    """
+    _check_args(x)
+    gate, up = x.chunk(2, dim=-1)
+    result = torch.nn.functional.gelu(gate, approximate="tanh") * up
     if out is None:
         return result
     _check_out(x, out)

@@ -32,6 +32,7 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton paged attention for any batch: decode kernel if ``meta.max_query_len == 1``, else prefill kernel.
 
@@ -45,6 +46,7 @@ def paged_attention(
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[T, Hq, D]`` output; rows of padding tokens are zeroed.
         sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
+        softcap: attention logit soft-capping (Gemma 2): ``scale * q . k`` becomes ``softcap * tanh(./softcap)``.
 
     Returns:
         ``[T, Hq, D]`` in the query dtype.
@@ -54,8 +56,10 @@ def paged_attention(
         TritonUnavailableError: triton is not installed.
     """
     if meta.max_query_len == 1:
-        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window)
-    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window)
+        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out,
+                                      sliding_window=sliding_window, softcap=softcap)
+    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window,
+                                   softcap=softcap)
 
 
 def paged_attention_ref(
@@ -67,6 +71,7 @@ def paged_attention_ref(
     *,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`paged_attention` (same arguments and semantics).
 
@@ -78,7 +83,7 @@ def paged_attention_ref(
     Raises:
         KernelArgumentError: bad shape/dtype/device or metadata.
     """
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     out = prepare_out(query, meta, out)
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -89,6 +94,8 @@ def paged_attention_ref(
         k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, seq_len]
+        if softcap is not None:  # HF Gemma 2: scores / cap, tanh, * cap (before the mask)
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))

@@ -48,6 +48,7 @@ def _paged_decode_kernel(
     block_size,
     tokens_per_split,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -68,6 +69,7 @@ def _paged_decode_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -102,6 +104,8 @@ def _paged_decode_kernel(
             other=0.0,
         )
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 2 sigmoid(2z) - 1; then to base 2
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -187,9 +191,10 @@ def _launch_paged_decode(
     out: torch.Tensor | None,
     num_splits: int | None,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     require_triton(_OP)
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     if meta.max_query_len != 1:
         raise KernelArgumentError(f"{_OP}: meta.max_query_len={meta.max_query_len}, the decode kernel needs 1")
     if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
@@ -221,10 +226,11 @@ def _launch_paged_decode(
         out,
         part_out,
         part_lse,
-        scale * _LOG2E,
+        scale if softcap is not None else scale * _LOG2E,  # with a cap the kernel converts to base 2 after tanh
         key_cache.shape[1],
         tokens_per_split,
         sliding_window or 0,
+        softcap or 0.0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -245,6 +251,7 @@ def _launch_paged_decode(
         DOT_DTYPE=dot_dtype(query.dtype, query.device),
         PRECISION=dot_precision(query.dtype, query.device),
         SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=4,
     )
     if splits > 1:
@@ -274,6 +281,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton decode attention over the paged KV cache (every sequence has one query token).
 
@@ -289,6 +297,7 @@ def paged_decode_attention(
         out: optional ``[T, Hq, D]`` output (same dtype); padding rows are zeroed.
         num_splits: split-K factor (1..64); ``None`` picks one from the batch and GPU size.
         sliding_window: W tokens a query attends to (itself included); ``None`` = all.
+        softcap: attention logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
 
     Returns:
         ``out`` ``[T, Hq, D]``, query dtype.
@@ -297,4 +306,5 @@ def paged_decode_attention(
         KernelArgumentError: bad shape/dtype/device/layout, or ``meta.max_query_len != 1``.
         TritonUnavailableError: triton is not installed.
     """
-    return _launch_paged_decode(query, key_cache, value_cache, meta, scale, out, num_splits, sliding_window)
+    return _launch_paged_decode(query, key_cache, value_cache, meta, scale, out, num_splits, sliding_window,
+                                softcap)

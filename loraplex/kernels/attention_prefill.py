@@ -39,6 +39,7 @@ def _paged_prefill_kernel(
     qk_scale,
     block_size,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -58,6 +59,7 @@ def _paged_prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -97,6 +99,8 @@ def _paged_prefill_kernel(
             other=0.0,
         )
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 2 sigmoid(2z) - 1; then to base 2
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
         causal = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
             causal = causal & (pos[None, :] > q_pos[:, None] - window)
@@ -142,9 +146,10 @@ def _launch_paged_prefill(
     scale: float,
     out: torch.Tensor | None,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     require_triton(_OP)
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     out = prepare_out(query, meta, out)
     check_attention_layout(_OP, query, key_cache, value_cache, out)
     if meta.num_seqs == 0:
@@ -161,9 +166,10 @@ def _launch_paged_prefill(
         meta.seq_lens,
         meta.query_start_loc,
         out,
-        scale * _LOG2E,
+        scale if softcap is not None else scale * _LOG2E,  # with a cap the kernel converts to base 2 after tanh
         key_cache.shape[1],
         sliding_window or 0,
+        softcap or 0.0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -183,6 +189,7 @@ def _launch_paged_prefill(
         DOT_DTYPE=dot_dtype(query.dtype, query.device),
         PRECISION=dot_precision(query.dtype, query.device),
         SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
     )
     return out
@@ -197,6 +204,7 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton causal attention for a prefill / extend / mixed batch over the paged KV cache.
 
@@ -210,6 +218,7 @@ def paged_prefill_attention(
         scale: softmax scale, usually ``D ** -0.5``.
         out: optional ``[T, Hq, D]`` output (same dtype); padding rows are zeroed.
         sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
+        softcap: attention logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
 
     Returns:
         ``out`` ``[T, Hq, D]``, query dtype.
@@ -218,4 +227,4 @@ def paged_prefill_attention(
         KernelArgumentError: bad shape/dtype/device/layout, metadata or window.
         TritonUnavailableError: triton is not installed.
     """
-    return _launch_paged_prefill(query, key_cache, value_cache, meta, scale, out, sliding_window)
+    return _launch_paged_prefill(query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)

@@ -42,6 +42,7 @@ __all__ = [
     "Backend",
     "LoRAMapping",
     "compute_cos_sin_cache",
+    "gelu_tanh_and_mul",
     "get_backend",
     "add_lora",
     "lora_expand",
@@ -118,15 +119,17 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill/extend/decode batch over the paged cache (see :mod:`loraplex.kernels.attention`).
 
     Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]``, p = token
-    position, ``lo = 0`` or ``max(0, p - sliding_window + 1)``.
+    position, ``lo = 0`` or ``max(0, p - sliding_window + 1)``; with ``softcap`` the scores ``scale * q . k``
+    become ``softcap * tanh(scores / softcap)`` (Gemma 2).
     Shapes: query/out ``[T, Hq, D]``, caches ``[N, bs, Hkv, D]``; returns ``[T, Hq, D]`` in the query dtype.
     """
     fn = attention.paged_attention if _use_triton(query) else attention.paged_attention_ref
-    return fn(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window)
+    return fn(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window, softcap=softcap)
 
 
 def rms_norm(
@@ -159,6 +162,15 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     Semantics: ``out[t] = silu(x[t, :I]) * x[t, I:]``. Shapes: x ``[T, 2I]`` -> ``[T, I]``.
     """
     fn = activation.silu_and_mul if _use_triton(x) else activation.silu_and_mul_ref
+    return fn(x, out=out)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GeGLU gate, tanh-approximated gelu (see :mod:`loraplex.kernels.activation`).
+
+    Semantics: ``out[t] = gelu_tanh(x[t, :I]) * x[t, I:]``. Shapes: x ``[T, 2I]`` -> ``[T, I]``.
+    """
+    fn = activation.gelu_tanh_and_mul if _use_triton(x) else activation.gelu_tanh_and_mul_ref
     return fn(x, out=out)
 
 

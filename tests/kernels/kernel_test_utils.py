@@ -99,9 +99,11 @@ def make_paged_batch(
     return PagedBatch(key_cache, value_cache, meta, query, query_lens, seq_lens, tables, block_size)
 
 
-def naive_paged_attention(batch: PagedBatch, scale: float, window: int | None = None) -> torch.Tensor:
+def naive_paged_attention(batch: PagedBatch, scale: float, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """Per-token, per-head float64 softmax over positions, reading the cache with Python block lookups;
-    with a sliding ``window`` a query at position p sees positions ``max(0, p - window + 1) .. p``."""
+    with a sliding ``window`` a query at position p sees positions ``max(0, p - window + 1) .. p``; with
+    ``softcap`` the scores are ``softcap * tanh(scores / softcap)``."""
     q_all = batch.query.double().cpu()
     kc, vc = batch.key_cache.double().cpu(), batch.value_cache.double().cpu()
     num_q_heads, num_kv_heads = q_all.shape[1], kc.shape[2]
@@ -117,6 +119,8 @@ def naive_paged_attention(batch: PagedBatch, scale: float, window: int | None = 
             k, v = kc[blocks, offsets], vc[blocks, offsets]  # [pos + 1, Hkv, D]
             for h in range(num_q_heads):
                 scores = (k[:, h // group] @ q_all[t, h]) * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 weights = torch.exp(scores - scores.max())
                 out[t, h] = (weights @ v[:, h // group]) / weights.sum()
             t += 1

@@ -197,6 +197,26 @@ def test_sliding_window_reference_matches_naive(window):
     assert_close(out, naive_paged_attention(batch, _scale(), window), torch.float32)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcap_kernels_match_naive(triton_backend, window):
+    """Gemma 2's attention logit soft-capping (a small cap, so that it changes the result), prefill and decode."""
+    cap = 0.5
+    query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, torch.float32, triton_backend)
+    out = ops.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                              sliding_window=window, softcap=cap)
+    expected = naive_paged_attention(batch, _scale(), window, cap)
+    assert_close(out, expected, torch.float32)
+    assert not torch.allclose(expected, naive_paged_attention(batch, _scale(), window), atol=1e-3)
+    assert_close(paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                     sliding_window=window, softcap=cap), expected, torch.float32)
+    decode = make_paged_batch([1] * 4, [1, 9, 30, 17], 2, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, triton_backend)
+    out = paged_decode_attention(decode.query, decode.key_cache, decode.value_cache, decode.meta, _scale(),
+                                 num_splits=2, sliding_window=window, softcap=cap)
+    assert_close(out, naive_paged_attention(decode, _scale(), window, cap), torch.float32)
+
+
 @pytest.mark.parametrize("window", [0, -3, 2.5])
 def test_bad_sliding_window_is_refused(window):
     batch = make_paged_batch([2], [4], 1, 1, HEAD_DIM, 4, torch.float32, torch.device("cpu"))
