@@ -51,6 +51,15 @@ def tiny_phi3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory) -> Path:
+    """A random Gemma 2: layer 0 an 8-token sliding window, layer 1 global; soft-caps small enough to matter;
+    query_pre_attn_scalar != head_dim; tied embeddings."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma2"), "gemma2", head_dim=16, query_pre_attn_scalar=24,
+                           sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+                           tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_bias_dir(tmp_path_factory) -> Path:
     """A random Llama with ``attention_bias`` (q/k/v/o biases) and ``mlp_bias``."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-bias"), "llama", attention_bias=True, mlp_bias=True)

@@ -36,7 +36,10 @@ class Family:
     - ``qk_norm``: RMSNorm over each head of q and k before RoPE (Qwen3).
     - ``fused_projections``: the checkpoint stores ``qkv_proj`` / ``gate_up_proj`` (Phi-3), and
       adapters target those fused modules.
+    - ``gemma``: Gemma 2 layout: RMSNorm weights stored as ``w - 1``, norms around attention and MLP
+      ("sandwich"), embeddings scaled by sqrt(hidden_size), GeGLU, ``query_pre_attn_scalar``, soft-capping.
     - ``reads``: the config fields this family's parser reads or checks (besides :data:`INERT_FIELDS`).
+    - ``ignored_extras``: attributes outside the class's fields that HF's modeling code ignores too.
     """
 
     model_type: str
@@ -44,6 +47,8 @@ class Family:
     reads: frozenset[str]
     qk_norm: bool = False
     fused_projections: bool = False
+    gemma: bool = False
+    ignored_extras: frozenset[str] = frozenset()
 
 
 _COMMON = frozenset({
@@ -52,6 +57,10 @@ _COMMON = frozenset({
     "eos_token_id", "hidden_act",
 })
 _QWEN_WINDOWS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+_GEMMA = (_COMMON - {"hidden_act"}) | {
+    "hidden_activation", "head_dim", "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
+    "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"}
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (
@@ -61,6 +70,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", "Qwen3ForCausalLM", _COMMON | _QWEN_WINDOWS | {"head_dim", "attention_bias"}, qk_norm=True),
         Family("phi3", "Phi3ForCausalLM", _COMMON | {"sliding_window", "original_max_position_embeddings"},
                fused_projections=True),
+        Family("gemma2", "Gemma2ForCausalLM", _GEMMA, gemma=True,
+               ignored_extras=frozenset({"hidden_act"})),  # Hub configs carry it; HF reads hidden_activation
     )
 }
 
@@ -88,6 +99,11 @@ class ModelSpec:
     Shapes: ``head_dim`` D, ``num_heads`` Hq, ``num_kv_heads`` Hkv, ``intermediate_size`` I.
     ``layer_windows[l]``: the sliding-window size in tokens of layer l (a query at position p
     attends to keys at positions ``> p - window``), or None for full causal attention.
+    ``activation``: the gate activation of the MLP, ``"silu"`` (SwiGLU) or ``"gelu_pytorch_tanh"`` (GeGLU).
+    ``attn_scale``: softmax scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma).
+    ``attn_logit_softcapping`` / ``final_logit_softcapping``: ``cap * tanh(x / cap)`` on attention scores /
+    LM-head logits, or None. ``embed_scale``: factor on the embeddings (Gemma: sqrt(hidden_size)), or None.
+    ``gemma_norms``: RMSNorm weights are stored as ``w - 1`` and layers have sandwich norms.
     ``hf_config``: the HF config the spec was read from (RoPE tables are built from it); None for
     specs built by hand in tests.
     """
@@ -109,6 +125,12 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     fused_projections: bool
+    activation: str
+    attn_scale: float
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+    embed_scale: float | None
+    gemma_norms: bool
     layer_windows: tuple[int | None, ...]
     eos_token_ids: tuple[int, ...]
     hf_config: Any = field(default=None, compare=False, repr=False)
@@ -126,10 +148,14 @@ class ModelSpec:
         if family is None:
             raise UnsupportedModelError(
                 f"config.model_type={model_type!r}: unsupported; supported are {', '.join(sorted(FAMILIES))}")
-        _check_extra_attributes(config)
-        _require(config, "hidden_act", ("silu",))
+        _check_extra_attributes(config, family)
+        activation_field = "hidden_activation" if family.gemma else "hidden_act"
+        _require(config, activation_field, ("gelu_pytorch_tanh",) if family.gemma else ("silu",))
+        _require(config, "use_bidirectional_attention", (None, False))
         _check_rope(config)
         heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+        scalar = getattr(config, "query_pre_attn_scalar", None) if family.gemma else None
         num_layers = int(config.num_hidden_layers)
         eos = getattr(config, "eos_token_id", None)
         bias = bool(getattr(config, "attention_bias", False))
@@ -142,7 +168,7 @@ class ModelSpec:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(config.rms_norm_eps),
             max_position_embeddings=int(config.max_position_embeddings),
             tie_word_embeddings=bool(config.tie_word_embeddings),
@@ -151,6 +177,12 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=family.qk_norm,
             fused_projections=family.fused_projections,
+            activation=getattr(config, activation_field),
+            attn_scale=float(scalar) ** -0.5 if scalar is not None else head_dim ** -0.5,
+            attn_logit_softcapping=_positive_or_none(config, "attn_logit_softcapping"),
+            final_logit_softcapping=_positive_or_none(config, "final_logit_softcapping"),
+            embed_scale=float(config.hidden_size) ** 0.5 if family.gemma else None,
+            gemma_norms=family.gemma,
             layer_windows=_layer_windows(config, model_type, num_layers),
             eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ()),
             hf_config=config,
@@ -190,10 +222,20 @@ def _require(config: Any, name: str, allowed: tuple[Any, ...]) -> None:
             f"{' or '.join(repr(a) for a in allowed)}")
 
 
-def _check_extra_attributes(config: Any) -> None:
+def _positive_or_none(config: Any, name: str) -> float | None:
+    value = getattr(config, name, None)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise UnsupportedModelError(f"config.{name}={value!r}: expected None or a number > 0")
+    return float(value)
+
+
+def _check_extra_attributes(config: Any, family: Family) -> None:
     """Refuse attributes that are no field of the config class (HF keeps unknown config.json keys)."""
     fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
-    extras = {k: v for k, v in config.to_dict().items() if k not in fields and k not in _BOOKKEEPING_ATTRS}
+    skip = fields | _BOOKKEEPING_ATTRS | family.ignored_extras
+    extras = {k: v for k, v in config.to_dict().items() if k not in skip}
     if "quantization_config" in extras:
         raise UnsupportedModelError(
             f"config.quantization_config={extras['quantization_config']!r}: quantized checkpoints are not implemented")
@@ -218,9 +260,9 @@ def _check_rope(config: Any) -> None:
 def _layer_windows(config: Any, model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window: every layer for Mistral / Phi-3 (``sliding_window``); the layers HF
     marks ``"sliding_attention"`` in ``layer_types`` for Qwen2/3 (HF's own rule: ``use_sliding_window``
-    and ``max_window_layers``). Raises for a window that is not a positive int or an unknown layer type."""
+    and ``max_window_layers``) and Gemma 2 (alternating). Raises for a window that is not a positive int or an unknown layer type."""
     window = getattr(config, "sliding_window", None)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "gemma2"):
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
         for i, t in enumerate(types):
             if t not in ("full_attention", "sliding_attention"):

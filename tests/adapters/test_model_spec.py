@@ -11,7 +11,7 @@ import transformers
 from loraplex.adapters.model_spec import FAMILIES, INERT_FIELDS, ModelSpec, UnsupportedModelError
 
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "phi3": "Phi3Config"}
+                  "phi3": "Phi3Config", "gemma2": "Gemma2Config"}
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128)
 
@@ -35,7 +35,7 @@ def test_default_config_of_each_family_reads(model_type):
     config = getattr(transformers, CONFIG_CLASSES[model_type])(**SMALL, **overrides)
     spec = ModelSpec.from_hf_config(config)
     assert (spec.model_type, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (model_type, 2, 4, 2)
-    assert spec.layer_windows == (None, None)
+    assert spec.layer_windows == ((4096, None) if model_type == "gemma2" else (None, None))
 
 
 REFUSED = [
@@ -53,7 +53,10 @@ REFUSED = [
     ("LlamaConfig", dict(quantization_config={"quant_method": "fp8"}),
      r"config.quantization_config=\{'quant_method': 'fp8'\}: quantized checkpoints are not implemented"),
     ("GPT2Config", {}, r"config.model_type='gpt2': unsupported"),
-    ("Gemma2Config", {}, r"config.model_type='gemma2': unsupported"),
+    ("Gemma3TextConfig", {}, r"config.model_type='gemma3_text': unsupported"),
+    ("Gemma2Config", dict(hidden_activation="gelu"), r"config.hidden_activation='gelu' \(Gemma2Config\)"),
+    ("Gemma2Config", dict(use_bidirectional_attention=True), r"config.use_bidirectional_attention=True"),
+    ("Gemma2Config", dict(attn_logit_softcapping=-1.0), r"config.attn_logit_softcapping=-1.0: expected None"),
 ]
 
 
@@ -82,6 +85,14 @@ def test_sliding_windows_per_layer():
     assert off.layer_windows == (None, None)
     with pytest.raises(UnsupportedModelError, match=r"config.sliding_window=0: expected a positive number"):
         ModelSpec.from_hf_config(transformers.MistralConfig(**SMALL, sliding_window=0))
+
+
+def test_gemma2_features_are_read():
+    config = transformers.Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=24, hidden_act="gelu_pytorch_tanh")
+    spec = ModelSpec.from_hf_config(config)  # Hub configs carry hidden_act too; HF reads hidden_activation
+    assert (spec.activation, spec.attn_scale, spec.embed_scale) == ("gelu_pytorch_tanh", 24 ** -0.5, 64 ** 0.5)
+    assert (spec.attn_logit_softcapping, spec.final_logit_softcapping, spec.gemma_norms) == (50.0, 30.0, True)
+    assert spec.layer_windows == (4096, None)  # HF: even layers slide
 
 
 def test_biases_and_head_dim_are_read():

@@ -46,9 +46,9 @@ def test_llama_rope_table_is_hf_exactly(rope_type):
 
 @pytest.mark.parametrize(("family", "config_name", "prefix"), [
     ("mistral", "MistralConfig", "Mistral"), ("qwen2", "Qwen2Config", "Qwen2"), ("qwen3", "Qwen3Config", "Qwen3"),
-    ("phi3", "Phi3Config", "Phi3")])
+    ("phi3", "Phi3Config", "Phi3"), ("gemma2", "Gemma2Config", "Gemma2")])
 def test_family_rope_table_is_hf_exactly(family, config_name, prefix):
-    extra = {"sliding_window": None} if family == "mistral" else {}
+    extra = {"sliding_window": None} if family == "mistral" else {"head_dim": 16} if family == "gemma2" else {}
     config = getattr(transformers, config_name)(**SMALL, **extra, rope_parameters=dict(ROPES["yarn"]) | (
         {"rope_type": "default"} if family == "phi3" else {}))
     cache = rope_cos_sin_cache(ModelSpec.from_hf_config(config))

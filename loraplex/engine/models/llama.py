@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) over a
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, SmolLM2) over a
 flattened token batch with a paged KV cache.
 
 Inputs are flattened across requests, as in vLLM: ``input_ids [T]``,
@@ -113,7 +113,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
-        self.scale = d ** -0.5
+        self.scale = spec.attn_scale
+        self.softcap = spec.attn_logit_softcapping
         if spec.fused_projections:
             sizes, names = [self.q_size + 2 * self.kv_size], ["qkv_proj"]
         else:
@@ -137,13 +138,13 @@ class Attention(nn.Module):
         ops.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
                               v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q.view(t, self.num_heads, self.head_dim), k_cache, v_cache, meta, self.scale,
-                                  sliding_window=self.sliding_window)
+                                  sliding_window=self.sliding_window, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.q_size), lora)
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate/up fused (LoRA slices ``gate_proj``/``up_proj``,
-    or one ``gate_up_proj`` on fused families)."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` or GeGLU (``gelu_tanh``, Gemma) with gate/up fused (LoRA
+    slices ``gate_proj``/``up_proj``, or one ``gate_up_proj`` on fused families)."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -151,9 +152,10 @@ class MLP(nn.Module):
         sizes, names = ([2 * i], ["gate_up_proj"]) if spec.fused_projections else ([i, i], ["gate_proj", "up_proj"])
         self.gate_up_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.mlp_bias, dtype, device)
         self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], spec.mlp_bias, dtype, device)
+        self.act_and_mul = ops.gelu_tanh_and_mul if spec.activation == "gelu_pytorch_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -163,8 +165,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, spec.layer_windows[layer_idx], dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = MLP(spec, dtype, device)
+        self.sandwich = spec.gemma_norms
+        if self.sandwich:  # Gemma 2: norms before and after the MLP too; post_attention_layernorm is an output norm
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
     def forward(self, hidden, residual, positions, cos_sin, kv, meta, lora):
+        """Llama: ``(hidden, residual)`` carried with the residual add fused into the next norm.
+        Sandwich (Gemma 2): ``h += post_attn_norm(attn(in_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))``,
+        residual stays None."""
+        if self.sandwich:
+            attn = self.self_attn(self.input_layernorm(hidden), positions, cos_sin, kv, meta, lora)
+            hidden = hidden + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+            return hidden + self.post_feedforward_layernorm(mlp), None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -194,20 +208,29 @@ class LlamaForCausalLM(nn.Module):
                         nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                      requires_grad=False))
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(spec).to(device), persistent=False)
+        # HF Gemma: embeddings * tensor(sqrt(hidden_size)) cast to the weight dtype
+        self.embed_scale = (None if spec.embed_scale is None else
+                            torch.tensor(spec.embed_scale).to(dtype=dtype, device=device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 lora: LoRABatch | None = None) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv, meta, lora)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head (tied or not), then ``cap * tanh(logits / cap)`` with a final soft-cap (Gemma 2)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        logits = F.linear(hidden, head)
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def lora_linears(self) -> list[tuple[int, LinearWithLoRA]]:
         """Every LoRA-capable linear with its layer index."""

@@ -16,7 +16,8 @@ from loraplex.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.?(.*)$")
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_LAYER_RE = re.compile(rf"^model\.layers\.(\d+)\.(self_attn|mlp|{'|'.join(_LAYER_NORMS)})\.?(.*)$")
 # HF projection -> (our fused module attribute path, output-slice index), for split checkpoints ...
 _SPLIT = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -107,8 +108,8 @@ def _expected_targets(model: LlamaForCausalLM) -> set[tuple[str, int]]:
                 targets.add((f"layers.{i}.{fused}.bias", idx))
         if spec.qk_norm:
             targets.update((f"layers.{i}.{norm}.weight", 0) for norm in _QK_NORMS)
-        targets.add((f"layers.{i}.input_layernorm.weight", 0))
-        targets.add((f"layers.{i}.post_attention_layernorm.weight", 0))
+        norms = _LAYER_NORMS if spec.gemma_norms else _LAYER_NORMS[:2]
+        targets.update((f"layers.{i}.{norm}.weight", 0) for norm in norms)
     return targets
 
 
@@ -124,7 +125,7 @@ def _target_for(name: str, spec: ModelSpec) -> tuple[str, int] | None:
     if not m:
         return None
     layer, kind, rest = m.groups()
-    if kind in ("input_layernorm", "post_attention_layernorm"):
+    if kind in _LAYER_NORMS:
         return (f"layers.{layer}.{kind}.weight", 0) if rest == "weight" else None
     proj, _, param = rest.partition(".")
     if f"{kind}.{proj}" in _QK_NORMS:
@@ -145,4 +146,6 @@ def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.T
         dest = dest[start:start + lin.out_sizes[idx]]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    if model.spec.gemma_norms and path.endswith("norm.weight"):  # Gemma stores w - 1; HF adds 1 in fp32
+        tensor = 1.0 + tensor.float()
     dest.copy_(tensor.to(dest.dtype))
