@@ -60,6 +60,17 @@ def tiny_gemma2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    """A random Gemma 3 text model: 3 layers, every 3rd global (sliding_window_pattern=3, window 8), per-head q/k
+    norms, local/global RoPE (the global one with linear scaling), a final soft-cap."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", num_hidden_layers=3, head_dim=16,
+                           query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=3, rope_parameters=rope,
+                           final_logit_softcapping=5.0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_bias_dir(tmp_path_factory) -> Path:
     """A random Llama with ``attention_bias`` (q/k/v/o biases) and ``mlp_bias``."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-bias"), "llama", attention_bias=True, mlp_bias=True)

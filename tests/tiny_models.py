@@ -45,6 +45,7 @@ ARCHS = {  # arch -> (HF config class, HF model class)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -62,7 +63,8 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}")
     config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[arch])
-    common.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    if arch != "gemma3":  # Gemma 3 keeps one set per layer type (its defaults: local 1e4, global 1e6)
+        common.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     model = model_cls(config_cls(**common))
     with torch.no_grad():  # larger weights than the default init, so that logits are far from ties
         for name, p in model.named_parameters():

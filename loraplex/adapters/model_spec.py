@@ -72,6 +72,10 @@ FAMILIES: dict[str, Family] = {
                fused_projections=True),
         Family("gemma2", "Gemma2ForCausalLM", _GEMMA, gemma=True,
                ignored_extras=frozenset({"hidden_act"})),  # Hub configs carry it; HF reads hidden_activation
+        # Gemma 3 text (Gemma3ForCausalLM): Gemma 2 plus per-head q/k RMSNorm and a RoPE per layer type;
+        # HF turns sliding_window_pattern into layer_types (read).
+        Family("gemma3_text", "Gemma3ForCausalLM", _GEMMA, qk_norm=True, gemma=True,
+               ignored_extras=frozenset({"hidden_act", "sliding_window_pattern", "_sliding_window_pattern"})),
     )
 }
 
@@ -84,7 +88,8 @@ INERT_FIELDS = frozenset({
     "output_hidden_states", "problem_type", "return_dict", "transformers_version",
 })
 # Attributes every loaded config carries besides its fields.
-_BOOKKEEPING_ATTRS = frozenset({"model_type", "output_attentions", "_name_or_path"})
+_BOOKKEEPING_ATTRS = frozenset({"model_type", "output_attentions", "_name_or_path",
+                                "cache_implementation"})  # generation-only (HF moves it to generation_config)
 
 # RoPE types whose tables are position-independent within max_position_embeddings; the engine
 # builds them with transformers.modeling_rope_utils. "longrope" switches factor sets with the
@@ -104,6 +109,8 @@ class ModelSpec:
     ``attn_logit_softcapping`` / ``final_logit_softcapping``: ``cap * tanh(x / cap)`` on attention scores /
     LM-head logits, or None. ``embed_scale``: factor on the embeddings (Gemma: sqrt(hidden_size)), or None.
     ``gemma_norms``: RMSNorm weights are stored as ``w - 1`` and layers have sandwich norms.
+    ``layer_rope``: per layer, the key of its RoPE parameters in ``hf_config.rope_parameters`` (Gemma 3:
+    ``"sliding_attention"`` / ``"full_attention"``), or None where one set serves every layer.
     ``hf_config``: the HF config the spec was read from (RoPE tables are built from it); None for
     specs built by hand in tests.
     """
@@ -132,6 +139,7 @@ class ModelSpec:
     embed_scale: float | None
     gemma_norms: bool
     layer_windows: tuple[int | None, ...]
+    layer_rope: tuple[str | None, ...]
     eos_token_ids: tuple[int, ...]
     hf_config: Any = field(default=None, compare=False, repr=False)
 
@@ -184,6 +192,7 @@ class ModelSpec:
             embed_scale=float(config.hidden_size) ** 0.5 if family.gemma else None,
             gemma_norms=family.gemma,
             layer_windows=_layer_windows(config, model_type, num_layers),
+            layer_rope=_layer_rope(config, num_layers),
             eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ()),
             hf_config=config,
         )
@@ -245,24 +254,49 @@ def _check_extra_attributes(config: Any, family: Family) -> None:
                 f"config.{name}={value!r}: not a field of {type(config).__name__}; loraplex does not implement it")
 
 
-def _check_rope(config: Any) -> None:
+def _rope_sets(config: Any) -> dict[str | None, dict]:
+    """``{None: rope_parameters}``, or ``{layer_type: parameters}`` for per-layer-type RoPE (Gemma 3)."""
     rope = getattr(config, "rope_parameters", None) or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return dict(rope)
+    return {None: rope}
+
+
+def _layer_rope(config: Any, num_layers: int) -> tuple[str | None, ...]:
+    sets = _rope_sets(config)
+    if None in sets:
+        return (None,) * num_layers
+    types = list(getattr(config, "layer_types", None) or [])
+    for i, t in enumerate(types):
+        if t not in sets:
+            raise UnsupportedModelError(f"config.layer_types[{i}]={t!r}: no rope_parameters[{t!r}]")
+    return tuple(types)
+
+
+def _check_rope(config: Any) -> None:
+    for key, rope in _rope_sets(config).items():
+        _check_rope_set(rope, "" if key is None else f"[{key!r}]")
+
+
+def _check_rope_set(rope: dict, where: str) -> None:
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(
-            f"config.rope_parameters['rope_type']={rope_type!r}: not implemented; supported are {', '.join(ROPE_TYPES)}")
+            f"config.rope_parameters{where}['rope_type']={rope_type!r}: not implemented; supported are "
+            f"{', '.join(ROPE_TYPES)}")
     partial = rope.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise UnsupportedModelError(
-            f"config.rope_parameters['partial_rotary_factor']={partial!r}: partial rotary embeddings are not implemented")
+            f"config.rope_parameters{where}['partial_rotary_factor']={partial!r}: partial rotary embeddings are not "
+            "implemented")
 
 
 def _layer_windows(config: Any, model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window: every layer for Mistral / Phi-3 (``sliding_window``); the layers HF
     marks ``"sliding_attention"`` in ``layer_types`` for Qwen2/3 (HF's own rule: ``use_sliding_window``
-    and ``max_window_layers``) and Gemma 2 (alternating). Raises for a window that is not a positive int or an unknown layer type."""
+    and ``max_window_layers``) and Gemma 2/3 (alternating / every ``sliding_window_pattern``-th global). Raises for a window that is not a positive int or an unknown layer type."""
     window = getattr(config, "sliding_window", None)
-    if model_type in ("qwen2", "qwen3", "gemma2"):
+    if model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
         for i, t in enumerate(types):
             if t not in ("full_attention", "sliding_attention"):

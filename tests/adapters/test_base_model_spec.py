@@ -32,6 +32,7 @@ def hf_module_shapes(model) -> dict[str, tuple[int, int]]:
         ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
         ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
         ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=2, head_dim=24)),
+        ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=2, head_dim=24)),
         ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0, eos_token_id=1)),  # fused
     ],
 )
@@ -61,7 +62,7 @@ def test_head_dim_is_used_when_present():
 def test_unsupported_architecture_refused():
     from transformers import GPT2Config
 
-    message = r"config.model_type='gpt2': unsupported; supported are gemma2, llama, mistral, phi3, qwen2, qwen3"
+    message = r"config.model_type='gpt2': unsupported; supported are gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"
     with pytest.raises(ValueError, match=message):
         BaseModelSpec.from_hf_config(GPT2Config())
 

@@ -11,7 +11,7 @@ import transformers
 from loraplex.adapters.model_spec import FAMILIES, INERT_FIELDS, ModelSpec, UnsupportedModelError
 
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "phi3": "Phi3Config", "gemma2": "Gemma2Config"}
+                  "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128)
 
@@ -35,7 +35,9 @@ def test_default_config_of_each_family_reads(model_type):
     config = getattr(transformers, CONFIG_CLASSES[model_type])(**SMALL, **overrides)
     spec = ModelSpec.from_hf_config(config)
     assert (spec.model_type, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (model_type, 2, 4, 2)
-    assert spec.layer_windows == ((4096, None) if model_type == "gemma2" else (None, None))
+    # Gemma 2 alternates sliding/global; Gemma 3 has every 6th layer global
+    windows = {"gemma2": (4096, None), "gemma3_text": (4096, 4096)}.get(model_type, (None, None))
+    assert spec.layer_windows == windows
 
 
 REFUSED = [
@@ -53,7 +55,10 @@ REFUSED = [
     ("LlamaConfig", dict(quantization_config={"quant_method": "fp8"}),
      r"config.quantization_config=\{'quant_method': 'fp8'\}: quantized checkpoints are not implemented"),
     ("GPT2Config", {}, r"config.model_type='gpt2': unsupported"),
-    ("Gemma3TextConfig", {}, r"config.model_type='gemma3_text': unsupported"),
+    ("Gemma3Config", {}, r"config.model_type='gemma3': unsupported"),  # the multimodal one
+    ("Gemma3TextConfig", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                               "full_attention": {"rope_type": "longrope", "rope_theta": 1e6}}),
+     r"config.rope_parameters\['full_attention'\]\['rope_type'\]='longrope': not implemented"),
     ("Gemma2Config", dict(hidden_activation="gelu"), r"config.hidden_activation='gelu' \(Gemma2Config\)"),
     ("Gemma2Config", dict(use_bidirectional_attention=True), r"config.use_bidirectional_attention=True"),
     ("Gemma2Config", dict(attn_logit_softcapping=-1.0), r"config.attn_logit_softcapping=-1.0: expected None"),
@@ -64,7 +69,7 @@ REFUSED = [
                          ids=[f"{c}-{next(iter(o), 'model_type')}" for c, o, _ in REFUSED])
 def test_unimplemented_field_is_refused_naming_it(config_name, overrides, message):
     config_cls = getattr(transformers, config_name)
-    config = config_cls(**SMALL, **overrides) if config_name != "GPT2Config" else config_cls(**overrides)
+    config = config_cls(**overrides) if config_name in ("GPT2Config", "Gemma3Config") else config_cls(**SMALL, **overrides)
     with pytest.raises(UnsupportedModelError, match=message):
         ModelSpec.from_hf_config(config)
 
@@ -93,6 +98,14 @@ def test_gemma2_features_are_read():
     assert (spec.activation, spec.attn_scale, spec.embed_scale) == ("gelu_pytorch_tanh", 24 ** -0.5, 64 ** 0.5)
     assert (spec.attn_logit_softcapping, spec.final_logit_softcapping, spec.gemma_norms) == (50.0, 30.0, True)
     assert spec.layer_windows == (4096, None)  # HF: even layers slide
+
+
+def test_gemma3_reads_rope_per_layer_type_and_hub_leftovers():
+    config = transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window_pattern=2, sliding_window=8,
+                                           cache_implementation="hybrid", hidden_act="gelu_pytorch_tanh")
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.layer_rope == ("sliding_attention", "full_attention")
+    assert spec.layer_windows == (8, None) and spec.qk_norm and spec.gemma_norms
 
 
 def test_biases_and_head_dim_are_read():

@@ -17,6 +17,7 @@ FAMILIES = {
     "tiny_phi3_dir": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     "tiny_mistral_window_dir": (("q_proj", "v_proj"), ("k_proj", "o_proj", "gate_proj", "down_proj")),  # window 16
     "tiny_gemma2_dir": (("q_proj", "v_proj"), ("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "tiny_gemma3_dir": (("q_proj", "k_proj"), ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
 }
 # The last two prompts (42 and 39 tokens) outgrow a 16-token sliding window.
 TEXTS = ["The quick brown fox", "Paris is the capital", "def add(a, b):",

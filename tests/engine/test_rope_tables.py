@@ -44,6 +44,21 @@ def test_llama_rope_table_is_hf_exactly(rope_type):
     assert torch.equal(cache[:, :half], cos[:, :half]) and torch.equal(cache[:, half:], sin[:, :half])
 
 
+@pytest.mark.parametrize("global_rope", ["default", "linear", "yarn"])
+def test_gemma3_rope_tables_per_layer_type_are_hf_exactly(global_rope):
+    params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": dict(ROPES[global_rope], rope_theta=1000000.0)}
+    config = transformers.Gemma3TextConfig(**(SMALL | {"num_hidden_layers": 2}), head_dim=16, rope_parameters=params,
+                                           sliding_window_pattern=2)  # layer 0 sliding, layer 1 full
+    spec = ModelSpec.from_hf_config(config)
+    module = importlib.import_module("transformers.models.gemma3.modeling_gemma3")
+    rope = module.Gemma3RotaryEmbedding(config)
+    for layer_type in ("sliding_attention", "full_attention"):
+        cache = rope_cos_sin_cache(spec, layer_type)
+        cos, sin = rope(torch.zeros(1), torch.arange(MAX_POS)[None], layer_type)
+        assert torch.equal(cache[:, :8], cos[0, :, :8]) and torch.equal(cache[:, 8:], sin[0, :, :8])
+
+
 @pytest.mark.parametrize(("family", "config_name", "prefix"), [
     ("mistral", "MistralConfig", "Mistral"), ("qwen2", "Qwen2Config", "Qwen2"), ("qwen3", "Qwen3Config", "Qwen3"),
     ("phi3", "Phi3Config", "Phi3"), ("gemma2", "Gemma2Config", "Gemma2")])

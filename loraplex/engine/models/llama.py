@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, SmolLM2) over a
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, SmolLM2) over a
 flattened token batch with a paged KV cache.
 
 Inputs are flattened across requests, as in vLLM: ``input_ids [T]``,
@@ -28,10 +28,11 @@ from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq
 
 
-def rope_cos_sin_cache(spec: ModelSpec) -> torch.Tensor:
-    """The RoPE table ``[max_position_embeddings, head_dim] fp32`` of ``spec``, with HF's own inverse
-    frequencies and attention scaling (``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``) for every
-    rope type but the default one (:func:`~loraplex.kernels.rotary.rope_inv_freq`, the same formula).
+def rope_cos_sin_cache(spec: ModelSpec, layer_type: str | None = None) -> torch.Tensor:
+    """The RoPE table ``[max_position_embeddings, head_dim] fp32`` of ``spec`` (of ``layer_type``'s
+    parameters for per-layer-type RoPE, Gemma 3), with HF's own inverse frequencies and attention scaling
+    (``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``) for every rope type but the default one
+    (:func:`~loraplex.kernels.rotary.rope_inv_freq`, the same formula).
 
     Raises ``ValueError`` for a spec without its HF config (RoPE parameters live there).
     """
@@ -40,12 +41,14 @@ def rope_cos_sin_cache(spec: ModelSpec) -> torch.Tensor:
     config = spec.hf_config
     if config is None:
         raise ValueError("ModelSpec.hf_config is None: build the spec with ModelSpec.from_hf_config")
-    rope = config.rope_parameters
+    rope = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         inv_freq, attention_scaling = rope_inv_freq(spec.head_dim, float(rope["rope_theta"])), 1.0
-    else:
+    elif layer_type is None:
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
     return compute_cos_sin_cache(inv_freq.float(), spec.max_position_embeddings, float(attention_scaling))
 
 
@@ -207,7 +210,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if spec.tie_word_embeddings else
                         nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                      requires_grad=False))
-        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(spec).to(device), persistent=False)
+        # One RoPE table per distinct parameter set (Gemma 3: local and global), shared by the layers using it.
+        self.rope_keys = sorted(set(spec.layer_rope), key=str)
+        for i, key in enumerate(self.rope_keys):
+            self.register_buffer(f"cos_sin_cache_{i}", rope_cos_sin_cache(spec, key).to(device), persistent=False)
+        self.layer_rope_index = [self.rope_keys.index(key) for key in spec.layer_rope]
         # HF Gemma: embeddings * tensor(sqrt(hidden_size)) cast to the weight dtype
         self.embed_scale = (None if spec.embed_scale is None else
                             torch.tensor(spec.embed_scale).to(dtype=dtype, device=device))
@@ -219,8 +226,9 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv, meta, lora)
+        caches = [getattr(self, f"cos_sin_cache_{i}") for i in range(len(self.rope_keys))]
+        for layer, kv, rope in zip(self.layers, kv_caches, self.layer_rope_index):
+            hidden, residual = layer(hidden, residual, positions, caches[rope], kv, meta, lora)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
