@@ -81,3 +81,20 @@ def test_chunked_prefill_and_prefix_caching_change_nothing(family):
         for i, (name, out) in enumerate(zip(order, outs)):
             check_row(out, *refs[(name or "base", i)])
     assert all(o.num_cached_tokens > 0 for o, p in zip(outs, prompts) if len(p) > 4)
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+def test_triton_kernels_equal_hf_and_peft(family):
+    """One adapter row over a prompt longer than any window, through the Triton kernels (the CPU interpreter
+    here, the GPU path there): q/k norms, fused projections, sliding windows, soft-caps, GeGLU, SGMV."""
+    pytest.importorskip("triton")
+    from loraplex.kernels import ops
+
+    path, prompts, adapters, refs = family
+    llm = make_llm(path)
+    params = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3, logprobs=5)
+    with ops.use_backend("triton"):
+        out = llm.generate({"prompt_token_ids": prompts[4]}, params, lora_request=adapters["b"])[0]
+    ref_tokens, ref_lp = refs[("b", 4)]
+    check_row(out, ref_tokens[:3], ref_lp)
