@@ -76,7 +76,9 @@ def test_unimplemented_field_is_refused_naming_it(config_name, overrides, messag
 
 def test_neutral_unknown_attribute_is_accepted():
     """A key HF keeps but that asks for nothing (None/False) is no request to refuse."""
-    spec = ModelSpec.from_hf_config(transformers.LlamaConfig(**SMALL, sliding_window=None, use_mrope=False))
+    spec = ModelSpec.from_hf_config(transformers.LlamaConfig(**SMALL, sliding_window=None, use_mrope=False,
+                                                             auto_map={"AutoModelForCausalLM": "modeling_x.X"},
+                                                             cache_implementation="hybrid"))
     assert spec.layer_windows == (None, None)
 
 
