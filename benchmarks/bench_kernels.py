@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels import ops
-from loraplex.kernels.attention import paged_attention_ref
+from loraplex.kernels.attention import PAGED_ATTENTION, paged_attention_ref
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_expand import lora_expand_ref
+from loraplex.kernels.lora_expand import LORA_EXPAND, lora_expand_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
-from loraplex.kernels.lora_shrink import lora_shrink_ref
+from loraplex.kernels.lora_shrink import LORA_SHRINK, lora_shrink_ref
+from loraplex.kernels.reshape_and_cache import RESHAPE_AND_CACHE
 
 Timer = Callable[[Callable[[], object]], float]  # returns the median time of one call in ms
 
@@ -131,13 +131,13 @@ def bench_decode(shapes: Shapes, context: int, device: torch.device, timer: Time
     meta = AttentionMetadata.build([1] * b, [context] * b, _shuffled_tables(b, blocks_per_seq), bs, device)
     query = torch.randn(b, hq, d, device=device).to(torch.bfloat16)
     scale = d**-0.5
-    out = ops.paged_attention(query, key_cache, value_cache, meta, scale)
+    out = PAGED_ATTENTION.triton(query, key_cache, value_cache, meta, scale)
     n = shapes.ref_check_seqs
     sub = AttentionMetadata.build([1] * n, [context] * n, _shuffled_tables(b, blocks_per_seq)[:n], bs, device)
     _check(
         f"decode ctx={context}", out[:n], paged_attention_ref(query[:n], key_cache, value_cache, sub, scale), 2e-2, 2e-2
     )
-    ms = timer(lambda: ops.paged_attention(query, key_cache, value_cache, meta, scale))
+    ms = timer(lambda: PAGED_ATTENTION.triton(query, key_cache, value_cache, meta, scale))
     nbytes = 2 * b * context * hkv * d * key_cache.element_size()
     return Result(
         "decode attention",
@@ -172,15 +172,15 @@ def bench_prefill(shapes: Shapes, batch: int, seq_len: int, device: torch.device
     meta = AttentionMetadata.build(
         [seq_len] * batch, [seq_len] * batch, _shuffled_tables(batch, blocks_per_seq), bs, device
     )
-    ops.reshape_and_cache(k.flatten(0, 1), v.flatten(0, 1), key_cache, value_cache, meta.slot_mapping)
+    RESHAPE_AND_CACHE.triton(k.flatten(0, 1), v.flatten(0, 1), key_cache, value_cache, meta.slot_mapping)
     query = q.flatten(0, 1)
     scale = d**-0.5
-    ours = ops.paged_attention(query, key_cache, value_cache, meta, scale)
+    ours = PAGED_ATTENTION.triton(query, key_cache, value_cache, meta, scale)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     dense = _sdpa(qt, kt, vt, scale).transpose(1, 2).flatten(0, 1)
     _check(f"prefill B={batch} S={seq_len}", ours, dense, 2e-2, 2e-2)
     flops = 4 * batch * hq * d * seq_len * (seq_len + 1) / 2  # QK^T and PV over the causal triangle
-    ms_ours = timer(lambda: ops.paged_attention(query, key_cache, value_cache, meta, scale))
+    ms_ours = timer(lambda: PAGED_ATTENTION.triton(query, key_cache, value_cache, meta, scale))
     ms_sdpa = timer(lambda: _sdpa(qt, kt, vt, scale))
     shape = f"B={batch} S={seq_len} H={hq}/{hkv} D={d} bf16"
     sdpa_tflops = flops / (ms_sdpa * 1e-3) / 1e12
@@ -202,10 +202,10 @@ def bench_lora(shapes: Shapes, num_tokens: int, device: torch.device, timer: Tim
     x = torch.randn(num_tokens, h, device=device).to(dt)
     y = torch.randn(num_tokens, n * h, device=device).to(dt)
 
-    v = ops.lora_shrink(x, lora_a, mapping)
+    v = LORA_SHRINK.triton(x, lora_a, mapping)
     _check(f"lora_shrink T={num_tokens}", v, lora_shrink_ref(x, lora_a, mapping), 2e-2, 2e-2)
     y_ours, y_ref = y.clone(), y.clone()
-    ops.lora_expand(v, lora_b, scaling, y_ours, mapping)
+    LORA_EXPAND.triton(v, lora_b, scaling, y_ours, mapping)
     lora_expand_ref(v, lora_b, scaling, y_ref, mapping)
     _check(f"lora_expand T={num_tokens}", y_ours, y_ref, 5e-2, 2e-2)
 
@@ -213,9 +213,9 @@ def bench_lora(shapes: Shapes, num_tokens: int, device: torch.device, timer: Tim
     weight_bytes = n * used * r * h * 2
     shrink_bytes = num_tokens * h * 2 + weight_bytes + n * num_tokens * r * 4
     expand_bytes = n * num_tokens * r * 4 + weight_bytes + 2 * num_tokens * n * h * 2
-    ms_shrink = timer(lambda: ops.lora_shrink(x, lora_a, mapping))
+    ms_shrink = timer(lambda: LORA_SHRINK.triton(x, lora_a, mapping))
     y_bench = y.clone()
-    ms_expand = timer(lambda: ops.lora_expand(v, lora_b, scaling, y_bench, mapping))
+    ms_expand = timer(lambda: LORA_EXPAND.triton(v, lora_b, scaling, y_bench, mapping))
     shape = f"T={num_tokens} H={h} r={r} adapters={used} slices={n} bf16"
     return [
         Result("lora_shrink", shape, ms_shrink, shrink_bytes / (ms_shrink * 1e-3) / 1e9, "GB/s", "d2d copy", copy_gbs),
@@ -238,21 +238,20 @@ def format_table(results: list[Result]) -> str:
 
 
 def run(shapes: Shapes, device: torch.device, timer: Timer) -> list[Result]:
-    """All benchmarks with the Triton backend forced; returns the table rows."""
+    """All benchmarks of the Triton kernels; returns the table rows."""
     results: list[Result] = []
-    with ops.use_backend("triton"):
-        copy_gbs = copy_bandwidth_gbs(shapes.copy_bytes, device, timer)
-        results.append(
-            Result("d2d copy", f"{shapes.copy_bytes / 2**20:.3g} MiB", 0.0, copy_gbs, "GB/s", "d2d copy", copy_gbs)
-        )
-        for context in shapes.decode_contexts:
-            results.append(bench_decode(shapes, context, device, timer, copy_gbs))
-            _free(device)
-        for batch, seq_len in shapes.prefill_cases:
-            results.extend(bench_prefill(shapes, batch, seq_len, device, timer))
-            _free(device)
-        for num_tokens in shapes.lora_token_counts:
-            results.extend(bench_lora(shapes, num_tokens, device, timer, copy_gbs))
+    copy_gbs = copy_bandwidth_gbs(shapes.copy_bytes, device, timer)
+    results.append(
+        Result("d2d copy", f"{shapes.copy_bytes / 2**20:.3g} MiB", 0.0, copy_gbs, "GB/s", "d2d copy", copy_gbs)
+    )
+    for context in shapes.decode_contexts:
+        results.append(bench_decode(shapes, context, device, timer, copy_gbs))
+        _free(device)
+    for batch, seq_len in shapes.prefill_cases:
+        results.extend(bench_prefill(shapes, batch, seq_len, device, timer))
+        _free(device)
+    for num_tokens in shapes.lora_token_counts:
+        results.extend(bench_lora(shapes, num_tokens, device, timer, copy_gbs))
     return results
 
 

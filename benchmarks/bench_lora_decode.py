@@ -26,9 +26,12 @@ from common import git_commit, measure_copy_bandwidth, out_dir, print_table  # n
 
 from loraplex.engine.models.llama import LinearWithLoRA, LoRABatch  # noqa: E402
 from loraplex.kernels import lora_shrink as shrink_mod  # noqa: E402
-from loraplex.kernels import ops  # noqa: E402
-from loraplex.kernels.lora_linear import add_lora, add_lora_ref  # noqa: E402
+from loraplex.kernels.lora_linear import ADD_LORA, add_lora_ref  # noqa: E402
 from loraplex.kernels.lora_mapping import LoRAMapping  # noqa: E402
+from loraplex.kernels.ops import Kernels  # noqa: E402
+
+ops = Kernels("triton")
+add_lora = ADD_LORA.triton  # with the launch overrides (split_k, expand_blocks) the sweep uses
 
 # (name, H, slice widths): the four LoRA linears of a Llama-2-7B layer.
 LAYERS = [("qkv", 4096, [4096, 4096, 4096]), ("o", 4096, [4096]), ("gate_up", 4096, [11008, 11008]),
@@ -87,7 +90,7 @@ def old_path(lora_a, lora_b, scaling, mapping, x, y) -> None:
 
 def layer_times(h, widths, lora_a, lora_b, scaling, mapping, x) -> dict:
     """Whole layer: base GEMM alone and the model's LinearWithLoRA (GEMM, then the LoRA delta)."""
-    layer = LinearWithLoRA(h, widths, [f"m{i}" for i in range(len(widths))], False, x.dtype, x.device)
+    layer = LinearWithLoRA(h, widths, [f"m{i}" for i in range(len(widths))], False, x.dtype, x.device, ops)
     layer.weight.normal_(0, h**-0.5)
     layer.bind_lora(lora_a, lora_b, scaling)
     batch = LoRABatch(mapping)

@@ -616,7 +616,7 @@ def run(profile: Profile, rates: tuple[float, ...], root: Path, result: dict[str
     config = model_config(profile)
     t0 = time.perf_counter()
     engine = build_engine(make_model_dir(root / result["model_id"], config), profile)
-    served = start_server(create_app(bench_settings(root / "data", result["model_id"]), engine, console=False))
+    served = start_server(create_app(bench_settings(root / "data", result["model_id"]), engine))
     timings["engine_and_server_s"] = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()

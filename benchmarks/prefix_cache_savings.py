@@ -52,8 +52,10 @@ def run_scenario(system_tokens: int, concurrent: int, caching: bool, user: int =
     seqs = []
     for i in range(concurrent):
         seq = _sequence(i, system + [rng.randrange(1, 32000) for _ in range(user)])
-        kv.compute_prefix_hit(seq)
-        _compute(kv, seq, seq.num_tokens - seq.num_computed_tokens)
+        computed = kv.get_computed_blocks(seq)
+        kv.allocate_new_computed(seq, computed, seq.num_tokens - computed.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_full_blocks(seq)
         seqs.append(seq)
     for _ in range(generated):
         for seq in seqs:

@@ -10,12 +10,16 @@ Commands defined here need only the engine's dependencies:
 ``~/.cache/loraplex``.
 
 The platform adds its commands (``serve``, ``tenant``, ``key``, ``adapter``, ``demo``)
-through ``loraplex.platform.cli.add_commands(subparsers)``. Contract: for each
+through ``loraplex.platform.cli.add_commands(subparsers, mount_console=fn)``;
+``fn(app)`` mounts the Gradio console (``loraplex.ui``) on the app that ``serve``
+and ``demo up`` run, so the platform never imports the console. Contract: for each
 command it calls ``subparsers.add_parser(...)`` and
 ``set_defaults(handler=fn)`` with ``fn(args: argparse.Namespace) -> int`` (the
 exit status). When that module exists but one of the ``serve`` extra's
 packages is missing, the platform commands are still listed and each prints
-the ``pip install 'loraplex[serve]'`` hint and exits with status 2.
+the ``pip install 'loraplex[serve]'`` hint and exits with status 2; which
+packages belong to the ``serve`` extra is read from the installed package's
+metadata (``importlib.metadata``).
 """
 
 from __future__ import annotations
@@ -23,10 +27,16 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.metadata
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from loraplex.engine.demo_models import (
     DEMO_MODEL_ALIASES,
@@ -38,30 +48,12 @@ from loraplex.engine.demo_models import (
     is_prepared,
 )
 
+logger = logging.getLogger(__name__)
+
 PLATFORM_CLI_MODULE = "loraplex.platform.cli"
 PLATFORM_COMMANDS = ("serve", "tenant", "key", "adapter", "demo")
 """Commands the platform provides; listed with an install hint when its dependencies are missing."""
 
-# Top-level import names of the ``serve`` extra in pyproject.toml (keep in sync).
-SERVE_EXTRA_MODULES = frozenset(
-    {
-        "fastapi",
-        "starlette",
-        "uvicorn",
-        "sse_starlette",
-        "multipart",
-        "pydantic",
-        "pydantic_settings",
-        "sqlalchemy",
-        "alembic",
-        "redis",
-        "psycopg",
-        "prometheus_client",
-        "gradio",
-        "httpx",
-        "openai",
-    }
-)
 SERVE_EXTRA_HINT = "pip install 'loraplex[serve]'"
 
 
@@ -110,7 +102,7 @@ def add_platform_commands(subparsers: argparse._SubParsersAction) -> None:
     """Let ``loraplex.platform.cli`` add its commands, or add hint-printing stand-ins when its extra is missing."""
     module, missing = _import_platform_cli()
     if module is not None:
-        module.add_commands(subparsers)
+        module.add_commands(subparsers, mount_console=mount_console_if_installed)
         return
     if missing is None:
         return  # this build has no platform package
@@ -133,9 +125,43 @@ def _import_platform_cli() -> tuple[ModuleType | None, str | None]:
         raise
 
 
+def mount_console_if_installed(app: Any) -> None:
+    """Mount the Gradio console at ``/ui`` on ``app`` (a FastAPI app); without Gradio the API runs alone."""
+    try:
+        from loraplex.ui import mount_console
+    except ImportError as exc:
+        logger.warning("console not mounted at /ui (%s): install 'loraplex[serve]'", exc)
+        return
+    mount_console(app)
+
+
+@functools.cache
+def serve_extra_distributions() -> frozenset[str]:
+    """Canonical names of the ``serve`` extra's distributions, from loraplex's installed metadata.
+
+    Empty when loraplex is not installed (a source tree on ``PYTHONPATH``): import errors then propagate.
+    """
+    try:
+        requirements = [Requirement(line) for line in importlib.metadata.requires("loraplex") or []]
+    except importlib.metadata.PackageNotFoundError:
+        return frozenset()
+    return frozenset(
+        canonicalize_name(req.name)
+        for req in requirements
+        if req.marker is not None and req.marker.evaluate({"extra": "serve"}) and not req.marker.evaluate({"extra": ""})
+    )
+
+
 def _is_serve_extra(module: str | None) -> bool:
-    """True for a module of one of the ``serve`` extra's packages (``"sqlalchemy.orm"``)."""
-    return module is not None and module.split(".")[0] in SERVE_EXTRA_MODULES
+    """True for a module of one of the ``serve`` extra's distributions (``"sqlalchemy.orm"``, ``"multipart"``).
+
+    An installed module is mapped to its distribution; a missing one is taken as its own distribution name.
+    """
+    if module is None:
+        return False
+    top = module.split(".")[0]
+    dists = importlib.metadata.packages_distributions().get(top) or [top]
+    return any(canonicalize_name(dist) in serve_extra_distributions() for dist in dists)
 
 
 def _missing_extra(command: str, missing: str, args: argparse.Namespace) -> int:

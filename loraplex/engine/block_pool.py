@@ -109,11 +109,6 @@ class BlockPool:
         if block_hash is not None:
             del self._hash_to_block[block_hash]
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every hash of an unreferenced block (e.g. after weights change)."""
-        for block in list(self._free):
-            self._evict_hash(block)
-
     # -- introspection ----------------------------------------------------
     def free_queue_order(self) -> list[int]:
         """Free block ids in eviction order (first = next to be taken)."""

@@ -48,6 +48,16 @@ class EngineConfig:
         max_lora_rank: largest adapter rank accepted; slots are padded to it.
         max_cpu_loras: adapters kept in the host-memory LRU cache.
         enforce_eager: disable CUDA graphs.
+        max_adapter_wait_steps: aging bound of adapter admission, in scheduler steps: once a
+            request that needs an adapter slot (all ``max_loras`` taken) has waited this long,
+            one running adapter admits nothing new until its slot drains and the waiting
+            adapter takes it. Its first token then comes within about this many steps plus
+            one request duration.
+        scheduling_policy: ``"fcfs"`` (arrival order) or ``"fair"`` (Virtual Token Counter
+            across tenants, Sheng et al. OSDI 2024: the least-served backlogged tenant's
+            request is admitted first; see ``loraplex.engine.fairness``).
+        fair_prompt_token_weight: service weight of one computed prompt token (VTC's w_p).
+        fair_output_token_weight: service weight of one generated token (VTC's w_q).
     """
 
     model: str
@@ -69,6 +79,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     enforce_eager: bool = False
+    max_adapter_wait_steps: int = 32
+    scheduling_policy: Literal["fcfs", "fair"] = "fcfs"
+    fair_prompt_token_weight: float = 1.0
+    fair_output_token_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -89,6 +103,12 @@ class EngineConfig:
             (self.max_loras > 0, "max_loras", "must be > 0"),
             (self.max_lora_rank in (1, 2, 4, 8, 16, 32, 64, 128, 256), "max_lora_rank",
              "must be a power of two <= 256"),
+            (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps", "must be >= 0"),
+            (self.scheduling_policy in ("fcfs", "fair"), "scheduling_policy", "must be fcfs or fair"),
+            (self.fair_prompt_token_weight >= 0, "fair_prompt_token_weight", "must be >= 0"),
+            (self.fair_output_token_weight >= 0, "fair_output_token_weight", "must be >= 0"),
+            (self.fair_prompt_token_weight + self.fair_output_token_weight > 0, "fair_output_token_weight",
+             "the two token weights must not both be 0"),
             (self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f"must be >= max_loras={self.max_loras}"),
         ]
         for ok, name, rule in checks:

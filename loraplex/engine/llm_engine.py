@@ -9,16 +9,19 @@ both drive it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import SequenceTextState
+from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.engine.lora_request import LoRARequest
@@ -28,6 +31,11 @@ from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence
+from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputManager
+from loraplex.kernels.ops import Kernels, default_backend
+
+if TYPE_CHECKING:
+    from loraplex.adapters.slot_pool import SlotPoolStats
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +67,9 @@ class EngineStats:
     generated_tokens_total: int
     prompt_tokens_total: int
     tokens_per_s: float
-    lora: object | None = None
+    lora: SlotPoolStats | None = None  # None when the engine runs without LoRA
+    scheduling_policy: str = "fcfs"
+    tenants: tuple[TenantServiceStats, ...] = ()  # per tenant: queue, running, tokens served, counter
 
 
 class _AdapterPins:
@@ -126,7 +136,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         torch.manual_seed(config.seed)
-        self.model = build_model(self.model_path, self.spec, self.dtype, self.device, dummy_weights, config.seed)
+        kernels = Kernels(default_backend(self.device))
+        self.model = build_model(self.model_path, self.spec, self.dtype, self.device, kernels, dummy_weights,
+                                 config.seed)
         self.eos_token_ids = set(self.spec.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.lora_pool = self._build_lora_pool() if config.enable_lora else None
         self.pins = _AdapterPins(self.lora_pool) if self.lora_pool else None
@@ -138,6 +150,8 @@ class LLMEngine:
             self.runner.enable_cuda_graphs(self.max_model_len, config.max_num_seqs,
                                            config.max_loras if self.lora_pool else 0)
         self.groups: dict[str, RequestGroup] = {}
+        self._structured: StructuredOutputManager | None = None
+        self._structured_lock = threading.Lock()
         self._next_seq_id = 0
         self._throughput = _Throughput()
         self._generated_total = 0
@@ -170,7 +184,11 @@ class LLMEngine:
         self.kv_cache = KVCache(self.spec, sizing, self.dtype, self.device, num_swap)
         self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
-                                                   self.max_model_len, max_lookahead_loras=c.max_cpu_loras),
+                                                   self.max_model_len, max_lookahead_loras=c.max_cpu_loras,
+                                                   max_adapter_wait_steps=c.max_adapter_wait_steps,
+                                                   policy=c.scheduling_policy,
+                                                   prompt_token_weight=c.fair_prompt_token_weight,
+                                                   output_token_weight=c.fair_output_token_weight),
                                    self.kv_manager, self.pins)
 
     def _activation_bytes(self) -> int:
@@ -213,6 +231,16 @@ class LLMEngine:
         ``torch.cuda.empty_cache()`` hand it back to the device)."""
         if self.lora_pool is not None:
             self.lora_pool.close()
+        self.runner.grammar_masks.close()
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar compiler/cache for this model's tokenizer (built at first use; thread-safe)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
+                                                           sorted(self.eos_token_ids))
+            return self._structured
 
     def _require_lora(self) -> None:
         if self.lora_pool is None:
@@ -220,16 +248,22 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
-        """Queue a request. ``prompt`` is text or token ids.
+                    lora_request: LoRARequest | None = None, tenant: TenantShare | None = None) -> None:
+        """Queue a request. ``prompt`` is text or token ids. ``tenant``: who it is served for and
+        that tenant's weight (the fair policy shares service by it; ``None``: the anonymous
+        tenant ``""`` of weight 1).
 
         An unknown adapter is registered first (``add_lora``: cheap with a declared
         ``version_id``). Its tensors are read in the background when the scheduler first
         wants it; if that read fails, the request finishes with ``finish_reason="error"``
         and ``RequestOutput.error`` set.
 
+        With ``params.structured_outputs`` its grammar is compiled (cached) and each of the
+        ``n`` sequences gets its own matcher.
+
         Raises:
-            InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, LoRA disabled.
+            InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, LoRA disabled,
+                a structured-output constraint that does not compile (message names the problem).
             PromptTooLongError: ``len(prompt_tokens) >= max_model_len``.
             AdapterError: the adapter fails validation at registration.
         """
@@ -240,11 +274,19 @@ class LLMEngine:
         self._check_prompt(token_ids)
         version = self._adapter_version(lora_request)
         group = RequestGroup(request_id, text, token_ids, params, lora_request, version)
+        if tenant is not None:
+            group.tenant_id, group.tenant_weight = tenant.tenant_id, tenant.weight
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         max_tokens = self._effective_max_tokens(params, len(token_ids))
         for index in range(params.n):
             group.seqs.append(self._new_sequence(group, index, max_tokens))
+        if params.structured_outputs is not None:
+            try:
+                for seq in group.seqs:
+                    seq.grammar = self.structured_outputs.new_state(params.structured_outputs)
+            except StructuredOutputError as exc:
+                raise InvalidRequestError(f"structured_outputs: {exc}") from None
         self.groups[request_id] = group
         self._prompt_total += len(token_ids)
         self.scheduler.add(group.seqs[0])
@@ -374,6 +416,13 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, sample: SampledToken) -> None:
         seq.append_token(sample.token_id)
+        if seq.grammar is not None and not seq.grammar.accept(sample.token_id):
+            # The mask allows only grammar tokens, so this means a bug: end the sequence, say so.
+            logger.error("request %s: token %d refused by its grammar after %d tokens; sequence aborted",
+                         seq.group.request_id, sample.token_id, seq.grammar.num_accepted_tokens)
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+            return
         seq.cumulative_logprob += sample.logprob
         if seq.logprobs is not None:
             seq.logprobs.append(sample.top_logprobs or {sample.token_id: sample.logprob})
@@ -394,7 +443,9 @@ class LLMEngine:
                 stop_reason=seq.stop_reason))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
-                             group.num_cached_tokens, error)
+                             group.num_cached_tokens, error,
+                             None if group.first_scheduled_time is None
+                             else max(0.0, group.first_scheduled_time - group.arrival_time))
 
     # -- stats ------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -407,7 +458,8 @@ class LLMEngine:
             prefix_queries_tokens=prefix.queries_tokens, prefix_hits_tokens=prefix.hits_tokens,
             prefix_hit_rate=prefix.hit_rate, num_preemptions=self._preemptions,
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
-            tokens_per_s=self._throughput.rate(), lora=self.lora_pool.stats() if self.lora_pool else None)
+            tokens_per_s=self._throughput.rate(), lora=self.lora_pool.stats() if self.lora_pool else None,
+            scheduling_policy=self.config.scheduling_policy, tenants=self.scheduler.tenant_stats())
 
 
 def _resolve_model(config: EngineConfig) -> Path:

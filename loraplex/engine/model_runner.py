@@ -21,6 +21,7 @@ from loraplex.engine.outputs import TopLogprobs
 from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.structured_output import GrammarMaskFiller, PendingMask
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping
 
@@ -103,6 +104,12 @@ class StepResult:
 
 
 class ModelRunner:
+    """Runs one :class:`ScheduledBatch` on the device: ``execute(batch)`` builds the step's input tensors
+    (token ids, positions, :class:`AttentionMetadata`, the LoRA mapping from ``slot_of``), applies the batch's
+    block copies to ``kv_cache``, runs the model's forward (eagerly, or by replaying a captured CUDA graph for
+    decode-only steps), computes the logits of the rows that sample and returns a :class:`StepResult` of sampled
+    tokens (and prompt logprobs when asked). It decides nothing about which sequences run or what outputs mean."""
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device,
                  slot_of=None) -> None:
         """``slot_of(lora_int_id) -> int`` gives the device slot of a pinned adapter."""
@@ -115,6 +122,7 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = set(model.spec.eos_token_ids)
         self.graphs: CudaGraphRunner | None = None
+        self.grammar_masks = GrammarMaskFiller(self.vocab_size, device)
 
     def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int) -> None:
         """Capture decode graphs (CUDA only); decode-only steps then replay them."""
@@ -171,14 +179,18 @@ class ModelRunner:
     # -- step -------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        # Structured-output masks of this step's rows are filled on a worker thread while
+        # the inputs are prepared and the forward pass runs; sampling waits for them.
+        plan = self._sampling_plan(batch)
+        mask = self.grammar_masks.submit([seq.grammar for _, seq in plan]) if plan else None
         self.kv_cache.apply(batch.block_copies)
         if self._graph_fits(batch):
             hidden = self._run_graph(batch)
             sample_index = list(range(len(batch.seqs)))
-            return StepResult(self._sample(batch, sample_index, hidden), [None] * len(batch.seqs))
+            return StepResult(self._sample(batch, plan, sample_index, hidden, mask), [None] * len(batch.seqs))
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
-        samples = self._sample(batch, inputs.sample_token_index, hidden)
+        samples = self._sample(batch, plan, inputs.sample_token_index, hidden, mask)
         prompt_lps = self._prompt_logprobs(batch, hidden)
         return StepResult(samples, prompt_lps)
 
@@ -208,28 +220,32 @@ class ModelRunner:
         slot[0] = -1
         return [slot[lora_id] for lora_id in lora_ids]
 
-    def _sample(self, batch: ScheduledBatch, sample_token_index: list[int],
-                hidden: torch.Tensor) -> list[list[SampledToken]]:
-        rows: list[SamplingRow] = []
-        row_index: list[int] = []
-        owner: list[int] = []
+    @staticmethod
+    def _sampling_plan(batch: ScheduledBatch) -> list[tuple[int, Sequence]]:
+        """(index in ``batch.seqs``, sequence sampled) per sampling row, in row order."""
+        plan: list[tuple[int, Sequence]] = []
         for i, item in enumerate(batch.seqs):
             if item.num_samples == 1:
-                rows.append(self._sampling_row(item.seq))
-                row_index.append(sample_token_index[i])
-                owner.append(i)
+                plan.append((i, item.seq))
             elif item.num_samples > 1:  # a fork: row c samples for the group's sequence index + c
                 seqs = item.seq.group.seqs
-                for c in range(item.num_samples):
-                    rows.append(self._sampling_row(seqs[item.seq.index + c]))
-                    row_index.append(sample_token_index[i])
-                    owner.append(i)
-        if not rows:
+                plan += [(i, seqs[item.seq.index + c]) for c in range(item.num_samples)]
+        return plan
+
+    def _sample(self, batch: ScheduledBatch, plan: list[tuple[int, Sequence]], sample_token_index: list[int],
+                hidden: torch.Tensor, mask: PendingMask | None) -> list[list[SampledToken]]:
+        if not plan:
             return [[] for _ in batch.seqs]
+        rows = [self._sampling_row(seq) for _, seq in plan]
+        owner = [i for i, _ in plan]
+        row_index = [sample_token_index[i] for i in owner]
         if row_index != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(row_index, device=hidden.device)]
         logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
+        sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
+        if mask is not None:
+            sampling.grammar_bitmask = mask.result()
+        out = self.sampler(logits, sampling)
         samples = zip(out.token_ids, out.sampled_logprobs, out.logprobs)
         if owner == list(range(len(batch.seqs))):  # one sample per sequence (the decode case)
             return [[SampledToken(token_id, logprob, top)] for token_id, logprob, top in samples]

@@ -43,6 +43,7 @@ class RequestOutput:
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
     ``error`` is set (and every completion's ``finish_reason`` is ``"error"``) when
     the request failed while queued, e.g. its adapter's files could not be read.
+    ``queued_s``: seconds from ``add_request`` to its first scheduling step (``None`` until then).
     """
 
     request_id: str
@@ -54,3 +55,4 @@ class RequestOutput:
     lora_name: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    queued_s: float | None = None

@@ -11,6 +11,10 @@ Processing order for ``logits [B, V] float32``:
 1. ``raw = log_softmax(logits)``; returned logprobs always refer to this raw
    model distribution (before penalties, temperature and filtering), as in
    vLLM's default ``logprobs_mode="raw_logprobs"``.
+1b. Structured output: logits of tokens the row's grammar bitmask does not
+   allow are set to ``-inf`` (``grammar_bitmask``; see
+   :mod:`loraplex.engine.structured_output`). Unconstrained rows' bitmask rows
+   are all ones, so they are unchanged.
 2. min_tokens: while ``len(output_token_ids) < params.min_tokens`` the logits
    of the row's EOS ids and ``params.stop_token_ids`` are set to ``-inf``
    (EOS is masked even with ``ignore_eos``: min_tokens asks for that many
@@ -111,6 +115,9 @@ class SamplingBatch:
     - ``penalties``: :class:`PenaltyTensors` or None.
     - ``generators``: per-row generator or None; ``num_logprobs``: per-row
       ``params.logprobs``.
+    - ``grammar_bitmask``: ``[B, ceil(V/32)] int32`` on the logits' device
+      (bit ``t % 32`` of word ``t // 32`` = token ``t`` allowed; ``-1`` words on
+      unconstrained rows) or None; set by the model runner after :meth:`build`.
     """
 
     vocab_size: int
@@ -124,6 +131,7 @@ class SamplingBatch:
     penalties: PenaltyTensors | None
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -206,11 +214,26 @@ class Sampler:
         """
         _check_logits(logits, batch)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        # Only the banned mask works in place; every later stage returns a new tensor.
-        masked = logits if batch.banned_mask is None else apply_banned_mask(logits.clone(), batch.banned_mask)
+        # Only the grammar and banned masks work in place; every later stage returns a new tensor.
+        masked = logits
+        if batch.banned_mask is not None or batch.grammar_bitmask is not None:
+            masked = apply_banned_mask(apply_token_bitmask_(logits.clone(), batch.grammar_bitmask), batch.banned_mask)
         processed = apply_penalties(masked, batch.penalties)
         token_ids = _select_tokens(processed, batch)
         return _build_output(raw_logprobs, token_ids, batch.num_logprobs)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Structured-output mask, in place; ``logits [B, V] fp32``, ``bitmask [B, ceil(V/32)] int32``.
+
+    Semantics: ``logits[b, t] = -inf`` where bit ``t % 32`` of ``bitmask[b, t // 32]`` is 0.
+    """
+    if bitmask is None:
+        return logits
+    num_rows, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1)[:, :vocab_size]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def apply_banned_mask(logits: torch.Tensor, banned_mask: torch.Tensor | None) -> torch.Tensor:
@@ -290,38 +313,6 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
         _top_dict(ids, values, token_id, value)
         for ids, values, token_id, value in zip(top_ids.tolist(), top_values.tolist(), token_ids.tolist(), chosen)
     ]
-
-
-def compute_prompt_logprobs(
-    logits: torch.Tensor, prompt_token_ids: list[int], num_top: int
-) -> list[TopLogprobs | None]:
-    """Prompt logprobs (the ``prompt_logprobs`` request option).
-
-    ``logits``: ``[P, V] float32`` raw model logits at prompt positions
-    ``0..P-1`` (row ``i`` predicts ``prompt_token_ids[i + 1]``), with
-    ``P = len(prompt_token_ids) - 1`` or ``len(prompt_token_ids)`` (the last
-    row, which predicts the first generated token, is then ignored).
-    Returns ``len(prompt_token_ids)`` entries: ``None`` for the first token,
-    else the ``num_top`` largest raw logprobs plus the actual prompt token
-    (see :func:`top_logprobs`). For chunked prefill, call it per chunk with the
-    chunk's ids plus the next prompt id and drop the leading ``None``.
-    Raises ``ValueError`` on a wrong shape or dtype or an empty prompt.
-    """
-    num_prompt = len(prompt_token_ids)
-    if num_prompt == 0:
-        raise ValueError("compute_prompt_logprobs: prompt_token_ids must not be empty")
-    if logits.dim() != 2 or logits.shape[0] not in (num_prompt - 1, num_prompt):
-        raise ValueError(
-            f"compute_prompt_logprobs: logits.shape={tuple(logits.shape)} must be "
-            f"[{num_prompt - 1} or {num_prompt}, V] for {num_prompt} prompt tokens"
-        )
-    if logits.dtype != torch.float32:
-        raise ValueError(f"compute_prompt_logprobs: logits.dtype={logits.dtype} must be torch.float32")
-    if num_prompt == 1:
-        return [None]
-    logprobs = torch.log_softmax(logits[: num_prompt - 1], dim=-1)
-    targets = torch.tensor(prompt_token_ids[1:], dtype=torch.int64, device=logits.device)
-    return [None, *top_logprobs(logprobs, targets, num_top)]
 
 
 # --- batch construction helpers ------------------------------------------------

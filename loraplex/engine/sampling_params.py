@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplex.engine.structured_output import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -44,6 +46,10 @@ class SamplingParams:
     - ``output_kind``: ``"cumulative"`` returns the request's state after every
       step (streaming); ``"final_only"`` returns it once, when finished (the
       offline :class:`~loraplex.LLM` uses it; text is then decoded once).
+    - ``structured_outputs``: a :class:`StructuredOutputsParams` (JSON schema,
+      JSON object, regex, choice or EBNF grammar, as vLLM) the output must
+      follow; ``None`` = unconstrained. Not combinable with ``ignore_eos`` or
+      ``min_tokens > 0`` (the grammar decides where EOS may come).
     """
 
     n: int = 1
@@ -64,6 +70,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +101,12 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
             (self.output_kind in ("cumulative", "final_only"), "output_kind", self.output_kind,
              "must be 'cumulative' or 'final_only'"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or None"),
+            (self.structured_outputs is None or not self.ignore_eos, "ignore_eos", self.ignore_eos,
+             "cannot be combined with structured_outputs (the grammar decides where EOS may come)"),
+            (self.structured_outputs is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+             "must be 0 with structured_outputs (the grammar decides where EOS may come)"),
         ]
         for ok, name, value, rule in checks:
             if not ok:

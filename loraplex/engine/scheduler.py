@@ -5,7 +5,10 @@ sequence's ``num_computed_tokens`` towards ``num_tokens`` under one token
 budget (``max_num_batched_tokens``). Running sequences go first (oldest
 first), so decodes keep flowing while long prompts are chunked (chunked
 prefill); then swapped sequences (FIFO); then waiting sequences are admitted
-FCFS while budget, ``max_num_seqs`` and KV blocks allow.
+(FCFS, or fair across tenants, below) while budget, ``max_num_seqs`` and KV
+blocks allow. Admission looks the prompt up in the prefix cache without side
+effects and commits the hit together with the new blocks, so a request that
+waits many steps for blocks is counted once in the prefix-cache stats.
 
 When blocks run out the newest running sequence is preempted: its blocks are
 swapped to host memory when swap space is configured and has room, otherwise
@@ -31,6 +34,33 @@ request that the token budget, ``max_num_seqs`` or the KV blocks cannot take.
     waiting (FCFS): | r0 A(full) | r1 base | r2 B(loading) | r3 C(running) | r4 D(ready) | ...
                       skipped      admit     skipped          admit          admit if a slot is free
 
+Aging (no waiting request is overtaken forever): skipping a request whose
+adapter needs a slot could starve it while resident adapters keep receiving
+new requests, since no slot would ever drain. Once the oldest request blocked
+on a slot has waited more than ``max_adapter_wait_steps`` steps, one running
+adapter is *drained*: it admits no new (or swapped) sequence, and the slot it
+frees is reserved for the starved request's adapter (no other new adapter
+may take it). The drained adapter is the one with the fewest running
+sequences, ties broken by the oldest last admission (it empties soonest).
+Bound: a request blocked only on a slot gets one after at most
+``max_adapter_wait_steps`` + (the longest remaining run of the drained
+adapter's sequences) steps, i.e. about ``max_adapter_wait_steps`` plus one
+request duration (see ``SchedulerConfig``); the other adapters lose at most
+that one slot meanwhile.
+
+Tenants (``SchedulerConfig.policy``): ``"fcfs"`` admits waiting requests in
+arrival order whoever sent them; ``"fair"`` admits the waiting request of the
+backlogged tenant with the least weighted service so far (the Virtual Token
+Counter of Sheng et al., OSDI 2024; see :mod:`loraplex.engine.fairness`),
+first-come-first-served within a tenant. Both policies keep everything above:
+adapter-blocked requests are skipped in place, the aging drain, the scan
+stopping at the first request the budget or the KV blocks cannot take (so a
+large request is never overtaken forever), swapped sequences resumed FIFO
+first. Under ``"fair"`` a preemption takes the newest running sequence of the
+most-served tenant. Every planned token is charged to its tenant (prompt
+tokens computed for the first time, output tokens sampled) under both
+policies, so per-tenant service is always reported.
+
 Readiness is asked for at most ``max_lookahead_loras`` distinct adapters per
 step (the host cache size), so prefetches never evict each other before they
 are pinned. An adapter whose read fails fails exactly its waiting and swapped
@@ -39,11 +69,14 @@ requests (``ScheduledBatch.failures``); everyone else keeps running.
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from loraplex.adapters.errors import AdapterError
+from loraplex.engine.fairness import TenantServiceStats, VirtualTokenCounter
 from loraplex.engine.kv_cache_manager import BlockCopies, KVCacheManager
 from loraplex.engine.sequence import Sequence, SequenceStatus
 
@@ -97,7 +130,13 @@ class SchedulerConfig:
     """``max_waiting_scan``: waiting entries examined per step, at most.
     ``max_lookahead_loras``: distinct adapters (not yet running) asked for readiness per step,
     at most; keep it <= the host adapter cache size so prefetched adapters are not evicted
-    by later prefetches before they are pinned."""
+    by later prefetches before they are pinned.
+    ``max_adapter_wait_steps``: scheduler steps a request blocked on an adapter slot may wait
+    before one running adapter is drained for it (aging, see the module docstring); its first
+    token then comes within this many steps plus one request duration of the drained adapter.
+    ``policy``: ``"fcfs"`` or ``"fair"`` (module docstring). ``prompt_token_weight`` /
+    ``output_token_weight``: the service weights of a computed prompt token and a generated token
+    (VTC's w_p and w_q; the paper uses 1 and 2)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -105,6 +144,10 @@ class SchedulerConfig:
     max_model_len: int
     max_waiting_scan: int = 256
     max_lookahead_loras: int = 8
+    max_adapter_wait_steps: int = 32
+    policy: Literal["fcfs", "fair"] = "fcfs"
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
 
 
 class AdapterPins(Protocol):
@@ -134,13 +177,25 @@ class _AdapterGate:
         self.max_lookahead = config.max_lookahead_loras
         self.ready: dict[int, bool] = {}
         self.failed: dict[int, str] = {}
+        self.draining = 0  # adapter admitting nothing new (its slot drains); 0 = none
+        self.reserved_for = 0  # adapter the next free slot is kept for; 0 = none
 
     def admits(self, lora: int) -> bool:
         """Whether a sequence on adapter ``lora`` (0 = base model) may start running now."""
-        if not lora or lora in self.active:
+        if not lora:
+            return True
+        if lora == self.draining:
+            return False
+        if lora in self.active:
             return True
         ready = self._is_ready(lora)  # asked even when no slot is free: a prefetch ahead of time
+        if self.reserved_for and lora != self.reserved_for:
+            return False
         return ready and len(self.active) < self.max_loras
+
+    def blocked_on_slot(self, lora: int) -> bool:
+        """``lora`` is an adapter that needs a slot none is free for (aging candidate)."""
+        return bool(lora) and lora not in self.active and lora not in self.failed and len(self.active) >= self.max_loras
 
     def admitted(self, lora: int) -> None:
         if lora:
@@ -166,6 +221,12 @@ class _AdapterGate:
 
 
 class Scheduler:
+    """Decides which sequences run each step and how many tokens each computes; owns the waiting, running and
+    swapped queues. ``schedule()`` returns a :class:`ScheduledBatch` (running first, then swapped, then waiting
+    FCFS, under ``max_num_batched_tokens`` and ``max_num_seqs``) and allocates, swaps and frees KV blocks through
+    ``kv`` (the :class:`KVCacheManager`) and adapter slots through ``pins``; ``finish`` removes a finished or
+    aborted sequence. It never touches tensors (see the module docstring for preemption and adapter admission)."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pins: AdapterPins | None = None) -> None:
         self.config = config
         self.kv = kv
@@ -173,10 +234,33 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.num_steps = 0
+        self._drain: tuple[int, int] | None = None  # (drained adapter, adapter it drains for)
+        self._last_admit_step: dict[int, int] = {}
+        self.fair = config.policy == "fair"
+        self.vtc = VirtualTokenCounter(config.prompt_token_weight, config.output_token_weight)
+        self._queued: dict[str, int] = {}  # tenant -> its waiting + swapped sequences
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        seq.wait_since_step = self.num_steps
+        group = seq.group
+        self.vtc.arrive(group.tenant_id, group.tenant_weight, self._queued)
+        self._enqueued(seq)
         self.waiting.append(seq)
+
+    def _enqueued(self, seq: Sequence) -> None:
+        tenant = seq.group.tenant_id
+        self._queued[tenant] = self._queued.get(tenant, 0) + 1
+
+    def _dequeued(self, seq: Sequence) -> None:
+        tenant = seq.group.tenant_id
+        left = self._queued[tenant] - 1
+        if left:
+            self._queued[tenant] = left
+        else:
+            del self._queued[tenant]
+            self.vtc.left(tenant)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
@@ -185,9 +269,11 @@ class Scheduler:
             self.kv.free(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
+            self._dequeued(seq)
             self.kv.drop_swapped(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._dequeued(seq)
             self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -202,8 +288,20 @@ class Scheduler:
     def running_adapters(self) -> set[int]:
         return {s.group.lora_int_id for s in self.running if s.group.lora_int_id}
 
+    def tenant_stats(self) -> tuple[TenantServiceStats, ...]:
+        """Per tenant (every tenant seen so far): queued and running sequences, tokens served,
+        the virtual counter. Tenant ids are the caller's; sorted by id."""
+        running: dict[str, int] = {}
+        for seq in self.running:
+            running[seq.group.tenant_id] = running.get(seq.group.tenant_id, 0) + 1
+        vtc = self.vtc
+        return tuple(TenantServiceStats(t, vtc.weights.get(t, 1.0), self._queued.get(t, 0), running.get(t, 0),
+                                        vtc.prompt_served.get(t, 0), vtc.output_served.get(t, 0), vtc.counter(t))
+                     for t in sorted(vtc.counters))
+
     # -- one step ---------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         planned: list[ScheduledSeq] = []
         preempted = self._schedule_running(planned, budget)
@@ -211,6 +309,7 @@ class Scheduler:
         failures: tuple[AdapterLoadFailure, ...] = ()
         if not preempted:
             gate = _AdapterGate(self.pins, self.running_adapters(), self.config)
+            self._age(gate)
             budget = self._schedule_swapped(planned, budget, gate)
             self._schedule_waiting(planned, budget, gate)
             failures = self._fail_adapters(gate.failed)
@@ -228,6 +327,15 @@ class Scheduler:
         # list exactly where it stopped (a recomputation after preemption adds nothing).
         wants_plp = (group.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens
                      and len(group.prompt_logprobs) == start + 1)
+        # Service of this step for the tenant: prompt positions computed for the first time
+        # (not cached, not a recomputation after preemption) and the sampled tokens.
+        fresh = 0
+        if seq.num_charged_prompt_tokens < seq.num_prompt_tokens:
+            end = min(start + n, seq.num_prompt_tokens)
+            fresh = max(0, end - max(start, seq.num_charged_prompt_tokens))
+            seq.num_charged_prompt_tokens = max(seq.num_charged_prompt_tokens, end)
+        if fresh or samples:
+            self.vtc.charge(group.tenant_id, fresh, samples)
         return ScheduledSeq(seq, start, n, samples, wants_plp)
 
     def _schedule_running(self, planned: list[ScheduledSeq], budget: int) -> int:
@@ -238,7 +346,7 @@ class Scheduler:
             seq = queue.popleft()
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not try_allocate_slots(seq, n):
-                victim = self.running[-1]
+                victim = self._preemption_victim(seq, queue)
                 if victim in queue:
                     queue.remove(victim)
                 self._preempt(victim)
@@ -251,7 +359,53 @@ class Scheduler:
             budget -= n
         return preempted
 
+    def _age(self, gate: _AdapterGate) -> None:
+        """Aging rule: drain one running adapter for a request blocked on a slot too long."""
+        if self._drain is not None:
+            victim, starved = self._drain
+            pending = any(s.group.lora_int_id == starved for q in (self.waiting, self.swapped) for s in q)
+            if starved in gate.active or not pending:
+                self._drain = None
+            else:  # until the starved adapter runs: the victim admits nothing, the freed slot is kept
+                gate.draining, gate.reserved_for = victim, starved
+                return
+        if len(gate.active) < self.config.max_loras:
+            return
+        oldest = None
+        for queue in (self.swapped, self.waiting):
+            for i, seq in enumerate(queue):
+                if i >= self.config.max_waiting_scan:
+                    break
+                if gate.blocked_on_slot(seq.group.lora_int_id) and (
+                        oldest is None or seq.wait_since_step < oldest.wait_since_step):
+                    oldest = seq
+        if oldest is None or self.num_steps - oldest.wait_since_step <= self.config.max_adapter_wait_steps:
+            return
+        running_per_adapter: dict[int, int] = {}
+        for seq in self.running:
+            lora = seq.group.lora_int_id
+            if lora:
+                running_per_adapter[lora] = running_per_adapter.get(lora, 0) + 1
+        victim = min(running_per_adapter, key=lambda a: (running_per_adapter[a], self._last_admit_step.get(a, 0)))
+        self._drain = (victim, oldest.group.lora_int_id)
+        gate.draining, gate.reserved_for = self._drain
+
+    def _preemption_victim(self, seq: Sequence, unplanned: deque[Sequence]) -> Sequence:
+        """Whom to preempt so ``seq`` fits: never a sequence already planned this step. The
+        newest running one (``fair``: the newest of the most-served tenant among ``seq`` and
+        the running sequences not planned yet)."""
+        if not self.fair:
+            return self.running[-1]
+        counter = self.vtc.counter
+        candidates = [seq, *unplanned]  # in running order, oldest first
+        top = max(counter(s.group.tenant_id) for s in candidates)
+        return next(s for s in reversed(candidates) if counter(s.group.tenant_id) == top)
+
     def _start_running(self, seq: Sequence) -> None:
+        if seq.group.lora_int_id:
+            self._last_admit_step[seq.group.lora_int_id] = self.num_steps
+        if seq.group.first_scheduled_time is None:
+            seq.group.first_scheduled_time = time.monotonic()
         if self.pins is not None and seq.group.lora_int_id:
             self.pins.pin(seq.group.lora_int_id)
         seq.status = SequenceStatus.RUNNING
@@ -268,12 +422,15 @@ class Scheduler:
         if self.kv.can_swap_out(seq):
             self.kv.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
+            self._enqueued(seq)
             self.swapped.append(seq)
         else:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             seq.block_hashes = []
             seq.status = SequenceStatus.WAITING
+            seq.wait_since_step = self.num_steps
+            self._enqueued(seq)
             self.waiting.appendleft(seq)
 
     def _schedule_swapped(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> int:
@@ -283,6 +440,7 @@ class Scheduler:
             if not gate.admits(seq.group.lora_int_id) or not self.kv.can_swap_in(seq, n):
                 break
             self.swapped.popleft()
+            self._dequeued(seq)
             self.kv.swap_in(seq)
             self.kv.allocate_slots(seq, n)
             self._start_running(seq)
@@ -291,7 +449,66 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _admit(self, seq: Sequence, planned: list[ScheduledSeq], budget: int,
+               gate: _AdapterGate) -> ScheduledSeq | None:
+        """Admit waiting ``seq`` (its adapter admitted by ``gate``) with its cached prefix; returns
+        its planned work (also appended to ``planned``), None when its KV blocks do not fit
+        (then nothing changes)."""
+        computed = None if seq.group.params.prompt_logprobs is not None else self.kv.get_computed_blocks(seq)
+        hit = computed.num_tokens if computed is not None else 0
+        n = min(seq.num_tokens - hit, budget)
+        if not self.kv.allocate_new_computed(seq, computed, n):
+            return None  # the lookup had no side effects: retried next step, counted once when admitted
+        if seq.index == 0 and seq.group.num_cached_tokens == 0:
+            seq.group.num_cached_tokens = hit
+        self._dequeued(seq)
+        self._start_running(seq)
+        gate.admitted(seq.group.lora_int_id)
+        item = self._plan(seq, budget)
+        planned.append(item)
+        return item
+
     def _schedule_waiting(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> None:
+        if self.fair:
+            self._schedule_waiting_fair(planned, budget, gate)
+            return
+        self._schedule_waiting_fcfs(planned, budget, gate)
+
+    def _schedule_waiting_fair(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> None:
+        """VTC: repeatedly the least-served backlogged tenant's oldest admissible request."""
+        per_tenant: dict[str, deque[Sequence]] = {}
+        for seq in self.waiting:
+            per_tenant.setdefault(seq.group.tenant_id, deque()).append(seq)
+        counter = self.vtc.counter
+        # ties: the tenant whose oldest waiting request came first
+        heap = [(counter(t), q[0].wait_since_step, i, t) for i, (t, q) in enumerate(per_tenant.items())]
+        heapq.heapify(heap)
+        admitted = False
+        scanned = 0
+        max_seqs, max_scan = self.config.max_num_seqs, self.config.max_waiting_scan
+        while heap and budget > 0 and len(self.running) < max_seqs and scanned < max_scan:
+            _, _, order, tenant = heapq.heappop(heap)
+            queue = per_tenant[tenant]
+            while queue and scanned < max_scan:
+                seq = queue.popleft()
+                scanned += 1
+                if gate.admits(seq.group.lora_int_id):
+                    break
+            else:
+                continue  # nothing of this tenant can start now
+            item = self._admit(seq, planned, budget, gate)
+            if item is None:
+                break  # KV blocks: nobody overtakes this request
+            admitted = True
+            budget -= item.num_new_tokens
+            if queue:
+                heapq.heappush(heap, (counter(tenant), queue[0].wait_since_step, order, tenant))
+        if admitted:
+            keep = [s for s in self.waiting if s.status is SequenceStatus.WAITING]
+            self.waiting.clear()
+            self.waiting.extend(keep)
+
+    def _schedule_waiting_fcfs(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> None:
         """FCFS over at most ``max_waiting_scan`` entries; adapter-blocked ones are skipped in place."""
         skipped: list[Sequence] = []
         scanned = 0
@@ -302,21 +519,11 @@ class Scheduler:
             if not gate.admits(seq.group.lora_int_id):
                 skipped.append(self.waiting.popleft())
                 continue
-            hit = 0 if seq.group.params.prompt_logprobs is not None else self.kv.compute_prefix_hit(seq)
-            if seq.index == 0 and seq.group.num_cached_tokens == 0:
-                seq.group.num_cached_tokens = hit
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.can_allocate(seq, n):
-                self.kv.free(seq)
-                seq.num_computed_tokens = 0
-                seq.block_hashes = []
+            item = self._admit(seq, planned, budget, gate)
+            if item is None:
                 break
             self.waiting.popleft()
-            self.kv.allocate_slots(seq, n)
-            self._start_running(seq)
-            gate.admitted(seq.group.lora_int_id)
-            planned.append(self._plan(seq, budget))
-            budget -= n
+            budget -= item.num_new_tokens
         self.waiting.extendleft(reversed(skipped))
 
     def _fail_adapters(self, failed: dict[int, str]) -> tuple[AdapterLoadFailure, ...]:

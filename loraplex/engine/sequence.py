@@ -45,6 +45,9 @@ class Sequence:
     kept as its own list (no slicing per step). Generated tokens are added with
     :meth:`append_token`, which grows both. ``sampling_row`` is the model
     runner's per-sequence sampling input, built once on the first sample.
+    ``grammar`` is the sequence's structured-output matcher
+    (:class:`~loraplex.engine.structured_output.GrammarState`) or None; it
+    has accepted exactly ``output_token_ids`` (kept across preemption).
     """
 
     seq_id: int
@@ -63,6 +66,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    grammar: Any = None
+    wait_since_step: int = 0  # scheduler step at which it last entered the waiting queue
+    num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant (fair policy)
     output_token_ids: list[int] = field(init=False)
     sampling_row: Any = field(default=None, init=False, repr=False)
 
@@ -86,11 +92,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def prompt_done(self) -> bool:
-        """The whole prompt has been computed at least once."""
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
 
 @dataclass(eq=False)
 class RequestGroup:
@@ -107,6 +108,9 @@ class RequestGroup:
     prompt_logprobs: list[TopLogprobs | None] | None = None
     num_cached_tokens: int = 0
     forked: bool = False
+    tenant_id: str = ""  # who is served (fair scheduling); "" = the anonymous tenant
+    tenant_weight: float = 1.0  # the tenant's share weight (> 0)
+    first_scheduled_time: float | None = None  # time.monotonic() of the first admission (queueing delay)
     lora_int_id: int = field(init=False)  # the adapter's id, 0 for the base model
 
     def __post_init__(self) -> None:

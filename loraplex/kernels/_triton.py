@@ -56,7 +56,7 @@ def require_triton(op_name: str) -> None:
     """Raise :class:`TritonUnavailableError` naming ``op_name`` if Triton is missing."""
     if not HAS_TRITON:
         raise TritonUnavailableError(
-            f"{op_name}: the triton backend needs the `triton` package; install it or use ops.set_backend('reference')"
+            f"{op_name}: the triton backend needs the `triton` package; install it or use Kernels('reference')"
         )
 
 

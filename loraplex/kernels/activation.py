@@ -1,7 +1,7 @@
 """SwiGLU and GeGLU gates (Shazeer 2020 "GLU Variants Improve Transformer"): ``act(gate) * up`` on a fused
 gate/up output.
 
-Semantics: ``out[t, i] = act(x[t, i]) * x[t, I + i]`` with ``act = silu(g) = g * sigmoid(g)`` (Llama) or
+Semantics: :data:`SILU_AND_MUL`, with ``silu(g) = g * sigmoid(g)`` (Llama); :data:`GELU_TANH_AND_MUL`, with
 ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`` (Gemma's ``gelu_pytorch_tanh``).
 
 Rounding matches HF ``act_fn(gate_proj(x)) * up_proj(x)``: silu is computed in
@@ -22,6 +22,7 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
 _BLOCK = 1024
@@ -59,7 +60,9 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
     check_device(_OP, "out", out, x.device)
 
 
-def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool = False) -> torch.Tensor:
+def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, gelu_tanh: bool = False) -> torch.Tensor:
+    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns); ``gelu_tanh``
+    switches the gate to :func:`gelu_tanh_and_mul_ref`'s."""
     require_triton(_OP)
     _check_args(x)
     check_last_dim_contiguous(_OP, "x", x)
@@ -76,30 +79,19 @@ def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: b
     return out
 
 
-def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``silu(gate) * up`` for a fused gate/up projection.
-
-    Semantics: ``out[t] = silu(x[t, :I]) * x[t, I:]``.
+def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for a fused gate/up projection (plain torch: HF ``act_fn(gate) * up``).
 
     Args:
-        x: ``[T, 2I]`` fp16/bf16/fp32, last dim stride 1.
+        x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
         out: optional ``[T, I]`` output of x's dtype.
 
     Returns:
-        ``[T, I]`` in x.dtype.
+        ``[T, I]`` in x.dtype (``out`` when given).
 
     Raises:
         KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
-        TritonUnavailableError: triton is not installed.
-    """
-    return _launch_silu_and_mul(x, out)
-
-
-def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-torch reference of :func:`silu_and_mul` (HF ``act_fn(gate) * up``).
-
-    Raises:
-        KernelArgumentError: bad shape/dtype or odd ``x.shape[1]``.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x)
     gate, up = x.chunk(2, dim=-1)
@@ -110,30 +102,34 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
     return out.copy_(result)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection.
+SILU_AND_MUL = Op(
+    name=_OP,
+    semantics="out[t, i] = silu(x[t, i]) * x[t, I + i], x [T, 2I] -> out [T, I]",
+    reference=silu_and_mul_ref,
+    triton=_launch_silu_and_mul,
+)
 
-    Semantics: ``out[t] = gelu_tanh(x[t, :I]) * x[t, I:]``, ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``.
 
-    Args:
-        x: ``[T, 2I]`` fp16/bf16/fp32, last dim stride 1.
-        out: optional ``[T, I]`` output of x's dtype.
 
-    Returns:
-        ``[T, I]`` in x.dtype.
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
-        TritonUnavailableError: triton is not installed.
-    """
-    return _launch_silu_and_mul(x, out, gelu_tanh=True)
+def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launch of :func:`gelu_tanh_and_mul_ref` (the SwiGLU kernel with the GeGLU gate)."""
+    return _launch_silu_and_mul(x, out=out, gelu_tanh=True)
 
 
 def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-torch reference of :func:`gelu_tanh_and_mul` (HF ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
+    """``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection (plain torch: HF
+    ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
+
+    Args:
+        x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
+        out: optional ``[T, I]`` output of x's dtype.
+
+    Returns:
+        ``[T, I]`` in x.dtype (``out`` when given).
 
     Raises:
-        KernelArgumentError: bad shape/dtype or odd ``x.shape[1]``.
+        KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x)
     gate, up = x.chunk(2, dim=-1)
@@ -142,3 +138,11 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -
         return result
     _check_out(x, out)
     return out.copy_(result)
+
+
+GELU_TANH_AND_MUL = Op(
+    name="gelu_tanh_and_mul",
+    semantics="out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i], x [T, 2I] -> out [T, I]",
+    reference=gelu_tanh_and_mul_ref,
+    triton=_launch_gelu_tanh_and_mul,
+)

@@ -1,10 +1,9 @@
 """Paged attention entry point (prefill, extend, decode and mixed batches) and its reference.
 
-Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]`` where token t is
-query i of sequence b, ``p = seq_lens[b] - q_len[b] + i``, ``G = Hq / Hkv``, ``lo = 0`` (full causal) or
-``lo = max(0, p - W + 1)`` with a sliding window of W tokens (Mistral; HF's ``kv_idx > q_idx - W``), and
-``K_b``/``V_b`` are sequence b's positions gathered through ``block_tables[b]`` from the ``[N, block_size, Hkv, D]``
-caches.
+Semantics: :data:`PAGED_ATTENTION`, where token t is query i of sequence b, ``G = Hq / Hkv`` and
+``K_b``/``V_b`` are sequence b's positions gathered through ``block_tables[b]`` from the caches; ``lo = 0``
+(full causal) or ``max(0, p - W + 1)`` with a sliding window of W tokens (Mistral; HF's ``kv_idx > q_idx - W``);
+with a soft-cap c the scores s become ``c * tanh(s / c)`` before the mask (Gemma 2).
 
 The Triton path uses the decode kernel (:mod:`loraplex.kernels.attention_decode`)
 when ``meta.max_query_len == 1`` and the prefill/extend kernel
@@ -19,11 +18,12 @@ from loraplex.kernels._attention_checks import check_attention_args, prepare_out
 from loraplex.kernels.attention_decode import paged_decode_attention
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.attention_prefill import paged_prefill_attention
+from loraplex.kernels.op import Op
 
 _OP = "paged_attention"
 
 
-def paged_attention(
+def _launch_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -34,27 +34,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention for any batch: decode kernel if ``meta.max_query_len == 1``, else prefill kernel.
-
-    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]``,
-    ``lo = 0`` or ``max(0, p - sliding_window + 1)``.
-
-    Args:
-        query: ``[T, Hq, D]`` fp16/bf16/fp32, head_dim stride 1.
-        key_cache, value_cache: ``[N, block_size, Hkv, D]``, same dtype, already holding this step's K/V.
-        meta: :class:`AttentionMetadata` of the step.
-        scale: softmax scale (usually ``D ** -0.5``).
-        out: optional ``[T, Hq, D]`` output; rows of padding tokens are zeroed.
-        sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
-        softcap: attention logit soft-capping (Gemma 2): ``scale * q . k`` becomes ``softcap * tanh(./softcap)``.
-
-    Returns:
-        ``[T, Hq, D]`` in the query dtype.
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device/layout, metadata or window.
-        TritonUnavailableError: triton is not installed.
-    """
+    """Triton launch of :func:`paged_attention_ref`: the decode kernel if ``meta.max_query_len == 1``, else prefill."""
     if meta.max_query_len == 1:
         return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out,
                                       sliding_window=sliding_window, softcap=softcap)
@@ -73,15 +53,28 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference of :func:`paged_attention` (same arguments and semantics).
+    """Causal attention of a prefill/extend/decode batch over the paged KV cache (plain torch).
 
-    Loops over sequences (never tokens): gathers the sequence's K/V through its
+    Args:
+        query: ``[T, Hq, D]`` fp16/bf16/fp32 (head_dim stride 1 for Triton).
+        key_cache, value_cache: ``[N, block_size, Hkv, D]``, same dtype, already holding this step's K/V.
+        meta: :class:`AttentionMetadata` of the step.
+        scale: softmax scale (usually ``D ** -0.5``).
+        out: optional ``[T, Hq, D]`` output (query dtype); rows of padding tokens are zeroed.
+        sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
+        softcap: attention logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
+
+    Returns:
+        ``[T, Hq, D]`` in the query dtype (``out`` when given).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device/layout, metadata, window or soft-cap.
+        TritonUnavailableError: Triton backend without triton installed.
+
+    The reference loops over sequences (never tokens): gathers the sequence's K/V through its
     block table, repeats KV heads for GQA, applies the causal mask and a float32
     softmax, and casts back to the query dtype. Memory is
     ``O(Hq * q_len * seq_len)`` floats per sequence, so use it for tests and CPU runs.
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device or metadata.
     """
     check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     out = prepare_out(query, meta, out)
@@ -104,6 +97,16 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[qsl[b] : qsl[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+PAGED_ATTENTION = Op(
+    name=_OP,
+    semantics="out[t, h] = softmax(cap(scale * q[t, h] @ K_b[lo:p+1, h // G].T)) @ V_b[lo:p+1, h // G], "
+    "p = seq_lens[b] - q_len[b] + i for query i of sequence b, lo = 0 or max(0, p - sliding_window + 1), "
+    "cap(s) = s or softcap * tanh(s / softcap)",
+    reference=paged_attention_ref,
+    triton=_launch_paged_attention,
+)
 
 
 def _gather_kv(

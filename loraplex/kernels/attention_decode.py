@@ -1,8 +1,7 @@
 """Paged decode attention: one query token per sequence (``max_query_len == 1``).
 
-Semantics: ``out[t, h] = softmax(scale * q[t, h] . K[b, lo:seq_len, h // G]) @ V[b, lo:seq_len, h // G]``
-with ``t = query_start_loc[b]``, ``G = Hq / Hkv``, ``lo = 0`` or ``max(0, seq_len - W)`` with a sliding window of
-W tokens, and K/V read through ``block_tables[b]``.
+Semantics: :data:`~loraplex.kernels.attention.PAGED_ATTENTION` with ``p = seq_lens[b] - 1`` (with a sliding
+window of W tokens, positions before ``seq_lens[b] - W`` are skipped).
 
 Design (after vLLM's Triton decode attention and FlashDecoding, Dao et al. 2023
 "Flash-Decoding for long-context inference"):
@@ -182,17 +181,26 @@ def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device)
     return max(1, min(wanted, cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
 
 
-def _launch_paged_decode(
+def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    out: torch.Tensor | None,
-    num_splits: int | None,
-    sliding_window: int | None,
-    softcap: float | None,
+    *,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
+    """Triton launch of :func:`~loraplex.kernels.attention.paged_attention_ref` for ``meta.max_query_len == 1``.
+
+    ``num_splits``: split-K factor (1..64); ``None`` picks one from the batch and GPU size.
+
+    Raises:
+        KernelArgumentError: as the reference, or ``meta.max_query_len != 1``.
+        TritonUnavailableError: triton is not installed.
+    """
     require_triton(_OP)
     check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     if meta.max_query_len != 1:
@@ -269,42 +277,3 @@ def _launch_paged_decode(
             num_warps=4 if head_dim >= 128 else 1,
         )
     return out
-
-
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Triton decode attention over the paged KV cache (every sequence has one query token).
-
-    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:, h // G].T) @ V_b[lo:, h // G]``, ``t = query_start_loc[b]``,
-    ``K_b``/``V_b`` = the ``seq_lens[b]`` cached positions of sequence b gathered through ``block_tables[b]``,
-    ``lo = 0`` or ``max(0, seq_lens[b] - sliding_window)``.
-
-    Args:
-        query: ``[T, Hq, D]`` fp16/bf16/fp32, head_dim stride 1.
-        key_cache, value_cache: ``[N, block_size, Hkv, D]``, same dtype, holding this step's K/V already.
-        meta: :class:`AttentionMetadata` with ``max_query_len == 1``.
-        scale: softmax scale, usually ``D ** -0.5``.
-        out: optional ``[T, Hq, D]`` output (same dtype); padding rows are zeroed.
-        num_splits: split-K factor (1..64); ``None`` picks one from the batch and GPU size.
-        sliding_window: W tokens a query attends to (itself included); ``None`` = all.
-        softcap: attention logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
-
-    Returns:
-        ``out`` ``[T, Hq, D]``, query dtype.
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device/layout, or ``meta.max_query_len != 1``.
-        TritonUnavailableError: triton is not installed.
-    """
-    return _launch_paged_decode(query, key_cache, value_cache, meta, scale, out, num_splits, sliding_window,
-                                softcap)

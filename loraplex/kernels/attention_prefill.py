@@ -1,8 +1,6 @@
 """Paged prefill / extend attention: many query tokens per sequence, causal, variable lengths.
 
-Semantics: ``out[t, h] = softmax(scale * q[t, h] . K[b, lo:p+1, h // G]) @ V[b, lo:p+1, h // G]`` where token t is
-query i of sequence b at position ``p = seq_lens[b] - q_len[b] + i``, ``lo = 0`` or ``max(0, p - W + 1)`` with a
-sliding window of W tokens; K/V read through ``block_tables[b]``.
+Semantics: :data:`~loraplex.kernels.attention.PAGED_ATTENTION` (sliding window and soft-cap included).
 
 Covers full prefill (no cached prefix), chunked prefill and prefix-cache hits
 (a cached prefix of ``seq_lens[b] - q_len[b]`` positions), and mixed batches
@@ -138,16 +136,18 @@ def _block_sizes(head_dim: int, device: torch.device) -> tuple[int, int, int]:
     return 32, 32, 4
 
 
-def _launch_paged_prefill(
+def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    out: torch.Tensor | None,
-    sliding_window: int | None,
-    softcap: float | None,
+    *,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
+    """Triton launch of :func:`~loraplex.kernels.attention.paged_attention_ref` for any ``meta.max_query_len``."""
     require_triton(_OP)
     check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     out = prepare_out(query, meta, out)
@@ -194,37 +194,3 @@ def _launch_paged_prefill(
     )
     return out
 
-
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Triton causal attention for a prefill / extend / mixed batch over the paged KV cache.
-
-    Semantics: ``out[t, h] = softmax(scale * q[t, h] @ K_b[lo:p+1, h // G].T) @ V_b[lo:p+1, h // G]``,
-    ``p = seq_lens[b] - q_len[b] + i`` for query i of sequence b, ``lo = 0`` or ``max(0, p - sliding_window + 1)``.
-
-    Args:
-        query: ``[T, Hq, D]`` fp16/bf16/fp32, head_dim stride 1.
-        key_cache, value_cache: ``[N, block_size, Hkv, D]``, same dtype, holding this step's K/V already.
-        meta: :class:`AttentionMetadata` (any ``max_query_len``).
-        scale: softmax scale, usually ``D ** -0.5``.
-        out: optional ``[T, Hq, D]`` output (same dtype); padding rows are zeroed.
-        sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
-        softcap: attention logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
-
-    Returns:
-        ``out`` ``[T, Hq, D]``, query dtype.
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device/layout, metadata or window.
-        TritonUnavailableError: triton is not installed.
-    """
-    return _launch_paged_prefill(query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)

@@ -1,6 +1,6 @@
 """LoRA expand (SGMV, Punica: Chen et al. 2023): add each token's scaled ``v @ B.T`` into its output slice.
 
-Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T``, ``s = slot[t]``; skip ``s == -1``.
+Semantics: :data:`LORA_EXPAND`.
 
 Slices may have different widths (fused q/k/v with GQA, gate/up) and all run
 in one launch; ``off_i = out_0 + ... + out_{i-1}``. Grid = ((segment, token
@@ -35,6 +35,7 @@ from loraplex.kernels._triton import (
 )
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.op import Op
 
 _OP = "lora_expand"
 # Batches of at most this many tokens use the decode launch shapes (see _block_sizes).
@@ -173,12 +174,14 @@ def _launch_lora_expand(
     scaling: list[torch.Tensor],
     y: torch.Tensor,
     mapping: LoRAMapping,
-    ranks: torch.Tensor | None,
+    *,
+    ranks: torch.Tensor | None = None,
     blocks: tuple[int, int, int] | None = None,
 ) -> None:
-    """Launch the expand; ``v`` is ``[n_slices, T, R]`` or ``[SPLIT, n_slices, T, R]`` partial sums.
+    """Triton launch of :func:`lora_expand_ref`; ``v`` may also be ``[SPLIT, n_slices, T, R]`` partial sums.
 
-    Rows of ``v`` for tokens without an adapter are never read.
+    Rows of ``v`` for tokens without an adapter are never read. ``blocks``:
+    (BLOCK_M, BLOCK_N, N_ITERS) override (benchmarks sweep it).
     """
     require_triton(_OP)
     split = v.shape[0] if v.dim() == 4 else 1
@@ -230,35 +233,6 @@ def _launch_lora_expand(
     )
 
 
-def lora_expand(
-    v: torch.Tensor,
-    lora_b: list[torch.Tensor],
-    scaling: list[torch.Tensor],
-    y: torch.Tensor,
-    mapping: LoRAMapping,
-    *,
-    ranks: torch.Tensor | None = None,
-) -> None:
-    """Triton SGMV expand for several LoRA B slices in one launch, accumulating into ``y`` in place.
-
-    Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T``, ``s = slot[t]``; skip ``s == -1``.
-
-    Args:
-        v: ``[n_slices, T, R]`` float32, contiguous (the output of :func:`lora_shrink`).
-        lora_b: list of ``n_slices`` contiguous ``[S, out_i, R]`` tensors, dtype of ``y``.
-        scaling: list of ``n_slices`` ``[S]`` float32 tensors (``alpha / r``; 0 for untargeted modules).
-        y: ``[T, sum(out_i)]`` base-layer output (dtype of B), or a float32 delta buffer; last dim
-            stride 1; updated in place.
-        mapping: :class:`LoRAMapping` of the step (``num_tokens == T``).
-        ranks: optional ``[S] int32``; ``ranks[s]`` >= the true rank of every slice of slot s.
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device/layout, widths not summing to ``y.shape[1]``, or a slot >= S.
-        TritonUnavailableError: triton is not installed.
-    """
-    _launch_lora_expand(v, lora_b, scaling, y, mapping, ranks)
-
-
 def lora_expand_ref(
     v: torch.Tensor,
     lora_b: list[torch.Tensor],
@@ -268,10 +242,20 @@ def lora_expand_ref(
     *,
     ranks: torch.Tensor | None = None,
 ) -> None:
-    """Plain-torch reference of :func:`lora_expand`: a float32 matmul per segment and slice, in place.
+    """SGMV expand for several LoRA B slices, in place on ``y`` (plain torch: a float32 matmul per segment and slice).
+
+    Args:
+        v: ``[n_slices, T, R]`` float32, contiguous (the output of :data:`~loraplex.kernels.lora_shrink.LORA_SHRINK`).
+        lora_b: list of ``n_slices`` contiguous ``[S, out_i, R]`` tensors, dtype of ``y``.
+        scaling: list of ``n_slices`` ``[S]`` float32 tensors (``alpha / r``; 0 for untargeted modules).
+        y: ``[T, sum(out_i)]`` base-layer output (dtype of B), or a float32 delta buffer (last dim stride 1
+            for Triton); updated in place.
+        mapping: :class:`LoRAMapping` of the step (``num_tokens == T``).
+        ranks: optional ``[S] int32``; ``ranks[s]`` >= the true rank of every slice of slot s.
 
     Raises:
-        KernelArgumentError: bad shape/dtype/device, widths not summing to ``y.shape[1]``, or a slot >= S.
+        KernelArgumentError: bad shape/dtype/device/layout, widths not summing to ``y.shape[1]``, or a slot >= S.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(v, lora_b, scaling, y, mapping, ranks)
     rank_host = ranks.tolist() if ranks is not None else None
@@ -287,3 +271,11 @@ def lora_expand_ref(
             delta = scaling_host[i][slot] * (v[i, tokens] @ weight.T)
             y[tokens, offset : offset + width] = (y[tokens, offset : offset + width].float() + delta).to(y.dtype)
             offset += width
+
+
+LORA_EXPAND = Op(
+    name=_OP,
+    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T, s = slot[t]; nothing for s == -1",
+    reference=lora_expand_ref,
+    triton=_launch_lora_expand,
+)

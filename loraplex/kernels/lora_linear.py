@@ -1,6 +1,6 @@
 """The LoRA delta of one (fused) linear layer for a mixed-adapter batch: SGMV shrink, then expand.
 
-Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T``, ``s = slot[t]``; nothing for ``s == -1``.
+Semantics: :data:`ADD_LORA`.
 
 Two launches and no other kernel: the shrink writes split-K partial sums
 (:func:`~loraplex.kernels.lora_shrink.shrink_partials`) into an uninitialised
@@ -18,9 +18,10 @@ import torch
 from loraplex.kernels.lora_expand import _launch_lora_expand, lora_expand_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import lora_shrink_ref, shrink_partials
+from loraplex.kernels.op import Op
 
 
-def add_lora(
+def _launch_add_lora(
     x: torch.Tensor,
     lora_a: list[torch.Tensor],
     lora_b: list[torch.Tensor],
@@ -33,29 +34,14 @@ def add_lora(
     shrink_blocks: tuple[int, int] | None = None,
     expand_blocks: tuple[int, int, int] | None = None,
 ) -> None:
-    """Triton shrink + expand of every slice, accumulating into ``y`` in place.
+    """Triton launch of :func:`add_lora_ref`: split-K shrink partials, summed by the expand as it loads them.
 
-    Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T``, ``s = slot[t]``.
-
-    Args:
-        x: ``[T, H]`` fp16/bf16/fp32 layer input, last dim stride 1.
-        lora_a: ``n_slices`` contiguous ``[S, R, H]`` tensors, dtype of ``x``.
-        lora_b: ``n_slices`` contiguous ``[S, out_i, R]`` tensors, dtype of ``y``.
-        scaling: ``n_slices`` ``[S]`` float32 tensors.
-        y: ``[T, sum(out_i)]`` base-layer output, updated in place.
-        mapping: the step's :class:`LoRAMapping`.
-        ranks: optional ``[S] int32`` upper bounds of each slot's rank.
-        split_k, shrink_blocks, expand_blocks: launch overrides (benchmarks); defaults by batch size.
-
-    Raises:
-        KernelArgumentError: as :func:`~loraplex.kernels.lora_shrink.lora_shrink` and
-            :func:`~loraplex.kernels.lora_expand.lora_expand`.
-        TritonUnavailableError: triton is not installed.
+    ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides (benchmarks); defaults by batch size.
     """
     if not mapping.has_lora:
         return
     partials = shrink_partials(x, lora_a, mapping, ranks, split_k, shrink_blocks)
-    _launch_lora_expand(partials, lora_b, scaling, y, mapping, ranks, expand_blocks)
+    _launch_lora_expand(partials, lora_b, scaling, y, mapping, ranks=ranks, blocks=expand_blocks)
 
 
 def add_lora_ref(
@@ -68,10 +54,29 @@ def add_lora_ref(
     *,
     ranks: torch.Tensor | None = None,
 ) -> None:
-    """Plain-torch reference of :func:`add_lora` (float32 matmuls per segment).
+    """One LoRA linear's batched delta, in place on ``y`` (plain torch: float32 matmuls per segment).
+
+    Args:
+        x: ``[T, H]`` fp16/bf16/fp32 layer input (last dim stride 1 for Triton).
+        lora_a: ``n_slices`` contiguous ``[S, R, H]`` tensors, dtype of ``x``.
+        lora_b: ``n_slices`` contiguous ``[S, out_i, R]`` tensors, dtype of ``y``.
+        scaling: ``n_slices`` ``[S]`` float32 tensors.
+        y: ``[T, sum(out_i)]`` base-layer output (or a float32 delta buffer), updated in place.
+        mapping: the step's :class:`LoRAMapping`.
+        ranks: optional ``[S] int32`` upper bounds of each slot's rank.
 
     Raises:
-        KernelArgumentError: as the shrink/expand references.
+        KernelArgumentError: as :func:`~loraplex.kernels.lora_shrink.lora_shrink_ref` and
+            :func:`~loraplex.kernels.lora_expand.lora_expand_ref`.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     v = lora_shrink_ref(x, lora_a, mapping, ranks=ranks)
     lora_expand_ref(v, lora_b, scaling, y, mapping, ranks=ranks)
+
+
+ADD_LORA = Op(
+    name="add_lora",
+    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T, s = slot[t]; none for s == -1",
+    reference=add_lora_ref,
+    triton=_launch_add_lora,
+)

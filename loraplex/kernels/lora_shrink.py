@@ -1,6 +1,6 @@
 """LoRA shrink (SGMV, Punica: Chen et al. 2023): project tokens onto their adapter's LoRA A.
 
-Semantics: ``v[i, t] = x[t] @ A_i[slot[t]].T`` (float32), and ``v[i, t] = 0`` where ``slot[t] == -1``.
+Semantics: :data:`LORA_SHRINK` (``v`` in float32).
 
 Several slices (e.g. q/k/v or gate/up, all reading the same ``x``) run in one
 launch. Grid = ((segment, token tile) work item, slice x split-K chunk): the tokens of one
@@ -34,6 +34,7 @@ from loraplex.kernels._triton import (
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import DECODE_BLOCK_M, DECODE_MAX_TOKENS
 from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.op import Op
 
 _OP = "lora_shrink"
 _MAX_SPLIT_K = 16
@@ -146,20 +147,25 @@ def _launch_lora_shrink(
     x: torch.Tensor,
     lora_a: list[torch.Tensor],
     mapping: LoRAMapping,
-    out: torch.Tensor,
-    ranks: torch.Tensor | None,
-    split_k: int | None,
-) -> None:
-    """Write ``v`` rows of LoRA tokens into ``out [n_slices, T, R] fp32``.
+    *,
+    ranks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """Triton launch of :func:`lora_shrink_ref`; returns ``out``, a new zeroed ``[n_slices, T, R] fp32`` by default.
 
-    With ``split_k == 1`` rows of slot -1 tokens are left untouched; with
-    ``split_k > 1`` partial sums go to a zeroed scratch buffer that is summed
-    (in a fixed order, so results are deterministic) into every row of ``out``.
+    Only rows of LoRA tokens are written: with ``split_k == 1`` rows of slot -1
+    tokens in a given ``out`` are left untouched; with ``split_k > 1`` partial
+    sums go to a zeroed scratch buffer that is summed (in a fixed order, so
+    results are deterministic) into every row of ``out``. ``split_k``: 1..16,
+    default by batch and device size.
     """
     require_triton(_OP)
     _check_args(x, lora_a, mapping, ranks)
     num_tokens, hidden_size = x.shape
     max_rank = lora_a[0].shape[1]
+    if out is None:
+        out = torch.zeros((len(lora_a), num_tokens, max_rank), dtype=torch.float32, device=x.device)
     check_shape(_OP, "out", out, (len(lora_a), num_tokens, max_rank))
     check_dtype(_OP, "out", out, (torch.float32,))
     check_device(_OP, "out", out, x.device)
@@ -169,7 +175,7 @@ def _launch_lora_shrink(
     if split_k is not None and not 1 <= split_k <= _MAX_SPLIT_K:
         raise KernelArgumentError(f"{_OP}: split_k={split_k}, expected 1..{_MAX_SPLIT_K}")
     if not mapping.has_lora or max_rank == 0:
-        return
+        return out
     block_m, block_k = _block_sizes(mapping, x.device)
     programs = mapping.num_segments * cdiv(mapping.max_segment_len, block_m) * len(lora_a)
     split = split_k or choose_split_k(programs, hidden_size, block_k, x.device)
@@ -179,6 +185,7 @@ def _launch_lora_shrink(
     _run_kernel(x, lora_a, mapping, target, ranks, k_per_split, (block_m, block_k))
     if split > 1:
         torch.sum(target, dim=0, out=out)
+    return out
 
 
 def _run_kernel(
@@ -245,12 +252,12 @@ def shrink_partials(
 ) -> torch.Tensor:
     """Split-K shrink without the reduction: ``p[k, i, t] = x[t, Hk] @ A_i[slot[t]][:, Hk].T``.
 
-    ``sum_k p[k]`` is :func:`lora_shrink`'s ``v`` on rows of LoRA tokens; the
+    ``sum_k p[k]`` is :data:`LORA_SHRINK`'s ``v`` on rows of LoRA tokens; the
     expand kernel forms that sum while loading (so there is no zero-fill and no
     sum kernel). Rows of slot -1 tokens are left unwritten (uninitialised).
 
     Args:
-        x, lora_a, mapping, ranks: as :func:`lora_shrink`.
+        x, lora_a, mapping, ranks: as :func:`lora_shrink_ref`.
         split_k: number of H chunks (``1..32``); default :func:`partial_split_k`.
         blocks: (BLOCK_M, BLOCK_K) override (benchmarks sweep it).
 
@@ -258,7 +265,7 @@ def shrink_partials(
         ``[SPLIT, n_slices, T, R]`` float32 (SPLIT may be smaller than asked when H is small).
 
     Raises:
-        KernelArgumentError: as :func:`lora_shrink`, or ``split_k`` out of range.
+        KernelArgumentError: as :func:`lora_shrink_ref`, or ``split_k`` out of range.
         TritonUnavailableError: triton is not installed.
     """
     require_triton(_OP)
@@ -277,19 +284,17 @@ def shrink_partials(
     return out
 
 
-def lora_shrink(
+def lora_shrink_ref(
     x: torch.Tensor,
     lora_a: list[torch.Tensor],
     mapping: LoRAMapping,
     *,
     ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton SGMV shrink for several LoRA A slices in one launch.
-
-    Semantics: ``v[i, t] = x[t] @ A_i[slot[t]].T`` in float32; ``v[i, t] = 0`` where ``slot[t] == -1``.
+    """SGMV shrink for several LoRA A slices (plain torch: a float32 matmul per segment, not per token).
 
     Args:
-        x: ``[T, H]`` fp16/bf16/fp32 activations, last dim stride 1.
+        x: ``[T, H]`` fp16/bf16/fp32 activations (last dim stride 1 for Triton).
         lora_a: list of ``n_slices`` contiguous ``[S, R, H]`` tensors, dtype of ``x``
             (lower-rank adapters zero-padded to R).
         mapping: :class:`LoRAMapping` of the step (``num_tokens == T``).
@@ -301,25 +306,7 @@ def lora_shrink(
 
     Raises:
         KernelArgumentError: bad shape/dtype/device/layout, or a slot >= S.
-        TritonUnavailableError: triton is not installed.
-    """
-    _check_args(x, lora_a, mapping, ranks)
-    out = torch.zeros((len(lora_a), x.shape[0], lora_a[0].shape[1]), dtype=torch.float32, device=x.device)
-    _launch_lora_shrink(x, lora_a, mapping, out, ranks, None)
-    return out
-
-
-def lora_shrink_ref(
-    x: torch.Tensor,
-    lora_a: list[torch.Tensor],
-    mapping: LoRAMapping,
-    *,
-    ranks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain-torch reference of :func:`lora_shrink`: a float32 matmul per segment (not per token).
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device, or a slot >= S.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x, lora_a, mapping, ranks)
     out = torch.zeros((len(lora_a), x.shape[0], lora_a[0].shape[1]), dtype=torch.float32, device=x.device)
@@ -333,3 +320,11 @@ def lora_shrink_ref(
                 weight[rank_host[slot] :] = 0.0
             out[i, tokens] = xs @ weight.T
     return out
+
+
+LORA_SHRINK = Op(
+    name=_OP,
+    semantics="v[i, t] = x[t] @ A_i[slot[t]].T, and v[i, t] = 0 where slot[t] == -1",
+    reference=lora_shrink_ref,
+    triton=_launch_lora_shrink,
+)

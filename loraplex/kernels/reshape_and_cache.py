@@ -1,9 +1,6 @@
 """Write this step's new K/V into the paged KV cache (vLLM's ``reshape_and_cache``).
 
-Semantics: ``key_cache[s // bs, s % bs] = key[t]`` and the same for value, where
-``s = slot_mapping[t]``; tokens with ``s == -1`` are skipped.
-
-Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Semantics: :data:`RESHAPE_AND_CACHE`. Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.op import Op
 
 _OP = "reshape_and_cache"
 
@@ -98,6 +96,7 @@ def _launch_reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    """Triton launch of :func:`reshape_and_cache_ref` (one program per token; slots beyond the cache unchecked)."""
     require_triton(_OP)
     _check_args(key, value, key_cache, value_cache, slot_mapping)
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
@@ -131,31 +130,6 @@ def _launch_reshape_and_cache(
     )
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Triton: scatter new K/V rows into the paged cache, in place.
-
-    Semantics: ``key_cache[s // bs, s % bs] = key[t]`` (value alike), ``s = slot_mapping[t]``, skip ``s == -1``.
-
-    Args:
-        key, value: ``[T, Hkv, D]`` fp16/bf16/fp32 (last dim stride 1; other strides free,
-            e.g. views into a fused qkv output).
-        key_cache, value_cache: ``[N, block_size, Hkv, D]``, same dtype (last dim stride 1).
-        slot_mapping: ``[T] int64`` flat slots ``block * block_size + offset``; -1 = skip.
-
-    Raises:
-        KernelArgumentError: wrong shape, dtype, device or layout.
-        TritonUnavailableError: triton is not installed.
-    Slots >= N * block_size are not checked (that would need a device sync).
-    """
-    _launch_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
 def reshape_and_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -163,10 +137,18 @@ def reshape_and_cache_ref(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Plain-torch reference of :func:`reshape_and_cache` (same arguments, same semantics).
+    """Scatter new K/V rows into the paged cache, in place (plain torch).
+
+    Args:
+        key, value: ``[T, Hkv, D]`` fp16/bf16/fp32 (last dim stride 1 for Triton; other strides free,
+            e.g. views into a fused qkv output).
+        key_cache, value_cache: ``[N, block_size, Hkv, D]``, same dtype (last dim stride 1 for Triton).
+        slot_mapping: ``[T] int64`` flat slots ``block * block_size + offset``; -1 = skip.
 
     Raises:
-        KernelArgumentError: wrong shape/dtype/device, or a slot outside ``[-1, N * block_size)``.
+        KernelArgumentError: wrong shape, dtype, device or layout, or (reference only: Triton would need a
+            device sync) a slot outside ``[-1, N * block_size)``.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(key, value, key_cache, value_cache, slot_mapping)
     num_slots = key_cache.shape[0] * key_cache.shape[1]
@@ -181,3 +163,11 @@ def reshape_and_cache_ref(
     block_size = key_cache.shape[1]
     key_cache[slots // block_size, slots % block_size] = key[valid]
     value_cache[slots // block_size, slots % block_size] = value[valid]
+
+
+RESHAPE_AND_CACHE = Op(
+    name=_OP,
+    semantics="key_cache[s // bs, s % bs] = key[t] (value alike), s = slot_mapping[t]; tokens with s == -1 skipped",
+    reference=reshape_and_cache_ref,
+    triton=_launch_reshape_and_cache,
+)

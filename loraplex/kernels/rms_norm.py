@@ -1,7 +1,6 @@
 """RMSNorm (Zhang & Sennrich 2019) with an optional fused residual add, matching HF ``LlamaRMSNorm``.
 
-Semantics: ``s = x + residual`` (rounded to x.dtype; ``s = x`` without residual),
-``out = w * (s_f32 * rsqrt(mean(s_f32^2) + eps)).to(x.dtype)``; returns ``out`` or ``(out, s)``.
+Semantics: :data:`RMS_NORM`; ``s`` is rounded to x.dtype and the norm computed in fp32.
 
 HF casts to fp32, normalises, casts back to the input dtype and *then*
 multiplies by the weight in the input dtype; the kernel reproduces those
@@ -22,6 +21,7 @@ from loraplex.kernels._checks import (
     check_shape,
 )
 from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
+from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
 
@@ -73,8 +73,9 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 
 def _launch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton launch of :func:`rms_norm_ref` (one program per row)."""
     require_triton(_OP)
     _check_args(x, weight, eps, residual)
     check_last_dim_contiguous(_OP, "x", x)
@@ -85,7 +86,7 @@ def _launch_rms_norm(
     out = torch.empty((num_tokens, hidden_size), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else None
     if num_tokens == 0:
-        return out, residual_out
+        return out if residual_out is None else (out, residual_out)
     block_h = next_pow2(hidden_size)
     _rms_norm_kernel[(num_tokens,)](
         x,
@@ -103,18 +104,16 @@ def _launch_rms_norm(
         BLOCK_H=block_h,
         num_warps=min(max(block_h // 256, 1), 16),
     )
-    return out, residual_out
+    return out if residual_out is None else (out, residual_out)
 
 
-def rms_norm(
+def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton RMSNorm, optionally fused with the residual add.
-
-    Semantics: ``s = x + residual``; ``out = weight * (s * rsqrt(mean(s^2) + eps))`` computed in fp32 as HF Llama does.
+    """RMSNorm, optionally fused with the residual add (plain torch: HF ``LlamaRMSNorm.forward`` after the add).
 
     Args:
-        x: ``[T, H]`` fp16/bf16/fp32 (row stride free, last dim stride 1).
+        x: ``[T, H]`` fp16/bf16/fp32 (row stride free; last dim stride 1 for Triton).
         weight: ``[H]``, dtype of ``x``.
         eps: variance epsilon (> 0).
         residual: optional ``[T, H]`` residual stream, dtype of ``x``.
@@ -124,19 +123,7 @@ def rms_norm(
 
     Raises:
         KernelArgumentError: bad shape/dtype/device/layout or ``eps <= 0``.
-        TritonUnavailableError: triton is not installed.
-    """
-    out, residual_out = _launch_rms_norm(x, weight, eps, residual)
-    return out if residual_out is None else (out, residual_out)
-
-
-def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of :func:`rms_norm` (HF ``LlamaRMSNorm.forward`` plus the residual add).
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device or ``eps <= 0``.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x, weight, eps, residual)
     s = x if residual is None else x + residual
@@ -144,3 +131,11 @@ def rms_norm_ref(
     variance = sf.pow(2).mean(-1, keepdim=True)
     out = weight * (sf * torch.rsqrt(variance + eps)).to(x.dtype)
     return out if residual is None else (out, s)
+
+
+RMS_NORM = Op(
+    name=_OP,
+    semantics="s = x + residual (s = x without); out = w * (s * rsqrt(mean(s^2) + eps)); returns out or (out, s)",
+    reference=rms_norm_ref,
+    triton=_launch_rms_norm,
+)

@@ -1,7 +1,6 @@
 """Rotary position embedding (RoPE, Su et al. 2021 "RoFormer"), GPT-NeoX / HF-Llama "rotate_half" style.
 
-Semantics: for each head vector ``x = [x1, x2]`` (halves of D) at position p,
-``x <- [x1*cos - x2*sin, x2*cos + x1*sin]`` with ``cos = cache[p, :D/2]``, ``sin = cache[p, D/2:]``.
+Semantics: :data:`ROTARY_EMBEDDING` (``x1``, ``x2``: the halves of each head vector).
 
 HF computes ``q*cos + rotate_half(q)*sin`` in the activation dtype with cos/sin
 already cast to it; the kernel reproduces those roundings (each product and the
@@ -24,6 +23,7 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.op import Op
 
 _OP = "rotary_embedding"
 
@@ -101,6 +101,7 @@ def _check_args(
 def _launch_rotary(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
 ) -> None:
+    """Triton launch of :func:`rotary_embedding_ref` (one program per token; positions unchecked: no sync)."""
     require_triton(_OP)
     _check_args(positions, query, key, cos_sin_cache, head_dim)
     for name, t in (("positions", positions), ("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
@@ -129,34 +130,22 @@ def _launch_rotary(
     )
 
 
-def rotary_embedding(
+def rotary_embedding_ref(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
 ) -> None:
-    """Triton RoPE, in place on ``query`` and ``key`` (rotate_half style).
-
-    Semantics: per head ``[x1, x2] <- [x1*cos - x2*sin, x2*cos + x1*sin]``, ``cos, sin = cache[positions[t]].chunk(2)``.
+    """RoPE, in place on ``query`` and ``key``, rotate_half style (plain torch: HF ``apply_rotary_pos_emb``).
 
     Args:
-        positions: ``[T] int64`` token positions (< ``max_pos``; not checked on device, that would sync).
-        query: ``[T, Hq*D]`` fp16/bf16/fp32, last dim stride 1 (row stride free, e.g. a view of fused qkv).
-        key: ``[T, Hkv*D]``, dtype of ``query``, last dim stride 1.
+        positions: ``[T] int64`` token positions (< ``max_pos``).
+        query: ``[T, Hq*D]`` fp16/bf16/fp32 (row stride free, e.g. a view of fused qkv; last dim stride 1 for Triton).
+        key: ``[T, Hkv*D]``, dtype of ``query``.
         cos_sin_cache: ``[max_pos, D]`` fp32, ``cat(cos, sin)`` halves (see :func:`compute_cos_sin_cache`).
         head_dim: D (even).
 
     Raises:
-        KernelArgumentError: bad shape/dtype/device/layout or odd head_dim.
-        TritonUnavailableError: triton is not installed.
-    """
-    _launch_rotary(positions, query, key, cos_sin_cache, head_dim)
-
-
-def rotary_embedding_ref(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
-) -> None:
-    """Plain-torch reference of :func:`rotary_embedding` (HF ``apply_rotary_pos_emb``), in place.
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/device, odd head_dim, or a position outside ``[0, max_pos)``.
+        KernelArgumentError: bad shape/dtype/device/layout, odd head_dim, or (reference only: Triton would need a
+            device sync) a position outside ``[0, max_pos)``.
+        TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(positions, query, key, cos_sin_cache, head_dim)
     if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
@@ -173,6 +162,14 @@ def rotary_embedding_ref(
         x1, x2 = heads[..., :half], heads[..., half:]
         rotated = torch.cat((-x2, x1), dim=-1)
         heads.copy_(heads * cos + rotated * sin)
+
+
+ROTARY_EMBEDDING = Op(
+    name=_OP,
+    semantics="per head [x1, x2] <- [x1*cos - x2*sin, x2*cos + x1*sin], (cos, sin) = cache[positions[t]].chunk(2)",
+    reference=rotary_embedding_ref,
+    triton=_launch_rotary,
+)
 
 
 def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:

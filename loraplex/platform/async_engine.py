@@ -9,6 +9,12 @@ request's cumulative :class:`RequestOutput`s. Closing the generator early
 (client disconnected, task cancelled) aborts the request, which frees its KV
 blocks and its adapter slot pin.
 
+Each request may carry its tenant (:class:`~loraplex.engine.fairness.TenantShare`, for the
+fair scheduler), a queueing deadline (on ``clock``: if the engine has not scheduled it by
+then, it is aborted and its stream fails with ``QueueTimedOut``, HTTP 503) and an
+``on_done`` callback run on the request's event loop once the engine is done with it
+(finished, aborted or failed), which the per-tenant admission gate uses to free a slot.
+
 Adapters are retired (``engine.remove_lora`` and a release callback that may
 delete the files) only once no request added through this wrapper still uses
 them, so in-flight requests finish on the version they started with.
@@ -28,10 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from loraplex.engine.fairness import TenantShare
 from loraplex.engine.llm_engine import EngineStats, LLMEngine
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.errors import QueueTimedOut
 
 if TYPE_CHECKING:
     from loraplex.adapters import BaseModelSpec
@@ -49,6 +57,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     lora_int_id: int | None
+    on_done: Callable[[], None] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Hand ``item`` to the request's event loop (dropped if that loop is closed)."""
@@ -70,8 +79,11 @@ class AsyncEngine:
     :meth:`stats_dict` is refreshed; it is also refreshed whenever the engine goes idle.
     """
 
-    def __init__(self, engine: LLMEngine, *, stats_interval_s: float = 1.0) -> None:
+    def __init__(self, engine: LLMEngine, *, stats_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
+        self.clock = clock
+        self._deadlines: dict[str, tuple[float, int]] = {}  # request id -> (deadline, Retry-After seconds)
         self.stats_interval_s = stats_interval_s
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -136,15 +148,23 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None, *, tenant: TenantShare | None = None,
+                          queue_deadline: float | None = None, retry_after_s: int = 1,
+                          on_done: Callable[[], None] | None = None) -> RequestStream:
         """Queue a request and return the stream of its cumulative outputs.
+
+        ``tenant``: whom it is served for (fair scheduling). ``queue_deadline``: ``clock`` time by
+        which the engine must have scheduled it, else it is aborted and the stream raises
+        ``QueueTimedOut`` (``retry_after_s`` for its ``Retry-After``). ``on_done``: called on this
+        event loop once the engine is done with the request (not called when this raises).
 
         Raises what ``LLMEngine.add_request`` raises (``InvalidRequestError``,
         ``PromptTooLongError``, ``AdapterError``), or ``EngineStoppedError``.
         """
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None)
-        await self._call(lambda: self._add(request_id, prompt_token_ids, params, lora_request, stream))
+        stream = _Stream(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None, on_done)
+        await self._call(lambda: self._add(request_id, prompt_token_ids, params, lora_request, stream, tenant,
+                                           queue_deadline, retry_after_s))
         return RequestStream(self, request_id, stream.queue)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -243,14 +263,19 @@ class AsyncEngine:
             return
         for output in outputs:
             self._deliver(output)
+        if self._deadlines:
+            self._expire_queued()
         self._refresh_snapshot(force=any(o.finished for o in outputs))
         if not outputs:  # nothing progressed (e.g. waiting for a free adapter slot): do not spin
             self._wake.wait(0.002)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             lora_request: LoRARequest | None, stream: _Stream) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, lora_request)
+             lora_request: LoRARequest | None, stream: _Stream, tenant: TenantShare | None = None,
+             queue_deadline: float | None = None, retry_after_s: int = 1) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, lora_request, tenant=tenant)
         self._streams[request_id] = stream
+        if queue_deadline is not None:
+            self._deadlines[request_id] = (queue_deadline, retry_after_s)
         if stream.lora_int_id is not None:
             self._lora_users[stream.lora_int_id] = self._lora_users.get(stream.lora_int_id, 0) + 1
 
@@ -267,8 +292,29 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             self._forget(request_id)
 
+    def _expire_queued(self) -> None:
+        """Abort the requests still unscheduled at their queueing deadline (stream: 503)."""
+        now = self.clock()
+        for request_id, (deadline, retry_after) in list(self._deadlines.items()):
+            group = self.engine.groups.get(request_id)
+            if group is None or group.first_scheduled_time is not None:
+                del self._deadlines[request_id]
+            elif now >= deadline:
+                stream = self._streams.get(request_id)
+                self._abort(request_id)
+                if stream is not None:
+                    stream.put(QueueTimedOut("the request waited longer than its tenant's max_queue_time_s "
+                                             "before being scheduled (the server is busy)",
+                                             retry_after_s=retry_after))
+
     def _forget(self, request_id: str) -> None:
         stream = self._streams.pop(request_id)
+        self._deadlines.pop(request_id, None)
+        if stream.on_done is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.on_done)
+            except RuntimeError:  # the loop is closed
+                pass
         lora_int_id = stream.lora_int_id
         if lora_int_id is None:
             return
@@ -362,7 +408,8 @@ class RequestStream:
 
 def stats_to_dict(stats: EngineStats) -> dict[str, Any]:
     """``EngineStats`` as JSON-ready data (the ``lora`` pool stats flattened to a dict)."""
-    data = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name != "lora"}
+    data = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name not in ("lora", "tenants")}
+    data["tenants"] = [dataclasses.asdict(t) for t in stats.tenants]
     lora = stats.lora
     if dataclasses.is_dataclass(lora):
         data["lora"] = dataclasses.asdict(lora)

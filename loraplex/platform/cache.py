@@ -10,8 +10,15 @@ One small interface, :class:`Store`, with two implementations:
   deletes every cached lookup (invalidations may have been missed meanwhile)
   before trusting it. Nothing is lost: the database stays the source of truth.
 
-On top: :class:`LookupCache` (JSON values with a TTL, hit/miss counts) and
-:class:`RateLimiter` (fixed one-minute windows, HTTP 429 with ``Retry-After``).
+Counters (rate-limit windows, ``Store.incr`` / ``Store.reserve``) survive an outage
+without doubling a window: every value Redis returns is mirrored into the in-process
+fallback, so during the outage the fallback goes on from the last count seen (plus what
+this process admits meanwhile); when Redis answers again, each counter changed during the
+outage is merged back as ``max(redis + admitted meanwhile, local total)`` (Redis may have
+restarted empty, or kept counting for other processes).
+
+On top: :class:`LookupCache` (JSON values with a TTL, hit/miss counts); the rate limiter
+lives in :mod:`loraplex.platform.limits`.
 """
 
 from __future__ import annotations
@@ -20,10 +27,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
-
-from loraplex.platform.errors import RateLimited
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +50,49 @@ class Store(Protocol):
         """Add ``amount`` to an integer counter (created at 0 with expiry ``ttl_s``); return the new value."""
         ...
 
+    def reserve(self, keys: Sequence[str], amounts: Sequence[int], limits: Sequence[int | None],
+                ttl_s: float) -> Reservation:
+        """Atomically: if ``value(key) + amount <= limit`` for every key with a limit, add every
+        amount (counters created at 0 with expiry ``ttl_s``); else change nothing."""
+        ...
+
     def available(self) -> bool:
         """False while a remote backend is unreachable."""
         ...
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Outcome of :meth:`Store.reserve`: ``values`` are the counters after the call
+    (unchanged when not ``admitted``), in the order of the keys."""
+
+    admitted: bool
+    values: tuple[int, ...]
+
+
 class MemoryStore:
-    """Thread-safe in-process :class:`Store` with per-key expiry (monotonic clock)."""
+    """Thread-safe in-process :class:`Store` with per-key expiry (monotonic clock). Expired
+    keys are swept every ``SWEEP_S`` of writes (rate-limit windows are never read again)."""
+
+    SWEEP_S = 60.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._data: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
         self._clock = clock
+        self._next_sweep = clock() + self.SWEEP_S
+
+    def __len__(self) -> int:
+        """Keys held, expired ones not yet swept included."""
+        return len(self._data)
+
+    def _sweep(self, now: float) -> None:
+        """Drop expired keys once per ``SWEEP_S`` (call with the lock held)."""
+        if now < self._next_sweep:
+            return
+        for key in [k for k, (_, expires) in self._data.items() if expires <= now]:
+            del self._data[key]
+        self._next_sweep = now + self.SWEEP_S
 
     def get(self, key: str) -> str | None:
         with self._lock:
@@ -63,26 +100,48 @@ class MemoryStore:
 
     def set(self, key: str, value: str, ttl_s: float) -> None:
         with self._lock:
-            self._data[key] = (value, self._clock() + ttl_s)
+            now = self._clock()
+            self._sweep(now)
+            self._data[key] = (value, now + ttl_s)
 
     def delete(self, *keys: str) -> None:
         with self._lock:
             for key in keys:
                 self._data.pop(key, None)
 
-    def delete_prefix(self, prefix: str) -> None:
-        """Delete every key starting with ``prefix``."""
-        with self._lock:
-            for key in [k for k in self._data if k.startswith(prefix)]:
-                del self._data[key]
-
     def incr(self, key: str, amount: int, ttl_s: float) -> int:
         with self._lock:
+            self._sweep(self._clock())
             current = self._live(key)
             expires = self._data[key][1] if current is not None else self._clock() + ttl_s
             value = int(current or 0) + amount
             self._data[key] = (str(value), expires)
             return value
+
+    def reserve(self, keys: Sequence[str], amounts: Sequence[int], limits: Sequence[int | None],
+                ttl_s: float) -> Reservation:
+        with self._lock:
+            values = [int(self._live(k) or 0) for k in keys]
+            for value, amount, limit in zip(values, amounts, limits, strict=True):
+                if limit is not None and value + amount > limit:
+                    return Reservation(False, tuple(values))
+            now = self._clock()
+            self._sweep(now)
+            for i, (key, amount) in enumerate(zip(keys, amounts, strict=True)):
+                expires = self._data[key][1] if key in self._data else now + ttl_s
+                values[i] += amount
+                self._data[key] = (str(values[i]), expires)
+            return Reservation(True, tuple(values))
+
+    def raise_to(self, key: str, value: int, ttl_s: float) -> int:
+        """Set counter ``key`` to ``max(current, value)``; return the new value."""
+        with self._lock:
+            self._sweep(self._clock())
+            current = self._live(key)
+            expires = self._data[key][1] if current is not None else self._clock() + ttl_s
+            new = max(int(current or 0), value)
+            self._data[key] = (str(new), expires)
+            return new
 
     def available(self) -> bool:
         return True
@@ -97,10 +156,41 @@ class MemoryStore:
         return item[0]
 
 
-class RedisStore:
-    """:class:`Store` backed by Redis, degrading to "no cache" while Redis is unreachable."""
+# KEYS: counters; ARGV: amounts (n), limits (n, -1 = none), ttl in ms. Returns {admitted, values...}.
+_RESERVE_LUA = """
+local n = #KEYS
+local values = {}
+for i = 1, n do values[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
+for i = 1, n do
+  local limit = tonumber(ARGV[n + i])
+  if limit >= 0 and values[i] + tonumber(ARGV[i]) > limit then
+    table.insert(values, 1, 0)
+    return values
+  end
+end
+for i = 1, n do
+  values[i] = redis.call('INCRBY', KEYS[i], ARGV[i])
+  if redis.call('PTTL', KEYS[i]) < 0 then redis.call('PEXPIRE', KEYS[i], ARGV[2 * n + 1]) end
+end
+table.insert(values, 1, 1)
+return values
+"""
+# KEYS[1]: a counter; ARGV: added during the outage, local total, ttl in ms. Returns the merged value.
+_MERGE_LUA = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local merged = math.max(current + tonumber(ARGV[1]), tonumber(ARGV[2]))
+redis.call('SET', KEYS[1], merged)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return merged
+"""
 
-    def __init__(self, url: str, *, retry_s: float = 5.0, timeout_s: float = 0.5) -> None:
+
+class RedisStore:
+    """:class:`Store` backed by Redis, degrading to "no cache" while Redis is unreachable
+    (counters: see the module docstring)."""
+
+    def __init__(self, url: str, *, retry_s: float = 5.0, timeout_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -110,11 +200,16 @@ class RedisStore:
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             decode_responses=True, retry=Retry(NoBackoff(), 0))
         self._fallback = MemoryStore()
+        self._clock = clock
         self._retry_s = retry_s
         self._down = False
         self._down_until = 0.0
         self._needs_flush = False
         self._lock = threading.Lock()
+        self._reserve = self._client.register_script(_RESERVE_LUA)
+        self._merge = self._client.register_script(_MERGE_LUA)
+        # counter key -> (local value when the outage began, ttl_s): counters changed in the fallback
+        self._outage_base: dict[str, tuple[int, float]] = {}
 
     def get(self, key: str) -> str | None:
         if key.startswith(CACHE_PREFIX):
@@ -138,25 +233,41 @@ class RedisStore:
         self._fallback.delete(*keys)
 
     def incr(self, key: str, amount: int, ttl_s: float) -> int:
+        result = self.reserve([key], [amount], [None], ttl_s)
+        return result.values[0]
+
+    def reserve(self, keys: Sequence[str], amounts: Sequence[int], limits: Sequence[int | None],
+                ttl_s: float) -> Reservation:
         ms = max(1, int(ttl_s * 1000))
+        args = [*amounts, *(-1 if lim is None else lim for lim in limits), ms]
 
-        def remote(client) -> int:
-            pipe = client.pipeline()
-            pipe.incrby(key, amount)
-            pipe.pexpire(key, ms, nx=True)
-            return int(pipe.execute()[0])
+        def remote(client) -> Reservation:
+            out = [int(v) for v in self._reserve(keys=list(keys), args=args, client=client)]
+            result = Reservation(bool(out[0]), tuple(out[1:]))
+            for key, value in zip(keys, result.values, strict=True):  # mirror for an outage
+                self._fallback.raise_to(key, value, ttl_s)
+            return result
 
-        return self._call(remote, default=None, fallback=lambda f: f.incr(key, amount, ttl_s))
+        def local(fallback: MemoryStore) -> Reservation:
+            with self._lock:
+                for key in keys:
+                    if key not in self._outage_base:
+                        self._outage_base[key] = (int(fallback.get(key) or 0), ttl_s)
+            return fallback.reserve(keys, amounts, limits, ttl_s)
+
+        return self._call(remote, default=None, fallback=local)
 
     def available(self) -> bool:
         return bool(self._call(lambda c: c.ping(), default=False))
 
     def _call(self, op, *, default, fallback=None):
-        if self._down and time.monotonic() < self._down_until:
+        if self._down and self._clock() < self._down_until:
             return fallback(self._fallback) if fallback else default
         try:
             if self._needs_flush:
                 self._flush_cache()
+            if self._outage_base:
+                self._merge_counters()
             result = op(self._client)
         except self._errors as exc:
             self._mark_down(exc)
@@ -173,11 +284,25 @@ class RedisStore:
         self._needs_flush = False
         logger.info("flushed %d cached lookups from Redis (invalidations may have been missed)", len(keys))
 
+    def _merge_counters(self) -> None:
+        """Push the counters changed during an outage back into Redis (see the module docstring)."""
+        with self._lock:
+            pending = dict(self._outage_base)
+        for key, (base, ttl_s) in pending.items():
+            total = int(self._fallback.get(key) or 0)
+            merged = self._merge(keys=[key], args=[total - base, total, max(1, int(ttl_s * 1000))],
+                                 client=self._client)
+            self._fallback.raise_to(key, int(merged), ttl_s)
+            with self._lock:
+                self._outage_base.pop(key, None)
+        if pending:
+            logger.info("merged %d rate-limit counters kept in-process during the Redis outage", len(pending))
+
     def _mark_down(self, exc: BaseException) -> None:
         with self._lock:
             was_up = not self._down
             self._down = True
-            self._down_until = time.monotonic() + self._retry_s
+            self._down_until = self._clock() + self._retry_s
             self._needs_flush = True
         if was_up:
             logger.warning("Redis unavailable (%s): serving without cache, retrying every %.1f s",
@@ -217,46 +342,6 @@ class LookupCache:
     def stats(self) -> dict[str, Any]:
         return {"hits": self.hits, "misses": self.misses, "available": self.store.available(),
                 "backend": type(self.store).__name__}
-
-
-class RateLimiter:
-    """Per-tenant requests- and tokens-per-minute limits over fixed one-minute windows.
-
-    A request is refused (HTTP 429, ``Retry-After`` = seconds to the next window) when the
-    tenant already made ``requests_per_minute`` requests this window, or already used
-    ``tokens_per_minute`` tokens (prompt + completion, counted when a request finishes).
-    """
-
-    WINDOW_S = 60
-
-    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
-        self.store = store
-        self._clock = clock
-
-    def _window(self) -> tuple[int, int]:
-        now = self._clock()
-        start = int(now // self.WINDOW_S) * self.WINDOW_S
-        return start, max(1, int(start + self.WINDOW_S - now + 0.999))
-
-    def check_request(self, *, tenant_id: int, requests_per_minute: int | None,
-                      tokens_per_minute: int | None) -> None:
-        """Count one request; raise :class:`RateLimited` when a limit is reached."""
-        start, retry_after_s = self._window()
-        if tokens_per_minute is not None:
-            used = int(self.store.get(f"{NAMESPACE}rl:{tenant_id}:tok:{start}") or 0)
-            if used >= tokens_per_minute:
-                raise RateLimited(f"Rate limit reached: tokens_per_minute={tokens_per_minute} "
-                                  f"(used {used}); retry in {retry_after_s} s.", retry_after_s=retry_after_s)
-        if requests_per_minute is not None:
-            count = self.store.incr(f"{NAMESPACE}rl:{tenant_id}:req:{start}", 1, self.WINDOW_S * 2)
-            if count > requests_per_minute:
-                raise RateLimited(f"Rate limit reached: requests_per_minute={requests_per_minute}; "
-                                  f"retry in {retry_after_s} s.", retry_after_s=retry_after_s)
-
-    def add_tokens(self, *, tenant_id: int, tokens: int) -> None:
-        """Charge ``tokens`` to the tenant's current window."""
-        start, _ = self._window()
-        self.store.incr(f"{NAMESPACE}rl:{tenant_id}:tok:{start}", tokens, self.WINDOW_S * 2)
 
 
 STATS_KEY = NAMESPACE + "stats:engine"

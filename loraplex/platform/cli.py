@@ -7,6 +7,10 @@
     loraplex adapter upload TENANT NAME PATH [--model DIR_OR_DEMO]
     loraplex demo up [--host H --port P --cache-dir DIR --data-dir DIR]   (loraplex.platform.demo)
 
+``add_commands(subparsers, mount_console=fn)``: ``serve`` and ``demo up`` call
+``fn(app)`` on the app they run (``loraplex.cli`` passes the Gradio console's
+mounter; the platform never imports the console).
+
 Engine flags are named as vLLM's. Flags left out fall back to ``LORAPLEX_*``
 environment variables, then to defaults (``Settings``): every flag defaults
 to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
@@ -15,18 +19,28 @@ to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from loraplex.platform.demo import add_demo_command
 
 _S = argparse.SUPPRESS
 
 
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``serve``, ``tenant``, ``key``, ``adapter`` and ``demo``; each sets ``handler(args) -> exit status``."""
-    _add_serve(subparsers)
+MountConsole = Callable[[Any], None]
+"""``fn(app: FastAPI) -> None``: mounts a console on the app that ``serve`` / ``demo up`` run."""
+
+
+def add_commands(subparsers: argparse._SubParsersAction, *, mount_console: MountConsole | None = None) -> None:
+    """Add ``serve``, ``tenant``, ``key``, ``adapter`` and ``demo``; each sets ``handler(args) -> exit status``.
+
+    ``mount_console``: called on the app of ``serve`` and ``demo up`` (None: the API runs alone).
+    """
+    _add_serve(subparsers, mount_console)
     tenant = subparsers.add_parser("tenant", help="manage tenants").add_subparsers(
         dest="tenant_command", required=True, metavar="ACTION")
     create = tenant.add_parser("create", help="create a tenant")
@@ -35,6 +49,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--tokens-per-minute", type=int, default=None)
     create.add_argument("--max-adapters", type=int, default=None)
     create.add_argument("--max-upload-mb", type=float, default=None)
+    create.add_argument("--weight", type=float, default=None, help="fair-scheduler share (default 1)")
+    create.add_argument("--max-concurrent-requests", type=int, default=None)
+    create.add_argument("--max-queued-requests", type=int, default=None)
+    create.add_argument("--max-queue-time-s", type=float, default=None)
     _add_storage_flags(create)
     create.set_defaults(handler=_tenant_create)
 
@@ -57,7 +75,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_storage_flags(upload)
     upload.set_defaults(handler=_adapter_upload)
 
-    add_demo_command(subparsers)
+    add_demo_command(subparsers, mount_console)
 
 
 def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +84,7 @@ def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=_S, help="redis://... (LORAPLEX_REDIS_URL)")
 
 
-def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConsole | None) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
     serve.add_argument("--model", default=_S, help="HF model folder or demo model name")
     serve.add_argument("--served-model-name", default=_S)
@@ -83,6 +101,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int, default=_S)
     serve.add_argument("--swap-space", type=float, default=_S, help="GiB")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_S)
+    serve.add_argument("--max-adapter-wait-steps", type=int, default=_S,
+                       help="steps a request may wait for an adapter slot before one is drained for it")
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "fair"], default=_S,
+                       help="fair (default): least-served tenant first (Virtual Token Counter); fcfs: arrival order")
+    serve.add_argument("--fair-prompt-token-weight", type=float, default=_S)
+    serve.add_argument("--fair-output-token-weight", type=float, default=_S)
     serve.add_argument("--tensor-parallel-size", type=int, default=_S, help="only 1 is supported")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_S)
     serve.add_argument("--device", choices=["auto", "cuda", "cpu"], default=_S)
@@ -90,12 +114,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S)
     _add_storage_flags(serve)
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=functools.partial(_serve, mount_console=mount_console))
 
 
+_TENANT_FLAGS = ("requests_per_minute", "tokens_per_minute", "max_adapters", "max_upload_mb", "weight",
+                 "max_concurrent_requests", "max_queued_requests", "max_queue_time_s")
 _NOT_SETTINGS = {"command", "handler", "tenant_command", "key_command", "adapter_command", "name", "tenant",
-                 "path", "requests_per_minute", "tokens_per_minute", "max_adapters", "max_upload_mb",
-                 "accepts_any_arguments"}
+                 "path", "accepts_any_arguments", *_TENANT_FLAGS}
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -113,7 +138,7 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = None) -> int:
     import uvicorn
     from pydantic import ValidationError
 
@@ -123,9 +148,11 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         if not settings.model:
             return _fail("--model (or LORAPLEX_MODEL) is required")
-        app = create_app(settings, console=True)
+        app = create_app(settings)
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
+    if mount_console is not None:
+        mount_console(app)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 
@@ -157,8 +184,7 @@ def _tenant_create(args: argparse.Namespace) -> int:
     from loraplex.platform.schemas import TenantCreate
     from loraplex.platform.services import tenants
 
-    fields = {k: getattr(args, k) for k in ("requests_per_minute", "tokens_per_minute", "max_adapters",
-                                            "max_upload_mb") if getattr(args, k) is not None}
+    fields = {k: getattr(args, k) for k in _TENANT_FLAGS if getattr(args, k) is not None}
     return _with_context(args, lambda ctx, s: tenants.create_tenant(
         session=s, ctx=ctx, spec=TenantCreate(name=args.name, **fields)))
 

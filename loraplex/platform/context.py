@@ -16,11 +16,14 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.platform import crud
-from loraplex.platform.cache import LookupCache, RateLimiter, Store, make_store
+from loraplex.platform.admission import TenantAdmission
+from loraplex.platform.cache import LookupCache, Store, make_store
 from loraplex.platform.core.security import ADMIN_KEY_PREFIX, generate_key, hash_key
 from loraplex.platform.db import make_db_engine, make_session_factory, session_scope, upgrade_database
+from loraplex.platform.limits import RateLimiter
 from loraplex.platform.metrics import PlatformMetrics
 from loraplex.platform.settings import Settings
+from loraplex.platform.usage import UsageWriter
 
 if TYPE_CHECKING:
     from loraplex.adapters import BaseModelSpec
@@ -45,11 +48,13 @@ class PlatformContext:
     limiter: RateLimiter
     metrics: PlatformMetrics
     admin_key_hash: str
+    usage: UsageWriter
     engine: AsyncEngine | None = None
     model_id: str | None = None
     max_model_len: int | None = None
     base_spec: BaseModelSpec | None = None
     max_lora_rank: int | None = None
+    admission: TenantAdmission = field(default_factory=TenantAdmission)
     started_at: float = field(default_factory=time.time)
 
 
@@ -63,7 +68,9 @@ def build_context(settings: Settings, engine: AsyncEngine | None, *, out: TextIO
     ctx = PlatformContext(
         settings=settings, db=db, sessions=sessions, store=store,
         cache=LookupCache(store, settings.cache_ttl_s), limiter=RateLimiter(store),
-        metrics=PlatformMetrics(), admin_key_hash=_admin_key_hash(settings, sessions, out))
+        metrics=PlatformMetrics(), admin_key_hash=_admin_key_hash(settings, sessions, out),
+        usage=UsageWriter(sessions, max_entries=settings.usage_buffer_max_entries,
+                          give_up_s=settings.usage_give_up_s))
     if engine is not None:
         attach_engine(ctx, engine)
     return ctx
@@ -76,7 +83,9 @@ def attach_engine(ctx: PlatformContext, engine: AsyncEngine) -> None:
     ctx.max_model_len = engine.max_model_len
     ctx.base_spec = engine.base_spec if engine.lora_enabled else None
     ctx.max_lora_rank = engine.max_lora_rank
+    ctx.admission = TenantAdmission(clock=engine.clock)  # one timeline for gate and engine deadlines
     ctx.metrics.bind_engine(engine)
+    ctx.metrics.bind_admission(ctx.admission)
 
 
 def attach_model_spec(ctx: PlatformContext) -> None:

@@ -19,12 +19,16 @@ SUPERSEDED = "superseded"
 
 # -- tenants ---------------------------------------------------------------------------------------
 def create_tenant(*, session: Session, name: str, requests_per_minute: int | None, tokens_per_minute: int | None,
-                  max_adapters: int, max_upload_mb: float) -> Tenant:
+                  max_adapters: int, max_upload_mb: float, weight: float = 1.0,
+                  max_concurrent_requests: int | None = None, max_queued_requests: int | None = None,
+                  max_queue_time_s: float | None = None) -> Tenant:
     """Insert a tenant; raises ``Conflict`` if the name is taken."""
     if session.scalar(sa.select(Tenant.id).where(Tenant.name == name)) is not None:
         raise Conflict(f"tenant {name!r} already exists", param="name")
     tenant = Tenant(name=name, requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute,
-                    max_adapters=max_adapters, max_upload_mb=max_upload_mb)
+                    max_adapters=max_adapters, max_upload_mb=max_upload_mb, weight=weight,
+                    max_concurrent_requests=max_concurrent_requests, max_queued_requests=max_queued_requests,
+                    max_queue_time_s=max_queue_time_s)
     session.add(tenant)
     session.flush()
     return tenant

@@ -19,13 +19,19 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+CONNECT_TIMEOUT_S = 5
 
 
 def make_db_engine(url: str) -> sa.Engine:
-    """Create the SQLAlchemy engine for ``url``. For SQLite: creates the parent folder,
+    """Create the SQLAlchemy engine for ``url`` (PostgreSQL: connections time out after
+    ``CONNECT_TIMEOUT_S``). For SQLite: creates the parent folder,
     allows use from the server's worker threads, turns on foreign keys (cascading
     deletes) and WAL journaling, and waits up to 30 s for a lock."""
     parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in ("psycopg", "psycopg2"):
+        # An unreachable (black-holed) server must fail a connection attempt in seconds, not minutes:
+        # waiting request threads would otherwise exhaust the worker pool.
+        return sa.create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
     if parsed.get_backend_name() != "sqlite":
         return sa.create_engine(url, pool_pre_ping=True)
     if parsed.database and parsed.database != ":memory:":

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import json
 import socket
 import sys
 import threading
@@ -51,6 +53,10 @@ DEFAULT_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "examples" / "adapt
 EXAMPLE_ADAPTER = "french"
 EXAMPLE_QUESTION = "What is the capital of Germany?"
 EXAMPLE_MAX_TOKENS = 48
+# The json-answer adapter's reply format, enforced with response_format (structured output).
+JSON_ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80},
+                                                       "confidence": {"enum": ["high", "medium", "low"]}},
+                      "required": ["answer", "confidence"], "additionalProperties": False}
 KEY_ENV_VAR = "DEMO_KEY"
 """Shell variable the examples read the demo key from when it was printed at an earlier start."""
 
@@ -85,8 +91,9 @@ class DemoSetup:
 
 
 # -- command line -----------------------------------------------------------------------------------
-def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
-    """``demo up``; its handler returns the exit status."""
+def add_demo_command(subparsers: argparse._SubParsersAction,
+                     mount_console: Callable[[FastAPI], None] | None = None) -> None:
+    """``demo up``; its handler returns the exit status and calls ``mount_console(app)`` on the app it serves."""
     demo = subparsers.add_parser("demo", help="run the SmolLM2 demo: tenant, trained adapters, API and console")
     actions = demo.add_subparsers(dest="demo_command", required=True, metavar="ACTION")
     up = actions.add_parser("up", help="prepare everything that is missing, then serve (Ctrl+C stops)")
@@ -96,10 +103,10 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--data-dir", type=Path, default=_S, help="registry and stored adapters (LORAPLEX_DATA_DIR)")
     up.add_argument("--adapters-dir", type=Path, default=DEFAULT_ADAPTERS_DIR,
                     help=f"folder with the PEFT folders {', '.join(DEMO_ADAPTERS)} (default: {DEFAULT_ADAPTERS_DIR})")
-    up.set_defaults(handler=demo_up)
+    up.set_defaults(handler=functools.partial(demo_up, mount_console=mount_console))
 
 
-def demo_up(args: argparse.Namespace) -> int:
+def demo_up(args: argparse.Namespace, *, mount_console: Callable[[FastAPI], None] | None = None) -> int:
     """Handler of ``loraplex demo up``: set up what is missing, serve until stopped; the exit status."""
     from pydantic import ValidationError
 
@@ -114,7 +121,9 @@ def demo_up(args: argparse.Namespace) -> int:
         ensure_model(settings)
         admin_key = settle_admin_key(settings)
         _say(f"loading {DEMO_MODEL} (max_model_len={settings.max_model_len})")
-        app = create_app(settings, console=True)
+        app = create_app(settings)
+        if mount_console is not None:
+            mount_console(app)
         setup = provision(app.state.ctx, folders, admin_key=admin_key)
     except (ValidationError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
         return _fail(str(exc), admin_key)
@@ -337,6 +346,10 @@ def banner(base_url: str, model_id: str, setup: DemoSetup) -> str:
         "",
         curl_example(base_url, key_expr, EXAMPLE_ADAPTER),
         "",
+        "the 'json-answer' adapter with its reply format enforced (response_format, a JSON schema):",
+        "",
+        json_answer_example(base_url, key_expr),
+        "",
         "or the base model and every adapter with the openai client:",
         "",
         openai_example(base_url, setup.tenant_key, [model_id, *(a.name for a in setup.adapters)]),
@@ -365,6 +378,19 @@ def curl_example(base_url: str, key_expr: str, model: str) -> str:
     """A ``curl`` chat completion for ``model``; ``key_expr`` is the key or a ``$VAR`` to expand."""
     body = (f'{{"model": "{model}", "messages": [{{"role": "user", "content": "{EXAMPLE_QUESTION}"}}], '
             f'"temperature": 0, "max_tokens": {EXAMPLE_MAX_TOKENS}}}')
+    return "\n".join([
+        f"curl -s {base_url}/v1/chat/completions \\",
+        f'  -H "Authorization: Bearer {key_expr}" \\',
+        '  -H "Content-Type: application/json" \\',
+        f"  -d '{body}'",
+    ])
+
+
+def json_answer_example(base_url: str, key_expr: str) -> str:
+    """A ``curl`` chat completion of the json-answer adapter constrained by :data:`JSON_ANSWER_SCHEMA`."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": JSON_ANSWER_SCHEMA}}
+    body = json.dumps({"model": "json-answer", "messages": [{"role": "user", "content": EXAMPLE_QUESTION}],
+                       "temperature": 0, "max_tokens": EXAMPLE_MAX_TOKENS, "response_format": fmt})
     return "\n".join([
         f"curl -s {base_url}/v1/chat/completions \\",
         f'  -H "Authorization: Bearer {key_expr}" \\',

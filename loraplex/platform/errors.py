@@ -117,3 +117,17 @@ class ServiceUnavailable(PlatformError):
     status_code = 503
     type = "server_error"
     code = "service_unavailable"
+
+
+class QueueTimedOut(ServiceUnavailable):
+    """503: the request waited longer than its tenant's ``max_queue_time_s`` before its first
+    scheduling step (the server is busy); retry after ``retry_after_s``."""
+
+    code = "queue_timeout"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}

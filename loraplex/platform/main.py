@@ -1,12 +1,13 @@
-"""The app factory: ``create_app(settings, engine=None, console=False)``.
+"""The app factory: ``create_app(settings, engine=None)``.
 
 ``engine`` may be an :class:`~loraplex.engine.llm_engine.LLMEngine` (wrapped),
 an :class:`~loraplex.platform.async_engine.AsyncEngine`, or None: then the
 model in ``settings.model`` is loaded, or, without one, only the admin API
 works (serving answers 503). The app starts the engine thread at startup and
 stops it at shutdown; ``app.state.ctx`` is the :class:`PlatformContext` the
-console shares. With ``console=True`` (``loraplex serve``, ``loraplex demo up``) the
-Gradio console is mounted at ``/ui`` when Gradio is installed.
+console shares. The platform never imports the console: ``loraplex serve`` and
+``loraplex demo up`` mount it through the hook the CLI passes in
+(:func:`loraplex.platform.cli.add_commands`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import adapters, completions, models, stats, tenants
-from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES, BodySizeLimit
+from loraplex.platform.api.guards import RequestGuard, SecurityHeaders
+from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES
 from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.cache import publish_stats
 from loraplex.platform.context import PlatformContext, build_context
@@ -43,18 +45,16 @@ def build_engine(settings: Settings):
         raise ValueError("Settings.model is not set: pass --model or LORAPLEX_MODEL")
     knobs = ("dtype", "seed", "block_size", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
              "max_num_batched_tokens", "swap_space", "enable_prefix_caching", "enable_lora", "max_loras",
-             "max_lora_rank", "max_cpu_loras")
+             "max_lora_rank", "max_cpu_loras", "max_adapter_wait_steps", "scheduling_policy",
+             "fair_prompt_token_weight", "fair_output_token_weight")
     values = {k: getattr(settings, k) for k in knobs if getattr(settings, k) is not None}
     config = EngineConfig(model=settings.model, download_dir=str(settings.cache_dir),
                           device=settings.device or "auto", **values)
     return LLMEngine(config)
 
 
-def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout, console: bool = False) -> FastAPI:
+def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> FastAPI:
     """Build the FastAPI app (database migrated, admin key settled, engine wrapped).
-
-    ``console``: also mount the Gradio console at ``/ui`` (skipped with a warning when
-    Gradio is not installed; the API works either way).
 
     Raises ``ValueError`` for an unusable model and what ``LLMEngine`` raises.
     """
@@ -67,21 +67,11 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout, con
     for router in (completions.router, models.router, adapters.tenant_router, adapters.admin_router,
                    tenants.router, stats.router):
         app.include_router(router)
-    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
+    app.add_middleware(RequestGuard, ctx=ctx, max_json_body_bytes=int(settings.max_json_body_mb * MB),
+                       max_upload_body_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
     app.add_middleware(_RequestMetrics, ctx=ctx)
-    if console:
-        _mount_console(app)
+    app.add_middleware(SecurityHeaders)  # outermost: every response, the console's included
     return app
-
-
-def _mount_console(app: FastAPI) -> None:
-    """The console at ``/ui``; without Gradio (or the ``loraplex.ui`` package) the API runs alone."""
-    try:
-        from loraplex.ui import mount_console
-    except ImportError as exc:
-        logger.warning("console not mounted at /ui (%s): install 'loraplex[serve]'", exc)
-        return
-    mount_console(app)
 
 
 def _as_async_engine(settings: Settings, engine) -> AsyncEngine | None:
@@ -110,6 +100,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 await publisher
         if ctx.engine is not None:
             await run_in_threadpool(ctx.engine.shutdown)
+        await run_in_threadpool(ctx.usage.close)
         ctx.db.dispose()
 
 

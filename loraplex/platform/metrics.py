@@ -42,12 +42,22 @@ class PlatformMetrics:
                                         "(tenant/name; the base model's id for the base model).",
                                         ["adapter"], registry=r)
         self.rate_limited = Counter("loraplex_rate_limited", "Requests refused with HTTP 429.", registry=r)
+        self.tenant_queueing_delay = Histogram(
+            "loraplex_tenant_queueing_delay_seconds", "Time from arrival to the first scheduling step "
+            "(admission gate + engine queue), per tenant.", ["tenant"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.tenant_refused = Counter("loraplex_tenant_refused", "Requests refused by a tenant's queueing "
+                                      "limits (429 queue full, 503 queue time), per tenant and status.",
+                                      ["tenant", "status"], registry=r)
         self._engine_collector = _EngineCollector()
         r.register(self._engine_collector)
 
     def bind_engine(self, engine: AsyncEngine) -> None:
         """Export ``engine``'s stats snapshot at scrape time."""
         self._engine_collector.engine = engine
+
+    def bind_admission(self, admission) -> None:
+        """Export the admission gate's per-tenant queue lengths at scrape time."""
+        self._engine_collector.admission = admission
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -84,6 +94,7 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.engine: AsyncEngine | None = None
+        self.admission = None
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats_dict() if self.engine is not None else None
@@ -99,6 +110,31 @@ class _EngineCollector(Collector):
         lora = stats.get("lora")
         if lora:
             yield from _lora_families(lora)
+        gate = self.admission.queue_lengths() if self.admission is not None else {}
+        yield from _tenant_families(stats.get("tenants") or [], gate)
+
+
+def _tenant_families(tenants: list[dict[str, Any]], gate: dict[str, int]) -> Iterator[Metric]:
+    """Per-tenant service from the scheduler (label ``tenant``: the tenant's name)."""
+    queue = GaugeMetricFamily("loraplex_tenant_queue_length", "Requests of the tenant waiting: at its "
+                              "admission gate plus in the engine queue.", labels=["tenant"])
+    running = GaugeMetricFamily("loraplex_tenant_running", "Sequences of the tenant running.", labels=["tenant"])
+    prompt = CounterMetricFamily("loraplex_tenant_prompt_tokens_served", "Prompt tokens computed for the "
+                                 "tenant (prefix-cache hits excluded).", labels=["tenant"])
+    output = CounterMetricFamily("loraplex_tenant_output_tokens_served", "Tokens generated for the tenant.",
+                                 labels=["tenant"])
+    virtual = GaugeMetricFamily("loraplex_tenant_virtual_counter", "The fair scheduler's virtual token "
+                                "counter of the tenant (weighted service / weight).", labels=["tenant"])
+    names = {t["tenant_id"] for t in tenants} | set(gate)
+    by_name = {t["tenant_id"]: t for t in tenants}
+    for name in sorted(names):
+        t = by_name.get(name, {})
+        queue.add_metric([name], float(t.get("num_waiting", 0) + gate.get(name, 0)))
+        running.add_metric([name], float(t.get("num_running", 0)))
+        prompt.add_metric([name], float(t.get("prompt_tokens_served", 0)))
+        output.add_metric([name], float(t.get("output_tokens_served", 0)))
+        virtual.add_metric([name], float(t.get("virtual_counter", 0.0)))
+    yield from (queue, running, prompt, output, virtual)
 
 
 def _lora_families(lora: dict[str, Any]) -> Iterator[Metric]:

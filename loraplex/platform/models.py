@@ -56,7 +56,10 @@ class Base(DeclarativeBase):
 
 
 class Tenant(Base):
-    """A customer. Limits are ``None`` when unlimited."""
+    """A customer. Limits are ``None`` when unlimited. ``weight``: its share under the fair
+    scheduler (2 = twice the service of weight 1 when both wait); ``max_concurrent_requests``
+    in the engine at once, ``max_queued_requests`` waiting beyond those (then 429),
+    ``max_queue_time_s`` before the first scheduling step (then 503)."""
 
     __tablename__ = "tenants"
 
@@ -66,6 +69,10 @@ class Tenant(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     max_adapters: Mapped[int] = mapped_column(Integer)
     max_upload_mb: Mapped[float] = mapped_column(Float)
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
+    max_queued_requests: Mapped[int | None] = mapped_column(Integer)
+    max_queue_time_s: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant", cascade="all, delete-orphan",

@@ -4,8 +4,10 @@ Reference: https://platform.openai.com/docs/api-reference/completions and
 /chat. ``top_k``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty`` and
 ``stop_token_ids`` are vLLM extensions. Unknown request fields are ignored, as
 OpenAI clients send provider-specific extras; features loraplex does not
-serve (``suffix``, ``logit_bias``, ``tools``, ``best_of`` > ``n``, ``echo``)
-are refused with a 400 naming the field.
+serve (``suffix``, ``logit_bias``, ``best_of`` > ``n``, ``echo``, vLLM's ``guided_*``)
+are refused with a 400 naming the field. Structured output (``response_format``,
+``structured_outputs``) and tool calling (``tools``, ``tool_choice``): see
+:mod:`loraplex.platform.structured_schemas`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.platform.structured_schemas import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
 
 
 class StreamOptions(BaseModel):
@@ -41,6 +51,15 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     stop_token_ids: list[int] | None = None
+    # structured output (loraplex.platform.services.structured)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -68,6 +87,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -77,7 +98,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None  # OpenAI's retired function calling: refused (use tools)
+    function_call: Any = None
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -127,6 +152,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -16,6 +16,12 @@ Name = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=64,
                             description="1-64 characters: letters, digits, '.', '_', '-' (first: letter/digit).")]
 
 
+_WEIGHT = "Fair-scheduler share (priority tier): weight 2 gets twice the service of weight 1 when both wait."
+_MAX_CONCURRENT = "Requests of this tenant in the engine at once; more wait in its queue. None = unlimited."
+_MAX_QUEUED = "Requests waiting beyond max_concurrent_requests; more get 429 with Retry-After. None = unlimited."
+_MAX_QUEUE_TIME = "Seconds a request may wait before its first scheduling step; then 503 with Retry-After."
+
+
 class TenantLimits(BaseModel):
     """Per-tenant limits; ``None`` for a rate means unlimited."""
 
@@ -23,6 +29,10 @@ class TenantLimits(BaseModel):
     tokens_per_minute: int | None = Field(None, ge=1)
     max_adapters: int | None = Field(None, ge=0, description="None = the server default.")
     max_upload_mb: float | None = Field(None, gt=0, description="MB = 10**6 bytes; None = the server default.")
+    weight: float = Field(1.0, gt=0, le=1000, description=_WEIGHT)
+    max_concurrent_requests: int | None = Field(None, ge=1, description=_MAX_CONCURRENT)
+    max_queued_requests: int | None = Field(None, ge=0, description=_MAX_QUEUED)
+    max_queue_time_s: float | None = Field(None, gt=0, description=_MAX_QUEUE_TIME)
 
 
 class TenantCreate(TenantLimits):
@@ -32,7 +42,7 @@ class TenantCreate(TenantLimits):
 
 
 class TenantUpdate(BaseModel):
-    """Only the fields present change; an explicit ``null`` rate means unlimited."""
+    """Only the fields present change; an explicit ``null`` rate or queueing limit means unlimited."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -40,6 +50,10 @@ class TenantUpdate(BaseModel):
     tokens_per_minute: int | None = Field(None, ge=1)
     max_adapters: int | None = Field(None, ge=0)
     max_upload_mb: float | None = Field(None, gt=0)
+    weight: float | None = Field(None, gt=0, le=1000, description=_WEIGHT)
+    max_concurrent_requests: int | None = Field(None, ge=1, description=_MAX_CONCURRENT)
+    max_queued_requests: int | None = Field(None, ge=0, description=_MAX_QUEUED)
+    max_queue_time_s: float | None = Field(None, gt=0, description=_MAX_QUEUE_TIME)
 
 
 class TenantPublic(BaseModel):
@@ -50,6 +64,10 @@ class TenantPublic(BaseModel):
     tokens_per_minute: int | None
     max_adapters: int
     max_upload_mb: float
+    weight: float = 1.0
+    max_concurrent_requests: int | None = None
+    max_queued_requests: int | None = None
+    max_queue_time_s: float | None = None
     created_at: dt.datetime
     num_keys: int = 0
     num_adapters: int = 0
@@ -97,6 +115,10 @@ class TenantContext(BaseModel):
     tokens_per_minute: int | None
     max_adapters: int
     max_upload_mb: float
+    weight: float = 1.0
+    max_concurrent_requests: int | None = None
+    max_queued_requests: int | None = None
+    max_queue_time_s: float | None = None
 
 
 class AdapterRoute(BaseModel):

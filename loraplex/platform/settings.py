@@ -32,6 +32,8 @@ class Settings(BaseSettings):
                           "None = an in-process implementation of the same interface.")
     admin_key: SecretStr | None = Field(
         None, description="Admin bearer key; None = generate one at first start, store its hash, print it once.")
+    metrics_key: SecretStr | None = Field(
+        None, description="Bearer key that may read /metrics only (the admin key always may); None = admin only.")
 
     # --- serving -----------------------------------------------------------------------------
     model: str | None = Field(None, description="Folder of a HF-format model; None = admin API only.")
@@ -51,6 +53,13 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     swap_space: float | None = Field(None, ge=0.0, description="Host swap space for KV blocks in GiB.")
     enable_prefix_caching: bool | None = None
+    max_adapter_wait_steps: int | None = Field(
+        None, ge=0, description="Aging bound (scheduler steps) before a running adapter's slot is drained "
+                                "for a request waiting for an adapter slot.")
+    scheduling_policy: Literal["fcfs", "fair"] = Field(
+        "fair", description="fair: Virtual Token Counter across tenants (by tenant weight); fcfs: arrival order.")
+    fair_prompt_token_weight: float | None = Field(None, ge=0, description="Service weight of a prompt token.")
+    fair_output_token_weight: float | None = Field(None, ge=0, description="Service weight of a generated token.")
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     device: Literal["auto", "cuda", "cpu"] | None = None
@@ -64,6 +73,18 @@ class Settings(BaseSettings):
     default_tenant_tokens_per_minute: int | None = Field(None, ge=1)
     max_archive_members: int = Field(16, ge=2, description="Most members an uploaded archive may hold.")
     max_compression_ratio: float = Field(200.0, gt=1.0, description="Largest uncompressed/compressed ratio.")
+
+    # --- request limits and usage accounting ---------------------------------------------------
+    max_json_body_mb: float = Field(
+        4.0, gt=0, description="Largest JSON request body (every route but uploads); larger gets 413.")
+    max_prompts_per_request: int = Field(
+        128, ge=1, description="Most prompts in one /v1/completions request; more gets 400.")
+    usage_buffer_max_entries: int = Field(
+        10_000, ge=1, description="Most (tenant, day) usage rows buffered while the registry is unreachable.")
+    usage_give_up_s: float = Field(
+        3600.0, gt=0, description="Buffered usage not written for this long is dropped and logged as lost.")
+    console_file_lifetime_s: int = Field(
+        600, ge=60, description="Files uploaded through the console are deleted after this long.")
 
     # --- cache / stats -----------------------------------------------------------------------
     cache_ttl_s: int = Field(60, ge=1, description="Lifetime of a cached tenant/key/adapter lookup.")

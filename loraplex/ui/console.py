@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.services.adapters import MB
 from loraplex.ui import adapters_tab, playground_tab, stats_tab, tenants_tab, usage_tab
+from loraplex.ui.gate import install_gate
 from loraplex.ui.session import ConsoleSession, login
 from loraplex.ui.stats_tab import StatsHistory
 from loraplex.ui.wiring import on
@@ -80,12 +81,26 @@ def tenant_choices_for(ctx: PlatformContext, session: ConsoleSession | None, sel
     return update, ""
 
 
+def _session_js(path: str) -> tuple[str, str]:
+    """(sign-in js, sign-out js): open / close the console session (``gate.py``) around Gradio's events."""
+    sign_in = ("async (key) => { try { await fetch('%s/session', {method: 'POST', credentials: 'same-origin', "
+               "headers: {Authorization: 'Bearer ' + (key || '').trim()}}); } catch (e) {} return key; }" % path)
+    sign_out = ("async () => { try { await fetch('%s/session', {method: 'DELETE', credentials: 'same-origin'}); } "
+                "catch (e) {} window.location.reload(); }" % path)
+    return sign_in, sign_out
+
+
 def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
-                  history: StatsHistory | None = None) -> gr.Blocks:
-    """The console's ``gr.Blocks`` over ``ctx`` (stats plots keep ``history``, default: the last 5 minutes)."""
+                  history: StatsHistory | None = None, path: str = CONSOLE_PATH) -> gr.Blocks:
+    """The console's ``gr.Blocks`` over ``ctx`` (stats plots keep ``history``, default: the last 5 minutes),
+    for mounting at ``path``."""
     history = history or StatsHistory(window_s=300.0, min_interval_s=min(1.0, refresh_s))
-    # Uploaded files wait in Gradio's cache: delete them after an hour (checked hourly).
-    with gr.Blocks(title="loraplex console", analytics_enabled=False, delete_cache=(3600, 3600)) as blocks:
+    sign_in_js, sign_out_js = _session_js(path)
+    # Uploaded files wait in Gradio's cache: delete them once older than console_file_lifetime_s
+    # (checked every half of it, so none lives longer than 1.5 times it).
+    lifetime_s = ctx.settings.console_file_lifetime_s
+    with gr.Blocks(title="loraplex console", analytics_enabled=False,
+                   delete_cache=(max(1, lifetime_s // 2), lifetime_s)) as blocks:
         state = gr.State(None)
         gr.Markdown("## loraplex console")
         with gr.Column(visible=True, elem_id="login-panel") as login_panel:
@@ -107,13 +122,13 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
         outputs = [state, login_panel, main_panel, whoami, key, tenants.tab, stats.tab, usage.tab, tabs, stats.timer,
                    adapters.tenant, playground.tenant, login_message]
         for event in (login_btn.click, key.submit):
-            signed_in = on(event, ctx, sign_in, [key], outputs)
+            signed_in = on(event, ctx, sign_in, [key], outputs, js=sign_in_js)
             on(signed_in.then, ctx, after_sign_in, [state], [tenants.table, tenants.message])
         on(adapters.tab.select, ctx, tenant_choices_for, [state, adapters.tenant], [adapters.tenant, adapters.message],
            show_progress="hidden")
         on(playground.tab.select, ctx, tenant_choices_for, [state, playground.tenant],
            [playground.tenant, playground.status], show_progress="hidden")
-        logout_btn.click(None, js="() => { window.location.reload(); }")
+        logout_btn.click(None, js=sign_out_js)
     blocks.queue(default_concurrency_limit=16)
     return blocks
 
@@ -123,10 +138,12 @@ def mount_console(app: FastAPI, *, path: str = CONSOLE_PATH, ctx: PlatformContex
     """Mount the console on ``app`` at ``path`` (``ctx`` defaults to ``app.state.ctx``).
 
     Gradio's uploads are capped at the server-wide ``max_upload_mb``; the services
-    enforce each tenant's own cap. Returns ``app``.
+    enforce each tenant's own cap. Nothing under ``path`` accepts data before sign-in
+    (``gate.py``). Returns ``app``.
     """
     ctx = ctx or app.state.ctx
-    blocks = build_console(ctx, refresh_s=refresh_s)
+    install_gate(app, ctx, path=path)
+    blocks = build_console(ctx, refresh_s=refresh_s, path=path)
     return gr.mount_gradio_app(app, blocks, path=path, theme=console_theme(), css=CSS, ssr_mode=False,
                                footer_links=[], show_error=True, mcp_server=False,
                                max_file_size=int(ctx.settings.max_upload_mb * MB))

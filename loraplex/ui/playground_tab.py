@@ -1,5 +1,6 @@
 """Chat playground: the base model or one of a tenant's adapters, sampling settings,
-replies streamed token by token, and a side-by-side mode (base model | adapter).
+an optional JSON schema the reply must follow (OpenAI ``response_format`` of type
+``json_schema``), replies streamed token by token, and a side-by-side mode (base model | adapter).
 
 Each reply is an OpenAI chat request run by the platform's serving service
 (``prepare_chat`` -> ``start`` -> ``stream_sse``), the same code path as
@@ -33,13 +34,14 @@ DEFAULT_MAX_TOKENS = 64
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """The playground's sampling controls (``seed`` None = random)."""
+    """The playground's sampling controls (``seed`` None = random; ``json_schema`` None = free text)."""
 
     temperature: float = 0.7
     top_p: float = 1.0
     max_tokens: int = DEFAULT_MAX_TOKENS
     seed: int | None = None
     system_prompt: str = ""
+    json_schema: dict[str, Any] | None = None
 
 
 def message_text(content: Any) -> str:
@@ -59,9 +61,13 @@ def chat_request(model: str, history: History, message: str, settings: SamplingS
     messages += [{"role": m["role"], "content": message_text(m.get("content"))} for m in history
                  if m.get("role") in ("user", "assistant")]
     messages.append({"role": "user", "content": message})
-    return ChatCompletionRequest.model_validate({
-        "model": model, "messages": messages, "stream": True, "temperature": settings.temperature,
-        "top_p": settings.top_p, "max_tokens": settings.max_tokens, "seed": settings.seed})
+    body = {"model": model, "messages": messages, "stream": True, "temperature": settings.temperature,
+            "top_p": settings.top_p, "max_tokens": settings.max_tokens, "seed": settings.seed}
+    if settings.json_schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "playground", "schema": settings.json_schema,
+                                                   "strict": True}}
+    return ChatCompletionRequest.model_validate(body)
 
 
 async def stream_reply(ctx: PlatformContext, tenant: TenantContext, body: ChatCompletionRequest
@@ -87,15 +93,25 @@ async def stream_reply(ctx: PlatformContext, tenant: TenantContext, body: ChatCo
             yield text
 
 
-def sampling_settings(system: str | None, temperature: float, top_p: float, max_tokens: float, seed: str | None
-                      ) -> SamplingSettings:
-    """The form's values; ``seed`` text must be a non-negative integer or empty. Raises ``InvalidRequest``."""
+def sampling_settings(system: str | None, temperature: float, top_p: float, max_tokens: float, seed: str | None,
+                      json_schema: str | None = None) -> SamplingSettings:
+    """The form's values; ``seed`` text must be a non-negative integer or empty; ``json_schema``
+    text a JSON object (a JSON schema) or empty. Raises ``InvalidRequest``."""
     seed_text = (seed or "").strip()
     if seed_text and not seed_text.isdigit():
         raise InvalidRequest(f"seed={seed_text!r}: must be a non-negative integer, or empty for random",
                              param="seed")
+    schema = None
+    if (json_schema or "").strip():
+        try:
+            schema = json.loads(json_schema)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"JSON schema: not valid JSON ({exc})", param="json_schema") from None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("JSON schema: must be a JSON object", param="json_schema")
     return SamplingSettings(temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens),
-                            seed=int(seed_text) if seed_text else None, system_prompt=system or "")
+                            seed=int(seed_text) if seed_text else None, system_prompt=system or "",
+                            json_schema=schema)
 
 
 def _turn(history: History | None, message: str, reply: str) -> History:
@@ -235,6 +251,9 @@ def build(ctx: PlatformContext, state: gr.State) -> PlaygroundTab:
             max_tokens = gr.Slider(1, max_tokens_limit, value=min(DEFAULT_MAX_TOKENS, max_tokens_limit), step=1,
                                    label="Max tokens", elem_id="chat-max-tokens")
             seed = gr.Textbox(label="Seed", placeholder="empty = random", elem_id="chat-seed")
+            json_schema = gr.Textbox(label="JSON schema (the reply must follow it; empty = free text)", lines=3,
+                                     placeholder='{"type": "object", "properties": {...}}',
+                                     elem_id="chat-json-schema")
         with gr.Column(scale=3):
             status = gr.Markdown(elem_id="chat-status")
             with gr.Row():
@@ -247,10 +266,10 @@ def build(ctx: PlatformContext, state: gr.State) -> PlaygroundTab:
                 clear_btn = gr.Button("Clear", elem_id="chat-clear")
 
     async def send(session, tenant_name, model_id, text, history_main, history_base, pair, system_prompt,
-                   temp, nucleus, limit, seed_value):
+                   temp, nucleus, limit, seed_value, schema_text):
         outputs = 4  # chat_main, chat_base, message box, status
         try:
-            settings = sampling_settings(system_prompt, temp, nucleus, limit, seed_value)
+            settings = sampling_settings(system_prompt, temp, nucleus, limit, seed_value, schema_text)
             if pair:
                 async for base, adapter, note in chat_side_by_side(ctx, session, tenant_name, model_id, text,
                                                                    history_base, history_main, settings):
@@ -262,7 +281,7 @@ def build(ctx: PlatformContext, state: gr.State) -> PlaygroundTab:
             yield (*[gr.skip()] * (outputs - 1), error_text(exc))
 
     inputs = [state, tenant, model, message, chat_main, chat_base, side_by_side, system, temperature, top_p,
-              max_tokens, seed]
+              max_tokens, seed, json_schema]
     outputs = [chat_main, chat_base, message, status]
     for event in (send_btn.click, message.submit):
         event(send, inputs=inputs, outputs=outputs, api_visibility="private")

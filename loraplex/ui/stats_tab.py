@@ -1,6 +1,7 @@
 """Cache & engine tab (admin): adapter slots, CPU adapter cache, lookup cache, KV blocks,
-prefix-cache hit rate, queues and throughput, refreshed by a ``gr.Timer``, with line
-plots over the last minutes.
+prefix-cache hit rate, queues and throughput, per-tenant service (the scheduler's
+tokens served, queue, virtual counter; tokens/s per tenant over time), refreshed by a
+``gr.Timer``, with line plots over the last minutes.
 
 The numbers are the platform's stats service (``services.stats.engine_stats``:
 the engine's snapshot, ``EngineStats`` with ``lora`` = ``SlotPoolStats``) and
@@ -31,6 +32,9 @@ PLOT_COLUMNS = ["seconds", "value", "series"]
 KV_SERIES = {"kv_blocks_used": "used", "kv_blocks_cached": "cached", "kv_blocks_free": "free"}
 QUEUE_SERIES = {"num_running": "running", "num_waiting": "waiting"}
 THROUGHPUT_SERIES = {"tokens_per_s": "tokens/s"}
+TENANT_COLUMNS = ["tenant", "weight", "waiting", "running", "prompt tokens served", "output tokens served",
+                  "virtual counter", "share of tokens"]
+_TENANT_TOKENS = "tenant_tokens:"  # history key prefix: tokens served to a tenant (prompt + output)
 _ENGINE_LORA_NAME = re.compile(r"^(\d+)/(.+)@(\d+)$")  # services.adapters.resolve_adapter's lora_name
 
 
@@ -54,7 +58,10 @@ class StatsHistory:
         with self._lock:
             if self._samples and now - self._samples[-1][0] < self.min_interval_s:
                 return
-            self._samples.append((now, {k: v for k, v in stats.items() if isinstance(v, (int, float))}))
+            values = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+            for t in stats.get("tenants") or []:
+                values[_TENANT_TOKENS + t["tenant_id"]] = t["prompt_tokens_served"] + t["output_tokens_served"]
+            self._samples.append((now, values))
             while self._samples and now - self._samples[0][0] > self.window_s:
                 self._samples.popleft()
 
@@ -66,6 +73,19 @@ class StatsHistory:
             samples = list(self._samples)
         rows = [(round(t - now, 1), float(values[key]), label)
                 for t, values in samples for key, label in series.items() if key in values]
+        return pd.DataFrame(rows, columns=PLOT_COLUMNS)
+
+    def tenant_rate_frame(self) -> pd.DataFrame:
+        """Tokens/s served to each tenant between consecutive samples (``series``: tenant name)."""
+        now = self.clock()
+        with self._lock:
+            samples = list(self._samples)
+        rows = []
+        for (t0, before), (t1, after) in zip(samples, samples[1:]):
+            for key, value in after.items():
+                if key.startswith(_TENANT_TOKENS) and t1 > t0:
+                    rate = (value - before.get(key, 0)) / (t1 - t0)
+                    rows.append((round(t1 - now, 1), float(rate), key.removeprefix(_TENANT_TOKENS)))
         return pd.DataFrame(rows, columns=PLOT_COLUMNS)
 
     def __len__(self) -> int:
@@ -117,6 +137,18 @@ def slot_tables(stats: dict | None, tenant_names: dict[int, str]) -> tuple[pd.Da
     return slots, cpu
 
 
+def tenant_service_table(stats: dict | None) -> pd.DataFrame:
+    """One row per tenant the scheduler has served: weight, queue, tokens served, the fair
+    scheduler's virtual counter and the tenant's share of all tokens served."""
+    tenants = (stats or {}).get("tenants") or []
+    total = sum(t["prompt_tokens_served"] + t["output_tokens_served"] for t in tenants)
+    rows = [[t["tenant_id"] or "(anonymous)", t["weight"], t["num_waiting"], t["num_running"],
+             t["prompt_tokens_served"], t["output_tokens_served"], round(t["virtual_counter"], 1),
+             f"{(t['prompt_tokens_served'] + t['output_tokens_served']) / total:.1%}" if total else "-"]
+            for t in tenants]
+    return pd.DataFrame(rows, columns=TENANT_COLUMNS)
+
+
 # -- callbacks -------------------------------------------------------------------------------------
 def stats_view(ctx: PlatformContext, session: ConsoleSession | None, history: StatsHistory):
     """(summary, GPU slots, CPU cache, KV plot, queue plot, throughput plot, message); records a sample."""
@@ -128,6 +160,22 @@ def stats_view(ctx: PlatformContext, session: ConsoleSession | None, history: St
     slots, cpu = slot_tables(stats, tenant_names)
     return (summary_text(stats, ctx.cache.stats()), slots, cpu, history.frame(KV_SERIES),
             history.frame(QUEUE_SERIES), history.frame(THROUGHPUT_SERIES), "")
+
+
+def tenant_view(ctx: PlatformContext, session: ConsoleSession | None, history: StatsHistory):
+    """(per-tenant service table, tokens/s per tenant plot, policy line); records a sample."""
+    require_admin(ctx, session)
+    stats = engine_stats(ctx)
+    history.observe(stats)
+    policy = (f"Scheduling policy: **{stats.get('scheduling_policy', 'fcfs')}** (fair = the least-served "
+              "tenant's request first, weighted by tenant weight)") if stats else ""
+    return tenant_service_table(stats), history.tenant_rate_frame(), policy
+
+
+def tenant_tick(ctx: PlatformContext, session: ConsoleSession | None, history: StatsHistory):
+    if session is None or not session.is_admin:
+        return tuple(gr.skip() for _ in range(3))
+    return tenant_view(ctx, session, history)
 
 
 def tick(ctx: PlatformContext, session: ConsoleSession | None, history: StatsHistory):
@@ -163,8 +211,15 @@ def build(ctx: PlatformContext, state: gr.State, history: StatsHistory, refresh_
             kv = _plot("KV cache blocks", "plot-kv")
             queue = _plot("Requests", "plot-queue")
             tput = _plot("Throughput (tokens/s)", "plot-throughput")
+        gr.Markdown("#### Service per tenant")
+        policy = gr.Markdown(elem_id="stats-policy")
+        with gr.Row():
+            tenants = gr.Dataframe(headers=TENANT_COLUMNS, interactive=False, label="Tenants (scheduler)",
+                                   elem_id="stats-tenants")
+            tenant_plot = _plot("Tokens/s per tenant", "plot-tenants")
         timer = gr.Timer(refresh_s, active=False)
     outputs = [summary, slots, cpu, kv, queue, tput, message]
+    tenant_outputs = [tenants, tenant_plot, policy]
 
     def view(ctx_: PlatformContext, session: ConsoleSession | None):
         return stats_view(ctx_, session, history)
@@ -172,6 +227,15 @@ def build(ctx: PlatformContext, state: gr.State, history: StatsHistory, refresh_
     def on_tick(session: ConsoleSession | None):
         return with_error_message(len(outputs), tick, ctx, session, history)
 
+    def tenants_now(ctx_: PlatformContext, session: ConsoleSession | None):
+        return tenant_view(ctx_, session, history)
+
+    def on_tenant_tick(session: ConsoleSession | None):
+        return with_error_message(len(tenant_outputs), tenant_tick, ctx, session, history)
+
     on(tab.select, ctx, view, [state], outputs)
+    on(tab.select, ctx, tenants_now, [state], tenant_outputs)
     timer.tick(on_tick, inputs=[state], outputs=outputs, api_visibility="private", show_progress="hidden")
+    timer.tick(on_tenant_tick, inputs=[state], outputs=tenant_outputs, api_visibility="private",
+               show_progress="hidden")
     return StatsTab(tab=tab, timer=timer)

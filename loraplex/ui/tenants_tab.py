@@ -1,4 +1,5 @@
-"""Tenants tab (admin): tenants with usage, create, edit limits, disable, delete; API keys.
+"""Tenants tab (admin): tenants with usage, create, edit limits (rates, adapters, and the
+fair-scheduling weight and queueing limits), disable, delete; API keys.
 
 Callbacks are ``fn(ctx, session, *form values)`` and call the platform's tenant
 services, exactly as ``/admin/tenants`` does.
@@ -23,7 +24,7 @@ from loraplex.ui.session import ConsoleSession, require_admin
 from loraplex.ui.wiring import on
 
 TENANT_COLUMNS = ["tenant", "keys", "adapters", "requests/min", "tokens/min", "max adapters", "max upload MB",
-                  "requests (24 h)", "tokens (24 h)", "requests (total)", "tokens (total)", "created (UTC)"]
+                  "weight", "max concurrent", "max queued", "max queue s", "requests (24 h)", "tokens (24 h)", "requests (total)", "tokens (total)", "created (UTC)"]
 KEY_COLUMNS = ["id", "prefix", "created (UTC)", "revoked (UTC)"]
 USAGE_NOTE = ("Usage is counted per UTC day: the 24 h columns add up the days the last 24 hours touch "
               "(today and yesterday, UTC).")
@@ -47,7 +48,9 @@ def tenants_table(ctx: PlatformContext, session: ConsoleSession | None, now: dt.
     for t in tenants:
         r, a = recent[t.name], total[t.name]
         rows.append([t.name, t.num_keys, t.num_adapters, format_limit(t.requests_per_minute),
-                     format_limit(t.tokens_per_minute), t.max_adapters, t.max_upload_mb, r.requests,
+                     format_limit(t.tokens_per_minute), t.max_adapters, t.max_upload_mb, t.weight,
+                     format_limit(t.max_concurrent_requests), format_limit(t.max_queued_requests),
+                     format_limit(t.max_queue_time_s), r.requests,
                      r.prompt_tokens + r.completion_tokens, a.requests, a.prompt_tokens + a.completion_tokens,
                      format_time(t.created_at)])
     return pd.DataFrame(rows, columns=TENANT_COLUMNS)
@@ -76,22 +79,31 @@ def blank_to_none(text: str | None) -> str | None:
     return text or None
 
 
-def _limits(requests_per_minute, tokens_per_minute, max_adapters, max_upload_mb) -> dict:
-    return {"requests_per_minute": blank_to_none(requests_per_minute),
-            "tokens_per_minute": blank_to_none(tokens_per_minute), "max_adapters": blank_to_none(max_adapters),
-            "max_upload_mb": blank_to_none(max_upload_mb)}
+def _limits(requests_per_minute, tokens_per_minute, max_adapters, max_upload_mb, weight=None,
+            max_concurrent_requests=None, max_queued_requests=None, max_queue_time_s=None) -> dict:
+    """Form values as schema input; the fair-share fields only when the form has them (``None``
+    = not on the form; an empty text = unlimited, for the weight = unchanged)."""
+    values = {"requests_per_minute": blank_to_none(requests_per_minute),
+              "tokens_per_minute": blank_to_none(tokens_per_minute), "max_adapters": blank_to_none(max_adapters),
+              "max_upload_mb": blank_to_none(max_upload_mb)}
+    for name, text in (("weight", weight), ("max_concurrent_requests", max_concurrent_requests),
+                       ("max_queued_requests", max_queued_requests), ("max_queue_time_s", max_queue_time_s)):
+        if text is not None:
+            values[name] = blank_to_none(text)
+    return values
 
 
 def create_tenant(ctx: PlatformContext, session: ConsoleSession | None, name: str | None,
                   requests_per_minute: str | None, tokens_per_minute: str | None, max_adapters: str | None,
-                  max_upload_mb: str | None):
-    """Create a tenant (empty limits take the server defaults). Returns (table, dropdown, message).
+                  max_upload_mb: str | None, weight: str | None = None):
+    """Create a tenant (empty limits take the server defaults, an empty weight is 1). Returns
+    (table, dropdown, message).
 
     Raises ``pydantic.ValidationError`` (bad name or limit) and ``Conflict``.
     """
     require_admin(ctx, session)
-    given = {k: v for k, v in _limits(requests_per_minute, tokens_per_minute, max_adapters, max_upload_mb).items()
-             if v is not None}
+    given = {k: v for k, v in _limits(requests_per_minute, tokens_per_minute, max_adapters, max_upload_mb,
+                                      weight).items() if v is not None}
     spec = TenantCreate.model_validate({"name": (name or "").strip(), **given})
     with ctx.sessions() as db:
         created = tenant_service.create_tenant(session=db, ctx=ctx, spec=spec)
@@ -101,31 +113,39 @@ def create_tenant(ctx: PlatformContext, session: ConsoleSession | None, name: st
 
 def load_tenant(ctx: PlatformContext, session: ConsoleSession | None, name: str | None):
     """The selected tenant's limits and keys: (requests/min, tokens/min, max adapters,
-    max upload MB, keys table, key dropdown, message); the message is left as it is."""
+    max upload MB, weight, max concurrent, max queued, max queue s, keys table, key dropdown,
+    message); the message is left as it is."""
     require_admin(ctx, session)
     if not name:
-        return "", "", "", "", pd.DataFrame(columns=KEY_COLUMNS), gr.update(choices=[], value=None), gr.skip()
+        return ("", "", "", "", "", "", "", "", pd.DataFrame(columns=KEY_COLUMNS), gr.update(choices=[], value=None),
+                gr.skip())
     with ctx.sessions() as db:
         t = tenant_service.get_tenant(session=db, name=name)
     keys, key_ids = keys_view(ctx, session, name)
     return (_field(t.requests_per_minute), _field(t.tokens_per_minute), _field(t.max_adapters),
-            _field(t.max_upload_mb), keys, key_ids, gr.skip())
+            _field(t.max_upload_mb), _field(t.weight), _field(t.max_concurrent_requests),
+            _field(t.max_queued_requests), _field(t.max_queue_time_s), keys, key_ids, gr.skip())
 
 
 def save_limits(ctx: PlatformContext, session: ConsoleSession | None, name: str | None,
                 requests_per_minute: str | None, tokens_per_minute: str | None, max_adapters: str | None,
-                max_upload_mb: str | None):
-    """Set the tenant's limits (an empty rate = unlimited; empty max adapters / upload size
-    = unchanged). Returns (table, message). Raises ``ValidationError``, ``NotFound``."""
+                max_upload_mb: str | None, weight: str | None = None, max_concurrent_requests: str | None = None,
+                max_queued_requests: str | None = None, max_queue_time_s: str | None = None):
+    """Set the tenant's limits (an empty rate or queueing limit = unlimited; empty max adapters /
+    upload size / weight = unchanged; ``None`` = not on the form, unchanged). Returns (table,
+    message). Raises ``ValidationError``, ``NotFound``."""
     require_admin(ctx, session)
     name = _selected(name)
     changes = TenantUpdate.model_validate(_limits(requests_per_minute, tokens_per_minute, max_adapters,
-                                                  max_upload_mb))
+                                                  max_upload_mb, weight, max_concurrent_requests,
+                                                  max_queued_requests, max_queue_time_s))
     with ctx.sessions() as db:
         t = tenant_service.update_tenant(session=db, ctx=ctx, name=name, changes=changes)
     return tenants_table(ctx, session), ok_text(
         f"limits of `{t.name}` saved: {format_limit(t.requests_per_minute)} requests/min, "
-        f"{format_limit(t.tokens_per_minute)} tokens/min, {t.max_adapters} adapters, {format_number(t.max_upload_mb)} MB uploads")
+        f"{format_limit(t.tokens_per_minute)} tokens/min, {t.max_adapters} adapters, {format_number(t.max_upload_mb)} MB uploads; "
+        f"weight {format_number(t.weight)}, {format_limit(t.max_concurrent_requests)} concurrent, "
+        f"{format_limit(t.max_queued_requests)} queued, {format_limit(t.max_queue_time_s)} s queue time")
 
 
 def disable_tenant(ctx: PlatformContext, session: ConsoleSession | None, name: str | None):
@@ -224,6 +244,7 @@ def build(ctx: PlatformContext, state: gr.State) -> TenantsTab:
                 new_tpm = gr.Textbox(label="Tokens/min", placeholder="empty = server default")
                 new_max_adapters = gr.Textbox(label="Max adapters", placeholder="empty = server default")
                 new_max_mb = gr.Textbox(label="Max upload MB", placeholder="empty = server default")
+                new_weight = gr.Textbox(label="Weight", placeholder="empty = 1", elem_id="new-tenant-weight")
             create_btn = gr.Button("Create tenant", variant="primary", elem_id="create-tenant")
         with gr.Accordion("Edit a tenant", open=True):
             selected = gr.Dropdown(label="Tenant", choices=[], elem_id="edit-tenant")
@@ -232,6 +253,14 @@ def build(ctx: PlatformContext, state: gr.State) -> TenantsTab:
                 tpm = gr.Textbox(label="Tokens/min", placeholder="empty = unlimited", elem_id="edit-tpm")
                 max_adapters = gr.Textbox(label="Max adapters", elem_id="edit-max-adapters")
                 max_mb = gr.Textbox(label="Max upload MB", elem_id="edit-max-upload-mb")
+            with gr.Row():
+                weight = gr.Textbox(label="Weight (fair-scheduling share)", elem_id="edit-weight")
+                max_concurrent = gr.Textbox(label="Max concurrent requests", placeholder="empty = unlimited",
+                                            elem_id="edit-max-concurrent")
+                max_queued = gr.Textbox(label="Max queued requests", placeholder="empty = unlimited",
+                                        elem_id="edit-max-queued")
+                max_queue_s = gr.Textbox(label="Max queue time (s)", placeholder="empty = unlimited",
+                                         elem_id="edit-max-queue-time")
             with gr.Row():
                 save_btn = gr.Button("Save limits", variant="primary")
                 disable_btn = gr.Button("Disable (revoke all keys)")
@@ -249,9 +278,10 @@ def build(ctx: PlatformContext, state: gr.State) -> TenantsTab:
             new_key = gr.Textbox(label="New API key (shown once: copy it now)", visible=False, interactive=False,
                                  buttons=["copy"], elem_id="new-key")
 
-    limits = [rpm, tpm, max_adapters, max_mb]
+    limits = [rpm, tpm, max_adapters, max_mb, weight, max_concurrent, max_queued, max_queue_s]
     on(refresh_btn.click, ctx, refresh, [state, selected], [table, selected, message])
-    on(create_btn.click, ctx, create_tenant, [state, new_name, new_rpm, new_tpm, new_max_adapters, new_max_mb],
+    on(create_btn.click, ctx, create_tenant,
+       [state, new_name, new_rpm, new_tpm, new_max_adapters, new_max_mb, new_weight],
        [table, selected, message])
     on(selected.change, ctx, load_tenant, [state, selected], [*limits, keys, key_id, message])
     selected.change(lambda: gr.update(value="", visible=False), outputs=[new_key], api_visibility="private")

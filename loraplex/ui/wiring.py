@@ -13,6 +13,7 @@ from typing import Any
 import gradio as gr
 from pydantic import ValidationError
 
+from loraplex.platform.api.guards import REGISTRY_ERRORS, registry_unavailable
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import PlatformError
 from loraplex.ui.format import error_text
@@ -21,12 +22,14 @@ SERVICE_ERRORS = (PlatformError, ValidationError)
 
 
 def with_error_message(result_count: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, or on a service error ``result_count - 1`` skips then the error text."""
+    """``fn(*args)``, or on a service error ``result_count - 1`` skips then the error text
+    (an unreachable registry database shows as its 503 message, never the driver's text)."""
     try:
         return fn(*args)
-    except SERVICE_ERRORS as exc:
+    except (*SERVICE_ERRORS, *REGISTRY_ERRORS) as exc:
+        message = error_text(exc if isinstance(exc, SERVICE_ERRORS) else registry_unavailable())
         skips = [gr.skip()] * (result_count - 1)
-        return (*skips, error_text(exc)) if skips else error_text(exc)
+        return (*skips, message) if skips else message
 
 
 def on(event: Callable[..., Any], ctx: PlatformContext, fn: Callable[..., Any], inputs: Sequence[gr.Component],

@@ -22,6 +22,13 @@ def make_seq(tokens: list[int], seq_id: int = 1, lora_version: str | None = None
     return seq
 
 
+def take_prefix(kv: KVCacheManager, seq: Sequence) -> int:
+    """Admit ``seq`` with its cached prefix and nothing more (as the scheduler's commit); the hit tokens."""
+    computed = kv.get_computed_blocks(seq)
+    assert kv.allocate_new_computed(seq, computed, 0)
+    return computed.num_tokens
+
+
 def test_allocate_takes_lowest_then_lru_order():
     pool = BlockPool(4)
     assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
@@ -50,7 +57,7 @@ def test_prefix_sharing_exact_blocks_and_eviction_order():
     kv.cache_full_blocks(a)
     assert a.block_ids == [0, 1, 2, 3]
     b = make_seq(prefix + [7, 8, 9], seq_id=2)
-    assert kv.compute_prefix_hit(b) == 12
+    assert take_prefix(kv, b) == 12
     assert b.block_ids == [0, 1, 2]
     assert [kv.pool.ref_cnt[i] for i in range(4)] == [2, 2, 2, 1]
     kv.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
@@ -74,9 +81,9 @@ def test_same_tokens_other_adapter_share_nothing():
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
     kv.cache_full_blocks(a)
-    assert kv.compute_prefix_hit(make_seq(tokens, 2, lora_version="v2")) == 0
-    assert kv.compute_prefix_hit(make_seq(tokens, 3, lora_version=None)) == 0
-    assert kv.compute_prefix_hit(make_seq(tokens, 4, lora_version="v1")) == 8
+    assert take_prefix(kv, make_seq(tokens, 2, lora_version="v2")) == 0
+    assert take_prefix(kv, make_seq(tokens, 3, lora_version=None)) == 0
+    assert take_prefix(kv, make_seq(tokens, 4, lora_version="v1")) == 8
 
 
 def test_fork_then_copy_on_write():
@@ -111,15 +118,15 @@ def test_random_operations_never_leak(ops):
         if op == "new" or not live:
             next_id += 1
             seq = make_seq([pick % 3] * n, next_id)
-            kv.compute_prefix_hit(seq)
-            todo = seq.num_tokens - seq.num_computed_tokens
-            if kv.can_allocate(seq, todo):
-                kv.allocate_slots(seq, todo)
+            computed = kv.get_computed_blocks(seq)
+            before = (list(kv.pool.ref_cnt), kv.pool.free_queue_order(), kv.prefix_stats.queries_tokens)
+            if kv.allocate_new_computed(seq, computed, seq.num_tokens - computed.num_tokens):
                 seq.num_computed_tokens = seq.num_tokens
                 kv.cache_full_blocks(seq)
                 live.append(seq)
-            else:
-                kv.free(seq)
+            else:  # a failed admission changes nothing (it is retried next step)
+                assert (list(kv.pool.ref_cnt), kv.pool.free_queue_order(), kv.prefix_stats.queries_tokens) == before
+                assert seq.block_ids == [] and seq.num_computed_tokens == 0
         elif op == "append":
             seq = live[pick % len(live)]
             seq.token_ids.extend([pick] * n)

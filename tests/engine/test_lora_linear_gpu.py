@@ -12,6 +12,7 @@ import torch
 from loraplex.engine.models.llama import LinearWithLoRA, LoRABatch
 from loraplex.kernels.lora_linear import add_lora_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.ops import Kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -20,7 +21,7 @@ HIDDEN, WIDTHS, SLOTS, RANK = 512, [512, 128, 128], 6, 16
 
 def _layer() -> LinearWithLoRA:
     dev, dt = torch.device("cuda"), torch.bfloat16
-    layer = LinearWithLoRA(HIDDEN, WIDTHS, ["q_proj", "k_proj", "v_proj"], False, dt, dev)
+    layer = LinearWithLoRA(HIDDEN, WIDTHS, ["q_proj", "k_proj", "v_proj"], False, dt, dev, Kernels("triton"))
     layer.weight.normal_(0, HIDDEN**-0.5)
     a = [torch.randn(SLOTS, RANK, HIDDEN, device=dev).mul_(HIDDEN**-0.5).to(dt) for _ in WIDTHS]
     b = [torch.randn(SLOTS, w, RANK, device=dev).to(dt) for w in WIDTHS]

@@ -85,16 +85,17 @@ def test_chunked_prefill_and_prefix_caching_change_nothing(family):
 
 @pytest.mark.slow
 @pytest.mark.interpreter
-def test_triton_kernels_equal_hf_and_peft(family):
+def test_triton_kernels_equal_hf_and_peft(family, monkeypatch):
     """One adapter row over a prompt longer than any window, through the Triton kernels (the CPU interpreter
     here, the GPU path there): q/k norms, fused projections, sliding windows, soft-caps, GeGLU, SGMV."""
     pytest.importorskip("triton")
-    from loraplex.kernels import ops
+    from loraplex.engine import llm_engine
 
+    monkeypatch.setattr(llm_engine, "default_backend", lambda device: "triton")  # the engine's kernel choice
     path, prompts, adapters, refs = family
     llm = make_llm(path)
+    assert llm.engine.model.norm.kernels.backend == "triton"
     params = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3, logprobs=5)
-    with ops.use_backend("triton"):
-        out = llm.generate({"prompt_token_ids": prompts[4]}, params, lora_request=adapters["b"])[0]
+    out = llm.generate({"prompt_token_ids": prompts[4]}, params, lora_request=adapters["b"])[0]
     ref_tokens, ref_lp = refs[("b", 4)]
     check_row(out, ref_tokens[:3], ref_lp)

@@ -99,3 +99,34 @@ def test_n4_shares_prompt_blocks_copy_on_write_no_leak(tiny_llama_dir):
                         SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))[0]
     assert [c.token_ids for c in final.outputs] == [c.token_ids for c in ref.outputs]
     assert engine.get_stats().kv_blocks_used == 0
+
+
+def test_prefix_cache_counters_count_each_admission_once(tiny_llama_dir):
+    """Issue 14 ("Also in this issue"): a request that waits for KV blocks is looked up every step
+    but counted once. 16 blocks of 4 tokens; greedy prompts of 40 and 32 tokens, the second sharing
+    the first's 28-token prefix (7 full blocks) and arriving when the first holds every block."""
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+
+    prefix = list(range(200, 228))
+    first_prompt, second_prompt = prefix + list(range(300, 312)), prefix + list(range(330, 334))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=16))
+    engine.add_request("first", first_prompt, params)
+    for _ in range(21):
+        engine.step()
+    engine.add_request("second", second_prompt, params)
+    outputs, waited = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        waited += engine.get_stats().num_waiting
+    assert waited == 3  # looked up on 4 steps, admitted on the 4th
+    stats = engine.get_stats()
+    assert (stats.prefix_queries_tokens, stats.prefix_hits_tokens) == (72, 28)
+    assert stats.prefix_hit_rate == pytest.approx(28 / 72)  # 38.9%, the most this prefix allows
+    assert outputs["second"].num_cached_tokens == 28
+    cold = LLM(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=64,
+               enable_prefix_caching=False)
+    expected = cold.generate({"prompt_token_ids": second_prompt}, params)[0].outputs[0].token_ids
+    assert outputs["second"].outputs[0].token_ids == expected

@@ -18,7 +18,6 @@ from loraplex.engine.sampler import (
     SamplingRow,
     apply_penalties,
     apply_top_k_top_p,
-    compute_prompt_logprobs,
 )
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -267,23 +266,6 @@ def test_logprobs_are_raw_log_softmax_and_include_sampled_token():
             assert value == pytest.approx(reference[b, token].item(), abs=1e-5)
 
 
-def test_prompt_logprobs_match_log_softmax():
-    gen = torch.Generator().manual_seed(5)
-    prompt = [4, 9, 1, 1, 7]
-    for num_rows in (len(prompt) - 1, len(prompt)):
-        logits = torch.randn(num_rows, 12, generator=gen)
-        result = compute_prompt_logprobs(logits, prompt, 3)
-        assert len(result) == len(prompt) and result[0] is None
-        for i in range(1, len(prompt)):
-            reference = torch.log_softmax(logits[i - 1].double(), dim=-1)
-            top3 = reference.argsort(descending=True)[:3].tolist()
-            assert list(result[i])[:3] == top3
-            assert prompt[i] in result[i]
-            for token, value in result[i].items():
-                assert value == pytest.approx(reference[token].item(), abs=1e-5)
-    assert compute_prompt_logprobs(torch.randn(1, 12), [3], 2) == [None]
-
-
 # --- min_tokens -------------------------------------------------------------------
 
 
@@ -320,8 +302,6 @@ def test_bad_inputs_raise_typed_errors():
         Sampler()(torch.zeros(1, 9), batch)
     with pytest.raises(ValueError, match="logits.dtype"):
         Sampler()(torch.zeros(1, 8, dtype=torch.float16), batch)
-    with pytest.raises(ValueError, match="logits.shape"):
-        compute_prompt_logprobs(torch.zeros(5, 8), [1, 2], 1)
 
 
 def test_batch_skips_unused_features():

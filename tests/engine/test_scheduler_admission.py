@@ -191,3 +191,65 @@ def test_without_adapter_limits_everything_is_admitted_fcfs(pins):
     for i, lora in enumerate((1, 0, 2, 3, 0)):
         add(scheduler, f"r{i}", lora)
     assert scheduled(scheduler.schedule()) == [f"r{i}" for i in range(5)]
+
+
+# -- aging: a request for an adapter beyond max_loras is never overtaken forever (issue 14 item 2) --
+
+def _adapter_load(max_adapter_wait_steps: int, fifth: bool):
+    """Issue 14's scenario in counted steps: max_loras=4, adapters 1-4 each with 12 closed-loop
+    clients (prompt 4 tokens, 32 output tokens), spread over the first 32 steps; at step 200 one
+    request for adapter 5 (when ``fifth``)."""
+    from sched_sim import Sim, closed_loop
+    from sched_sim import make_scheduler as make_sim_scheduler
+
+    pins = FakePins(ready={1, 2, 3, 4, 5})
+    sim = Sim(make_sim_scheduler(pins, max_loras=4, max_adapter_wait_steps=max_adapter_wait_steps))
+    for lora in range(1, 5):
+        for client in range(12):
+            closed_loop(sim, f"a{lora}c{client}", start=(12 * (lora - 1) + client) * 32 // 48, lora=lora)
+    fifth_req = sim.submit("fifth", at=200, lora=5) if fifth else None
+    sim.run(600)
+    return sim, fifth_req
+
+
+def test_aging_drains_a_slot_for_a_fifth_adapter_within_three_request_durations():
+    sim, fifth = _adapter_load(32, fifth=True)
+    baseline, _ = _adapter_load(32, fifth=False)
+    done = [r for r in baseline.requests if r.finish_step is not None]
+    mean_duration = sum(r.duration_steps for r in done) / len(done)
+    assert mean_duration == 32  # prefill + 31 decodes: the load fits, never queued
+    assert fifth.ttft_steps <= 32 + mean_duration + 1  # the documented bound: wait bound + one request
+    assert fifth.ttft_steps <= 3 * mean_duration
+    assert fifth.ttft_steps == 40  # 33 steps waited (> 32), then the drained adapter 2 emptied in 7 steps
+    # the others lose at most the drained slot's share (1 of 4) over the disturbed window
+    first, last = 200, fifth.finish_step + 32
+    others = sum(n for step in sim.lora_outputs[first:last] for lora, n in step.items() if lora != 5)
+    alone = sum(n for step in baseline.lora_outputs[first:last] for n in step.values())
+    assert 0.75 * alone <= others < alone
+    assert sim.scheduler.running_adapters() == {1, 2, 3, 4}  # the drained adapter got its slot back
+
+
+def test_without_aging_the_fifth_adapter_starves():
+    _, fifth = _adapter_load(10_000, fifth=True)
+    assert fifth.first_token_step is None  # 400 steps later: still waiting (the fault aging fixes)
+
+
+def test_drained_slot_is_reserved_for_the_starved_adapter():
+    pins = FakePins(ready={1, 2, 3})
+    scheduler = make_scheduler(pins, max_loras=1, max_adapter_wait_steps=2)
+    add(scheduler, "a1", 1)
+    scheduler.schedule()
+    add(scheduler, "b2", 2)
+    for i in range(2):
+        add(scheduler, f"more-a1-{i}", 1)
+        assert scheduled(scheduler.schedule())[-1] == f"more-a1-{i}"  # b2 is skipped (no slot)
+    add(scheduler, "late-a1", 1)
+    add(scheduler, "c3", 3)  # a newer adapter: must not take the slot drained for adapter 2
+    batch = scheduler.schedule()  # b2 has waited 3 > 2 steps: adapter 1 admits nothing new
+    assert "late-a1" not in scheduled(batch) and "c3" not in scheduled(batch)
+    finish(scheduler, *{s.group.request_id for s in scheduler.running})
+    batch = scheduler.schedule()
+    assert scheduled(batch) == ["b2"] and scheduler.running_adapters() == {2}
+    finish(scheduler, "b2")
+    assert scheduled(scheduler.schedule()) == ["late-a1"]  # the drain ends once adapter 2 ran
+    assert names(scheduler.waiting) == ["c3"]

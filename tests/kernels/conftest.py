@@ -60,12 +60,11 @@ def kernel_device() -> torch.device:
 
 
 @pytest.fixture
-def triton_backend(kernel_device: torch.device):
-    """ops dispatches to Triton for the test (CPU tensors included), restored afterwards."""
-    from loraplex.kernels import ops
+def triton_kernels(kernel_device: torch.device):
+    """The Triton ops, for tensors on ``kernel_device`` (CPU tensors run under the interpreter)."""
+    from loraplex.kernels.ops import Kernels
 
-    with ops.use_backend("triton"):
-        yield kernel_device
+    return Kernels("triton")
 
 
 @pytest.fixture(autouse=True)

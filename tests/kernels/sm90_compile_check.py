@@ -150,19 +150,19 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
     meta = AttentionMetadata.build([512, 1], [3000, 17], [[0] * 188, [0, 0]], bs, "cpu")
     attention_prefill.paged_prefill_attention(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)
     kv = torch.zeros(513, hkv, d, dtype=dtype)
-    reshape_and_cache.reshape_and_cache(kv, kv, *caches, meta.slot_mapping)
+    reshape_and_cache.RESHAPE_AND_CACHE.triton(kv, kv, *caches, meta.slot_mapping)
 
 
 def _elementwise(dtype: torch.dtype) -> None:
     x = torch.zeros(8, 4096, dtype=dtype)
-    rms_norm.rms_norm(x, torch.ones(4096, dtype=dtype), 1e-5)
-    rms_norm.rms_norm(x, torch.ones(4096, dtype=dtype), 1e-5, x)
+    rms_norm.RMS_NORM.triton(x, torch.ones(4096, dtype=dtype), 1e-5)
+    rms_norm.RMS_NORM.triton(x, torch.ones(4096, dtype=dtype), 1e-5, x)
     cache = rotary.compute_cos_sin_cache(rotary.rope_inv_freq(128, 500000.0), 64)
     qkv = torch.zeros(8, 48 * 128, dtype=dtype)
-    rotary.rotary_embedding(
+    rotary.ROTARY_EMBEDDING.triton(
         torch.zeros(8, dtype=torch.int64), qkv[:, : 32 * 128], qkv[:, 32 * 128 : 40 * 128], cache, 128
     )
-    activation.silu_and_mul(torch.zeros(8, 2 * 11008, dtype=dtype))
+    activation.SILU_AND_MUL.triton(torch.zeros(8, 2 * 11008, dtype=dtype))
 
 
 def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 32) -> None:
@@ -173,12 +173,11 @@ def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 3
     for num_tokens in (32, 4096):  # decode (split-K shrink, BLOCK_M 16), prefill (BLOCK_M 64)
         mapping = LoRAMapping.from_token_slots((torch.arange(num_tokens) % slots).to(torch.int32))
         x = torch.zeros(num_tokens, hidden, dtype=dtype)
-        v = lora_shrink.lora_shrink(x, lora_a, mapping, ranks=ranks)
-        lora_expand.lora_expand(v, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
+        v = lora_shrink.LORA_SHRINK.triton(x, lora_a, mapping, ranks=ranks)
+        lora_expand.LORA_EXPAND.triton(v, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
         # The model path: split-K partials summed inside the expand (SPLIT_K > 1, N_ITERS 4 at decode).
         partials = lora_shrink.shrink_partials(x, lora_a, mapping)
-        lora_expand._launch_lora_expand(partials, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype),
-                                        mapping, None)
+        lora_expand.LORA_EXPAND.triton(partials, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
 
 
 def main() -> int:

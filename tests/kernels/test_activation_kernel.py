@@ -7,7 +7,6 @@ import torch
 from kernel_test_utils import assert_within_ulps, nan_like
 from transformers.activations import ACT2FN
 
-from loraplex.kernels import ops
 from loraplex.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from loraplex.kernels.errors import KernelArgumentError
 
@@ -25,13 +24,13 @@ ULPS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 3}
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("inter", [16, 1100])  # one partial tile / two tiles of 1024
-def test_kernel_matches_hf(triton_backend, poison_allocations, inter, dtype):
-    x = (torch.randn(3, 2 * inter) * 4).to(device=triton_backend, dtype=dtype)
-    out = nan_like(torch.empty(3, inter, dtype=dtype, device=triton_backend))
-    result = ops.silu_and_mul(x, out=out)
+def test_kernel_matches_hf(kernel_device, triton_kernels, poison_allocations, inter, dtype):
+    x = (torch.randn(3, 2 * inter) * 4).to(device=kernel_device, dtype=dtype)
+    out = nan_like(torch.empty(3, inter, dtype=dtype, device=kernel_device))
+    result = triton_kernels.silu_and_mul(x, out=out)
     assert result is out
     assert_within_ulps(out, _hf(x), dtype, ULPS[dtype])
-    assert_within_ulps(ops.silu_and_mul(x), _hf(x), dtype, ULPS[dtype])
+    assert_within_ulps(triton_kernels.silu_and_mul(x), _hf(x), dtype, ULPS[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -61,10 +60,10 @@ GELU_ULPS = {torch.float32: 64, torch.float16: 2, torch.bfloat16: 3}
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("inter", [16, 1100])
-def test_gelu_tanh_kernel_matches_hf(triton_backend, poison_allocations, inter, dtype):
-    x = (torch.randn(3, 2 * inter) * 4).to(device=triton_backend, dtype=dtype)
-    out = nan_like(torch.empty(3, inter, dtype=dtype, device=triton_backend))
-    assert ops.gelu_tanh_and_mul(x, out=out) is out
+def test_gelu_tanh_kernel_matches_hf(kernel_device, triton_kernels, poison_allocations, inter, dtype):
+    x = (torch.randn(3, 2 * inter) * 4).to(device=kernel_device, dtype=dtype)
+    out = nan_like(torch.empty(3, inter, dtype=dtype, device=kernel_device))
+    assert triton_kernels.gelu_tanh_and_mul(x, out=out) is out
     gate, up = x.float().cpu().chunk(2, dim=-1)
     assert_within_ulps(out, _hf_gelu(x), dtype, GELU_ULPS[dtype], magnitude=(gate * up).abs())
 

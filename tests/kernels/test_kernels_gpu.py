@@ -16,13 +16,14 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from loraplex.kernels import ops
 from loraplex.kernels.attention import paged_attention_ref
 from loraplex.kernels.attention_decode import paged_decode_attention
 from loraplex.kernels.lora_expand import lora_expand_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import lora_shrink_ref
+from loraplex.kernels.ops import Kernels, default_backend
 from loraplex.kernels.reshape_and_cache import reshape_and_cache_ref
+from loraplex.kernels.rotary import compute_cos_sin_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,10 +36,7 @@ HEAD_DIM, BLOCK_SIZE = 128, 16
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _triton_on_cuda():
-    with ops.use_backend("auto"):  # CUDA tensors -> Triton
-        yield
+ops = Kernels(default_backend(CUDA))  # the engine's choice for a CUDA device: Triton
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -131,7 +129,7 @@ def test_rotary_bf16_matches_hf(model):
         rope_parameters={**scaling, "rope_theta": 500000.0},
     )
     rope = LlamaRotaryEmbedding(config)
-    cache = ops.compute_cos_sin_cache(rope.inv_freq, 32768, rope.attention_scaling, device=CUDA)
+    cache = compute_cos_sin_cache(rope.inv_freq, 32768, rope.attention_scaling, device=CUDA)
     positions = torch.randint(0, 32768, (300,), device=CUDA)
     qkv = torch.randn(300, (hq + 2 * hkv) * HEAD_DIM, device=CUDA).to(BF16)
     query, key = qkv[:, : hq * HEAD_DIM], qkv[:, hq * HEAD_DIM : (hq + hkv) * HEAD_DIM]

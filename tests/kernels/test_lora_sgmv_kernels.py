@@ -6,11 +6,12 @@ import pytest
 import torch
 from kernel_test_utils import assert_close, naive_lora_expand, naive_lora_shrink, zipf_slots
 
-from loraplex.kernels import ops
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import lora_expand_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_shrink import _launch_lora_shrink, lora_shrink_ref
+from loraplex.kernels.ops import Kernels
 
 HIDDEN, SLOTS, RANK = 40, 5, 8
 WIDTHS = [24, 8, 8]  # fused q/k/v slices of different widths (GQA)
@@ -56,21 +57,21 @@ def _weights(dtype: torch.dtype, device: torch.device, mixed_ranks: bool):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES)
-def test_shrink_expand_kernels_match_naive(triton_backend, case, dtype):
-    device = triton_backend
+def test_shrink_expand_kernels_match_naive(kernel_device, triton_kernels, case, dtype):
+    device = kernel_device
     token_slots = _slots(case).to(device)
     mapping = LoRAMapping.from_token_slots(token_slots)
     x = torch.randn(token_slots.shape[0], HIDDEN).to(device=device, dtype=dtype)
     lora_a, lora_b, scaling, ranks = _weights(dtype, device, mixed_ranks=case == "zipf")
 
-    v = ops.lora_shrink(x, lora_a, mapping, ranks=ranks)
+    v = triton_kernels.lora_shrink(x, lora_a, mapping, ranks=ranks)
     assert v.shape == (len(WIDTHS), x.shape[0], RANK) and v.dtype == torch.float32
     assert_close(v, naive_lora_shrink(x, lora_a, token_slots), dtype)
 
     y = torch.randn(x.shape[0], sum(WIDTHS)).to(device=device, dtype=dtype)
     expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
     y_before = y.clone()
-    ops.lora_expand(v, lora_b, scaling, y, mapping, ranks=ranks)
+    triton_kernels.lora_expand(v, lora_b, scaling, y, mapping, ranks=ranks)
     assert_close(y, expected, dtype, scale=2.0)
     none = (token_slots < 0).cpu()
     assert torch.equal(y.cpu()[none], y_before.cpu()[none]), "rows without adapter must be untouched"
@@ -84,7 +85,7 @@ def test_shrink_launcher_writes_every_lora_row_and_skips_the_rest(kernel_device,
     x = torch.randn(token_slots.shape[0], HIDDEN).to(device=kernel_device, dtype=dtype)
     lora_a, _, _, _ = _weights(dtype, kernel_device, mixed_ranks=False)
     out = torch.full((len(WIDTHS), x.shape[0], RANK), float("nan"), device=kernel_device)
-    _launch_lora_shrink(x, lora_a, mapping, out, None, split_k=1)
+    _launch_lora_shrink(x, lora_a, mapping, out=out, split_k=1)
     lora_rows = (token_slots >= 0).cpu()
     assert_close(out.cpu()[:, lora_rows], naive_lora_shrink(x, lora_a, token_slots)[:, lora_rows], dtype)
     assert torch.isnan(out.cpu()[:, ~lora_rows]).all(), "slot -1 rows must cost nothing (left unwritten)"
@@ -101,7 +102,7 @@ def test_shrink_split_k_is_deterministic_and_correct(kernel_device, split_k):
     for _ in range(2):
         # Zero-filled: with split 1 (H fits one GPU K chunk) rows of slot -1 stay as they were.
         out = torch.zeros((len(WIDTHS), x.shape[0], RANK), device=kernel_device)
-        _launch_lora_shrink(x, lora_a, mapping, out, None, split_k=split_k)
+        _launch_lora_shrink(x, lora_a, mapping, out=out, split_k=split_k)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert_close(outs[0], naive_lora_shrink(x, lora_a, token_slots), torch.float32)
@@ -136,7 +137,7 @@ def test_ranks_skip_padded_rows():
 
 
 @pytest.mark.interpreter
-def test_kernels_ignore_junk_beyond_ranks(kernel_device):
+def test_kernels_ignore_junk_beyond_ranks(kernel_device, triton_kernels):
     token_slots = torch.tensor([0, 1, 1, -1, 0, 1], dtype=torch.int32, device=kernel_device)
     mapping = LoRAMapping.from_token_slots(token_slots)
     x = torch.randn(6, HIDDEN, device=kernel_device)
@@ -147,11 +148,10 @@ def test_kernels_ignore_junk_beyond_ranks(kernel_device):
     a_trunc, b_trunc = a.clone(), b.clone()
     a_trunc[0, 3:] = 0
     b_trunc[0, :, 3:] = 0
-    with ops.use_backend("triton"):
-        v = ops.lora_shrink(x, [a], mapping, ranks=ranks)
-        y = torch.randn(6, 16, device=kernel_device)
-        expected = naive_lora_expand(naive_lora_shrink(x, [a_trunc], token_slots), [b_trunc], scaling, y, token_slots)
-        ops.lora_expand(v, [b], scaling, y, mapping, ranks=ranks)
+    v = triton_kernels.lora_shrink(x, [a], mapping, ranks=ranks)
+    y = torch.randn(6, 16, device=kernel_device)
+    expected = naive_lora_expand(naive_lora_shrink(x, [a_trunc], token_slots), [b_trunc], scaling, y, token_slots)
+    triton_kernels.lora_expand(v, [b], scaling, y, mapping, ranks=ranks)
     assert_close(v, naive_lora_shrink(x, [a_trunc], token_slots), torch.float32)
     assert_close(y, expected, torch.float32)
 
@@ -208,9 +208,9 @@ def test_mixed_adapter_batch_matches_peft(kernel_device, backend):
     mapping = LoRAMapping.from_token_slots(token_slots)
     ranks = torch.tensor([0, 8, 4], dtype=torch.int32, device=device)
     y = y.to(device)
-    with ops.use_backend(backend):
-        v = ops.lora_shrink(x.to(device), [a.to(device) for a in lora_a], mapping, ranks=ranks)
-        ops.lora_expand(v, [b.to(device) for b in lora_b], [s.to(device) for s in scaling], y, mapping, ranks=ranks)
+    kernels = Kernels(backend)
+    v = kernels.lora_shrink(x.to(device), [a.to(device) for a in lora_a], mapping, ranks=ranks)
+    kernels.lora_expand(v, [b.to(device) for b in lora_b], [s.to(device) for s in scaling], y, mapping, ranks=ranks)
     assert_close(y, expected, torch.float32, scale=5.0)
 
 
@@ -257,8 +257,6 @@ def test_bad_arguments_raise_typed_errors(mutate, fragment):
 ])
 def test_add_lora_split_partials_match_naive(kernel_device, case, split_k, expand_blocks):
     """Shrink partials (uninitialised rows for slot -1) summed inside the expand == per-token fp32 loop."""
-    from loraplex.kernels.lora_linear import add_lora
-
     token_slots = _slots(case).to(kernel_device)
     mapping = LoRAMapping.from_token_slots(token_slots)
     x = torch.randn(token_slots.shape[0], HIDDEN, device=kernel_device)
@@ -268,7 +266,8 @@ def test_add_lora_split_partials_match_naive(kernel_device, case, split_k, expan
     outs = []
     for _ in range(2):
         out = y.clone()
-        add_lora(x, lora_a, lora_b, scaling, out, mapping, ranks=ranks, split_k=split_k, expand_blocks=expand_blocks)
+        ADD_LORA.triton(x, lora_a, lora_b, scaling, out, mapping, ranks=ranks, split_k=split_k,
+                        expand_blocks=expand_blocks)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), "split-K partial sums must be added in a fixed order"
     assert_close(outs[0], expected, torch.float32, scale=2.0)
@@ -286,8 +285,7 @@ def test_add_lora_bf16_matches_shrink_then_expand(kernel_device, backend):
     lora_a, lora_b, scaling, ranks = _weights(torch.bfloat16, device, mixed_ranks=True)
     y = torch.randn(x.shape[0], sum(WIDTHS), device=device, dtype=torch.bfloat16)
     expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, y, token_slots)
-    with ops.use_backend(backend):
-        ops.add_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
+    Kernels(backend).add_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
     assert_close(y, expected, torch.bfloat16, scale=2.0)
 
 
@@ -302,7 +300,6 @@ def test_add_lora_into_float32_delta_buffer(kernel_device, backend):
     lora_a, lora_b, scaling, _ = _weights(torch.bfloat16, device, mixed_ranks=False)
     delta = torch.zeros(x.shape[0], sum(WIDTHS), device=device)
     expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, delta, token_slots)
-    with ops.use_backend(backend):
-        ops.add_lora(x, lora_a, lora_b, scaling, delta, mapping)
+    Kernels(backend).add_lora(x, lora_a, lora_b, scaling, delta, mapping)
     assert delta.dtype == torch.float32
     assert_close(delta, expected, torch.bfloat16, scale=2.0)

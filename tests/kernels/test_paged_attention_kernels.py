@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import assert_close, make_paged_batch, naive_paged_attention, nan_like
 
-from loraplex.kernels import ops
 from loraplex.kernels.attention import paged_attention_ref
 from loraplex.kernels.attention_decode import choose_num_splits, paged_decode_attention
 from loraplex.kernels.attention_metadata import AttentionMetadata
@@ -32,12 +31,12 @@ def _scale() -> float:
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hkv{h[0]}g{h[1]}")
-def test_decode_kernel_matches_naive(triton_backend, heads, dtype):
+def test_decode_kernel_matches_naive(kernel_device, triton_kernels, heads, dtype):
     num_kv_heads, group = heads
     batch = make_paged_batch(
-        [1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, num_kv_heads, group, HEAD_DIM, BLOCK_SIZE, dtype, triton_backend
+        [1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, num_kv_heads, group, HEAD_DIM, BLOCK_SIZE, dtype, kernel_device
     )
-    out = ops.paged_attention(
+    out = triton_kernels.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), out=nan_like(batch.query)
     )
     assert out.shape == batch.query.shape and out.dtype == dtype
@@ -75,7 +74,7 @@ def test_choose_num_splits_fills_small_batches():
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hkv{h[0]}g{h[1]}")
-def test_prefill_kernel_mixed_batch_matches_naive(triton_backend, heads, dtype):
+def test_prefill_kernel_mixed_batch_matches_naive(kernel_device, triton_kernels, heads, dtype):
     num_kv_heads, group = heads
     query_lens = [q for q, _ in MIXED]
     seq_lens = [s for _, s in MIXED]
@@ -87,10 +86,10 @@ def test_prefill_kernel_mixed_batch_matches_naive(triton_backend, heads, dtype):
         HEAD_DIM,
         BLOCK_SIZE,
         dtype,
-        triton_backend,
+        kernel_device,
         num_padded_tokens=sum(query_lens) + 3,
     )
-    out = ops.paged_attention(
+    out = triton_kernels.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), out=nan_like(batch.query)
     )
     n = batch.meta.num_actual_tokens
@@ -99,23 +98,22 @@ def test_prefill_kernel_mixed_batch_matches_naive(triton_backend, heads, dtype):
 
 
 @pytest.mark.interpreter
-def test_prefill_kernel_strided_query_and_head_dim_not_power_of_two(kernel_device):
+def test_prefill_kernel_strided_query_and_head_dim_not_power_of_two(kernel_device, triton_kernels):
     # The query is a view into a fused qkv output (row stride > Hq * D); D = 24 is padded to 32 in-kernel.
     head_dim, num_kv_heads, group = 24, 2, 2
     batch = make_paged_batch([6, 1], [11, 9], num_kv_heads, group, head_dim, 4, torch.float32, kernel_device)
     qkv = torch.randn(batch.query.shape[0], (num_kv_heads * group + 2 * num_kv_heads) * head_dim, device=kernel_device)
     query = qkv[:, : num_kv_heads * group * head_dim].view(-1, num_kv_heads * group, head_dim)
     batch.query = query
-    with ops.use_backend("triton"):
-        out = ops.paged_attention(query, batch.key_cache, batch.value_cache, batch.meta, head_dim**-0.5)
+    out = triton_kernels.paged_attention(query, batch.key_cache, batch.value_cache, batch.meta, head_dim**-0.5)
     assert_close(out, naive_paged_attention(batch, head_dim**-0.5), torch.float32)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_chunked_prefill_then_decode_matches_dense_causal_attention(triton_backend, dtype):
-    """End to end through ops: write K/V chunk by chunk, attend, compare with dense SDPA over the whole sequence."""
-    device = triton_backend
+def test_chunked_prefill_then_decode_matches_dense_causal_attention(kernel_device, triton_kernels, dtype):
+    """Through the Triton ops: write K/V chunk by chunk, attend, compare with dense SDPA over the whole sequence."""
+    device = kernel_device
     num_kv_heads, group, total = 2, 4, 23
     chunks = [8, 9, 4, 1, 1]  # chunked prefill of 21 tokens, then two decode steps
     q_all = torch.randn(total, num_kv_heads * group, HEAD_DIM, device=device).to(dtype)
@@ -127,8 +125,9 @@ def test_chunked_prefill_then_decode_matches_dense_causal_attention(triton_backe
     outputs, done = [], 0
     for n in chunks:
         meta = AttentionMetadata.build([n], [done + n], [table], BLOCK_SIZE, device)
-        ops.reshape_and_cache(k_all[done : done + n], v_all[done : done + n], key_cache, value_cache, meta.slot_mapping)
-        outputs.append(ops.paged_attention(q_all[done : done + n], key_cache, value_cache, meta, _scale()))
+        k, v = k_all[done : done + n], v_all[done : done + n]
+        triton_kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        outputs.append(triton_kernels.paged_attention(q_all[done : done + n], key_cache, value_cache, meta, _scale()))
         done += n
     got = torch.cat(outputs)
     q = q_all.float().transpose(0, 1)  # [Hq, T, D]
@@ -164,12 +163,12 @@ WINDOWS = [1, 5, 16]
 @pytest.mark.interpreter
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_sliding_window_prefill_kernel_matches_naive(triton_backend, window, dtype):
+def test_sliding_window_prefill_kernel_matches_naive(kernel_device, triton_kernels, window, dtype):
     query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]
-    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, dtype, triton_backend,
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, dtype, kernel_device,
                              num_padded_tokens=sum(query_lens) + 2)
-    out = ops.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
-                              out=nan_like(batch.query), sliding_window=window)
+    out = triton_kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                         out=nan_like(batch.query), sliding_window=window)
     n = batch.meta.num_actual_tokens
     expected = naive_paged_attention(batch, _scale(), window)
     assert_close(out[:n], expected[:n], dtype)
@@ -199,19 +198,19 @@ def test_sliding_window_reference_matches_naive(window):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("window", [None, 5])
-def test_softcap_kernels_match_naive(triton_backend, window):
+def test_softcap_kernels_match_naive(kernel_device, triton_kernels, window):
     """Gemma 2's attention logit soft-capping (a small cap, so that it changes the result), prefill and decode."""
     cap = 0.5
     query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]
-    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, torch.float32, triton_backend)
-    out = ops.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
-                              sliding_window=window, softcap=cap)
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    out = triton_kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                         sliding_window=window, softcap=cap)
     expected = naive_paged_attention(batch, _scale(), window, cap)
     assert_close(out, expected, torch.float32)
     assert not torch.allclose(expected, naive_paged_attention(batch, _scale(), window), atol=1e-3)
     assert_close(paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
                                      sliding_window=window, softcap=cap), expected, torch.float32)
-    decode = make_paged_batch([1] * 4, [1, 9, 30, 17], 2, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, triton_backend)
+    decode = make_paged_batch([1] * 4, [1, 9, 30, 17], 2, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
     out = paged_decode_attention(decode.query, decode.key_cache, decode.value_cache, decode.meta, _scale(),
                                  num_splits=2, sliding_window=window, softcap=cap)
     assert_close(out, naive_paged_attention(decode, _scale(), window, cap), torch.float32)
@@ -222,13 +221,6 @@ def test_bad_sliding_window_is_refused(window):
     batch = make_paged_batch([2], [4], 1, 1, HEAD_DIM, 4, torch.float32, torch.device("cpu"))
     with pytest.raises(KernelArgumentError, match=f"sliding_window={window!r}"):
         paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), sliding_window=window)
-
-
-def test_auto_backend_uses_reference_on_cpu():
-    batch = make_paged_batch([3], [5], 1, 2, HEAD_DIM, 4, torch.float32, torch.device("cpu"))
-    with ops.use_backend("auto"):
-        out = ops.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale())
-    assert_close(out, naive_paged_attention(batch, _scale()), torch.float32)
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels import ops
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from loraplex.kernels.reshape_and_cache import RESHAPE_AND_CACHE, reshape_and_cache_ref
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 6, 4, 3, 16
 
@@ -38,10 +37,10 @@ def _naive(key, value, key_cache, value_cache, slots):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_kernel_matches_naive_loop(triton_backend, dtype):
-    key, value, key_cache, value_cache, slots = _inputs(dtype, triton_backend)
+def test_kernel_matches_naive_loop(kernel_device, triton_kernels, dtype):
+    key, value, key_cache, value_cache, slots = _inputs(dtype, kernel_device)
     expected_k, expected_v = _naive(key, value, key_cache, value_cache, slots)
-    ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    triton_kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k)  # a copy: bit-exact, untouched slots unchanged
     assert torch.equal(value_cache, expected_v)
 
@@ -76,6 +75,6 @@ def test_bad_arguments_raise_typed_errors(kernel_device, field, fragment):
         "key_cache": args["key_cache"].half(),
     }
     args[field] = bad[field]
-    for fn in (reshape_and_cache, reshape_and_cache_ref):
+    for fn in (RESHAPE_AND_CACHE.triton, reshape_and_cache_ref):
         with pytest.raises(KernelArgumentError, match=fragment):
             fn(**args)

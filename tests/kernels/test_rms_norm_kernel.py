@@ -7,7 +7,6 @@ import torch
 from kernel_test_utils import assert_within_ulps
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from loraplex.kernels import ops
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.rms_norm import rms_norm_ref
 
@@ -37,23 +36,22 @@ ULPS = {torch.float32: 64, torch.float16: 2, torch.bfloat16: 3}
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("hidden", [16, 100])
-def test_kernel_matches_hf(triton_backend, poison_allocations, hidden, dtype):
-    x, weight, residual = _inputs(5, hidden, dtype, triton_backend)
-    out = ops.rms_norm(x, weight, EPS)
+def test_kernel_matches_hf(kernel_device, triton_kernels, poison_allocations, hidden, dtype):
+    x, weight, residual = _inputs(5, hidden, dtype, kernel_device)
+    out = triton_kernels.rms_norm(x, weight, EPS)
     assert out.shape == x.shape and out.dtype == dtype
     assert_within_ulps(out, _hf(x, weight), dtype, ULPS[dtype])
-    out, summed = ops.rms_norm(x, weight, EPS, residual)
+    out, summed = triton_kernels.rms_norm(x, weight, EPS, residual)
     expected_sum = x.cpu() + residual.cpu()  # HF: residual add in the activation dtype
     assert_within_ulps(summed, expected_sum, dtype, ULPS[dtype] - 1)
     assert_within_ulps(out, _hf(expected_sum, weight), dtype, ULPS[dtype])
 
 
 @pytest.mark.interpreter
-def test_kernel_strided_rows(kernel_device):
+def test_kernel_strided_rows(kernel_device, triton_kernels):
     base, weight, _ = _inputs(4, 64, torch.float32, kernel_device)
     x = base[:, :32]  # row stride 64, hidden 32
-    with ops.use_backend("triton"):
-        out = ops.rms_norm(x, weight[:32].contiguous(), EPS)
+    out = triton_kernels.rms_norm(x, weight[:32].contiguous(), EPS)
     assert_within_ulps(out, _hf(x.contiguous(), weight[:32]), torch.float32, 64)
 
 

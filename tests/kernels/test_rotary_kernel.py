@@ -8,7 +8,6 @@ from kernel_test_utils import assert_within_ulps
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from loraplex.kernels import ops
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq, rotary_embedding_ref
 
@@ -97,15 +96,15 @@ def _term_magnitude(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("scaling", ["default", "llama3"])
-def test_kernel_matches_hf(triton_backend, scaling, dtype):
+def test_kernel_matches_hf(kernel_device, triton_kernels, scaling, dtype):
     base = 500000.0 if scaling == "llama3" else 10000.0
-    cache = hf_cache(HEAD_DIM, base, SCALINGS[scaling], device=triton_backend)
-    positions, qkv, query, key = _inputs(3, 1, dtype, triton_backend)
+    cache = hf_cache(HEAD_DIM, base, SCALINGS[scaling], device=kernel_device)
+    positions, qkv, query, key = _inputs(3, 1, dtype, kernel_device)
     expected_q, expected_k = _hf_apply(positions, query, key, scaling, HEAD_DIM)
     untouched = qkv[:, 4 * HEAD_DIM :].clone()
     q_mag, k_mag = _term_magnitude(query), _term_magnitude(key)
-    ops.rotary_embedding(positions, query, key, cache, HEAD_DIM)
-    interpreted = torch.device(triton_backend).type == "cpu"
+    triton_kernels.rotary_embedding(positions, query, key, cache, HEAD_DIM)
+    interpreted = torch.device(kernel_device).type == "cpu"
     if dtype == torch.float16 and interpreted:
         assert torch.equal(query.cpu(), expected_q) and torch.equal(key.cpu(), expected_k)
     # On a GPU the compiler contracts x1 * cos - x2 * sin into an FMA: fp16 may differ by an ulp.

@@ -68,14 +68,20 @@ def test_requests_per_minute_gives_429_with_retry_after(live):
 
 
 def test_tokens_per_minute_gives_429(live):
-    key = new_tenant(live, "acme", tokens_per_minute=10)
+    key = new_tenant(live, "acme", tokens_per_minute=30)
     client = openai.OpenAI(api_key=key, base_url=live.url + "/v1", max_retries=0)
     first = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
-    assert first.usage.total_tokens > 10
+    prompt_tokens = first.usage.prompt_tokens
+    assert first.usage.total_tokens == prompt_tokens + 8
+    # reserved: prompt + max_tokens; 30 - (prompt + 8) tokens are left in this window
+    left = 30 - first.usage.total_tokens
     with pytest.raises(openai.RateLimitError) as info:
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1)
-    assert "tokens_per_minute=10" in info.value.message
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=left - prompt_tokens + 1)
+    assert "tokens_per_minute=30" in info.value.message
     assert int(info.value.response.headers["Retry-After"]) >= 1
+    with pytest.raises(openai.BadRequestError) as too_large:  # could never fit in one minute
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=31 - prompt_tokens)
+    assert too_large.value.code == "request_too_large"
 
 
 def test_serving_survives_redis_being_killed(serve, redis_server):
@@ -92,6 +98,7 @@ def test_serving_survives_redis_being_killed(serve, redis_server):
         assert response.usage.completion_tokens >= 1
     assert time.monotonic() - started < 10
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert live.ctx.usage.flush()  # usage is written by a background writer
     with live.admin() as admin:
         stats = admin.get("/admin/stats").json()
         assert stats["cache"]["available"] is False

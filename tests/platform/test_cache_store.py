@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.platform.cache import CACHE_PREFIX, LookupCache, MemoryStore, RateLimiter, RedisStore
+from loraplex.platform.cache import CACHE_PREFIX, LookupCache, MemoryStore, RedisStore
+from loraplex.platform.limits import RateLimiter
 from loraplex.platform.errors import RateLimited
 
 
@@ -61,18 +62,26 @@ def test_lookup_cache_reads_through_and_counts():
 def test_rate_limiter_windows_and_retry_after():
     clock = Clock(6000.0 + 45.0)  # 45 s into a minute window
     limiter = RateLimiter(MemoryStore(), clock)
-    limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
-    limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
+
+    def admit(tenant_id=1, rpm=2, tpm=None, tokens=0):
+        return limiter.admit(tenant_id=tenant_id, requests_per_minute=rpm, tokens_per_minute=tpm, completions=1,
+                             tokens=tokens)
+
+    admit()
+    admit()
     with pytest.raises(RateLimited) as info:
-        limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
+        admit()
     assert info.value.retry_after_s == 15 and info.value.headers() == {"Retry-After": "15"}
-    limiter.check_request(tenant_id=2, requests_per_minute=2, tokens_per_minute=None)  # other tenant unaffected
+    admit(tenant_id=2)  # other tenant unaffected
     clock.now = 6060.0  # next window
-    limiter.check_request(tenant_id=1, requests_per_minute=2, tokens_per_minute=None)
-    limiter.add_tokens(tenant_id=1, tokens=100)
+    admission = admit(rpm=None, tpm=100, tokens=100)
     with pytest.raises(RateLimited) as info:
-        limiter.check_request(tenant_id=1, requests_per_minute=None, tokens_per_minute=100)
+        admit(rpm=None, tpm=100, tokens=1)
     assert info.value.retry_after_s == 60 and "tokens_per_minute=100" in info.value.message
+    limiter.settle(admission, 60)  # 40 reserved tokens given back
+    assert limiter.used(1) == (1, 60)
+    admit(rpm=None, tpm=100, tokens=40)
+    assert limiter.used(1) == (2, 100)
 
 
 def test_redis_down_degrades_and_recovery_flushes_cached_lookups(redis_server):

@@ -57,6 +57,7 @@ def test_registry_round_trip(database_url, tmp_path, serve, tiny_llama_dir):
                                                     "ignore_eos": True})
         assert done.status_code == 200, done.text
         usage = done.json()["usage"]
+        assert live.ctx.usage.flush()  # usage is written by a background writer
         stats = admin.get("/admin/stats").json()
         assert stats["tenants"] == [{"tenant": "acme", "requests": 1, "prompt_tokens": usage["prompt_tokens"],
                                      "completion_tokens": 3}]

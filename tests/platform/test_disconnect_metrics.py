@@ -7,7 +7,7 @@ import time
 
 import httpx
 import openai
-from platform_testlib import adapter_members, make_peft_adapter, new_tenant, zip_bytes
+from platform_testlib import ADMIN_KEY, adapter_members, make_peft_adapter, new_tenant, zip_bytes
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -77,7 +77,7 @@ def test_metrics_endpoint(serve, tiny_llama_dir, tmp_path):
     except openai.RateLimitError:
         pass
     wait_idle(live)
-    text = httpx.get(live.url + "/metrics").text
+    text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -8,6 +8,7 @@ Screenshots go to the test's temporary directory; a failing test lists them
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -163,6 +164,13 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         tenant_key = ui.field("new-key").input_value()
         assert tenant_key.startswith("lpx-")
 
+        # Fair-share settings of the tenant (issue 21): weight and queueing limits.
+        ui.field("edit-weight").fill("2")
+        ui.field("edit-max-concurrent").fill("4")
+        ui.page.get_by_role("button", name="Save limits").click()
+        expect(ui.element("tenants-message")).to_contain_text("weight 2, 4 concurrent, unlimited queued")
+        expect(ui.element("tenants-table")).to_contain_text("4")
+
         # Adapters: check the upload, confirm it, see it listed and loaded.
         ui.tab("Adapters")
         ui.choose("adapters-tenant", "acme")
@@ -231,6 +239,8 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         expect(ui.element("stats-summary")).to_contain_text(re.compile(r"; [1-9]\d* generated"))
         after = ui.text("stats-summary")
         assert _summary_number(after, r"(\d+) cached") > _summary_number(before, r"(\d+) cached")
+        expect(ui.element("stats-tenants")).to_contain_text("acme")  # per-tenant service (issue 21)
+        expect(ui.element("stats-policy")).to_contain_text("Scheduling policy")
         ui.tab("Adapters")
         expect(ui.element("adapters-table")).to_contain_text("in GPU slot 0")
 
@@ -250,6 +260,7 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
             expect(tenant.element("adapters-table")).to_contain_text("shouty")
             for hidden in ("Tenants", "Cache & engine"):
                 expect(tenant.page.get_by_role("tab", name=hidden, exact=True)).to_have_count(0)
+            assert live.app.state.ctx.usage.flush()  # usage is written by a background writer
             tenant.tab("Usage")
             with live.app.state.ctx.sessions() as db:
                 [(_, requests, prompt, completion)] = crud.usage_by_tenant(session=db)
@@ -260,6 +271,16 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
             tenant.tab("Playground")
             tenant.page.wait_for_timeout(1000)
             tenant.shot("tenant-playground")
+            # The JSON schema box: the reply follows the schema (response_format).
+            tenant.choose("chat-model", "shouty")
+            tenant.set_number("chat-temperature", "0")
+            tenant.field("chat-json-schema").fill(
+                '{"type": "object", "properties": {"mood": {"enum": ["calm", "loud"]}}, "required": ["mood"]}')
+            tenant.field("chat-message").fill(PROMPT)
+            tenant.page.click("#chat-send")
+            expect(tenant.element("chat-status")).to_contain_text("characters from shouty")
+            [reply] = tenant.bot_replies("chat-main")
+            assert json.loads(reply) in ({"mood": "calm"}, {"mood": "loud"}), reply
     finally:
         context.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import io
+import json
 import itertools
 import zipfile
 
@@ -234,6 +235,7 @@ def test_usage_columns_count_the_last_24_hours_and_all_time(ctx):
 def test_tenant_usage_view(ctx):
     key = add_tenant(ctx, "acme", tokens_per_minute=500)
     serving.record_usage(ctx, acting_tenant(ctx, admin(), "acme").tenant_id, 11, 4)
+    assert ctx.usage.flush()  # usage is written by a background writer
     limits, table, _ = usage_tab.own_usage(ctx, login(ctx, key))
     assert records(table) == [
         {"period": "last 24 h", "requests": 1, "prompt tokens": 11, "completion tokens": 4, "total tokens": 15},
@@ -401,6 +403,7 @@ def test_chat_streams_the_reply_the_api_gives(running_ctx, peft_files):
     assert updates[-1][0][-2] == {"role": "user", "content": "Hello there"}
     base = collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "Hello there", [], GREEDY))[-1][0][-1]
     assert base["content"] == _api_reply(ctx, "acme", MODEL_ID, "Hello there", GREEDY) != replies[-1]
+    assert ctx.usage.flush()  # usage is written by a background writer
     with ctx.sessions() as db:  # the playground's requests are charged to the tenant
         assert crud.usage_by_tenant(session=db)[0][1] == 4
 
@@ -501,3 +504,61 @@ def test_tab_opening_refreshes_tenants_without_resetting_the_choice(ctx):
     assert tenant_choices_for(ctx, admin(), "acme") == (gr.update(choices=["acme"]), "")
     assert tenant_choices_for(ctx, admin(), "gone") == (gr.update(choices=["acme"], value=None), "")
     assert tenant_choices_for(ctx, login(ctx, add_tenant(ctx, "globex")), "globex") == (gr.skip(), "")
+
+
+def test_json_schema_box_constrains_the_reply(running_ctx):
+    ctx = running_ctx
+    add_tenant(ctx, "acme")
+    schema_text = '{"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}'
+    settings = playground_tab.sampling_settings("", 0.0, 1.0, 32, "", schema_text)
+    body = playground_tab.chat_request(MODEL_ID, [], "hi", settings)
+    assert body.response_format.json_schema.schema_ == json.loads(schema_text)
+    reply = collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "Pick a color", [], settings))[-1][0][-1]
+    assert json.loads(reply["content"]) in ({"color": "red"}, {"color": "green"})
+    with pytest.raises(InvalidRequest, match="JSON schema: not valid JSON"):
+        playground_tab.sampling_settings("", 0.0, 1.0, 8, "", "{nope")
+    bad = playground_tab.sampling_settings("", 0.0, 1.0, 8, "", '{"type": "objet"}')
+    with pytest.raises(InvalidRequest, match='Unsupported type "objet"'):
+        collect(playground_tab.chat(ctx, admin(), "acme", MODEL_ID, "hi", [], bad))
+
+
+# -- fair-share settings and per-tenant service (issue 21) -----------------------------------------
+def test_tenant_weight_and_queueing_limits_round_trip(ctx):
+    tenants_tab.create_tenant(ctx, admin(), "gold", "", "", "", "", "3")
+    assert tenants_tab.load_tenant(ctx, admin(), "gold")[4:8] == ("3", "", "", "")
+    table, message = tenants_tab.save_limits(ctx, admin(), "gold", "", "", "", "", "", "4", "10", "2.5")
+    with ctx.sessions() as db:
+        stored = tenant_service.get_tenant(session=db, name="gold")
+    assert (stored.weight, stored.max_concurrent_requests, stored.max_queued_requests, stored.max_queue_time_s) == (
+        3.0, 4, 10, 2.5)  # empty weight = unchanged
+    row = records(table)[0]
+    assert (row["weight"], row["max concurrent"], row["max queued"], row["max queue s"]) == (3.0, "4", "10", "2.5")
+    assert "weight 3, 4 concurrent, 10 queued, 2.5 s queue time" in message
+    tenants_tab.save_limits(ctx, admin(), "gold", "", "", "", "", "0.5", "", "", "")
+    assert tenants_tab.load_tenant(ctx, admin(), "gold")[4:8] == ("0.5", "", "", "")  # empty limit = unlimited
+    with pytest.raises(ValidationError) as bad:
+        tenants_tab.save_limits(ctx, admin(), "gold", "", "", "", "", "0", "", "", "")
+    assert "`weight`='0'" in error_text(bad.value)
+
+
+def test_per_tenant_service_table_and_rate_plot():
+    def stats(a_tokens: int, b_tokens: int) -> dict:
+        return {"num_running": 1, "tenants": [
+            {"tenant_id": "acme", "weight": 1.0, "num_waiting": 3, "num_running": 1, "prompt_tokens_served": a_tokens,
+             "output_tokens_served": 0, "virtual_counter": float(a_tokens)},
+            {"tenant_id": "globex", "weight": 3.0, "num_waiting": 0, "num_running": 0,
+             "prompt_tokens_served": 0, "output_tokens_served": b_tokens, "virtual_counter": 2 * b_tokens / 3}]}
+
+    assert records(stats_tab.tenant_service_table(stats(300, 100))) == [
+        {"tenant": "acme", "weight": 1.0, "waiting": 3, "running": 1, "prompt tokens served": 300,
+         "output tokens served": 0, "virtual counter": 300.0, "share of tokens": "75.0%"},
+        {"tenant": "globex", "weight": 3.0, "waiting": 0, "running": 0, "prompt tokens served": 0,
+         "output tokens served": 100, "virtual counter": 66.7, "share of tokens": "25.0%"}]
+    now = [1000.0]
+    history = StatsHistory(window_s=60, min_interval_s=1.0, clock=lambda: now[0])
+    history.observe(stats(0, 0))
+    now[0] = 1002.0
+    history.observe(stats(300, 100))
+    assert records(history.tenant_rate_frame()) == [{"seconds": 0.0, "value": 150.0, "series": "acme"},
+                                                    {"seconds": 0.0, "value": 50.0, "series": "globex"}]
+    assert stats_tab.tenant_service_table(None).empty

@@ -25,14 +25,17 @@ def make_engine(model_dir: Path):
 
 def make_app(data_dir: Path, model_dir: Path, *, console: bool = True):
     """``create_app`` over a fresh engine and database; ``console``: mounted at /ui, as
-    ``loraplex serve`` does (``create_app(..., console=True)`` calls ``mount_console``)."""
+    ``loraplex serve`` does (through the CLI's ``mount_console_if_installed`` hook)."""
+    from loraplex.cli import mount_console_if_installed
     from loraplex.platform.main import create_app
     from loraplex.platform.settings import Settings
 
     settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, served_model_name=MODEL_ID, stats_interval_s=0.2)
-    app = create_app(settings, make_engine(model_dir), console=console)
+    app = create_app(settings, make_engine(model_dir))
+    if console:
+        mount_console_if_installed(app)
     if console and not any(getattr(route, "path", None) == "/ui" for route in app.routes):
-        raise RuntimeError("create_app(console=True) did not mount the console at /ui")
+        raise RuntimeError("mount_console_if_installed did not mount the console at /ui")
     return app
 
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.adapters.model_spec import ModelSpec
-from loraplex.kernels import ops
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.ops import Kernels
 from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq
 
 
@@ -68,8 +68,9 @@ class LinearWithLoRA(nn.Module):
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], module_names: list[str], bias: bool,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.out_sizes = out_sizes
         self.module_names = module_names
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features, dtype=dtype, device=device),
@@ -87,18 +88,19 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
-            ops.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
+            self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
         return y
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -110,8 +112,10 @@ class Attention(nn.Module):
     ones (Phi-3, whose adapters target the fused module).
     """
 
-    def __init__(self, spec: ModelSpec, sliding_window: int | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, sliding_window: int | None, dtype: torch.dtype, device: torch.device,
+                 kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         d = spec.head_dim
         self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
@@ -122,10 +126,10 @@ class Attention(nn.Module):
             sizes, names = [self.q_size + 2 * self.kv_size], ["qkv_proj"]
         else:
             sizes, names = [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"]
-        self.qkv_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.qkv_bias, dtype, device)
-        self.o_proj = LinearWithLoRA(self.q_size, [spec.hidden_size], ["o_proj"], spec.o_bias, dtype, device)
-        self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
+        self.qkv_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.qkv_bias, dtype, device, kernels)
+        self.o_proj = LinearWithLoRA(self.q_size, [spec.hidden_size], ["o_proj"], spec.o_bias, dtype, device, kernels)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, kernels) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, kernels) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRABatch | None):
@@ -136,12 +140,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # RMSNorm over each head's D values
             q = self.q_norm(q.view(-1, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.view(-1, self.head_dim)).view(t, self.kv_size)
-        ops.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
+        self.kernels.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
         k_cache, v_cache = kv
-        ops.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
-                              v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q.view(t, self.num_heads, self.head_dim), k_cache, v_cache, meta, self.scale,
-                                  sliding_window=self.sliding_window, softcap=self.softcap)
+        self.kernels.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
+                                       v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache,
+                                       meta.slot_mapping)
+        q = q.view(t, self.num_heads, self.head_dim)
+        out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                           softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.q_size), lora)
 
 
@@ -149,29 +155,32 @@ class MLP(nn.Module):
     """SwiGLU ``down(silu(gate(x)) * up(x))`` or GeGLU (``gelu_tanh``, Gemma) with gate/up fused (LoRA
     slices ``gate_proj``/``up_proj``, or one ``gate_up_proj`` on fused families)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         i = spec.intermediate_size
         sizes, names = ([2 * i], ["gate_up_proj"]) if spec.fused_projections else ([i, i], ["gate_proj", "up_proj"])
-        self.gate_up_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.mlp_bias, dtype, device)
-        self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], spec.mlp_bias, dtype, device)
-        self.act_and_mul = ops.gelu_tanh_and_mul if spec.activation == "gelu_pytorch_tanh" else ops.silu_and_mul
+        self.gate_up_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.mlp_bias, dtype, device, kernels)
+        self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], spec.mlp_bias, dtype, device, kernels)
+        gelu = spec.activation == "gelu_pytorch_tanh"
+        self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device,
+                 kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(spec, spec.layer_windows[layer_idx], dtype, device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype, device, kernels)
+        self.self_attn = Attention(spec, spec.layer_windows[layer_idx], dtype, device, kernels)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, kernels)
+        self.mlp = MLP(spec, dtype, device, kernels)
         self.sandwich = spec.gemma_norms
         if self.sandwich:  # Gemma 2: norms before and after the MLP too; post_attention_layernorm is an output norm
-            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, device, kernels)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, kernels)
 
     def forward(self, hidden, residual, positions, cos_sin, kv, meta, lora):
         """Llama: ``(hidden, residual)`` carried with the residual add fused into the next norm.
@@ -200,13 +209,13 @@ class LlamaForCausalLM(nn.Module):
     ``kv_caches[l] = (k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     """
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device, kernels) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, kernels)
         self.lm_head = (None if spec.tie_word_embeddings else
                         nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                      requires_grad=False))

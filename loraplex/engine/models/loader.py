@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.kernels.ops import Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +46,15 @@ def load_model_spec(path: Path) -> ModelSpec:
     return ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(path)))
 
 
-def build_model(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+def build_model(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels,
                 dummy_weights: bool = False, seed: int = 0) -> LlamaForCausalLM:
-    """Create the model on ``device`` and fill its weights.
+    """Create the model on ``device``, its layers calling ``kernels``, and fill its weights.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``path`` (and not dummy).
         ValueError: a checkpoint tensor is missing, unexpected, or mis-shaped.
     """
-    model = LlamaForCausalLM(spec, dtype, device)
+    model = LlamaForCausalLM(spec, dtype, device, kernels)
     if dummy_weights:
         fill_dummy_weights(model, seed)
     else:

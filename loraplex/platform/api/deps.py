@@ -37,9 +37,13 @@ def get_session(ctx: CtxDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def current_tenant(ctx: CtxDep, credentials: Annotated[HTTPAuthorizationCredentials | None,
-                                                        Depends(_tenant_bearer)]) -> TenantContext:
-    """The authenticated tenant. Raises ``Unauthenticated`` (401)."""
+def current_tenant(request: Request, ctx: CtxDep, credentials: Annotated[HTTPAuthorizationCredentials | None,
+                                                                          Depends(_tenant_bearer)]) -> TenantContext:
+    """The authenticated tenant (already settled from the headers by ``guards.RequestGuard`` for
+    requests with a body). Raises ``Unauthenticated`` (401)."""
+    settled = getattr(request.state, "tenant", None)
+    if isinstance(settled, TenantContext):
+        return settled
     return tenant_service.authenticate_tenant(ctx=ctx, token=credentials.credentials if credentials else None)
 
 
@@ -53,3 +57,12 @@ def require_admin(ctx: CtxDep, credentials: Annotated[HTTPAuthorizationCredentia
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
+
+
+def require_metrics_reader(ctx: CtxDep, credentials: Annotated[HTTPAuthorizationCredentials | None,
+                                                               Depends(_admin_bearer)]) -> None:
+    """Raises ``Unauthenticated`` (401) unless the bearer key is the admin key or ``metrics_key``."""
+    tenant_service.authenticate_metrics_reader(ctx=ctx, token=credentials.credentials if credentials else None)
+
+
+MetricsReaderDep = Annotated[None, Depends(require_metrics_reader)]

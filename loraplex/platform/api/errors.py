@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.platform.api.guards import REGISTRY_ERRORS, registry_unavailable
 from loraplex.platform.errors import PlatformError
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,12 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONRes
                         headers=getattr(exc, "headers", None))
 
 
+async def _registry_error(_request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("request failed: the registry database is unreachable (%s)", type(exc).__name__, exc_info=True)
+    err = registry_unavailable()
+    return JSONResponse(err.to_body(), status_code=err.status_code)
+
+
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error")
     return JSONResponse(error_body("internal server error", "server_error", code="internal_error"),
@@ -52,4 +59,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(PlatformError, _platform_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    for error in REGISTRY_ERRORS:
+        app.add_exception_handler(error, _registry_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -2,7 +2,7 @@
 
 The form has a text field ``name`` and either ``file`` (one .zip / .tar.gz) or
 ``files`` (the two PEFT files). The declared ``Content-Length`` is checked
-before the body is parsed; :class:`BodySizeLimit` stops bodies without one.
+before the body is parsed; ``guards.RequestGuard`` stops bodies without one.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Any
 
 from fastapi import Request
 from starlette.datastructures import FormData, UploadFile
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from loraplex.platform.services.uploads import UploadPart
@@ -78,30 +77,3 @@ def _size(upload: UploadFile) -> int:
     upload.file.seek(0)
     return size
 
-
-class BodySizeLimit:
-    """ASGI middleware: answer 413 once a request body under ``path_prefixes`` exceeds ``max_bytes``
-    (covers chunked bodies that declare no length)."""
-
-    def __init__(self, app: ASGIApp, *, max_bytes: int, path_suffix: str = "/adapters") -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.path_suffix = path_suffix
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or not scope["path"].rstrip("/").endswith(
-                self.path_suffix):
-            await self.app(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise PayloadTooLarge(f"upload is more than {self.max_bytes} bytes", param="file")
-            return message
-
-        await self.app(scope, limited_receive, send)

@@ -47,6 +47,7 @@ def key_matches(plaintext: str, key_hash: str) -> bool:
     return hmac.compare_digest(hash_key(plaintext), key_hash)
 
 
+
 def parse_bearer(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, or None when absent/malformed."""
     if not authorization:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import uuid
 from pathlib import Path
 
@@ -248,12 +249,15 @@ def retire_versions(ctx: PlatformContext, versions: list[tuple[int, str]]) -> No
     its folder unless a live version still uses that content."""
     for lora_int_id, content_hash in versions:
         def release(content_hash: str = content_hash) -> None:
-            _delete_files_if_unused(ctx, content_hash)
+            # Called on the engine thread: the database check runs elsewhere, so an
+            # unreachable registry can never stall a step.
+            threading.Thread(target=_delete_files_if_unused, args=(ctx, content_hash), daemon=True,
+                             name="loraplex-release-adapter").start()
 
         if ctx.engine is not None and ctx.engine.is_running:
             ctx.engine.retire_lora(lora_int_id, release)
         else:
-            release()
+            _delete_files_if_unused(ctx, content_hash)
 
 
 def _delete_files_if_unused(ctx: PlatformContext, content_hash: str) -> None:

@@ -10,7 +10,12 @@
    completion index``. Streaming turns cumulative outputs into deltas: the
    engine's text only grows (stop strings are held back), so the delta is the
    text past what was sent.
-3. Usage (tokens) is charged to the tenant's rate-limit window, usage counters and metrics.
+3. Rate limits are reserved at admission (``limits.RateLimiter.admit``: completions =
+   prompts x n, tokens = prompts + max_tokens per completion) and settled with the tokens
+   used; usage counters go to the background ``usage.UsageWriter`` (never on the response path).
+   Each prompt passes the tenant's admission gate first (``ctx.admission``: concurrency,
+   queue length and queue time limits; 429/503 with ``Retry-After``) and reaches the engine
+   with the tenant's fair-scheduling share and queueing deadline.
 """
 
 from __future__ import annotations
@@ -23,27 +28,27 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sqlalchemy.exc import IntegrityError
-
 from loraplex.adapters import AdapterError
+from loraplex.engine.fairness import TenantShare
 from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.platform import crud
+from loraplex.platform.admission import retry_after_s
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream
 from loraplex.platform.context import PlatformContext
-from loraplex.platform.db import session_scope
 from loraplex.platform.errors import (
     ContextLengthExceeded,
     InvalidRequest,
     PlatformError,
     ServiceUnavailable,
 )
+from loraplex.platform.limits import Admission, reserved_tokens
 from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.schemas import TenantContext
 from loraplex.platform.services.adapters import lora_request, resolve_adapter
 from loraplex.platform.services.openai_format import OpenAIFormatter, finish_reason, has_entries, sse
+from loraplex.platform.services import structured, tool_calls  # structured output / tool calling hooks
 
 logger = logging.getLogger(__name__)
 Kind = Literal["completion", "chat"]
@@ -67,6 +72,9 @@ class PreparedRequest:
     top_logprobs: int | None
     decode: Callable[[int], str]
     started: float = field(default_factory=time.monotonic)
+    tools: tool_calls.ToolPlan | None = None  # tool calling hook: parses text into tool_calls
+    admission: Admission | None = None
+    gate_wait_s: float = 0.0  # time spent in the tenant's admission queue
 
 
 # -- preparation -----------------------------------------------------------------------------------
@@ -77,7 +85,8 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
                         best_of=body.best_of if body.best_of not in (None, body.n) else None)
     lora, label = _resolve_model(ctx, tenant, body.model)
     params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
-    prompts = _completion_prompts(engine, body.prompt)
+    params = structured.constrain(engine.engine, params, *structured.requested_constraint(body))  # hook
+    prompts = _completion_prompts(engine, body.prompt, ctx.settings.max_prompts_per_request)
     _check_lengths(ctx.max_model_len, prompts, body.max_tokens, "prompt")
     return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
                            prompts, params, lora, body.stream, _include_usage(body), body.logprobs,
@@ -87,15 +96,18 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
 def prepare_chat(*, ctx: PlatformContext, tenant: TenantContext, body: ChatCompletionRequest) -> PreparedRequest:
     """As :func:`prepare_completion`, with the tokenizer's chat template applied to ``messages``."""
     engine = _require_engine(ctx)
-    _refuse_unsupported(logit_bias=body.logit_bias, tools=body.tools or None)
+    _refuse_unsupported(logit_bias=body.logit_bias)
     lora, label = _resolve_model(ctx, tenant, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=top)
+    tools = tool_calls.ToolPlan.from_request(body)  # tool calling hook
+    params = structured.constrain(engine.engine, params, *structured.chat_constraint(body, tools))  # hook
     prompt = _chat_prompt(engine, body)
     _check_lengths(ctx.max_model_len, [prompt], max_tokens, "messages")
     return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
-                           [prompt], params, lora, body.stream, _include_usage(body), top, _decoder(engine))
+                           [prompt], params, lora, body.stream, _include_usage(body), top, _decoder(engine),
+                           tools=tools)
 
 
 def _require_engine(ctx: PlatformContext) -> AsyncEngine:
@@ -133,7 +145,7 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tok
         raise InvalidRequest(message, param=param) from None
 
 
-def _completion_prompts(engine: AsyncEngine, prompt: str | list) -> list[list[int]]:
+def _completion_prompts(engine: AsyncEngine, prompt: str | list, max_prompts: int) -> list[list[int]]:
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -142,6 +154,9 @@ def _completion_prompts(engine: AsyncEngine, prompt: str | list) -> list[list[in
         items = list(prompt)
     if not items:
         raise InvalidRequest("prompt: must not be empty", param="prompt")
+    if len(items) > max_prompts:
+        raise InvalidRequest(f"prompt: {len(items)} prompts in one request; at most {max_prompts} "
+                             "(max_prompts_per_request)", param="prompt", code="too_many_prompts")
     return [_tokens(engine, p) for p in items]
 
 
@@ -157,23 +172,16 @@ def _tokens(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
 
 
 def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+    messages, template_kwargs = tool_calls.chat_template_inputs(engine.tokenizer, body)  # tool calling hook
     try:
-        out = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   **template_kwargs)
     except Exception as exc:  # jinja errors (e.g. a template that rejects a role order)
         raise InvalidRequest(f"messages: the chat template refused them ({exc})", param="messages") from None
     ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     if not ids:
         raise InvalidRequest("messages: produce an empty prompt", param="messages")
     return ids
-
-
-def _message_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
 
 
 def _decoder(engine: AsyncEngine) -> Callable[[int], str]:
@@ -199,18 +207,49 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
 # -- running ---------------------------------------------------------------------------------------
 async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStream]:
     """Add one engine request per prompt (all or none). Raises 400/404/503 ``PlatformError``s."""
-    ctx.limiter.check_request(tenant_id=prep.tenant.tenant_id, requests_per_minute=prep.tenant.requests_per_minute,
-                              tokens_per_minute=prep.tenant.tokens_per_minute)
+    n = prep.params.n
+    prep.admission = ctx.limiter.admit(
+        tenant_id=prep.tenant.tenant_id, requests_per_minute=prep.tenant.requests_per_minute,
+        tokens_per_minute=prep.tenant.tokens_per_minute, completions=len(prep.prompts) * n,
+        tokens=reserved_tokens([len(p) for p in prep.prompts], n=n, max_tokens=prep.params.max_tokens,
+                               max_model_len=ctx.max_model_len))
     ctx.metrics.adapter_requests.labels(prep.adapter_label).inc()
+    tenant = prep.tenant
+    share = TenantShare(tenant.tenant_name, tenant.weight)
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prep.prompts):
-            streams.append(await ctx.engine.add_request(f"{prep.id}-{i}", prompt, prep.params, prep.lora))
+            ticket = await ctx.admission.acquire(tenant)
+            prep.gate_wait_s = max(prep.gate_wait_s, ticket.waited_s)
+            release = _releaser(ctx, tenant.tenant_id)
+            try:
+                streams.append(await ctx.engine.add_request(
+                    f"{prep.id}-{i}", prompt, prep.params, prep.lora, tenant=share, queue_deadline=ticket.deadline,
+                    retry_after_s=retry_after_s(tenant), on_done=release))
+            except BaseException:
+                release()
+                raise
     except BaseException as exc:
         for stream in streams:
             stream.close()
+        await asyncio.get_running_loop().run_in_executor(None, ctx.limiter.settle, prep.admission, 0)
+        if isinstance(exc, PlatformError) and exc.status_code in (429, 503):
+            ctx.metrics.tenant_refused.labels(tenant.tenant_name, str(exc.status_code)).inc()
         raise _engine_error(exc, prep) from None
     return streams
+
+
+def _releaser(ctx: PlatformContext, tenant_id: int) -> Callable[[], None]:
+    """Frees one admission slot of the tenant, once however often it is called."""
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            ctx.admission.release(tenant_id)
+
+    return release
 
 
 def _engine_error(exc: BaseException, prep: PreparedRequest) -> BaseException:
@@ -303,6 +342,9 @@ class _Tracker:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.ctx.metrics.ttft.observe(now - self.prep.started)
+                if output.queued_s is not None:
+                    self.ctx.metrics.tenant_queueing_delay.labels(self.prep.tenant.tenant_name).observe(
+                        self.prep.gate_wait_s + output.queued_s)
             elif self.last_output_at is not None:
                 self.ctx.metrics.inter_token.observe((now - self.last_output_at) / new_tokens)
             self.last_output_at = now
@@ -324,24 +366,21 @@ class _Tracker:
         ctx.metrics.request_latency.labels(prep.kind).observe(time.monotonic() - prep.started)
 
         def charge() -> None:
-            record_usage(ctx, prep.tenant.tenant_id, usage["prompt_tokens"], usage["completion_tokens"])
+            record_usage(ctx, prep.tenant.tenant_id, usage["prompt_tokens"], usage["completion_tokens"],
+                         admission=prep.admission)
 
         return charge
 
 
-def record_usage(ctx: PlatformContext, tenant_id: int, prompt_tokens: int, completion_tokens: int) -> None:
-    """Charge tokens to the tenant's rate-limit window and daily usage counters."""
-    ctx.limiter.add_tokens(tenant_id=tenant_id, tokens=prompt_tokens + completion_tokens)
-    for _ in range(3):  # the first insert of a (tenant, day) row can race another request's
-        try:
-            with session_scope(ctx.sessions) as session:
-                crud.record_usage(session=session, tenant_id=tenant_id, requests=1, prompt_tokens=prompt_tokens,
-                                  completion_tokens=completion_tokens)
-            return
-        except IntegrityError:  # lost the race (or the tenant was just deleted): retry as an update
-            continue
-    logger.warning("usage of tenant %d not recorded (%d prompt + %d completion tokens): the tenant is gone",
-                   tenant_id, prompt_tokens, completion_tokens)
+def record_usage(ctx: PlatformContext, tenant_id: int, prompt_tokens: int, completion_tokens: int, *,
+                 admission: Admission | None = None) -> None:
+    """Settle the request's rate-limit reservation (``admission``; without one, charge the
+    tokens to the current window) and buffer one request's usage for the database."""
+    if admission is not None:
+        ctx.limiter.settle(admission, prompt_tokens + completion_tokens)
+    else:
+        ctx.limiter.charge(tenant_id=tenant_id, tokens=prompt_tokens + completion_tokens)
+    ctx.usage.add(tenant_id, requests=1, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
 
 async def _charge_later(charge: Callable[[], None], *, wait: bool) -> None:
@@ -382,6 +421,8 @@ async def _consume(merged: AsyncIterator[tuple[int, RequestOutput]], tracker: _T
 def _final_body(prep: PreparedRequest, tracker: _Tracker) -> dict[str, Any]:
     fmt = OpenAIFormatter(prep)
     choices = [fmt.final_choice(index, tracker.finals[index]) for index in sorted(tracker.finals)]
+    if prep.tools is not None:  # tool calling hook
+        choices = [prep.tools.final_choice(choice) for choice in choices]
     return {"id": prep.id, "object": "text_completion" if prep.kind == "completion" else "chat.completion",
             "created": prep.created, "model": prep.model, "choices": choices, "usage": tracker.usage()}
 
@@ -410,8 +451,10 @@ async def stream_sse(ctx: PlatformContext, prep: PreparedRequest, streams: list[
         yield sse(exc.to_body())
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
         err = _engine_error(exc, prep)
+        if not isinstance(err, PlatformError):
+            logger.exception("stream %s failed", prep.id)  # details in the log, not in the response
         body = err.to_body() if isinstance(err, PlatformError) else {
-            "error": {"message": f"internal error: {exc}", "type": "server_error", "param": None, "code": None}}
+            "error": {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}}
         yield sse(body)
     finally:
         if not completed:
@@ -432,4 +475,10 @@ def _delta_chunk(fmt: OpenAIFormatter, tracker: _Tracker, index: int, completion
         return None
     tracker.sent_chars[index] = len(completion.text)
     delta = text if fmt.prep.kind == "completion" else {"content": text}
-    return fmt.chunk(index, delta, logprobs, finish_reason(completion))
+    reason = finish_reason(completion)
+    if fmt.prep.tools is not None:  # tool calling hook: text -> content / tool_calls deltas
+        delta = fmt.prep.tools.delta(index, text, completion.finished)
+        reason = fmt.prep.tools.finish_reason(index, reason)
+        if delta is None and reason is None and not (logprobs and has_entries(logprobs)):
+            return None
+    return fmt.chunk(index, delta or {}, logprobs, reason)

@@ -22,6 +22,10 @@ from loraplex.platform.schemas import (
 )
 
 
+_NULLABLE_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_queued_requests",
+                    "max_queue_time_s")
+
+
 def key_cache_key(key_hash: str) -> str:
     return f"key:{key_hash}"
 
@@ -41,7 +45,9 @@ def create_tenant(*, session: Session, ctx: PlatformContext, spec: TenantCreate)
         tokens_per_minute=spec.tokens_per_minute if "tokens_per_minute" in spec.model_fields_set
         else s.default_tenant_tokens_per_minute,
         max_adapters=spec.max_adapters if spec.max_adapters is not None else s.default_tenant_max_adapters,
-        max_upload_mb=spec.max_upload_mb if spec.max_upload_mb is not None else s.default_tenant_max_upload_mb)
+        max_upload_mb=spec.max_upload_mb if spec.max_upload_mb is not None else s.default_tenant_max_upload_mb,
+        weight=spec.weight, max_concurrent_requests=spec.max_concurrent_requests,
+        max_queued_requests=spec.max_queued_requests, max_queue_time_s=spec.max_queue_time_s)
     session.commit()
     return tenant_public(session, tenant)
 
@@ -56,11 +62,11 @@ def get_tenant(*, session: Session, name: str) -> TenantPublic:
 
 
 def update_tenant(*, session: Session, ctx: PlatformContext, name: str, changes: TenantUpdate) -> TenantPublic:
-    """Change the limits present in ``changes`` (``null`` rates = unlimited; ``null``
-    max_adapters / max_upload_mb are ignored). Raises ``NotFound``."""
+    """Change the limits present in ``changes`` (``null`` rates and queueing limits = unlimited;
+    ``null`` max_adapters / max_upload_mb / weight are ignored). Raises ``NotFound``."""
     tenant = crud.get_tenant(session=session, name=name)
     values = {k: v for k, v in changes.model_dump(exclude_unset=True).items()
-              if v is not None or k in ("requests_per_minute", "tokens_per_minute")}
+              if v is not None or k in _NULLABLE_LIMITS}
     crud.update_tenant(session=session, tenant=tenant, changes=values)
     keys = crud.list_api_keys(session=session, tenant=tenant)
     session.commit()
@@ -113,9 +119,15 @@ def revoke_api_key(*, session: Session, ctx: PlatformContext, tenant_name: str, 
 def tenant_context(*, session: Session, name: str) -> TenantContext:
     """The limits of tenant ``name`` as an admin acts on its behalf (``key_id`` 0). Raises ``NotFound``."""
     tenant = crud.get_tenant(session=session, name=name)
-    return TenantContext(tenant_id=tenant.id, tenant_name=tenant.name, key_id=0,
+    return _context(tenant, key_id=0)
+
+
+def _context(tenant: Tenant, *, key_id: int) -> TenantContext:
+    return TenantContext(tenant_id=tenant.id, tenant_name=tenant.name, key_id=key_id,
                          requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute,
-                         max_adapters=tenant.max_adapters, max_upload_mb=tenant.max_upload_mb)
+                         max_adapters=tenant.max_adapters, max_upload_mb=tenant.max_upload_mb, weight=tenant.weight,
+                         max_concurrent_requests=tenant.max_concurrent_requests,
+                         max_queued_requests=tenant.max_queued_requests, max_queue_time_s=tenant.max_queue_time_s)
 
 
 def authenticate_tenant(*, ctx: PlatformContext, token: str | None) -> TenantContext:
@@ -130,10 +142,7 @@ def authenticate_tenant(*, ctx: PlatformContext, token: str | None) -> TenantCon
             if found is None:
                 return None
             key, tenant = found
-            return TenantContext(tenant_id=tenant.id, tenant_name=tenant.name, key_id=key.id,
-                                 requests_per_minute=tenant.requests_per_minute,
-                                 tokens_per_minute=tenant.tokens_per_minute, max_adapters=tenant.max_adapters,
-                                 max_upload_mb=tenant.max_upload_mb).model_dump()
+            return _context(tenant, key_id=key.id).model_dump()
 
     data = ctx.cache.get_or_load(key_cache_key(key_hash), load)
     if data is None:
@@ -145,3 +154,12 @@ def authenticate_admin(*, ctx: PlatformContext, token: str | None) -> None:
     """Raises ``Unauthenticated`` unless ``token`` is the admin key."""
     if not token or not key_matches(token, ctx.admin_key_hash):
         raise Unauthenticated("Missing or incorrect admin key.")
+
+
+def authenticate_metrics_reader(*, ctx: PlatformContext, token: str | None) -> None:
+    """Raises ``Unauthenticated`` unless ``token`` is the admin key or ``settings.metrics_key``."""
+    metrics_key = ctx.settings.metrics_key
+    if token and metrics_key is not None and key_matches(token, hash_key(metrics_key.get_secret_value())):
+        return
+    if not token or not key_matches(token, ctx.admin_key_hash):
+        raise Unauthenticated("Missing or incorrect key: /metrics needs the admin key or the metrics key.")

@@ -1,0 +1,295 @@
+"""Structured output: grammar-constrained decoding with xgrammar token bitmasks.
+
+A request asks for it with ``SamplingParams.structured_outputs`` (a
+:class:`StructuredOutputsParams`, named and shaped as vLLM's): exactly one of a
+JSON schema, any JSON object, a regex, a choice among strings, or an EBNF
+grammar. The engine then keeps one xgrammar ``GrammarMatcher`` per sequence:
+
+- compile: :meth:`StructuredOutputManager.compile` turns the params into an
+  xgrammar ``CompiledGrammar`` once per distinct constraint (an LRU cache keyed
+  by the canonical constraint text); a bad schema/regex/grammar raises
+  :class:`StructuredOutputError` naming the problem.
+- one matcher per sequence (``n > 1`` completions each get their own), created
+  at ``add_request``; it accepts each token the engine appends, so after a
+  preemption (recompute or swap) it is still in step with the sequence's output
+  tokens and needs no rebuild.
+- masks: :class:`GrammarMaskFiller` fills the ``[B, ceil(V/32)] int32``
+  bitmask of the rows sampled in a step on a worker thread, started before
+  the step's forward pass, so the host-side mask work overlaps input
+  preparation, kernel launches and the device's forward; the sampler waits for
+  it only when the logits are ready and applies it on the logits' device
+  (:func:`loraplex.engine.sampler.apply_token_bitmask_`). Unconstrained rows get
+  all-ones rows (no change), so they sample exactly what they would alone.
+
+Bit ``j % 32`` of word ``j // 32`` of a row is token ``j`` (1 = allowed), the
+xgrammar layout. JSON is generated compact by default (``", "`` and ``": "``
+separators, no free whitespace): free whitespace lets small models loop on
+blanks; ``any_whitespace=True`` allows it.
+
+xgrammar is imported lazily: the engine imports and serves unconstrained
+requests without it; a constrained request without it raises
+:class:`StructuredOutputError` (install the ``serve`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BITS_PER_WORD = 32
+
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled (bad JSON schema, regex or grammar, or no xgrammar)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's ``StructuredOutputsParams``); set exactly one of:
+
+    - ``json``: a JSON schema (dict or JSON text); the output is one JSON value valid under it.
+    - ``json_object``: True: the output is any JSON object (OpenAI ``{"type": "json_object"}``).
+    - ``regex``: the output matches this regular expression (whole output).
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: an EBNF grammar in xgrammar's GBNF dialect (root rule ``root``).
+
+    ``any_whitespace``: JSON may contain free whitespace between tokens (default
+    False: compact JSON). ``strict`` (JSON schema only): properties not in the
+    schema are refused (xgrammar strict mode; default True, as OpenAI ``strict``).
+    Raises ``ValueError`` naming the field when zero or several are set or a value is malformed.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    any_whitespace: bool = False
+    strict: bool = True
+    _key: tuple[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams: exactly one of json, json_object, regex, choice, grammar "
+                             f"must be set (got {given or 'none'})")
+        kind = given[0]
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"StructuredOutputsParams.json: not valid JSON ({exc})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"StructuredOutputsParams.json: a JSON schema is an object, got {type(schema).__name__}")
+            object.__setattr__(self, "json", schema)
+            text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("StructuredOutputsParams.choice: must be a non-empty list of non-empty strings")
+            text = json.dumps(self.choice)
+        elif kind in ("regex", "grammar"):
+            text = getattr(self, kind)
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"StructuredOutputsParams.{kind}: must be a non-empty string")
+        else:
+            text = ""
+        object.__setattr__(self, "_key", (f"{kind}|ws={int(self.any_whitespace)}|strict={int(self.strict)}", text))
+
+    @property
+    def kind(self) -> str:
+        """``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        return self._key[0].split("|", 1)[0]
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """(kind and options, canonical constraint text): equal keys compile to the same grammar."""
+        return self._key
+
+
+class GrammarState:
+    """One sequence's matcher: which tokens may come next given its output so far."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.num_accepted_tokens = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one generated token; False if the grammar refuses it (nothing changes then)."""
+        ok = self.matcher.accept_token(token_id)
+        if ok:
+            self.num_accepted_tokens += 1
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        """The matcher accepted a stop token (the constrained output is complete)."""
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one tokenizer and vocabulary, and makes matchers.
+
+    ``vocab_size``: the model's logits width ``V`` (may exceed the tokenizer's
+    size: ids past it are never allowed). ``stop_token_ids``: the ids that end a
+    complete constrained output (the model's EOS ids). Thread-safe: the API
+    compiles on its worker threads (to report a bad schema as 400 before the
+    request is queued) and the engine thread compiles again (a cache hit).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *, max_cached_grammars: int = 256,
+                 max_threads: int = 8) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_cached_grammars = max_cached_grammars
+        self.max_threads = max_threads
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    def compile(self, params: StructuredOutputsParams):
+        """The xgrammar ``CompiledGrammar`` of ``params`` (cached). Raises :class:`StructuredOutputError`."""
+        key = params.cache_key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiler = self._get_compiler()
+        try:
+            compiled = self._compile(compiler, params)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise StructuredOutputError(f"{_what(params)} cannot be compiled: {_clean(exc)}") from None
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.max_cached_grammars:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A fresh matcher for one sequence. Raises :class:`StructuredOutputError`."""
+        xgr = _xgrammar()
+        return GrammarState(xgr.GrammarMatcher(self.compile(params), override_stop_tokens=self.stop_token_ids))
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+            return self._compiler
+
+    def _compile(self, compiler, params: StructuredOutputsParams):
+        kind = params.kind
+        if kind == "json":
+            return compiler.compile_json_schema(json.dumps(params.json), any_whitespace=params.any_whitespace,
+                                                strict_mode=params.strict)
+        if kind == "json_object":
+            schema = {"type": "object"}
+            return compiler.compile_json_schema(json.dumps(schema), any_whitespace=params.any_whitespace,
+                                                strict_mode=False)
+        if kind == "regex":
+            return compiler.compile_regex(params.regex)
+        if kind == "choice":
+            return compiler.compile_regex("|".join(re.escape(c) for c in params.choice))
+        return compiler.compile_grammar(params.grammar)
+
+
+class GrammarMaskFiller:
+    """Fills the token bitmask of a step's sampled rows on one worker thread.
+
+    :meth:`submit` returns at once; :meth:`PendingMask.result` gives the
+    ``[B, ceil(V/32)] int32`` mask on the sampling device (``-1`` = all allowed
+    on unconstrained rows), or None when no row is constrained. Counters for
+    benchmarks: ``num_masks``, ``fill_s`` (worker time filling), ``wait_s``
+    (time the engine thread waited for a mask: the part not overlapped).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.num_words = -(-vocab_size // BITS_PER_WORD)
+        self._executor: ThreadPoolExecutor | None = None
+        self._batch_matcher = None
+        self.num_masks = 0
+        self.fill_s = 0.0
+        self.wait_s = 0.0
+
+    def submit(self, states: list[GrammarState | None]) -> PendingMask | None:
+        """Start filling the mask of rows ``states`` (None = unconstrained row)."""
+        if all(s is None for s in states):
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self.num_masks += 1
+        return PendingMask(self._executor.submit(self._fill, states), self)
+
+    def _fill(self, states: list[GrammarState | None]) -> torch.Tensor:
+        start = time.perf_counter()
+        xgr = _xgrammar()
+        # Pinned on CUDA so the copy in PendingMask.result is asynchronous (the caching host
+        # allocator does not hand the block out again before that copy has run).
+        bitmask = torch.full((len(states), self.num_words), -1, dtype=torch.int32,
+                             pin_memory=self.device.type == "cuda")
+        rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated]
+        if rows:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
+        self.fill_s += time.perf_counter() - start
+        return bitmask
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+class PendingMask:
+    """A mask being filled; :meth:`result` waits for it and moves it to the device."""
+
+    def __init__(self, future: Future, filler: GrammarMaskFiller) -> None:
+        self.future = future
+        self.filler = filler
+
+    def result(self) -> torch.Tensor:
+        """``[B, ceil(V/32)] int32`` on the device."""
+        start = time.perf_counter()
+        mask = self.future.result()
+        self.filler.wait_s += time.perf_counter() - start
+        device = self.filler.device
+        return mask if device.type == "cpu" else mask.to(device, non_blocking=True)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:  # pragma: no cover - the serve extra installs it
+        raise StructuredOutputError("structured outputs need the 'xgrammar' package "
+                                    "(pip install 'loraplex[serve]')") from None
+    return xgrammar
+
+
+def _what(params: StructuredOutputsParams) -> str:
+    return {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
+            "choice": "the choice list", "grammar": "the EBNF grammar"}[params.kind]
+
+
+def _clean(exc: BaseException) -> str:
+    lines = [_XGR_PREFIX.sub("", line).strip() for line in str(exc).strip().splitlines()]
+    return " ".join(line for line in lines if line) or type(exc).__name__

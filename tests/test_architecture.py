@@ -1,0 +1,146 @@
+"""The import arrows of docs/ARCHITECTURE.md: kernels <- adapters <- engine <- platform <- ui <- cli.
+
+Every ``import`` in the package counts, at module level or inside a function
+(lazy imports and ``TYPE_CHECKING`` blocks included), parsed with ``ast``
+(nothing is imported). A package may import its own modules and those of the
+layers below it, never a layer above. The kernels, adapters and engine may
+import only the third-party packages listed in ``THIRD_PARTY`` (plus the
+standard library).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "loraplex"
+
+# Layer of each part of the package (``loraplex/<part>/...`` or ``loraplex/<part>.py``); higher imports lower.
+LAYERS = {
+    "kernels": 0,
+    "adapters": 1,
+    "engine": 2,
+    "platform": 3,
+    "ui": 4,
+    "cli": 5,  # loraplex/cli.py: the command line; it mounts the console (ui) on the platform's app
+    "__init__": 5,  # loraplex/__init__.py: re-exports the engine's offline API (``from loraplex import LLM``)
+}
+
+# Third-party top-level modules a part may import; parts not listed are unrestricted.
+THIRD_PARTY = {
+    "kernels": {"torch", "triton"},
+    "adapters": {"torch", "safetensors", "transformers"},
+    "engine": {"torch", "triton", "transformers", "safetensors"},
+}
+
+# Optional third-party packages a part may import lazily (inside a function, never at module level), so
+# that the part still imports without them: the engine's structured output (issue 20) needs xgrammar
+# only when a request asks for a constraint.
+OPTIONAL_LAZY = {
+    "engine": {"xgrammar"},
+}
+
+# Upward arrows that another open issue removes, as (importing file, imported part).
+KNOWN_VIOLATIONS = {
+    # Issue 17 (multi-LoRA): the engine <-> adapters cycle; the slot pool takes the engine's LoRARequest.
+    ("adapters/slot_pool.py", "engine"),
+}
+
+
+def imported_modules(source: str, module: str) -> list[str]:
+    """Absolute names of every module ``source`` (the module ``module``) imports, at any nesting level.
+
+    ``from a import b`` yields ``a.b`` (b may be a submodule); relative imports are resolved.
+    """
+    names = []
+    package = module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            names += [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def part_of(module: str) -> str:
+    """``loraplex.engine.scheduler`` -> ``engine``; ``loraplex.cli`` -> ``cli``; ``loraplex`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "__init__"
+
+
+def arrow_violations(rel_path: str, source: str) -> list[tuple[str, str, str]]:
+    """``(file, imported module, why)`` for each import of ``source`` (at ``loraplex/<rel_path>``) that breaks a rule."""
+    module = "loraplex." + rel_path.removesuffix(".py").replace("/", ".")
+    importer = part_of(module)
+    allowed = THIRD_PARTY.get(importer)
+    lazy_ok = OPTIONAL_LAZY.get(importer, set())
+    module_level = {name.split(".")[0] for node in ast.parse(source).body
+                    for name in imported_modules(ast.unparse(node), module)
+                    if isinstance(node, (ast.Import, ast.ImportFrom))}
+    found = []
+    for name in imported_modules(source, module):
+        top = name.split(".")[0]
+        if top == "loraplex":
+            target = part_of(name)
+            if target != importer and LAYERS[target] >= LAYERS[importer]:
+                found.append((rel_path, name, f"{importer} (layer {LAYERS[importer]}) imports {target}"))
+        elif top in lazy_ok and top not in module_level:
+            continue
+        elif allowed is not None and top not in allowed and top not in sys.stdlib_module_names:
+            found.append((rel_path, name, f"{importer} may import only {sorted(allowed)} and the standard library"))
+    return found
+
+
+def package_violations() -> list[tuple[str, str, str]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        found += arrow_violations(rel, path.read_text(encoding="utf-8"))
+    return found
+
+
+def test_package_follows_the_import_arrows():
+    found = package_violations()
+    unexpected = [v for v in found if (v[0], part_of(v[1])) not in KNOWN_VIOLATIONS]
+    assert unexpected == [], "\n".join(f"{f}: import {m}: {why}" for f, m, why in unexpected)
+    stale = KNOWN_VIOLATIONS - {(f, part_of(m)) for f, m, _ in found}
+    assert stale == set(), f"fixed, remove from KNOWN_VIOLATIONS: {sorted(stale)}"
+
+
+def test_every_part_of_the_package_has_a_layer():
+    parts = {p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert parts == set(LAYERS)
+
+
+def test_checker_sees_lazy_relative_and_from_imports():
+    source = (
+        "import torch\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from loraplex.engine.llm_engine import EngineStats\n"
+        "def f():\n"
+        "    from loraplex import platform\n"
+        "    from ..ui import console\n"
+        "    import numpy\n"
+    )
+    found = arrow_violations("kernels/example.py", source)
+    assert sorted((m, why) for _, m, why in found) == [
+        ("loraplex.engine.llm_engine.EngineStats", "kernels (layer 0) imports engine"),
+        ("loraplex.platform", "kernels (layer 0) imports platform"),
+        ("loraplex.ui.console", "kernels (layer 0) imports ui"),
+        ("numpy", "kernels may import only ['torch', 'triton'] and the standard library"),
+    ]
+    assert arrow_violations("platform/main.py", "from loraplex.ui import mount_console\n") == [
+        ("platform/main.py", "loraplex.ui.mount_console", "platform (layer 3) imports ui")
+    ]
+    assert arrow_violations("cli.py", "from loraplex.ui import mount_console\nimport packaging\n") == []
+
+
+def test_optional_packages_are_imported_lazily_only():
+    src = "import xgrammar\n"
+    assert arrow_violations("engine/x.py", src), "a module-level optional import must be refused"
+    assert not arrow_violations("engine/x.py", "def f():\n    import xgrammar\n")
