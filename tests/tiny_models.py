@@ -38,9 +38,20 @@ def make_tokenizer(vocab_size: int = 384):
     return fast
 
 
+ARCHS = {  # arch -> (HF config class, HF model class)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a random ``arch`` ("llama" | "qwen2") checkpoint + tokenizer to ``path`` (float32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a random ``arch`` (a key of ``ARCHS``) checkpoint + tokenizer to ``path`` (float32)."""
+    import transformers
 
     tokenizer = make_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -49,16 +60,18 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
                   pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     common.update(overrides)
     torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
-    else:
+    if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}")
+    config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[arch])
+    if arch != "gemma3":  # Gemma 3 keeps one set per layer type (its defaults: local 1e4, global 1e6)
+        common.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    model = model_cls(config_cls(**common))
     with torch.no_grad():  # larger weights than the default init, so that logits are far from ties
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.08)
+            else:  # RMSNorm weights away from 1, so a norm loaded into the wrong place shows
+                p.normal_(1.0, 0.1)
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
     model.save_pretrained(str(path), safe_serialization=True)

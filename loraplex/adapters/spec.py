@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for the annotation; the adapters package never imports transformers
     from transformers import PretrainedConfig
 
+# The projections of Llama-style checkpoints, and the fused ones of Phi-3 checkpoints (whose adapters
+# target the fused modules).
+SPLIT_MODULE_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_MODULE_NAMES: tuple[str, ...] = ("qkv_proj", "gate_up_proj")
 # The projections loraplex can put LoRA on, in the order slot tensors are built.
-LORA_MODULE_NAMES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+LORA_MODULE_NAMES: tuple[str, ...] = SPLIT_MODULE_NAMES + FUSED_MODULE_NAMES
 
 # Parent block of each projection in HF Llama-style models: model.layers.{i}.{parent}.{module}.
 MODULE_PARENT: dict[str, str] = {
@@ -28,15 +24,9 @@ MODULE_PARENT: dict[str, str] = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+    "qkv_proj": "self_attn",
+    "gate_up_proj": "mlp",
 }
-
-# HF ``model_type`` values whose decoder layers have exactly the shapes computed below.
-_SUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-
 
 @dataclass(frozen=True)
 class BaseModelSpec:
@@ -76,40 +66,13 @@ class BaseModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> BaseModelSpec:
-        """Compute the module shapes of a Llama / Mistral / Qwen2 ``config``.
+        """The adapter view of :class:`~loraplex.adapters.model_spec.ModelSpec` read from ``config``.
 
-        With D = ``config.head_dim`` (else hidden_size // num_attention_heads),
-        Hq = num_attention_heads, Hkv = num_key_value_heads (else Hq),
-        I = intermediate_size: q_proj hidden -> Hq*D, k_proj/v_proj hidden -> Hkv*D,
-        o_proj Hq*D -> hidden, gate_proj/up_proj hidden -> I, down_proj I -> hidden.
-
-        Raises ``ValueError`` naming ``config.model_type`` for other architectures.
+        Raises ``UnsupportedModelError`` (a ``ValueError``) naming the field the engine does not implement.
         """
-        model_type = getattr(config, "model_type", None)
-        if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.model_type={model_type!r}: unsupported; expected one of {sorted(_SUPPORTED_MODEL_TYPES)}"
-            )
-        hidden = int(config.hidden_size)
-        num_heads = int(config.num_attention_heads)
-        num_kv_heads = int(_attr_or(config, "num_key_value_heads", num_heads))
-        head_dim = int(_attr_or(config, "head_dim", hidden // num_heads))
-        intermediate = int(config.intermediate_size)
-        architectures = getattr(config, "architectures", None) or [_SUPPORTED_MODEL_TYPES[model_type]]
-        return cls(
-            num_layers=int(config.num_hidden_layers),
-            hidden_size=hidden,
-            module_shapes={
-                "q_proj": (hidden, num_heads * head_dim),
-                "k_proj": (hidden, num_kv_heads * head_dim),
-                "v_proj": (hidden, num_kv_heads * head_dim),
-                "o_proj": (num_heads * head_dim, hidden),
-                "gate_proj": (hidden, intermediate),
-                "up_proj": (hidden, intermediate),
-                "down_proj": (intermediate, hidden),
-            },
-            architecture=str(architectures[0]),
-        )
+        from loraplex.adapters.model_spec import ModelSpec  # model_spec builds on this module
+
+        return ModelSpec.from_hf_config(config).adapter_spec
 
     def in_features(self, module: str) -> int:
         """Input width of ``module`` (raises ``KeyError`` if the model has no such module)."""
@@ -118,9 +81,3 @@ class BaseModelSpec:
     def out_features(self, module: str) -> int:
         """Output width of ``module`` (raises ``KeyError`` if the model has no such module)."""
         return self.module_shapes[module][1]
-
-
-def _attr_or(config: Any, name: str, default: int) -> int:
-    """``config.name`` unless it is missing or None (HF configs use None for 'derive it')."""
-    value = getattr(config, name, None)
-    return default if value is None else value

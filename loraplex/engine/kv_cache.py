@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.kv_cache_manager import BlockCopies
-from loraplex.engine.models.llama import ModelSpec
+from loraplex.adapters.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 

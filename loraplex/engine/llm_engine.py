@@ -26,8 +26,7 @@ from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
-from loraplex.engine.models.llama import ModelSpec
-from loraplex.engine.models.loader import build_model
+from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -133,7 +132,7 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(self.device)
         self.model_path = _resolve_model(config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self.spec = ModelSpec.from_folder(self.model_path)
+        self.spec = load_model_spec(self.model_path)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         torch.manual_seed(config.seed)
@@ -161,10 +160,9 @@ class LLMEngine:
 
     # -- construction -----------------------------------------------------
     def _build_lora_pool(self):
-        from loraplex.adapters import BaseModelSpec, LoRASlotPool
+        from loraplex.adapters import LoRASlotPool
 
-        spec = BaseModelSpec(num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size,
-                             module_shapes=self.spec.module_shapes, architecture=self.spec.architecture)
+        spec = self.spec.adapter_spec
         # Background adapter reads keep disk loads out of the GPU step; on CPU the reads run
         # inline so tests are deterministic (``pool.background_loads`` may be switched later).
         pool = LoRASlotPool(spec, self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras,

@@ -25,8 +25,11 @@ def check_attention_args(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """Shapes, dtypes, devices and metadata lengths of a paged-attention call.
+    """Shapes, dtypes, devices and metadata lengths of a paged-attention call; the window (None or >= 1)
+    and the logit soft-cap (None or > 0).
 
     Raises :class:`KernelArgumentError` naming the argument and value.
     """
@@ -43,6 +46,10 @@ def check_attention_args(
             f"{op}: query has {num_q_heads} heads, not a multiple of key_cache's {num_kv_heads} KV heads"
         )
     check_positive(op, "scale", scale)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise KernelArgumentError(f"{op}: sliding_window={sliding_window!r}, expected None or an int >= 1")
+    if softcap is not None and not softcap > 0:
+        raise KernelArgumentError(f"{op}: softcap={softcap!r}, expected None or > 0")
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_same_dtype(op, name, t, "query", query)
         check_device(op, name, t, query.device)

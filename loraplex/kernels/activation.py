@@ -1,6 +1,8 @@
-"""SwiGLU gate (Shazeer 2020 "GLU Variants Improve Transformer"): ``silu(gate) * up`` on a fused gate/up output.
+"""SwiGLU and GeGLU gates (Shazeer 2020 "GLU Variants Improve Transformer"): ``act(gate) * up`` on a fused
+gate/up output.
 
-Semantics: :data:`SILU_AND_MUL`, with ``silu(g) = g * sigmoid(g)``.
+Semantics: :data:`SILU_AND_MUL`, with ``silu(g) = g * sigmoid(g)`` (Llama); :data:`GELU_TANH_AND_MUL`, with
+``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`` (Gemma's ``gelu_pytorch_tanh``).
 
 Rounding matches HF ``act_fn(gate_proj(x)) * up_proj(x)``: silu is computed in
 fp32 and rounded to the input dtype, then the product is rounded again.
@@ -24,17 +26,23 @@ from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
 _BLOCK = 1024
+_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr,
+                         GELU_TANH: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
     gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    if GELU_TANH:  # tanh(z) = 2 sigmoid(2z) - 1
+        z = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        act = (0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))).to(gate.dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + cols, out.to(gate.dtype), mask=mask)
 
@@ -52,8 +60,9 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
     check_device(_OP, "out", out, x.device)
 
 
-def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns)."""
+def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, gelu_tanh: bool = False) -> torch.Tensor:
+    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns); ``gelu_tanh``
+    switches the gate to :func:`gelu_tanh_and_mul_ref`'s."""
     require_triton(_OP)
     _check_args(x)
     check_last_dim_contiguous(_OP, "x", x)
@@ -65,7 +74,7 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) ->
     if num_tokens == 0 or inter_size == 0:
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](
-        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4
+        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4
     )
     return out
 
@@ -98,4 +107,42 @@ SILU_AND_MUL = Op(
     semantics="out[t, i] = silu(x[t, i]) * x[t, I + i], x [T, 2I] -> out [T, I]",
     reference=silu_and_mul_ref,
     triton=_launch_silu_and_mul,
+)
+
+
+
+def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launch of :func:`gelu_tanh_and_mul_ref` (the SwiGLU kernel with the GeGLU gate)."""
+    return _launch_silu_and_mul(x, out=out, gelu_tanh=True)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection (plain torch: HF
+    ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
+
+    Args:
+        x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
+        out: optional ``[T, I]`` output of x's dtype.
+
+    Returns:
+        ``[T, I]`` in x.dtype (``out`` when given).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
+        TritonUnavailableError: Triton backend without triton installed.
+    """
+    _check_args(x)
+    gate, up = x.chunk(2, dim=-1)
+    result = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    if out is None:
+        return result
+    _check_out(x, out)
+    return out.copy_(result)
+
+
+GELU_TANH_AND_MUL = Op(
+    name="gelu_tanh_and_mul",
+    semantics="out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i], x [T, 2I] -> out [T, I]",
+    reference=gelu_tanh_and_mul_ref,
+    triton=_launch_gelu_tanh_and_mul,
 )

@@ -1,7 +1,9 @@
 """Paged attention entry point (prefill, extend, decode and mixed batches) and its reference.
 
 Semantics: :data:`PAGED_ATTENTION`, where token t is query i of sequence b, ``G = Hq / Hkv`` and
-``K_b``/``V_b`` are sequence b's positions gathered through ``block_tables[b]`` from the caches.
+``K_b``/``V_b`` are sequence b's positions gathered through ``block_tables[b]`` from the caches; ``lo = 0``
+(full causal) or ``max(0, p - W + 1)`` with a sliding window of W tokens (Mistral; HF's ``kv_idx > q_idx - W``);
+with a soft-cap c the scores s become ``c * tanh(s / c)`` before the mask (Gemma 2).
 
 The Triton path uses the decode kernel (:mod:`loraplex.kernels.attention_decode`)
 when ``meta.max_query_len == 1`` and the prefill/extend kernel
@@ -29,11 +31,15 @@ def _launch_paged_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton launch of :func:`paged_attention_ref`: the decode kernel if ``meta.max_query_len == 1``, else prefill."""
     if meta.max_query_len == 1:
-        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out)
-    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out)
+        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out,
+                                      sliding_window=sliding_window, softcap=softcap)
+    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window,
+                                   softcap=softcap)
 
 
 def paged_attention_ref(
@@ -44,6 +50,8 @@ def paged_attention_ref(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill/extend/decode batch over the paged KV cache (plain torch).
 
@@ -53,12 +61,14 @@ def paged_attention_ref(
         meta: :class:`AttentionMetadata` of the step.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[T, Hq, D]`` output (query dtype); rows of padding tokens are zeroed.
+        sliding_window: W tokens a query attends to (itself included); ``None`` = full causal.
+        softcap: attention logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
 
     Returns:
         ``[T, Hq, D]`` in the query dtype (``out`` when given).
 
     Raises:
-        KernelArgumentError: bad shape/dtype/device/layout or metadata.
+        KernelArgumentError: bad shape/dtype/device/layout, metadata, window or soft-cap.
         TritonUnavailableError: Triton backend without triton installed.
 
     The reference loops over sequences (never tokens): gathers the sequence's K/V through its
@@ -66,7 +76,7 @@ def paged_attention_ref(
     softmax, and casts back to the query dtype. Memory is
     ``O(Hq * q_len * seq_len)`` floats per sequence, so use it for tests and CPU runs.
     """
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     out = prepare_out(query, meta, out)
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -77,9 +87,13 @@ def paged_attention_ref(
         k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, seq_len]
+        if softcap is not None:  # HF Gemma 2: scores / cap, tanh, * cap (before the mask)
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if sliding_window is not None:
+            scores.masked_fill_(k_pos[None, None, :] <= q_pos[None, :, None] - sliding_window, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[qsl[b] : qsl[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
@@ -87,8 +101,9 @@ def paged_attention_ref(
 
 PAGED_ATTENTION = Op(
     name=_OP,
-    semantics="out[t, h] = softmax(scale * q[t, h] @ K_b[:p+1, h // G].T) @ V_b[:p+1, h // G], "
-    "p = seq_lens[b] - q_len[b] + i for query i of sequence b",
+    semantics="out[t, h] = softmax(cap(scale * q[t, h] @ K_b[lo:p+1, h // G].T)) @ V_b[lo:p+1, h // G], "
+    "p = seq_lens[b] - q_len[b] + i for query i of sequence b, lo = 0 or max(0, p - sliding_window + 1), "
+    "cap(s) = s or softcap * tanh(s / softcap)",
     reference=paged_attention_ref,
     triton=_launch_paged_attention,
 )

@@ -1,6 +1,7 @@
 """Paged decode attention: one query token per sequence (``max_query_len == 1``).
 
-Semantics: :data:`~loraplex.kernels.attention.PAGED_ATTENTION` with ``p = seq_lens[b] - 1``.
+Semantics: :data:`~loraplex.kernels.attention.PAGED_ATTENTION` with ``p = seq_lens[b] - 1`` (with a sliding
+window of W tokens, positions before ``seq_lens[b] - W`` are skipped).
 
 Design (after vLLM's Triton decode attention and FlashDecoding, Dao et al. 2023
 "Flash-Decoding for long-context inference"):
@@ -45,6 +46,8 @@ def _paged_decode_kernel(
     qk_scale,
     block_size,
     tokens_per_split,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -64,6 +67,8 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,6 +78,8 @@ def _paged_decode_kernel(
     tok = tl.load(query_start_loc_ptr + b).to(tl.int64)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    if SLIDING:  # positions before the window are skipped (a split wholly before it stays empty)
+        start = tl.maximum(start, seq_len - window)
 
     g = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + g
@@ -96,6 +103,8 @@ def _paged_decode_kernel(
             other=0.0,
         )
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 2 sigmoid(2z) - 1; then to base 2
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -180,6 +189,8 @@ def paged_decode_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton launch of :func:`~loraplex.kernels.attention.paged_attention_ref` for ``meta.max_query_len == 1``.
@@ -191,7 +202,7 @@ def paged_decode_attention(
         TritonUnavailableError: triton is not installed.
     """
     require_triton(_OP)
-    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     if meta.max_query_len != 1:
         raise KernelArgumentError(f"{_OP}: meta.max_query_len={meta.max_query_len}, the decode kernel needs 1")
     if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
@@ -223,9 +234,11 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        scale * _LOG2E,
+        scale if softcap is not None else scale * _LOG2E,  # with a cap the kernel converts to base 2 after tanh
         key_cache.shape[1],
         tokens_per_split,
+        sliding_window or 0,
+        softcap or 0.0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -245,6 +258,8 @@ def paged_decode_attention(
         SPLIT=splits > 1,
         DOT_DTYPE=dot_dtype(query.dtype, query.device),
         PRECISION=dot_precision(query.dtype, query.device),
+        SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=4,
     )
     if splits > 1:
@@ -262,4 +277,3 @@ def paged_decode_attention(
             num_warps=4 if head_dim >= 128 else 1,
         )
     return out
-

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.kernels._triton import require_triton
-from loraplex.kernels.activation import SILU_AND_MUL
+from loraplex.kernels.activation import GELU_TANH_AND_MUL, SILU_AND_MUL
 from loraplex.kernels.attention import PAGED_ATTENTION
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import LORA_EXPAND
@@ -39,6 +39,7 @@ OPS: tuple[Op, ...] = (
     RMS_NORM,
     ROTARY_EMBEDDING,
     SILU_AND_MUL,
+    GELU_TANH_AND_MUL,
     LORA_SHRINK,
     LORA_EXPAND,
     ADD_LORA,
@@ -69,6 +70,7 @@ class Kernels:
         self.rms_norm = RMS_NORM.select(backend)
         self.rotary_embedding = ROTARY_EMBEDDING.select(backend)
         self.silu_and_mul = SILU_AND_MUL.select(backend)
+        self.gelu_tanh_and_mul = GELU_TANH_AND_MUL.select(backend)
         self.lora_shrink = LORA_SHRINK.select(backend)
         self.lora_expand = LORA_EXPAND.select(backend)
         self.add_lora = ADD_LORA.select(backend)

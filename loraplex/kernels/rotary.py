@@ -5,14 +5,11 @@ Semantics: :data:`ROTARY_EMBEDDING` (``x1``, ``x2``: the halves of each head vec
 HF computes ``q*cos + rotate_half(q)*sin`` in the activation dtype with cos/sin
 already cast to it; the kernel reproduces those roundings (each product and the
 sum are rounded to the activation dtype), so bf16/fp16 results match HF.
-``compute_cos_sin_cache`` reproduces HF's ``inv_freq`` (default, "linear",
-"llama3") operation by operation, so fp32 results match HF.
+``compute_cos_sin_cache`` builds the table from inverse frequencies the caller
+takes from HF (``transformers.modeling_rope_utils``), as HF's rotary ``forward`` does.
 """
 
 from __future__ import annotations
-
-import math
-from typing import Any
 
 import torch
 
@@ -175,74 +172,45 @@ ROTARY_EMBEDDING = Op(
 )
 
 
-def compute_cos_sin_cache(
-    head_dim: int,
-    max_position: int,
-    base: float,
-    rope_scaling: dict[str, Any] | None = None,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """RoPE table ``[max_position, head_dim] fp32``: ``cache[p] = cat(cos(p * f), sin(p * f))``, ``f = inv_freq [D/2]``.
-
-    ``inv_freq`` is computed as HF transformers does.
-
-    ``rope_scaling`` follows HF's ``rope_scaling`` / ``rope_parameters`` dict:
-    ``None`` or ``rope_type`` "default" = plain RoPE; "linear" (``factor``,
-    positions divided by it, Chen et al. 2023 "position interpolation");
-    "llama3" (``factor``, ``low_freq_factor``, ``high_freq_factor``,
-    ``original_max_position_embeddings``, as HF ``_compute_llama3_parameters``).
-    The key ``type`` is accepted for ``rope_type`` (older HF configs).
+def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    """Plain RoPE inverse frequencies ``[D/2] fp32 = 1 / base ** (arange(0, D, 2) / D)``, op for op as HF's
+    default rope (other rope types: ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``).
 
     Raises:
-        KernelArgumentError: odd head_dim, non-positive sizes/base, unknown rope type or missing key.
+        KernelArgumentError: odd head_dim or non-positive base.
     """
     if head_dim < 2 or head_dim % 2:
-        raise KernelArgumentError(f"compute_cos_sin_cache: head_dim={head_dim}, expected an even number >= 2")
+        raise KernelArgumentError(f"rope_inv_freq: head_dim={head_dim}, expected an even number >= 2")
+    if not base > 0:
+        raise KernelArgumentError(f"rope_inv_freq: base={base}, expected > 0")
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+
+
+def compute_cos_sin_cache(
+    inv_freq: torch.Tensor,
+    max_position: int,
+    attention_scaling: float = 1.0,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """RoPE table ``[max_position, D] fp32 = cat(cos(p * inv_freq), sin(p * inv_freq)) * attention_scaling``.
+
+    Semantics: ``cache[p] = cat(cos(p * f), sin(p * f)) * s`` with ``f = inv_freq [D/2] fp32`` and
+    ``s = attention_scaling``, as HF's rotary embedding ``forward`` computes them in fp32
+    (``inv_freq``/``s`` from :func:`rope_inv_freq` or HF's ``ROPE_INIT_FUNCTIONS``).
+
+    Raises:
+        KernelArgumentError: ``inv_freq`` not 1-D fp32, or non-positive sizes.
+    """
+    check_dtype("compute_cos_sin_cache", "inv_freq", inv_freq, (torch.float32,))
+    check_shape("compute_cos_sin_cache", "inv_freq", inv_freq, (None,))
+    if inv_freq.shape[0] < 1:
+        raise KernelArgumentError("compute_cos_sin_cache: inv_freq is empty, expected [head_dim / 2]")
     if max_position < 1:
         raise KernelArgumentError(f"compute_cos_sin_cache: max_position={max_position}, expected >= 1")
-    if not base > 0:
-        raise KernelArgumentError(f"compute_cos_sin_cache: base={base}, expected > 0")
-    inv_freq = _inv_freq(head_dim, float(base), rope_scaling).to(device)
+    inv_freq = inv_freq.to(device)
     positions = torch.arange(max_position, device=device, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2], as HF's inv_freq @ position_ids
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
-
-
-def _inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
-    """HF's inverse frequencies ``[D/2] fp32``, op for op (``1 / base ** (arange(0, D, 2) / D)``)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-    rope_type = "default" if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if rope_type in ("default", None):
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(_param(rope_scaling, "factor"))
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise KernelArgumentError(
-        f"compute_cos_sin_cache: rope_scaling rope_type={rope_type!r}, expected 'default', 'linear' or 'llama3'"
-    )
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1 frequency scaling, transcribed from HF ``_compute_llama3_parameters``."""
-    factor = _param(rope_scaling, "factor")
-    low_freq_factor = _param(rope_scaling, "low_freq_factor")
-    high_freq_factor = _param(rope_scaling, "high_freq_factor")
-    old_context_len = _param(rope_scaling, "original_max_position_embeddings")
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
-
-
-def _param(rope_scaling: dict[str, Any], name: str) -> Any:
-    if name not in rope_scaling:
-        raise KernelArgumentError(f"compute_cos_sin_cache: rope_scaling={rope_scaling!r} lacks {name!r}")
-    value = rope_scaling[name]
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise KernelArgumentError(f"compute_cos_sin_cache: rope_scaling[{name!r}]={value!r}, expected a number > 0")
-    return value
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2], as HF's position_ids.float() * inv_freq
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return torch.cat((cos, sin), dim=-1).contiguous()

@@ -122,11 +122,7 @@ class AsyncEngine:
     @property
     def base_spec(self) -> BaseModelSpec:
         """The :class:`~loraplex.adapters.BaseModelSpec` uploads are validated against."""
-        from loraplex.adapters import BaseModelSpec
-
-        spec = self.engine.spec
-        return BaseModelSpec(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                             module_shapes=spec.module_shapes, architecture=spec.architecture)
+        return self.engine.spec.adapter_spec
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:

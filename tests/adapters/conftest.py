@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.adapters import LORA_MODULE_NAMES, BaseModelSpec
+from loraplex.adapters import BaseModelSpec
+from loraplex.adapters.spec import SPLIT_MODULE_NAMES
 
 TINY_LLAMA = dict(
     hidden_size=64,
@@ -25,7 +26,7 @@ TINY_LLAMA = dict(
     num_key_value_heads=2,
     vocab_size=256,
 )
-ALL_PROJ = list(LORA_MODULE_NAMES)
+ALL_PROJ = list(SPLIT_MODULE_NAMES)  # every LoRA-able module of a Llama
 
 
 def make_tiny_llama_config(**overrides: Any):

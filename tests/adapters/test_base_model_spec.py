@@ -5,18 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.adapters import LORA_MODULE_NAMES, BaseModelSpec
+from loraplex.adapters import BaseModelSpec
+from loraplex.adapters.spec import MODULE_PARENT
 
 SMALL = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4, vocab_size=64)
 
 
 def hf_module_shapes(model) -> dict[str, tuple[int, int]]:
+    """Every LoRA-able nn.Linear of HF's first decoder layer (q_proj.. or Phi-3's fused qkv_proj..)."""
     layer = model.model.layers[0]
     shapes = {}
-    for name in LORA_MODULE_NAMES:
-        parent = layer.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp
-        linear = getattr(parent, name)
-        shapes[name] = (linear.in_features, linear.out_features)
+    for name, parent in MODULE_PARENT.items():
+        linear = getattr(getattr(layer, parent), name, None)
+        if linear is not None:
+            shapes[name] = (linear.in_features, linear.out_features)
     return shapes
 
 
@@ -25,8 +27,13 @@ def hf_module_shapes(model) -> dict[str, tuple[int, int]]:
     [
         ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
         ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=None)),  # MHA: Hkv defaults to Hq
-        ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, head_dim=20)),  # head_dim != hidden/Hq
+        # head_dim != hidden/Hq
+        ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, head_dim=20, sliding_window=None)),
         ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+        ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+        ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=2, head_dim=24)),
+        ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=2, head_dim=24)),
+        ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0, eos_token_id=1)),  # fused
     ],
 )
 def test_shapes_match_hf_model(config_name, model_name, extra):
@@ -45,7 +52,8 @@ def test_shapes_match_hf_model(config_name, model_name, extra):
 def test_head_dim_is_used_when_present():
     from transformers import MistralConfig
 
-    spec = BaseModelSpec.from_hf_config(MistralConfig(**SMALL, num_key_value_heads=2, head_dim=20))
+    spec = BaseModelSpec.from_hf_config(MistralConfig(**SMALL, num_key_value_heads=2, head_dim=20,
+                                                      sliding_window=None))
     assert spec.module_shapes["q_proj"] == (48, 80)
     assert spec.module_shapes["k_proj"] == (48, 40)
     assert spec.module_shapes["o_proj"] == (80, 48)
@@ -54,7 +62,7 @@ def test_head_dim_is_used_when_present():
 def test_unsupported_architecture_refused():
     from transformers import GPT2Config
 
-    message = r"config.model_type='gpt2': unsupported; expected one of \['llama', 'mistral', 'qwen2'\]"
+    message = r"config.model_type='gpt2': unsupported; supported are gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"
     with pytest.raises(ValueError, match=message):
         BaseModelSpec.from_hf_config(GPT2Config())
 

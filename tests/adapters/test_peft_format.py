@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.adapters import LORA_MODULE_NAMES, AdapterInfo, load_peft_adapter, validate_adapter_dir
+from loraplex.adapters import AdapterInfo, load_peft_adapter, validate_adapter_dir
+from loraplex.adapters.spec import SPLIT_MODULE_NAMES
 
-ALL_PROJ = list(LORA_MODULE_NAMES)
+ALL_PROJ = list(SPLIT_MODULE_NAMES)  # every LoRA-able module of a Llama
 MAX_RANK = 16
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
 

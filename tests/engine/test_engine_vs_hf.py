@@ -35,13 +35,33 @@ def engine_greedy(llm: LLM, prompt_ids: list[list[int]], max_new_tokens: int) ->
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama_bias_dir",
+                                           "tiny_qwen3_window_dir"])
 def test_greedy_tokens_equal_hf(model_fixture, request):
     path = request.getfixturevalue(model_fixture)
     tok = AutoTokenizer.from_pretrained(str(path))
     prompt_ids = [tok.encode(p) for p in PROMPTS]
     llm = LLM(model=str(path), max_model_len=256, block_size=4, num_kv_blocks=256)
     assert engine_greedy(llm, prompt_ids, 24) == hf_greedy(path, prompt_ids, 24)
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 7])  # whole prompt, or chunks of 7 across the window
+def test_mistral_sliding_window_equals_hf(tiny_mistral_window_dir, max_num_batched_tokens):
+    """Issue 19: window 16 was ignored, and greedy tokens differed from HF on a 50-token prompt."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_mistral_window_dir))
+    gen = torch.Generator().manual_seed(19)
+    prompt = torch.randint(3, len(tok), (50,), generator=gen).tolist()
+    expected = hf_greedy(tiny_mistral_window_dir, [prompt], 24)
+    llm = LLM(model=str(tiny_mistral_window_dir), max_model_len=256, block_size=4, num_kv_blocks=256,
+              max_num_batched_tokens=max_num_batched_tokens)
+    assert llm.engine.spec.layer_windows == (16, 16)
+    assert engine_greedy(llm, [prompt], 24) == expected
+    # The window matters: the same weights with full causal attention continue differently.
+    full = AutoModelForCausalLM.from_pretrained(str(tiny_mistral_window_dir), torch_dtype=torch.float32,
+                                                sliding_window=None).eval()
+    with torch.no_grad():
+        unwindowed = full.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert unwindowed[0, 50:].tolist() != expected[0]
 
 
 def test_prompt_logprobs_equal_hf_logits(tiny_llama_dir):

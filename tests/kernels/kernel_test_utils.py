@@ -99,8 +99,11 @@ def make_paged_batch(
     return PagedBatch(key_cache, value_cache, meta, query, query_lens, seq_lens, tables, block_size)
 
 
-def naive_paged_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """Per-token, per-head float64 softmax over positions, reading the cache with Python block lookups."""
+def naive_paged_attention(batch: PagedBatch, scale: float, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
+    """Per-token, per-head float64 softmax over positions, reading the cache with Python block lookups;
+    with a sliding ``window`` a query at position p sees positions ``max(0, p - window + 1) .. p``; with
+    ``softcap`` the scores are ``softcap * tanh(scores / softcap)``."""
     q_all = batch.query.double().cpu()
     kc, vc = batch.key_cache.double().cpu(), batch.value_cache.double().cpu()
     num_q_heads, num_kv_heads = q_all.shape[1], kc.shape[2]
@@ -110,11 +113,14 @@ def naive_paged_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
     for q_len, seq_len, table in zip(batch.query_lens, batch.seq_lens, batch.block_tables):
         for i in range(q_len):
             pos = seq_len - q_len + i
-            blocks = [table[p // batch.block_size] for p in range(pos + 1)]
-            offsets = [p % batch.block_size for p in range(pos + 1)]
+            seen = range(0 if window is None else max(0, pos - window + 1), pos + 1)
+            blocks = [table[p // batch.block_size] for p in seen]
+            offsets = [p % batch.block_size for p in seen]
             k, v = kc[blocks, offsets], vc[blocks, offsets]  # [pos + 1, Hkv, D]
             for h in range(num_q_heads):
                 scores = (k[:, h // group] @ q_all[t, h]) * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 weights = torch.exp(scores - scores.max())
                 out[t, h] = (weights @ v[:, h // group]) / weights.sum()
             t += 1

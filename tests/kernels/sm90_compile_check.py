@@ -157,7 +157,7 @@ def _elementwise(dtype: torch.dtype) -> None:
     x = torch.zeros(8, 4096, dtype=dtype)
     rms_norm.RMS_NORM.triton(x, torch.ones(4096, dtype=dtype), 1e-5)
     rms_norm.RMS_NORM.triton(x, torch.ones(4096, dtype=dtype), 1e-5, x)
-    cache = rotary.compute_cos_sin_cache(128, 64, 500000.0)
+    cache = rotary.compute_cos_sin_cache(rotary.rope_inv_freq(128, 500000.0), 64)
     qkv = torch.zeros(8, 48 * 128, dtype=dtype)
     rotary.ROTARY_EMBEDDING.triton(
         torch.zeros(8, dtype=torch.int64), qkv[:, : 32 * 128], qkv[:, 32 * 128 : 40 * 128], cache, 128

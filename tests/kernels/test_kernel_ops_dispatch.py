@@ -20,7 +20,7 @@ REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
 def test_kernels_binds_every_registered_op_to_one_backend(kernel_device):
     assert [op.name for op in OPS] == [
         "reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding",
-        "silu_and_mul", "lora_shrink", "lora_expand", "add_lora",
+        "silu_and_mul", "gelu_tanh_and_mul", "lora_shrink", "lora_expand", "add_lora",
     ]
     for backend in BACKENDS:
         kernels = Kernels(backend)
@@ -74,14 +74,14 @@ def test_reference_kernels_run_every_op_on_cpu_without_triton():
         from loraplex.kernels import AttentionMetadata, LoRAMapping, TritonUnavailableError
         from loraplex.kernels.ops import Kernels
         from loraplex.kernels.rms_norm import RMS_NORM
-        from loraplex.kernels.rotary import compute_cos_sin_cache
+        from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq
         ops = Kernels("reference")
         meta = AttentionMetadata.build([2, 1], [2, 3], [[0], [1]], 4, "cpu")
         kc = torch.zeros(2, 4, 1, 8); vc = torch.zeros(2, 4, 1, 8)
         ops.reshape_and_cache(torch.randn(3, 1, 8), torch.randn(3, 1, 8), kc, vc, meta.slot_mapping)
         out = ops.paged_attention(torch.randn(3, 2, 8), kc, vc, meta, 8 ** -0.5)
         ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6)
-        cache = compute_cos_sin_cache(8, 16, 10000.0)
+        cache = compute_cos_sin_cache(rope_inv_freq(8, 10000.0), 16)
         ops.rotary_embedding(torch.arange(3), torch.randn(3, 16), torch.randn(3, 8), cache, 8)
         ops.silu_and_mul(torch.randn(3, 8))
         m = LoRAMapping.from_token_slots(torch.tensor([0, -1, 1], dtype=torch.int32))

@@ -128,11 +128,12 @@ def test_rotary_bf16_matches_hf(model):
         max_position_embeddings=32768,
         rope_parameters={**scaling, "rope_theta": 500000.0},
     )
-    cache = compute_cos_sin_cache(HEAD_DIM, 32768, 500000.0, scaling, device=CUDA)
+    rope = LlamaRotaryEmbedding(config)
+    cache = compute_cos_sin_cache(rope.inv_freq, 32768, rope.attention_scaling, device=CUDA)
     positions = torch.randint(0, 32768, (300,), device=CUDA)
     qkv = torch.randn(300, (hq + 2 * hkv) * HEAD_DIM, device=CUDA).to(BF16)
     query, key = qkv[:, : hq * HEAD_DIM], qkv[:, hq * HEAD_DIM : (hq + hkv) * HEAD_DIM]
-    cos, sin = LlamaRotaryEmbedding(config).to(CUDA)(query, positions[None])
+    cos, sin = rope.to(CUDA)(query, positions[None])
     q_hf, k_hf = apply_rotary_pos_emb(
         query.view(1, 300, hq, HEAD_DIM).transpose(1, 2), key.view(1, 300, hkv, HEAD_DIM).transpose(1, 2), cos, sin
     )

@@ -154,6 +154,75 @@ def test_reference_matches_naive(heads, dtype):
     assert (out[n:] == 0).all()
 
 
+# (query_len, seq_len) for sliding windows: prefills longer than the window and than a 16-token tile,
+# extends whose window starts inside the cached prefix, decode rows.
+WINDOW_MIXED = [(1, 1), (20, 20), (33, 33), (5, 40), (9, 26), (1, 30), (1, 7)]
+WINDOWS = [1, 5, 16]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliding_window_prefill_kernel_matches_naive(kernel_device, triton_kernels, window, dtype):
+    query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, dtype, kernel_device,
+                             num_padded_tokens=sum(query_lens) + 2)
+    out = triton_kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                         out=nan_like(batch.query), sliding_window=window)
+    n = batch.meta.num_actual_tokens
+    expected = naive_paged_attention(batch, _scale(), window)
+    assert_close(out[:n], expected[:n], dtype)
+    assert (out[n:] == 0).all()
+    assert not torch.allclose(expected[:n], naive_paged_attention(batch, _scale())[:n])  # the window matters
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_decode_kernel_matches_naive(kernel_device, window, num_splits):
+    seq_lens = [1, 4, 17, 40, 33]  # shorter than, equal to and longer than the window; splits before it stay empty
+    batch = make_paged_batch([1] * 5, seq_lens, 2, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    out = paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                 out=nan_like(batch.query), num_splits=num_splits, sliding_window=window)
+    assert_close(out, naive_paged_attention(batch, _scale(), window), torch.float32)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_reference_matches_naive(window):
+    query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    out = paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                              sliding_window=window)
+    assert_close(out, naive_paged_attention(batch, _scale(), window), torch.float32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcap_kernels_match_naive(kernel_device, triton_kernels, window):
+    """Gemma 2's attention logit soft-capping (a small cap, so that it changes the result), prefill and decode."""
+    cap = 0.5
+    query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    out = triton_kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                         sliding_window=window, softcap=cap)
+    expected = naive_paged_attention(batch, _scale(), window, cap)
+    assert_close(out, expected, torch.float32)
+    assert not torch.allclose(expected, naive_paged_attention(batch, _scale(), window), atol=1e-3)
+    assert_close(paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                     sliding_window=window, softcap=cap), expected, torch.float32)
+    decode = make_paged_batch([1] * 4, [1, 9, 30, 17], 2, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    out = paged_decode_attention(decode.query, decode.key_cache, decode.value_cache, decode.meta, _scale(),
+                                 num_splits=2, sliding_window=window, softcap=cap)
+    assert_close(out, naive_paged_attention(decode, _scale(), window, cap), torch.float32)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5])
+def test_bad_sliding_window_is_refused(window):
+    batch = make_paged_batch([2], [4], 1, 1, HEAD_DIM, 4, torch.float32, torch.device("cpu"))
+    with pytest.raises(KernelArgumentError, match=f"sliding_window={window!r}"):
+        paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), sliding_window=window)
+
+
 @pytest.mark.parametrize(
     ("mutate", "fragment"),
     [

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.rotary import compute_cos_sin_cache, rotary_embedding_ref
+from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq, rotary_embedding_ref
 
 HEAD_DIM, MAX_POS = 16, 96
 LLAMA3 = {
@@ -19,7 +19,8 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
-SCALINGS = {"default": None, "linear": {"rope_type": "linear", "factor": 4.0}, "llama3": LLAMA3}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+SCALINGS = {"default": None, "linear": {"rope_type": "linear", "factor": 4.0}, "llama3": LLAMA3, "yarn": YARN}
 
 
 def _hf_rope(head_dim: int, base: float, scaling: dict | None) -> LlamaRotaryEmbedding:
@@ -34,11 +35,17 @@ def _hf_rope(head_dim: int, base: float, scaling: dict | None) -> LlamaRotaryEmb
     return LlamaRotaryEmbedding(config)
 
 
+def hf_cache(head_dim: int, base: float, scaling: dict | None, device="cpu") -> torch.Tensor:
+    """The table as the engine builds it: HF's inverse frequencies and attention scaling."""
+    rope = _hf_rope(head_dim, base, scaling)
+    return compute_cos_sin_cache(rope.inv_freq, MAX_POS, rope.attention_scaling, device=device)
+
+
 @pytest.mark.parametrize("name", list(SCALINGS))
 @pytest.mark.parametrize("head_dim", [16, 128])
 def test_cos_sin_cache_is_hf_exactly(name, head_dim):
     base = 500000.0 if name == "llama3" else 10000.0
-    cache = compute_cos_sin_cache(head_dim, MAX_POS, base, SCALINGS[name])
+    cache = hf_cache(head_dim, base, SCALINGS[name])
     assert cache.shape == (MAX_POS, head_dim) and cache.dtype == torch.float32
     cos, sin = _hf_rope(head_dim, base, SCALINGS[name])(torch.zeros(1), torch.arange(MAX_POS)[None])
     half = head_dim // 2
@@ -47,8 +54,8 @@ def test_cos_sin_cache_is_hf_exactly(name, head_dim):
 
 
 def test_llama3_scaling_changes_only_low_frequencies():
-    plain = compute_cos_sin_cache(HEAD_DIM, MAX_POS, 500000.0)
-    scaled = compute_cos_sin_cache(HEAD_DIM, MAX_POS, 500000.0, LLAMA3)
+    plain = compute_cos_sin_cache(rope_inv_freq(HEAD_DIM, 500000.0), MAX_POS)
+    scaled = hf_cache(HEAD_DIM, 500000.0, LLAMA3)
     assert torch.equal(plain[:, 0], scaled[:, 0])  # highest frequency untouched
     assert not torch.equal(plain[:, HEAD_DIM // 2 - 1], scaled[:, HEAD_DIM // 2 - 1])
 
@@ -91,7 +98,7 @@ def _term_magnitude(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("scaling", ["default", "llama3"])
 def test_kernel_matches_hf(kernel_device, triton_kernels, scaling, dtype):
     base = 500000.0 if scaling == "llama3" else 10000.0
-    cache = compute_cos_sin_cache(HEAD_DIM, MAX_POS, base, SCALINGS[scaling], device=kernel_device)
+    cache = hf_cache(HEAD_DIM, base, SCALINGS[scaling], device=kernel_device)
     positions, qkv, query, key = _inputs(3, 1, dtype, kernel_device)
     expected_q, expected_k = _hf_apply(positions, query, key, scaling, HEAD_DIM)
     untouched = qkv[:, 4 * HEAD_DIM :].clone()
@@ -109,7 +116,7 @@ def test_kernel_matches_hf(kernel_device, triton_kernels, scaling, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_reference_is_hf_exactly(dtype):
-    cache = compute_cos_sin_cache(HEAD_DIM, MAX_POS, 500000.0, LLAMA3)
+    cache = hf_cache(HEAD_DIM, 500000.0, LLAMA3)
     positions, _, query, key = _inputs(4, 2, dtype, torch.device("cpu"))
     expected_q, expected_k = _hf_apply(positions, query, key, "llama3", HEAD_DIM)
     rotary_embedding_ref(positions, query, key, cache, HEAD_DIM)
@@ -118,7 +125,7 @@ def test_reference_is_hf_exactly(dtype):
 
 
 def test_bad_arguments_raise_typed_errors():
-    cache = compute_cos_sin_cache(HEAD_DIM, MAX_POS, 10000.0)
+    cache = compute_cos_sin_cache(rope_inv_freq(HEAD_DIM, 10000.0), MAX_POS)
     positions, _, query, key = _inputs(2, 1, torch.float32, torch.device("cpu"))
     with pytest.raises(KernelArgumentError, match="positions.dtype"):
         rotary_embedding_ref(positions.int(), query, key, cache, HEAD_DIM)
@@ -126,7 +133,7 @@ def test_bad_arguments_raise_typed_errors():
         rotary_embedding_ref(positions, query, key, cache, 15)
     with pytest.raises(KernelArgumentError, match="positions span"):
         rotary_embedding_ref(positions + MAX_POS, query, key, cache, HEAD_DIM)
-    with pytest.raises(KernelArgumentError, match="rope_type='yarn'"):
-        compute_cos_sin_cache(HEAD_DIM, MAX_POS, 10000.0, {"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(KernelArgumentError, match="lacks 'low_freq_factor'"):
-        compute_cos_sin_cache(HEAD_DIM, MAX_POS, 10000.0, {"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(KernelArgumentError, match="head_dim=15"):
+        rope_inv_freq(15, 10000.0)
+    with pytest.raises(KernelArgumentError, match="inv_freq.dtype"):
+        compute_cos_sin_cache(rope_inv_freq(HEAD_DIM, 10000.0).double(), MAX_POS)

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened
-token batch with a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, SmolLM2) over a
+flattened token batch with a paged KV cache.
 
 Inputs are flattened across requests, as in vLLM: ``input_ids [T]``,
 ``positions [T]`` and an :class:`~loraplex.kernels.AttentionMetadata` holding
@@ -7,100 +7,49 @@ per-sequence offsets, the block tables and the slot mapping. q/k/v and
 gate/up are fused into one matmul each at load time; LoRA is applied per
 output slice through the batched SGMV ops (Punica, Chen et al. 2023).
 
-Architecture reference: HF transformers ``modeling_llama.py`` /
-``modeling_qwen2.py`` (pre-norm, RMSNorm, RoPE, GQA, SwiGLU).
+Architecture reference: HF transformers ``modeling_llama.py`` / ``modeling_qwen2.py`` /
+``modeling_qwen3.py`` (per-head q/k RMSNorm) / ``modeling_phi3.py`` (fused projections):
+pre-norm, RMSNorm, RoPE, GQA, SwiGLU. What a checkpoint may ask for is decided by
+:class:`~loraplex.adapters.model_spec.ModelSpec`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.adapters.model_spec import ModelSpec
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.ops import Kernels
-from loraplex.kernels.rotary import compute_cos_sin_cache
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """Shapes of a Llama-family model, read once from ``config.json``."""
+def rope_cos_sin_cache(spec: ModelSpec, layer_type: str | None = None) -> torch.Tensor:
+    """The RoPE table ``[max_position_embeddings, head_dim] fp32`` of ``spec`` (of ``layer_type``'s
+    parameters for per-layer-type RoPE, Gemma 3), with HF's own inverse frequencies and attention scaling
+    (``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``) for every rope type but the default one
+    (:func:`~loraplex.kernels.rotary.rope_inv_freq`, the same formula).
 
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    eos_token_ids: tuple[int, ...]
+    Raises ``ValueError`` for a spec without its HF config (RoPE parameters live there).
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    @classmethod
-    def from_config_dict(cls, cfg: dict) -> "ModelSpec":
-        """Raises ``ValueError`` for an unsupported architecture."""
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"config.json architectures={arch!r}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_scaling = cfg.get("rope_scaling") or _rope_scaling_from_parameters(cfg.get("rope_parameters"))
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            eos_token_ids=eos_ids,
-        )
-
-    @classmethod
-    def from_folder(cls, path: Path) -> "ModelSpec":
-        return cls.from_config_dict(json.loads((Path(path) / "config.json").read_text()))
-
-    @property
-    def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """LoRA target module -> (in_features, out_features)."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-
-def _rope_scaling_from_parameters(params: dict | None) -> dict | None:
-    """transformers 5 stores rope scaling in ``rope_parameters``; default type means none."""
-    if not params or params.get("rope_type", "default") == "default":
-        return None
-    return dict(params)
+    config = spec.hf_config
+    if config is None:
+        raise ValueError("ModelSpec.hf_config is None: build the spec with ModelSpec.from_hf_config")
+    rope = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        inv_freq, attention_scaling = rope_inv_freq(spec.head_dim, float(rope["rope_theta"])), 1.0
+    elif layer_type is None:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+    return compute_cos_sin_cache(inv_freq.float(), spec.max_position_embeddings, float(attention_scaling))
 
 
 @dataclass
@@ -155,16 +104,32 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
+    """Self-attention over the paged KV cache: fused qkv matmul (+ LoRA), optional per-head q/k
+    RMSNorm (Qwen3), RoPE, cache write, paged attention (limited to ``sliding_window`` tokens when
+    set: Mistral, Phi-3, Qwen2/3 sliding layers), o_proj (+ LoRA).
+
+    LoRA slices: ``q_proj``/``k_proj``/``v_proj`` on split families, one ``qkv_proj`` on fused
+    ones (Phi-3, whose adapters target the fused module).
+    """
+
+    def __init__(self, spec: ModelSpec, sliding_window: int | None, dtype: torch.dtype, device: torch.device,
+                 kernels: Kernels) -> None:
         super().__init__()
         self.kernels = kernels
         d = spec.head_dim
+        self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
-        self.scale = d ** -0.5
-        self.qkv_proj = LinearWithLoRA(spec.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                       ["q_proj", "k_proj", "v_proj"], spec.attention_bias, dtype, device, kernels)
-        self.o_proj = LinearWithLoRA(self.q_size, [spec.hidden_size], ["o_proj"], False, dtype, device, kernels)
+        self.scale = spec.attn_scale
+        self.softcap = spec.attn_logit_softcapping
+        if spec.fused_projections:
+            sizes, names = [self.q_size + 2 * self.kv_size], ["qkv_proj"]
+        else:
+            sizes, names = [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"]
+        self.qkv_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.qkv_bias, dtype, device, kernels)
+        self.o_proj = LinearWithLoRA(self.q_size, [spec.hidden_size], ["o_proj"], spec.o_bias, dtype, device, kernels)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, kernels) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, kernels) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRABatch | None):
@@ -172,38 +137,60 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.contiguous(), k.contiguous()
+        if self.q_norm is not None:  # RMSNorm over each head's D values
+            q = self.q_norm(q.view(-1, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.view(-1, self.head_dim)).view(t, self.kv_size)
         self.kernels.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
         k_cache, v_cache = kv
         self.kernels.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
                                        v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache,
                                        meta.slot_mapping)
         q = q.view(t, self.num_heads, self.head_dim)
-        out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                           softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.q_size), lora)
 
 
 class MLP(nn.Module):
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` or GeGLU (``gelu_tanh``, Gemma) with gate/up fused (LoRA
+    slices ``gate_proj``/``up_proj``, or one ``gate_up_proj`` on fused families)."""
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
-        self.kernels = kernels
         i = spec.intermediate_size
-        self.gate_up_proj = LinearWithLoRA(spec.hidden_size, [i, i], ["gate_proj", "up_proj"], False, dtype, device,
-                                           kernels)
-        self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], False, dtype, device, kernels)
+        sizes, names = ([2 * i], ["gate_up_proj"]) if spec.fused_projections else ([i, i], ["gate_proj", "up_proj"])
+        self.gate_up_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.mlp_bias, dtype, device, kernels)
+        self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], spec.mlp_bias, dtype, device, kernels)
+        gelu = spec.activation == "gelu_pytorch_tanh"
+        self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: torch.device,
+                 kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, kernels)
-        self.self_attn = Attention(spec, dtype, device, kernels)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, kernels)
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype, device, kernels)
+        self.self_attn = Attention(spec, spec.layer_windows[layer_idx], dtype, device, kernels)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, kernels)
         self.mlp = MLP(spec, dtype, device, kernels)
+        self.sandwich = spec.gemma_norms
+        if self.sandwich:  # Gemma 2: norms before and after the MLP too; post_attention_layernorm is an output norm
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, device, kernels)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, kernels)
 
     def forward(self, hidden, residual, positions, cos_sin, kv, meta, lora):
+        """Llama: ``(hidden, residual)`` carried with the residual add fused into the next norm.
+        Sandwich (Gemma 2): ``h += post_attn_norm(attn(in_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))``,
+        residual stays None."""
+        if self.sandwich:
+            attn = self.self_attn(self.input_layernorm(hidden), positions, cos_sin, kv, meta, lora)
+            hidden = hidden + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+            return hidden + self.post_feedforward_layernorm(mlp), None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -220,7 +207,6 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids [T] int64, positions [T] int64, kv_caches, meta, lora) -> hidden [T, hidden] dtype``;
     ``compute_logits(hidden [B, hidden]) -> [B, vocab] float32``.
     ``kv_caches[l] = (k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-    ``kernels``: the ops of the backend chosen for the model's device, used by every layer.
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
@@ -228,28 +214,40 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device, kernels) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device, kernels) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, kernels)
         self.lm_head = (None if spec.tie_word_embeddings else
                         nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
                                      requires_grad=False))
-        self.register_buffer("cos_sin_cache", compute_cos_sin_cache(
-            spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling).to(device),
-            persistent=False)
+        # One RoPE table per distinct parameter set (Gemma 3: local and global), shared by the layers using it.
+        self.rope_keys = sorted(set(spec.layer_rope), key=str)
+        for i, key in enumerate(self.rope_keys):
+            self.register_buffer(f"cos_sin_cache_{i}", rope_cos_sin_cache(spec, key).to(device), persistent=False)
+        self.layer_rope_index = [self.rope_keys.index(key) for key in spec.layer_rope]
+        # HF Gemma: embeddings * tensor(sqrt(hidden_size)) cast to the weight dtype
+        self.embed_scale = (None if spec.embed_scale is None else
+                            torch.tensor(spec.embed_scale).to(dtype=dtype, device=device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 lora: LoRABatch | None = None) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv, meta, lora)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        caches = [getattr(self, f"cos_sin_cache_{i}") for i in range(len(self.rope_keys))]
+        for layer, kv, rope in zip(self.layers, kv_caches, self.layer_rope_index):
+            hidden, residual = layer(hidden, residual, positions, caches[rope], kv, meta, lora)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head (tied or not), then ``cap * tanh(logits / cap)`` with a final soft-cap (Gemma 2)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        logits = F.linear(hidden, head)
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def lora_linears(self) -> list[tuple[int, LinearWithLoRA]]:
         """Every LoRA-capable linear with its layer index."""

@@ -1,5 +1,6 @@
-"""Load HF safetensors checkpoints into :class:`LlamaForCausalLM`, fusing
-q/k/v and gate/up on the fly; or fill random weights for benchmarks."""
+"""Read a checkpoint's :class:`ModelSpec` (``transformers.AutoConfig``) and load its HF safetensors
+into :class:`LlamaForCausalLM`, fusing q/k/v and gate/up on the fly (Phi-3 checkpoints hold them
+fused already); or fill random weights for benchmarks."""
 
 from __future__ import annotations
 
@@ -10,19 +11,39 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraplex.engine.models.llama import LlamaForCausalLM, ModelSpec
+from loraplex.adapters.model_spec import ModelSpec
+from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.kernels.ops import Kernels
 
 logger = logging.getLogger(__name__)
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.?(.*)$")
-# HF projection -> (fused module attribute path, slice index)
-_FUSED = {
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_LAYER_RE = re.compile(rf"^model\.layers\.(\d+)\.(self_attn|mlp|{'|'.join(_LAYER_NORMS)})\.?(.*)$")
+# HF projection -> (our fused module attribute path, output-slice index), for split checkpoints ...
+_SPLIT = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", 0),
 }
+# ... and for fused ones (Phi-3).
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.qkv_proj", 0), "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_up_proj": ("mlp.gate_up_proj", 0), "mlp.down_proj": ("mlp.down_proj", 0),
+}
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+def load_model_spec(path: Path) -> ModelSpec:
+    """The :class:`ModelSpec` of the checkpoint folder ``path`` (its ``config.json`` through ``AutoConfig``).
+
+    Raises:
+        OSError: no readable ``config.json``.
+        UnsupportedModelError: an unsupported family or config field (the message names it).
+    """
+    from transformers import AutoConfig
+
+    return ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(path)))
 
 
 def build_model(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels,
@@ -45,7 +66,7 @@ def fill_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights with sane magnitudes (speed does not depend on values)."""
     gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):  # every RMSNorm weight
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
@@ -62,7 +83,7 @@ def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
             for name in f.keys():
                 if name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied embeddings saved twice
-                target = _target_for(name)
+                target = _target_for(name, model.spec)
                 if target is None or target not in expected:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.spec.architecture}")
                 _copy_into(model, target, f.get_tensor(name), name)
@@ -72,21 +93,28 @@ def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def _projections(spec: ModelSpec) -> dict[str, tuple[str, int]]:
+    return _FUSED if spec.fused_projections else _SPLIT
+
+
 def _expected_targets(model: LlamaForCausalLM) -> set[tuple[str, int]]:
+    spec = model.spec
     targets = {("embed_tokens", 0), ("norm.weight", 0)}
     if model.lm_head is not None:
         targets.add(("lm_head", 0))
-    for i in range(model.spec.num_layers):
-        for hf, (fused, idx) in _FUSED.items():
+    for i in range(spec.num_layers):
+        for fused, idx in _projections(spec).values():
             targets.add((f"layers.{i}.{fused}.weight", idx))
-            if model.spec.attention_bias and hf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            if model.get_submodule(f"layers.{i}.{fused}").bias is not None:
                 targets.add((f"layers.{i}.{fused}.bias", idx))
-        targets.add((f"layers.{i}.input_layernorm.weight", 0))
-        targets.add((f"layers.{i}.post_attention_layernorm.weight", 0))
+        if spec.qk_norm:
+            targets.update((f"layers.{i}.{norm}.weight", 0) for norm in _QK_NORMS)
+        norms = _LAYER_NORMS if spec.gemma_norms else _LAYER_NORMS[:2]
+        targets.update((f"layers.{i}.{norm}.weight", 0) for norm in norms)
     return targets
 
 
-def _target_for(name: str) -> tuple[str, int] | None:
+def _target_for(name: str, spec: ModelSpec) -> tuple[str, int] | None:
     """HF tensor name -> (our parameter path, output-slice index)."""
     if name == "model.embed_tokens.weight":
         return ("embed_tokens", 0)
@@ -98,10 +126,12 @@ def _target_for(name: str) -> tuple[str, int] | None:
     if not m:
         return None
     layer, kind, rest = m.groups()
-    if kind in ("input_layernorm", "post_attention_layernorm"):
+    if kind in _LAYER_NORMS:
         return (f"layers.{layer}.{kind}.weight", 0) if rest == "weight" else None
     proj, _, param = rest.partition(".")
-    fused = _FUSED.get(f"{kind}.{proj}")
+    if f"{kind}.{proj}" in _QK_NORMS:
+        return (f"layers.{layer}.{kind}.{proj}.weight", 0) if param == "weight" else None
+    fused = _projections(spec).get(f"{kind}.{proj}")
     if fused is None or param not in ("weight", "bias"):
         return None
     return (f"layers.{layer}.{fused[0]}.{param}", fused[1])
@@ -111,10 +141,12 @@ def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.T
     path, idx = target
     param = model.get_parameter(path)
     dest = param.data
-    if path.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
+    if path.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "gate_up_proj.bias")):
         lin = model.get_submodule(path.rsplit(".", 1)[0])
         start = sum(lin.out_sizes[:idx])
         dest = dest[start:start + lin.out_sizes[idx]]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    if model.spec.gemma_norms and path.endswith("norm.weight"):  # Gemma stores w - 1; HF adds 1 in fp32
+        tensor = 1.0 + tensor.float()
     dest.copy_(tensor.to(dest.dtype))
