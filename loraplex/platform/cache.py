@@ -98,9 +98,15 @@ class MemoryStore:
 
 
 class RedisStore:
-    """:class:`Store` backed by Redis, degrading to "no cache" while Redis is unreachable."""
+    """:class:`Store` backed by Redis, degrading to "no cache" while Redis is unreachable.
 
-    def __init__(self, url: str, *, retry_s: float = 5.0, timeout_s: float = 0.5) -> None:
+    ``clock`` (seconds, monotonic) times the ``retry_s`` window. Counters: ``redis_failures``
+    (operations that tried Redis and failed) and ``skipped_while_down`` (operations answered
+    without trying Redis because the retry window had not passed).
+    """
+
+    def __init__(self, url: str, *, retry_s: float = 5.0, timeout_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -115,6 +121,9 @@ class RedisStore:
         self._down_until = 0.0
         self._needs_flush = False
         self._lock = threading.Lock()
+        self._clock = clock
+        self.redis_failures = 0
+        self.skipped_while_down = 0
 
     def get(self, key: str) -> str | None:
         if key.startswith(CACHE_PREFIX):
@@ -152,7 +161,8 @@ class RedisStore:
         return bool(self._call(lambda c: c.ping(), default=False))
 
     def _call(self, op, *, default, fallback=None):
-        if self._down and time.monotonic() < self._down_until:
+        if self._down and self._clock() < self._down_until:
+            self.skipped_while_down += 1
             return fallback(self._fallback) if fallback else default
         try:
             if self._needs_flush:
@@ -176,8 +186,9 @@ class RedisStore:
     def _mark_down(self, exc: BaseException) -> None:
         with self._lock:
             was_up = not self._down
+            self.redis_failures += 1
             self._down = True
-            self._down_until = time.monotonic() + self._retry_s
+            self._down_until = self._clock() + self._retry_s
             self._needs_flush = True
         if was_up:
             logger.warning("Redis unavailable (%s): serving without cache, retrying every %.1f s",
