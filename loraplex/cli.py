@@ -30,6 +30,7 @@ import argparse
 import functools
 import importlib
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -191,10 +192,16 @@ def _cache_dir_default() -> Path:
 def _prepare_model(args: argparse.Namespace) -> int:
     name = canonical_demo_name(args.name)
     try:
-        DEMO_MODELS[name](cache_dir_of(args), force=args.force, progress=print)
+        DEMO_MODELS[name](cache_dir_of(args), force=args.force, progress=_stage_printer("prepare"))
     except ModuleNotFoundError as exc:
         return fail(str(exc))
     return 0
+
+
+def _stage_printer(label: str):
+    """``print`` with the seconds elapsed since this call: ``[prepare +12s] ...``."""
+    start = time.monotonic()
+    return lambda line: print(f"[{label} +{time.monotonic() - start:.0f}s] {line}", flush=True)
 
 
 def _list_models(args: argparse.Namespace) -> int:

