@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_adapters import ADAPTER_NAMES, EXAMPLES_DIR, chat_prompt, read_jsonl
 
 from loraplex.engine.demo_models import resolve_model
+from loraplex.platform.settings import Settings
 
 JSON_KEYS = frozenset({"answer", "confidence"})
 CONFIDENCE_LEVELS = frozenset({"high", "medium", "low"})
@@ -213,7 +214,8 @@ def format_table(replies: dict[str, list[str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="demo model name or HF folder (default: smollm2)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model "
+                        "(default: as the loraplex CLI: LORAPLEX_CACHE_DIR, else ./.cache in a checkout)")
     parser.add_argument("--adapters-dir", type=Path, default=EXAMPLES_DIR / "adapters")
     parser.add_argument("--heldout", type=Path, default=EXAMPLES_DIR / "data" / "heldout.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print every reply")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_with_adapters(resolve_model(args.model, args.cache_dir), args.adapters_dir, ADAPTER_NAMES)
+    model_dir = resolve_model(args.model, args.cache_dir or Settings().cache_dir)
+    model, tokenizer = load_with_adapters(model_dir, args.adapters_dir, ADAPTER_NAMES)
     questions = [row["question"] for row in read_jsonl(args.heldout)]
     replies = replies_by_model(model, tokenizer, questions, args.max_new_tokens)
     if args.show:
