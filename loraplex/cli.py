@@ -94,7 +94,7 @@ USER_ERROR_STATUS = 2
 
 
 def fail(message: str) -> int:
-    """Print ``error: <message>`` (first line only) to stderr; returns ``USER_ERROR_STATUS``."""
+    """Print ``error: <message>`` on one line (newlines collapsed) to stderr; returns ``USER_ERROR_STATUS``."""
     print(f"error: {' '.join(message.split())}", file=sys.stderr)
     return USER_ERROR_STATUS
 

@@ -119,7 +119,7 @@ def demo_up(args: argparse.Namespace) -> int:
         _say(f"loading {DEMO_MODEL} (max_model_len={settings.max_model_len})")
         app = create_app(settings, console=True)
         setup = provision(app.state.ctx, folders, admin_key=admin_key)
-    except (ValidationError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
+    except (ValidationError, ValueError, OSError, ModuleNotFoundError) as exc:
         return _fail(str(exc), admin_key)
     except PlatformError as exc:
         return _fail(exc.message, admin_key)
@@ -399,9 +399,11 @@ def _say(line: str) -> None:
 
 
 def _fail(message: str, admin_key: str | None) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    from loraplex.cli import fail
+
+    status = fail(message)
     _show_unprinted_admin_key(admin_key)
-    return 1
+    return status
 
 
 def _show_unprinted_tenant_key(tenant_key: str | None) -> None:

@@ -16,9 +16,9 @@ import gradio as gr
 from fastapi import FastAPI
 
 from loraplex.platform.context import PlatformContext
+from loraplex.platform.errors import Unauthenticated
 from loraplex.platform.services.adapters import MB
 from loraplex.ui import adapters_tab, playground_tab, stats_tab, tenants_tab, usage_tab
-from loraplex.platform.errors import Unauthenticated
 from loraplex.ui.session import ConsoleSession, SessionStore, check, login
 from loraplex.ui.stats_tab import StatsHistory
 from loraplex.ui.wiring import on

@@ -178,7 +178,7 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
             "checked files: adapter_config.json, adapter_model.safetensors")
         # Issue 15: the picker kept the checked files, so the next pick added to them ("got 4 files").
         # It is emptied after each check; picking the two files again and checking is fine.
-        expect(ui.element("upload-files")).not_to_contain_text("adapter_model.safetensors")
+        expect(ui.element("upload-files")).to_contain_text("Drop File Here")  # the empty picker
         ui.page.set_input_files("#upload-files input[type=file]", [str(peft_adapter_dir / n) for n in PEFT_FILES])
         expect(ui.element("upload-confirm")).to_be_disabled()  # a new choice needs a new check
         ui.page.click("#upload-check")
@@ -187,6 +187,7 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         ui.page.click("#upload-confirm")
         expect(ui.element("adapters-message")).to_contain_text("shouty version 1 stored")
         expect(ui.field("upload-name")).to_have_value("")  # the form is reset after the upload
+        expect(ui.element("upload-files")).to_contain_text("Drop File Here")
         expect(ui.element("upload-confirm")).to_be_disabled()
         expect(ui.element("adapters-table")).to_contain_text("in CPU cache")
 
