@@ -151,6 +151,8 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         ui.open()
         ui.sign_in(ADMIN_KEY)
         expect(ui.element("whoami")).to_contain_text("Signed in as admin")
+        for name in ("Tenants", "Adapters", "Cache & engine", "Playground"):
+            expect(ui.page.get_by_role("tab", name=name, exact=True)).to_be_visible()
 
         # Tenants: create one, then a key (shown once).
         ui.field("new-tenant-name").fill("acme")
@@ -303,6 +305,8 @@ def test_bad_inputs_show_the_service_message(console, live, tmp_path):
         ui.page.reload()
         expect(ui.element("whoami")).to_contain_text("Signed in as admin")
         expect(ui.element("tenants-table")).to_contain_text("globex")
+        for name in ("Tenants", "Adapters", "Cache & engine", "Playground"):
+            expect(ui.page.get_by_role("tab", name=name, exact=True)).to_be_visible()
         ui.field("new-tenant-name").fill("bad name")
         ui.page.click("#create-tenant")
         expect(ui.element("tenants-message")).to_contain_text("name='bad name': String should match pattern")
