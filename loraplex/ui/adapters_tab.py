@@ -196,9 +196,12 @@ def build(ctx: PlatformContext, state: gr.State) -> AdaptersTab:
 
     The upload form is reset after each check and each upload: the checked files move to
     ``pending`` (what "Upload" stores) and the file picker is emptied, so the next choice
-    starts afresh instead of adding to the previous files.
+    starts afresh instead of adding to the previous files. Every component, ``gr.State``
+    included, is created inside the tab: one created beside it would take a place in the tab bar
+    and push the next tab (Playground) out of it.
     """
     with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as tab:
+        pending = gr.State(None)  # the checked files, stored by "Upload" (inside the tab: see build's docstring)
         with gr.Row():
             tenant = gr.Dropdown(label="Tenant", choices=[], elem_id="adapters-tenant", scale=3)
             refresh_btn = gr.Button("Refresh", size="sm", scale=1)
@@ -222,8 +225,6 @@ def build(ctx: PlatformContext, state: gr.State) -> AdaptersTab:
                 confirm_text = gr.Markdown()
                 yes_btn = gr.Button("Yes, delete", variant="stop", elem_id="confirm-delete-adapter")
                 no_btn = gr.Button("Cancel")
-
-    pending = gr.State(None)  # the checked files, stored by "Upload"
 
     def check(session, tenant_name, adapter_name, paths):
         """(confirm button, file picker, pending files, report)."""

@@ -87,12 +87,6 @@ def resume(ctx: PlatformContext, sessions: SessionStore, token: str | None):
     return (*[gr.skip()] * 13, None)
 
 
-def _require_session(sessions: SessionStore, token: str | None) -> None:
-    """Stops the page-load chain (a silent ``gr.Error``) unless ``token`` is a live session."""
-    if sessions.resume(token) is None:
-        raise gr.Error("no console session to resume", visible=False, print_exception=False)
-
-
 def tenant_choices_for(ctx: PlatformContext, session: ConsoleSession | None, selected: str | None):
     """(tenant dropdown, message) for the Adapters / Playground tabs, refreshed when they open.
     The choice is left alone (the user may pick one meanwhile) unless its tenant is gone."""
@@ -141,12 +135,8 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
             signed_in.success(lambda session: sessions.issue(session) if session else None, [state], [browser_token],
                               api_visibility="private")
             on(signed_in.then, ctx, after_sign_in, [state], first_view)
-        # On page load, only when this browser holds a live session: a load event that merely
-        # skips the tab outputs still makes Gradio drop the Playground tab from the tab bar.
-        has_session = blocks.load(lambda token: _require_session(sessions, token), [browser_token], None,
-                                  api_visibility="private", show_progress="hidden")
-        resumed = has_session.success(lambda token: resume(ctx, sessions, token), [browser_token],
-                                      [*outputs, browser_token], api_visibility="private")
+        resumed = blocks.load(lambda token: resume(ctx, sessions, token), [browser_token], [*outputs, browser_token],
+                              api_visibility="private", show_progress="hidden")
         on(resumed.then, ctx, after_sign_in, [state], first_view)
         on(adapters.tab.select, ctx, tenant_choices_for, [state, adapters.tenant], [adapters.tenant, adapters.message],
            show_progress="hidden")
