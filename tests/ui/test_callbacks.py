@@ -315,7 +315,7 @@ def test_incompatible_adapter_is_refused_with_the_reason(ctx, tiny_llama_dir, tm
 
 def test_missing_files_and_names(ctx, peft_files):
     add_tenant(ctx, "acme")
-    with pytest.raises(InvalidRequest, match="choose an archive"):
+    with pytest.raises(InvalidRequest, match="choose one archive"):
         adapters_tab.check_upload(ctx, admin(), "acme", "x", None)
     with pytest.raises(InvalidRequest, match="name='bad name'"):
         adapters_tab.check_upload(ctx, admin(), "acme", "bad name", peft_files)
