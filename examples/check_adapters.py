@@ -6,7 +6,9 @@ Greedy generation with transformers + PEFT (the reference implementations,
 not loraplex's engine) on the questions of ``examples/data/heldout.jsonl``
 (none of them is in a training set), for the base model and each adapter.
 Each reply is scored by the three style checks below; the table gives the
-fraction of replies that pass each check. A good adapter scores >= 80% on its
+fraction of replies that pass each check. Content: of the questions whose base
+reply states the expected fact (``facts`` in heldout.jsonl), how many each
+adapter's reply states too (an adapter should change the style, not the content). A good adapter scores >= 80% on its
 own check; the base model scores near 0% on all three.
 """
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_adapters import ADAPTER_NAMES, EXAMPLES_DIR, chat_prompt, read_jsonl
 
 from loraplex.engine.demo_models import resolve_model
+from loraplex.platform.settings import Settings
 
 JSON_KEYS = frozenset({"answer", "confidence"})
 CONFIDENCE_LEVELS = frozenset({"high", "medium", "low"})
@@ -163,6 +166,24 @@ CHECKS = {"json-answer": is_json_answer, "french": is_french, "shouty": is_shout
 """Adapter name -> the style check its replies should pass."""
 
 
+def has_fact(reply: str, facts: list[str]) -> bool:
+    """True when ``reply`` states one of ``facts`` (lower-case words or word starts from
+    ``heldout.jsonl``; numbers and words of at most 2 letters must match whole)."""
+    text = reply.lower()
+    for fact in facts:
+        end = r"\b" if fact.isdigit() or len(fact) <= 2 else ""
+        if re.search(r"\b" + re.escape(fact) + end, text):
+            return True
+    return False
+
+
+def kept_content(base: list[str], adapter: list[str], facts: list[list[str] | None]) -> tuple[int, int]:
+    """``(kept, known)``: of the held-out questions whose base reply states the fact (``known``),
+    how many the adapter's reply states too."""
+    known = [i for i, f in enumerate(facts) if f and has_fact(base[i], f)]
+    return sum(has_fact(adapter[i], facts[i]) for i in known), len(known)
+
+
 def generate_replies(model, tokenizer, questions: list[str], max_new_tokens: int) -> list[str]:
     """Greedy replies (special tokens dropped, stripped) to one-turn chat questions, as one left-padded batch."""
     tokenizer.padding_side = "left"
@@ -213,7 +234,8 @@ def format_table(replies: dict[str, list[str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="demo model name or HF folder (default: smollm2)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model "
+                        "(default: as the loraplex CLI: LORAPLEX_CACHE_DIR, else ./.cache in a checkout)")
     parser.add_argument("--adapters-dir", type=Path, default=EXAMPLES_DIR / "adapters")
     parser.add_argument("--heldout", type=Path, default=EXAMPLES_DIR / "data" / "heldout.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -221,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print every reply")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_with_adapters(resolve_model(args.model, args.cache_dir), args.adapters_dir, ADAPTER_NAMES)
-    questions = [row["question"] for row in read_jsonl(args.heldout)]
+    model_dir = resolve_model(args.model, args.cache_dir or Settings().cache_dir)
+    model, tokenizer = load_with_adapters(model_dir, args.adapters_dir, ADAPTER_NAMES)
+    rows = read_jsonl(args.heldout)
+    questions = [row["question"] for row in rows]
+    facts = [row.get("facts") for row in rows]
     replies = replies_by_model(model, tokenizer, questions, args.max_new_tokens)
     if args.show:
         for model_name, texts in replies.items():
@@ -230,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{model_name}] {question} -> {text!r}")
     print(f"{len(questions)} held-out prompts, greedy, max_new_tokens={args.max_new_tokens}\n")
     print(format_table(replies))
+    print("\ncontent kept: of the held-out facts the base model states, how many each adapter states too")
+    for name in ADAPTER_NAMES:
+        kept, known = kept_content(replies["base"], replies[name], facts)
+        print(f"- {name}: {kept}/{known}")
     own = {name: pass_rates(replies[name])[name] for name in ADAPTER_NAMES}
     return 0 if all(rate >= 0.8 for rate in own.values()) else 1
 

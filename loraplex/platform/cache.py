@@ -187,7 +187,12 @@ return merged
 
 class RedisStore:
     """:class:`Store` backed by Redis, degrading to "no cache" while Redis is unreachable
-    (counters: see the module docstring)."""
+    (counters: see the module docstring).
+
+    ``clock`` (seconds, monotonic) times the ``retry_s`` window. Counters: ``redis_failures``
+    (operations that tried Redis and failed) and ``skipped_while_down`` (operations answered
+    without trying Redis because the retry window had not passed).
+    """
 
     def __init__(self, url: str, *, retry_s: float = 5.0, timeout_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -210,6 +215,9 @@ class RedisStore:
         self._merge = self._client.register_script(_MERGE_LUA)
         # counter key -> (local value when the outage began, ttl_s): counters changed in the fallback
         self._outage_base: dict[str, tuple[int, float]] = {}
+        self._clock = clock
+        self.redis_failures = 0
+        self.skipped_while_down = 0
 
     def get(self, key: str) -> str | None:
         if key.startswith(CACHE_PREFIX):
@@ -262,6 +270,7 @@ class RedisStore:
 
     def _call(self, op, *, default, fallback=None):
         if self._down and self._clock() < self._down_until:
+            self.skipped_while_down += 1
             return fallback(self._fallback) if fallback else default
         try:
             if self._needs_flush:
@@ -301,6 +310,7 @@ class RedisStore:
     def _mark_down(self, exc: BaseException) -> None:
         with self._lock:
             was_up = not self._down
+            self.redis_failures += 1
             self._down = True
             self._down_until = self._clock() + self._retry_s
             self._needs_flush = True

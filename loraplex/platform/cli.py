@@ -3,6 +3,7 @@
 
     loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags]
     loraplex tenant create NAME [--requests-per-minute N --tokens-per-minute N --max-adapters N --max-upload-mb X]
+    loraplex tenant list
     loraplex key create TENANT
     loraplex adapter upload TENANT NAME PATH [--model DIR_OR_DEMO]
     loraplex demo up [--host H --port P --cache-dir DIR --data-dir DIR]   (loraplex.platform.demo)
@@ -14,6 +15,9 @@ mounter; the platform never imports the console).
 Engine flags are named as vLLM's. Flags left out fall back to ``LORAPLEX_*``
 environment variables, then to defaults (``Settings``): every flag defaults
 to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
+Run in a source checkout, the storage defaults are ``make serve``'s (``.cache/data``,
+``.cache``; see ``Settings``), so these commands act on the demo server's registry.
+Errors print one ``error: ...`` line and exit with status 2 (``loraplex.cli.fail``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loraplex.cli import fail
 from loraplex.platform.demo import add_demo_command
 
 _S = argparse.SUPPRESS
@@ -55,6 +60,9 @@ def add_commands(subparsers: argparse._SubParsersAction, *, mount_console: Mount
     create.add_argument("--max-queue-time-s", type=float, default=None)
     _add_storage_flags(create)
     create.set_defaults(handler=_tenant_create)
+    listing = tenant.add_parser("list", help="list tenants (name, limits, adapter and key counts)")
+    _add_storage_flags(listing)
+    listing.set_defaults(handler=_tenant_list)
 
     key = subparsers.add_parser("key", help="manage tenant API keys").add_subparsers(
         dest="key_command", required=True, metavar="ACTION")
@@ -69,9 +77,12 @@ def add_commands(subparsers: argparse._SubParsersAction, *, mount_console: Mount
     upload.add_argument("tenant")
     upload.add_argument("name")
     upload.add_argument("path", type=Path)
-    upload.add_argument("--model", default=_S, help="base model to validate against (default: LORAPLEX_MODEL)")
+    upload.add_argument("--model", default=_S,
+                        help="base model to validate against: HF folder or demo model name such as smollm2 "
+                             "(default: LORAPLEX_MODEL)")
     upload.add_argument("--served-model-name", default=_S)
     upload.add_argument("--max-lora-rank", type=int, default=_S)
+    upload.add_argument("--cache-dir", type=Path, default=_S, help="prepared demo models (LORAPLEX_CACHE_DIR)")
     _add_storage_flags(upload)
     upload.set_defaults(handler=_adapter_upload)
 
@@ -134,8 +145,7 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 1
+    return fail(message)
 
 
 def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = None) -> int:
@@ -172,11 +182,14 @@ def _with_context(args: argparse.Namespace, action) -> int:
             result = action(ctx, session)
     except PlatformError as exc:
         return _fail(exc.message)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         return _fail(str(exc))
     finally:
         ctx.db.dispose()
-    print(json.dumps(result.model_dump(mode="json"), indent=2))
+    if isinstance(result, list):
+        print(json.dumps([item.model_dump(mode="json") for item in result], indent=2))
+    else:
+        print(json.dumps(result.model_dump(mode="json"), indent=2))
     return 0
 
 
@@ -187,6 +200,12 @@ def _tenant_create(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in _TENANT_FLAGS if getattr(args, k) is not None}
     return _with_context(args, lambda ctx, s: tenants.create_tenant(
         session=s, ctx=ctx, spec=TenantCreate(name=args.name, **fields)))
+
+
+def _tenant_list(args: argparse.Namespace) -> int:
+    from loraplex.platform.services import tenants
+
+    return _with_context(args, lambda ctx, s: tenants.list_tenants(session=s))
 
 
 def _key_create(args: argparse.Namespace) -> int:
@@ -201,9 +220,9 @@ def _adapter_upload(args: argparse.Namespace) -> int:
 
     def action(ctx, session):
         attach_model_spec(ctx)
-        owner = tenants.tenant_context(session=session, name=args.tenant)
         files = _open_parts(args.path)
         try:
+            owner = tenants.tenant_context(session=session, name=args.tenant)
             return adapters.upload_adapter(session=session, ctx=ctx, tenant=owner, name=args.name, parts=files)
         finally:
             for part in files:

@@ -108,7 +108,8 @@ def attach_model_spec(ctx: PlatformContext) -> None:
 
     settings = ctx.settings
     if not settings.model:
-        raise ValueError("Settings.model is not set: pass --model or set LORAPLEX_MODEL to validate adapters")
+        raise ValueError("no base model to validate the adapter against: pass --model (the demo server's is "
+                         "--model smollm2) or set LORAPLEX_MODEL")
     folder = resolve_model(settings.model, settings.cache_dir)
     ctx.base_spec = BaseModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder)))
     ctx.max_lora_rank = settings.max_lora_rank or EngineConfig.__dataclass_fields__["max_lora_rank"].default

@@ -3,7 +3,9 @@
 SQLite (a file under ``data_dir``) is the embedded default; PostgreSQL works
 through ``LORAPLEX_DATABASE_URL`` (``postgresql+psycopg://...``). The schema is
 owned by the Alembic migrations in ``<repo>/migrations`` and applied at start
-with :func:`upgrade_database`.
+with :func:`upgrade_database`; Alembic is imported only when a migration has to run
+(a database already at the newest revision costs one query, which keeps CLI calls fast).
+Migration files are named ``<revision id>.py`` with ids that sort in order (``0001_...``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 CONNECT_TIMEOUT_S = 5
@@ -67,6 +72,8 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
 
 def alembic_config(engine: sa.Engine) -> Config:
     """An Alembic config for ``engine`` using the repository's ``migrations/`` folder."""
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
@@ -76,9 +83,29 @@ def alembic_config(engine: sa.Engine) -> Config:
 
 def upgrade_database(engine: sa.Engine, revision: str = "head") -> None:
     """Apply migrations up to ``revision`` (idempotent)."""
+    if revision == "head" and current_revision(engine) == newest_migration_id():
+        return
+    from alembic import command
+
     command.upgrade(alembic_config(engine), revision)
+
+
+def newest_migration_id() -> str:
+    """Revision id of the newest migration file (file stems are the ids and sort in order)."""
+    return max(path.stem for path in (MIGRATIONS_DIR / "versions").glob("*.py"))
+
+
+def current_revision(engine: sa.Engine) -> str | None:
+    """The revision stored in ``alembic_version``; None for a database without migrations."""
+    with engine.connect() as connection:
+        if not sa.inspect(connection).has_table("alembic_version"):
+            return None
+        rows = connection.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all()
+    return rows[0] if len(rows) == 1 else None
 
 
 def downgrade_database(engine: sa.Engine, revision: str = "base") -> None:
     """Revert migrations down to ``revision`` (``base`` = empty database)."""
+    from alembic import command
+
     command.downgrade(alembic_config(engine), revision)

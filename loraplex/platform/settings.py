@@ -15,6 +15,30 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+CHECKOUT_CACHE_DIR = Path(".cache")
+"""Cache folder of ``make serve``, relative to a loraplex source checkout (git-ignored)."""
+
+
+def in_source_checkout(folder: Path | None = None) -> bool:
+    """True when ``folder`` (default: the working directory) is a loraplex source checkout,
+    i.e. holds the ``pyproject.toml`` of project ``loraplex``. There the storage defaults are
+    ``make serve``'s folders, so that CLI commands run in the repository act on the demo server."""
+    pyproject = (folder or Path.cwd()) / "pyproject.toml"
+    try:
+        return 'name = "loraplex"' in pyproject.read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+def default_data_dir() -> Path:
+    """``./.cache/data`` in a source checkout (as ``make serve``), else ``./data``."""
+    return (CHECKOUT_CACHE_DIR / "data").resolve() if in_source_checkout() else Path("data")
+
+
+def default_cache_dir() -> Path:
+    """``./.cache`` in a source checkout (as ``make serve``), else ``~/.cache/loraplex``."""
+    return CHECKOUT_CACHE_DIR.resolve() if in_source_checkout() else Path.home() / ".cache" / "loraplex"
+
 
 class Settings(BaseSettings):
     """Everything the server, the admin API and the CLI need to know."""
@@ -22,9 +46,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="forbid", validate_default=True)
 
     # --- storage -----------------------------------------------------------------------------
-    data_dir: Path = Field(Path("data"), description="Registry SQLite file and stored adapters live here.")
-    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "loraplex",
-                            description="Prepared models (e.g. SmolLM2) live here.")
+    data_dir: Path = Field(default_factory=default_data_dir,
+                           description="Registry SQLite file and stored adapters live here.")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Prepared models (e.g. SmolLM2) live here.")
     database_url: str | None = Field(
         None, description="SQLAlchemy URL; None = SQLite file `<data_dir>/registry.db`.")
     redis_url: str | None = Field(

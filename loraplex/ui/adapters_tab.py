@@ -29,15 +29,18 @@ from loraplex.platform.services import adapters as adapter_service
 from loraplex.platform.services.stats import engine_stats
 from loraplex.platform.services.uploads import UploadPart
 from loraplex.ui import services
-from loraplex.ui.format import format_bytes, format_time, ok_text
+from loraplex.ui.format import error_text, format_bytes, format_time, ok_text
 from loraplex.ui.session import ConsoleSession, acting_tenant, check
-from loraplex.ui.wiring import on, with_error_message
+from loraplex.ui.wiring import SERVICE_ERRORS, on
 
 ADAPTER_COLUMNS = ["adapter", "version", "rank", "alpha", "target modules", "size", "status", "uploaded (UTC)",
                    "version id"]
 Progress = Callable[..., object]
 logger = logging.getLogger(__name__)
 INVALIDATE_JS = "() => [{__type__: 'update', interactive: false}, '']"  # (confirm button, report)
+UPLOAD_FIELDS = {"file": "the chosen files", "files": "the chosen files", "name": "the adapter name"}
+"""The upload service's field names in the upload form's own words (for error messages)."""
+CHOOSE_FILES = "choose one archive (.zip, .tar.gz) or the two files adapter_config.json and adapter_model.safetensors"
 
 
 def _no_progress(fraction: float, desc: str | None = None) -> None:
@@ -94,9 +97,11 @@ def refresh(ctx: PlatformContext, session: ConsoleSession | None, tenant_name: s
 def open_parts(paths: Sequence[str] | str | None) -> Iterator[list[UploadPart]]:
     """The chosen files as upload parts (file name, content type guessed from it, size); closed on exit."""
     if not paths:
-        raise InvalidRequest("choose an archive (.zip, .tar.gz) or the two files adapter_config.json and "
-                             "adapter_model.safetensors", param="file")
+        raise InvalidRequest(CHOOSE_FILES, param="file")
     paths = [paths] if isinstance(paths, str) else list(paths)
+    if len(paths) > 2:
+        names = ", ".join(Path(p).name for p in paths)
+        raise InvalidRequest(f"{CHOOSE_FILES}; {len(paths)} files were chosen ({names})", param="files")
     with contextlib.ExitStack() as stack:
         parts = []
         for path in map(Path, paths):
@@ -193,8 +198,16 @@ class AdaptersTab:
 
 
 def build(ctx: PlatformContext, state: gr.State) -> AdaptersTab:
-    """The Adapters tab's components and events."""
+    """The Adapters tab's components and events.
+
+    The upload form is reset after each check and each upload: the checked files move to
+    ``pending`` (what "Upload" stores) and the file picker is emptied, so the next choice
+    starts afresh instead of adding to the previous files. Every component, ``gr.State``
+    included, is created inside the tab: one created beside it would take a place in the tab bar
+    and push the next tab (Playground) out of it.
+    """
     with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as tab:
+        pending = gr.State(None)  # the checked files, stored by "Upload" (inside the tab: see build's docstring)
         with gr.Row():
             tenant = gr.Dropdown(label="Tenant", choices=[], elem_id="adapters-tenant", scale=3)
             refresh_btn = gr.Button("Refresh", size="sm", scale=1)
@@ -219,18 +232,36 @@ def build(ctx: PlatformContext, state: gr.State) -> AdaptersTab:
                 yes_btn = gr.Button("Yes, delete", variant="stop", elem_id="confirm-delete-adapter")
                 no_btn = gr.Button("Cancel")
 
+    def check(session, tenant_name, adapter_name, paths):
+        """(confirm button, file picker, pending files, report)."""
+        try:
+            button, text = check_upload(ctx, session, tenant_name, adapter_name, paths)
+        except SERVICE_ERRORS as exc:
+            return gr.update(interactive=False), None, None, error_text(exc, UPLOAD_FIELDS)
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        text += "\n- checked files: " + ", ".join(f"`{Path(p).name}`" for p in paths)
+        return button, None, paths, text
+
     def confirm(session, tenant_name, adapter_name, paths, progress=gr.Progress()):  # noqa: B008
-        # Wired by hand: Gradio injects the progress tracker only into a parameter it can see.
-        return with_error_message(4, confirm_upload, ctx, session, tenant_name, adapter_name, paths, progress)
+        """(table, adapter dropdown, confirm button, message, file picker, pending, name, report).
+        Wired by hand: Gradio injects the progress tracker only into a parameter it can see."""
+        reset = (None, None, "", "")
+        try:
+            return (*confirm_upload(ctx, session, tenant_name, adapter_name, paths, progress), *reset)
+        except SERVICE_ERRORS as exc:
+            return (gr.skip(), gr.skip(), gr.update(interactive=False), error_text(exc, UPLOAD_FIELDS), *reset)
 
     on(refresh_btn.click, ctx, refresh, [state, tenant], [table, adapter, message])
     on(tab.select, ctx, refresh, [state, tenant], [table, adapter, message])
     on(tenant.change, ctx, refresh, [state, tenant], [table, adapter, message])
-    for changed in (name.change, files.change):  # in the browser, at once: a new choice needs a new check
+    # In the browser, at once: a new choice needs a new check (user actions only: the resets
+    # below change the picker too).
+    for changed in (name.input, files.upload, files.clear, files.delete):
         changed(None, outputs=[confirm_btn, report], js=INVALIDATE_JS)
-    on(check_btn.click, ctx, check_upload, [state, tenant, name, files], [confirm_btn, report])
-    confirm_btn.click(confirm, [state, tenant, name, files], [table, adapter, confirm_btn, message],
-                      api_visibility="private")
+    check_btn.click(check, [state, tenant, name, files], [confirm_btn, files, pending, report],
+                    api_visibility="private")
+    confirm_btn.click(confirm, [state, tenant, name, pending],
+                      [table, adapter, confirm_btn, message, files, pending, name, report], api_visibility="private")
     on(delete_btn.click, ctx, ask_delete, [state, tenant, adapter], [confirm_row, confirm_text, message])
     no_btn.click(lambda: gr.update(visible=False), outputs=[confirm_row], api_visibility="private")
     on(yes_btn.click, ctx, delete_adapter, [state, tenant, adapter], [table, adapter, confirm_row, message])

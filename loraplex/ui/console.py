@@ -6,7 +6,8 @@
 The console holds no logic of its own: every callback calls the platform's
 service functions with ``app.state.ctx`` (the :class:`PlatformContext` the
 REST routes use). Sign-in asks for a key: the admin key opens every tab; a
-tenant API key opens that tenant's Adapters, Playground and Usage tabs.
+tenant API key opens that tenant's Adapters, Playground and Usage tabs. A page
+reload keeps the session (``session.SessionStore``) until "Sign out" or its lifetime ends.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import gradio as gr
 from fastapi import FastAPI
 
 from loraplex.platform.context import PlatformContext
+from loraplex.platform.errors import Unauthenticated
 from loraplex.platform.services.adapters import MB
 from loraplex.ui import adapters_tab, playground_tab, stats_tab, tenants_tab, usage_tab
 from loraplex.ui.gate import install_gate
-from loraplex.ui.session import ConsoleSession, login
+from loraplex.ui.session import ConsoleSession, SessionStore, check, login
 from loraplex.ui.stats_tab import StatsHistory
 from loraplex.ui.wiring import on
 
@@ -44,7 +46,11 @@ def sign_in(ctx: PlatformContext, key: str | None):
 
     Raises ``Unauthenticated`` with the platform's message for a wrong key.
     """
-    session = login(ctx, key)
+    return signed_in_view(ctx, login(ctx, key))
+
+
+def signed_in_view(ctx: PlatformContext, session: ConsoleSession):
+    """The outputs of :func:`sign_in` for an open ``session``."""
     admin = session.is_admin
     who = "**admin**" if admin else f"tenant **{session.tenant_name}**"
     model = f" — serving `{ctx.model_id}`" if ctx.model_id else " — no model loaded (admin API only)"
@@ -63,10 +69,23 @@ def _tenant_dropdown(ctx: PlatformContext, session: ConsoleSession) -> dict:
 
 
 def after_sign_in(ctx: PlatformContext, session: ConsoleSession | None):
-    """(tenants table, message): the admin's first view."""
+    """(tenants table, "Edit a tenant" dropdown, message): the admin's first view."""
     if session is None or not session.is_admin:
-        return gr.skip(), ""
-    return tenants_tab.tenants_table(ctx, session), ""
+        return gr.skip(), gr.skip(), ""
+    return tenants_tab.refresh(ctx, session, None)
+
+
+def resume(ctx: PlatformContext, sessions: SessionStore, token: str | None):
+    """On page load: the outputs of :func:`sign_in` for the session the browser's token still
+    holds (its key checked again), plus the token to keep (None when it is no longer valid:
+    the login form stays)."""
+    session = sessions.resume(token)
+    if session is not None:
+        try:
+            return (*signed_in_view(ctx, check(ctx, session)), token)
+        except Unauthenticated:
+            sessions.end(token)
+    return (*[gr.skip()] * 13, None)
 
 
 def tenant_choices_for(ctx: PlatformContext, session: ConsoleSession | None, selected: str | None):
@@ -91,10 +110,12 @@ def _session_js(path: str) -> tuple[str, str]:
 
 
 def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
-                  history: StatsHistory | None = None, path: str = CONSOLE_PATH) -> gr.Blocks:
-    """The console's ``gr.Blocks`` over ``ctx`` (stats plots keep ``history``, default: the last 5 minutes),
-    for mounting at ``path``."""
+                  history: StatsHistory | None = None, path: str = CONSOLE_PATH,
+                  sessions: SessionStore | None = None) -> gr.Blocks:
+    """The console's ``gr.Blocks`` over ``ctx`` for mounting at ``path`` (stats plots keep ``history``,
+    default: the last 5 minutes; sign-ins survive page reloads through ``sessions``)."""
     history = history or StatsHistory(window_s=300.0, min_interval_s=min(1.0, refresh_s))
+    sessions = sessions or SessionStore()
     sign_in_js, sign_out_js = _session_js(path)
     # Uploaded files wait in Gradio's cache: delete them once older than console_file_lifetime_s
     # (checked every half of it, so none lives longer than 1.5 times it).
@@ -102,6 +123,8 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
     with gr.Blocks(title="loraplex console", analytics_enabled=False,
                    delete_cache=(max(1, lifetime_s // 2), lifetime_s)) as blocks:
         state = gr.State(None)
+        # The sign-in token of this browser (see session.SessionStore), kept across page reloads.
+        browser_token = gr.BrowserState(None, storage_key="loraplex-console-session")
         gr.Markdown("## loraplex console")
         with gr.Column(visible=True, elem_id="login-panel") as login_panel:
             key = gr.Textbox(label="Admin key or tenant API key", type="password", elem_id="login-key",
@@ -121,14 +144,21 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
 
         outputs = [state, login_panel, main_panel, whoami, key, tenants.tab, stats.tab, usage.tab, tabs, stats.timer,
                    adapters.tenant, playground.tenant, login_message]
+        first_view = [tenants.table, tenants.selected, tenants.message]
         for event in (login_btn.click, key.submit):
             signed_in = on(event, ctx, sign_in, [key], outputs, js=sign_in_js)
-            on(signed_in.then, ctx, after_sign_in, [state], [tenants.table, tenants.message])
+            signed_in.success(lambda session: sessions.issue(session) if session else None, [state], [browser_token],
+                              api_visibility="private")
+            on(signed_in.then, ctx, after_sign_in, [state], first_view)
+        resumed = blocks.load(lambda token: resume(ctx, sessions, token), [browser_token], [*outputs, browser_token],
+                              api_visibility="private", show_progress="hidden")
+        on(resumed.then, ctx, after_sign_in, [state], first_view)
         on(adapters.tab.select, ctx, tenant_choices_for, [state, adapters.tenant], [adapters.tenant, adapters.message],
            show_progress="hidden")
         on(playground.tab.select, ctx, tenant_choices_for, [state, playground.tenant],
            [playground.tenant, playground.status], show_progress="hidden")
-        logout_btn.click(None, js=sign_out_js)
+        logout_btn.click(lambda token: sessions.end(token), [browser_token], [browser_token],
+                         api_visibility="private").then(None, js=sign_out_js)  # closes the gate's session, reloads
     blocks.queue(default_concurrency_limit=16)
     return blocks
 

@@ -12,15 +12,20 @@ ERROR_MARK = "**Error:**"
 OK_MARK = "✓"
 
 
-def error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException, fields: dict[str, str] | None = None) -> str:
     """One Markdown line for a service error: its message and the offending field.
 
-    ``PlatformError`` -> its message (and ``param``); ``pydantic.ValidationError`` -> each
+    ``PlatformError`` -> its message (and ``param``, or the form's own words for it:
+    ``fields`` maps an API field name to a phrase such as "the chosen files", shown as
+    "(check the chosen files)"); ``pydantic.ValidationError`` -> each
     failing field with its value. Anything else is not expected here and is re-raised by
     the caller (Gradio then shows the exception's message, never a stack trace).
     """
     if isinstance(exc, PlatformError):
-        field = f" (field `{exc.param}`)" if exc.param else ""
+        if fields and exc.param in fields:
+            field = f" (check {fields[exc.param]})"
+        else:
+            field = f" (field `{exc.param}`)" if exc.param else ""
         return f"{ERROR_MARK} {exc.message}{field}"
     if isinstance(exc, ValidationError):
         parts = []

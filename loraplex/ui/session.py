@@ -4,10 +4,19 @@ The key typed at login is kept in the browser session's server-side state
 (``gr.State`` never leaves the server) and checked again by every callback
 through the platform's own authentication services, so a revoked key or a
 deleted tenant loses access at its next click.
+
+A page reload keeps the session for its lifetime (``SESSION_LIFETIME_S``, or until
+"Sign out"): :class:`SessionStore` hands out a random token per sign-in, which the
+browser keeps (``gr.BrowserState``, encrypted in localStorage); the key itself
+never leaves the server. Tokens live in the server's memory: a restart signs everyone out.
 """
 
 from __future__ import annotations
 
+import secrets
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -78,3 +87,49 @@ def acting_tenant(ctx: PlatformContext, session: ConsoleSession | None, tenant_n
     if tenant_name and tenant_name != session.tenant_name:
         raise NotFound(f"tenant {tenant_name!r} does not exist", param="tenant")
     return tenant_service.authenticate_tenant(ctx=ctx, token=session.key)
+
+
+SESSION_LIFETIME_S = 12 * 3600.0
+"""How long a console sign-in survives page reloads (the key is still checked at every click)."""
+
+
+class SessionStore:
+    """Console sessions by token, each valid ``lifetime_s`` after sign-in (``clock``: seconds)."""
+
+    def __init__(self, lifetime_s: float = SESSION_LIFETIME_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lifetime_s = lifetime_s
+        self._clock = clock
+        self._sessions: dict[str, tuple[ConsoleSession, float]] = {}
+        self._lock = threading.Lock()
+
+    def issue(self, session: ConsoleSession) -> str:
+        """A new token (43 URL-safe characters) for ``session``."""
+        token = secrets.token_urlsafe(32)
+        with self._lock:
+            self._drop_expired()
+            self._sessions[token] = (session, self._clock() + self.lifetime_s)
+        return token
+
+    def resume(self, token: str | None) -> ConsoleSession | None:
+        """The session of ``token``; None for an unknown, ended or expired token."""
+        if not isinstance(token, str):
+            return None
+        with self._lock:
+            self._drop_expired()
+            entry = self._sessions.get(token)
+        return entry[0] if entry else None
+
+    def end(self, token: str | None) -> None:
+        """Forget ``token`` (sign out)."""
+        with self._lock:
+            self._sessions.pop(token or "", None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._drop_expired()
+            return len(self._sessions)
+
+    def _drop_expired(self) -> None:
+        now = self._clock()
+        for token in [t for t, (_, expires) in self._sessions.items() if expires <= now]:
+            del self._sessions[token]

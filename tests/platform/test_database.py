@@ -93,3 +93,20 @@ def test_generated_admin_key_is_printed_once_and_only_its_hash_stored(database_u
         authenticate_admin(ctx=ctx, token=key + "x")
     ctx.db.dispose()
     again.db.dispose()
+
+
+def test_newest_migration_file_is_alembics_head(database_url, tmp_path):
+    """The fast path of ``upgrade_database`` (no Alembic import when the database is current)
+    relies on file stems being the revision ids, in order: check it against Alembic itself."""
+    from alembic.script import ScriptDirectory
+
+    from loraplex.platform.db import alembic_config, current_revision, newest_migration_id
+
+    engine = make_db_engine(database_url or f"sqlite:///{tmp_path / 'r.db'}")
+    try:
+        assert current_revision(engine) is None
+        upgrade_database(engine)
+        head = ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
+        assert newest_migration_id() == head == current_revision(engine) == "0001_create_registry_tables"
+    finally:
+        engine.dispose()

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
 import time
 
 import httpx
@@ -22,6 +25,56 @@ def wait_idle(live, timeout_s: float = 15.0) -> dict:
         time.sleep(0.05)
 
 
+class StepGate:
+    """Holds the engine after ``steps`` steps until the server has aborted every request.
+
+    Makes the disconnect tests independent of machine speed: no request can finish (or run
+    on) while its client goes away; ``reached`` tells the test when to leave. Wraps the
+    engine's ``step`` (engine thread); while holding, it runs the commands the server
+    submits (an abort is one) on the engine thread, as the engine loop would between steps.
+    """
+
+    def __init__(self, async_engine, steps: int) -> None:
+        self.async_engine = async_engine
+        self.llm_engine = async_engine.engine
+        self.steps = steps
+        self.taken = 0
+        self.reached = threading.Event()
+        self.aborted = threading.Event()
+        self._submitted = threading.Event()
+        self._step = self.llm_engine.step
+        self._submit = async_engine._submit
+        self.llm_engine.step = self.step
+        async_engine._submit = self.submit
+
+    def step(self):
+        if self.taken == self.steps:
+            self.reached.set()
+            while self.llm_engine.has_unfinished_requests():
+                assert self._submitted.wait(60), "the server never aborted the request"
+                self._submitted.clear()
+                self.async_engine._run_commands()
+            self.aborted.set()
+        self.taken += 1
+        return self._step()
+
+    def submit(self, fn):
+        future = self._submit(fn)
+        self._submitted.set()
+        return future
+
+    def close(self) -> None:
+        self.llm_engine.step = self._step
+        self.async_engine._submit = self._submit
+
+
+def http_request(live, key: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    host = live.url.removeprefix("http://")
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+
+
 def test_disconnect_mid_stream_frees_blocks_and_slot_pins(serve, tiny_llama_dir, tmp_path):
     live = serve()
     key = new_tenant(live, "acme")
@@ -30,32 +83,43 @@ def test_disconnect_mid_stream_frees_blocks_and_slot_pins(serve, tiny_llama_dir,
         assert admin.post("/admin/tenants/acme/adapters", data={"name": "poet"},
                           files={"file": ("a.zip", zip_bytes(adapter_members(adapter)), "application/zip")}
                           ).status_code == 201
-    max_tokens = 400
+    max_tokens, gate_steps = 400, 8
+    before = wait_idle(live)["generated_tokens_total"]
     for model in ("tiny", "poet"):
         body = {"model": model, "prompt": "The quick brown fox " * 4, "max_tokens": max_tokens, "stream": True,
                 "ignore_eos": True}
-        with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                lines = response.iter_lines()
-                received = [next(lines) for _ in range(4)]
-                assert all(line.startswith("data: {") or line == "" for line in received)
-            # leaving the block closes the connection mid-stream
+        gate = StepGate(live.ctx.engine, gate_steps)
+        try:
+            with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    lines = response.iter_lines()
+                    received = [next(lines) for _ in range(4)]
+                    assert all(line.startswith("data: {") or line == "" for line in received)
+                    assert gate.reached.wait(60)
+                # leaving the block closes the connection mid-stream
+            assert gate.aborted.wait(60)
+        finally:
+            gate.close()
         stats = wait_idle(live)
         assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0, stats
         assert all(slot["pin_count"] == 0 for slot in stats["lora"]["slots"])
-    # it really stopped early: far fewer tokens than two full requests
-    assert stats["generated_tokens_total"] < 2 * max_tokens - 50
+        # it stopped where the client left: at most one step after the gate (+1 for the prefill's token)
+        assert stats["generated_tokens_total"] - before <= gate_steps + 2
+        before = stats["generated_tokens_total"]
     # a non-streamed request whose client gives up is aborted too
-    before = stats["generated_tokens_total"]
     body = {"model": "poet", "prompt": "Paris", "max_tokens": max_tokens, "ignore_eos": True}
+    gate = StepGate(live.ctx.engine, gate_steps)
     try:
-        httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=0.5)
-    except httpx.TimeoutException:
-        pass
+        with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1]))) as sock:
+            sock.sendall(http_request(live, key, body))
+            assert gate.reached.wait(60)
+        assert gate.aborted.wait(60)
+    finally:
+        gate.close()
     stats = wait_idle(live)
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
-    assert stats["generated_tokens_total"] - before < max_tokens - 50
+    assert stats["generated_tokens_total"] - before <= gate_steps + 2
     with live.admin() as admin:
         assert admin.get("/admin/stats").json()["engine"]["kv_blocks_used"] == 0
 

@@ -152,6 +152,8 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         ui.open()
         ui.sign_in(ADMIN_KEY)
         expect(ui.element("whoami")).to_contain_text("Signed in as admin")
+        for name in ("Tenants", "Adapters", "Cache & engine", "Playground"):
+            expect(ui.page.get_by_role("tab", name=name, exact=True)).to_be_visible()
 
         # Tenants: create one, then a key (shown once).
         ui.field("new-tenant-name").fill("acme")
@@ -182,8 +184,21 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
         expect(ui.element("upload-report")).to_contain_text("valid PEFT LoRA adapter")
         expect(ui.element("upload-report")).to_contain_text("rank 8 (server max 8), alpha 16")
         expect(ui.element("upload-report")).to_contain_text("targets: q_proj, v_proj, o_proj in 2 layer(s)")
+        expect(ui.element("upload-report")).to_contain_text(
+            "checked files: adapter_config.json, adapter_model.safetensors")
+        # Issue 15: the picker kept the checked files, so the next pick added to them ("got 4 files").
+        # It is emptied after each check; picking the two files again and checking is fine.
+        expect(ui.element("upload-files")).to_contain_text("Drop File Here")  # the empty picker
+        ui.page.set_input_files("#upload-files input[type=file]", [str(peft_adapter_dir / n) for n in PEFT_FILES])
+        expect(ui.element("upload-confirm")).to_be_disabled()  # a new choice needs a new check
+        ui.page.click("#upload-check")
+        expect(ui.element("upload-report")).to_contain_text("valid PEFT LoRA adapter")
+        expect(ui.element("upload-confirm")).to_be_enabled()
         ui.page.click("#upload-confirm")
         expect(ui.element("adapters-message")).to_contain_text("shouty version 1 stored")
+        expect(ui.field("upload-name")).to_have_value("")  # the form is reset after the upload
+        expect(ui.element("upload-files")).to_contain_text("Drop File Here")
+        expect(ui.element("upload-confirm")).to_be_disabled()
         expect(ui.element("adapters-table")).to_contain_text("in CPU cache")
 
         # Stats before any request: the adapter sits in the CPU cache, no GPU slot holds it.
@@ -291,6 +306,10 @@ def test_bad_inputs_show_the_service_message(console, live, tmp_path):
         tenant_service.create_tenant(session=db, ctx=ctx, spec=TenantCreate(name="globex"))
     not_an_archive = tmp_path / "adapter.zip"
     not_an_archive.write_bytes(b"definitely not a zip file")
+    three_more = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path in three_more:
+        path.write_text("{}")
+    three_more = [str(p) for p in three_more]
     ui = console
     with screenshots_on_failure(ui):
         ui.open()
@@ -300,6 +319,15 @@ def test_bad_inputs_show_the_service_message(console, live, tmp_path):
         ui.assert_no_stack_trace()
 
         ui.sign_in(ADMIN_KEY)
+        # Issue 15: "Edit a tenant" listed nothing until Refresh was clicked.
+        ui.choose("edit-tenant", "globex")
+        expect(ui.element("create-key")).to_be_visible()
+        # Issue 15: a page reload signed the user out. The session lasts until "Sign out".
+        ui.page.reload()
+        expect(ui.element("whoami")).to_contain_text("Signed in as admin")
+        expect(ui.element("tenants-table")).to_contain_text("globex")
+        for name in ("Tenants", "Adapters", "Cache & engine", "Playground"):
+            expect(ui.page.get_by_role("tab", name=name, exact=True)).to_be_visible()
         ui.field("new-tenant-name").fill("bad name")
         ui.page.click("#create-tenant")
         expect(ui.element("tenants-message")).to_contain_text("name='bad name': String should match pattern")
@@ -311,11 +339,20 @@ def test_bad_inputs_show_the_service_message(console, live, tmp_path):
         expect(ui.element("upload-files")).to_contain_text("adapter.zip")
         ui.page.click("#upload-check")
         expect(ui.element("upload-report")).to_contain_text(
-            "Error: 'adapter.zip' is neither a .zip nor a .tar.gz archive (by its content) (field file)")
+            "Error: 'adapter.zip' is neither a .zip nor a .tar.gz archive (by its content) (check the chosen files)")
         expect(ui.element("upload-confirm")).to_be_disabled()
         ui.assert_no_stack_trace()
         ui.shot("bad-archive")
+        # Too many files: said in the form's own words, not the API's ("got 3 files (field files)").
+        ui.page.set_input_files("#upload-files input[type=file]", [str(not_an_archive), *three_more[:2]])
+        ui.page.click("#upload-check")
+        expect(ui.element("upload-report")).to_contain_text(
+            "Error: choose one archive (.zip, .tar.gz) or the two files adapter_config.json and "
+            "adapter_model.safetensors; 3 files were chosen (adapter.zip, a.json, b.json) (check the chosen files)")
 
         ui.page.click("#logout-button")  # a fresh page: signed out, nothing of the session left
+        expect(ui.element("login-key")).to_be_visible()
+        expect(ui.element("whoami")).to_be_hidden()
+        ui.page.reload()  # and it stays signed out
         expect(ui.element("login-key")).to_be_visible()
         expect(ui.element("whoami")).to_be_hidden()

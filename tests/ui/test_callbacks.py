@@ -317,7 +317,7 @@ def test_incompatible_adapter_is_refused_with_the_reason(ctx, tiny_llama_dir, tm
 
 def test_missing_files_and_names(ctx, peft_files):
     add_tenant(ctx, "acme")
-    with pytest.raises(InvalidRequest, match="choose an archive"):
+    with pytest.raises(InvalidRequest, match="choose one archive"):
         adapters_tab.check_upload(ctx, admin(), "acme", "x", None)
     with pytest.raises(InvalidRequest, match="name='bad name'"):
         adapters_tab.check_upload(ctx, admin(), "acme", "bad name", peft_files)
@@ -562,3 +562,46 @@ def test_per_tenant_service_table_and_rate_plot():
     assert records(history.tenant_rate_frame()) == [{"seconds": 0.0, "value": 150.0, "series": "acme"},
                                                     {"seconds": 0.0, "value": 50.0, "series": "globex"}]
     assert stats_tab.tenant_service_table(None).empty
+
+
+def test_a_reload_resumes_the_session_until_it_expires_or_its_key_is_revoked(ctx):
+    """Issue 15: a page reload signed the user out. The browser keeps a token; the server maps it
+    to the session for ``lifetime_s`` (injected clock) and checks the key again on resume."""
+    from loraplex.ui.console import resume
+    from loraplex.ui.session import SessionStore
+
+    now_s = [0.0]
+    sessions = SessionStore(lifetime_s=100.0, clock=lambda: now_s[0])
+    key = add_tenant(ctx, "acme")
+    token = sessions.issue(login(ctx, key))
+    assert len(token) == 43 and len(sessions) == 1
+    session, *_, kept = resume(ctx, sessions, token)
+    assert (session.tenant_name, kept) == ("acme", token)
+    assert resume(ctx, sessions, "forged")[-1] is None and resume(ctx, sessions, None)[-1] is None
+    now_s[0] = 99.0
+    assert resume(ctx, sessions, token)[0].tenant_name == "acme"
+    now_s[0] = 100.0  # lifetime over
+    assert resume(ctx, sessions, token)[-1] is None and len(sessions) == 0
+    # a revoked key ends the session at the next reload too
+    token = sessions.issue(login(ctx, key))
+    with ctx.sessions() as db:
+        key_id = tenant_service.list_api_keys(session=db, tenant_name="acme")[0].id
+        tenant_service.revoke_api_key(session=db, ctx=ctx, tenant_name="acme", key_id=key_id)
+    outputs = resume(ctx, sessions, token)
+    assert outputs[-1] is None and all(o == gr.skip() for o in outputs[:-1]) and len(sessions) == 0
+    sessions.end(token)  # signing out twice is harmless
+
+
+def test_upload_errors_use_the_forms_words(ctx, tmp_path):
+    """Issue 15: "got 4 files (field files)" spoke the API's terms."""
+    add_tenant(ctx, "acme")
+    paths = []
+    for name in ("adapter_config.json", "adapter_model.safetensors", "a.json", "b.json"):
+        (tmp_path / name).write_text("{}")
+        paths.append(str(tmp_path / name))
+    with pytest.raises(InvalidRequest) as refused:
+        adapters_tab.check_upload(ctx, admin(), "acme", "x", paths)
+    assert error_text(refused.value, adapters_tab.UPLOAD_FIELDS) == (
+        "**Error:** choose one archive (.zip, .tar.gz) or the two files adapter_config.json and "
+        "adapter_model.safetensors; 4 files were chosen (adapter_config.json, adapter_model.safetensors, a.json, "
+        "b.json) (check the chosen files)")
