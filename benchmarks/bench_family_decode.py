@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,13 +82,29 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, output_len: int, sync)
 
 
 def run(quick: bool) -> dict:
+    """Every family, each in its own process (an engine does not give its device memory back in-process)."""
+    rows = {}
+    tmp = Path(tempfile.mkdtemp())
+    for name in FAMILIES:
+        out = tmp / f"{name.split()[0]}.json"
+        subprocess.run([sys.executable, __file__, "--out", str(out), "--family", name] + (["--quick"] if quick else []),
+                       check=True)
+        part = json.loads(out.read_text())
+        rows.update(part.pop("families"))
+    llama = rows["llama"]["ms_per_GB"]
+    for row in rows.values():
+        row["ms_per_GB_vs_llama"] = row["ms_per_GB"] / llama
+    return dict(part, families=rows)
+
+
+def run_families(quick: bool, names: list[str]) -> dict:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     batch, prompt_len, output_len = (4, 16, 8) if quick else (32, 128, 64)
     bandwidth = measure_copy_bandwidth() if cuda else None
     tmp = Path(tempfile.mkdtemp())
     rows = {}
-    for name in FAMILIES:
+    for name in names:
         config = family_config(name, quick)
         folder = make_model_dir(tmp / name.split()[0], config)
         llm = LLM(model=str(folder), dummy_weights=True, dtype="bfloat16" if cuda else "float32",
@@ -102,9 +119,6 @@ def run(quick: bool) -> dict:
         del llm
         if cuda:
             torch.cuda.empty_cache()
-    llama = rows["llama"]["ms_per_GB"]
-    for row in rows.values():
-        row["ms_per_GB_vs_llama"] = row["ms_per_GB"] / llama
     return {"commit": git_commit(), "device": torch.cuda.get_device_name() if cuda else "cpu", "batch": batch,
             "prompt_len": prompt_len, "output_len": output_len,
             "copy_bandwidth_TBps": bandwidth / 1e12 if bandwidth else None, "families": rows}
@@ -114,7 +128,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     ap.add_argument("--quick", action="store_true", help="2 layers, hidden 256 (logic check; CPU works)")
+    ap.add_argument("--family", choices=list(FAMILIES), help="measure this family only, in this process")
     args = ap.parse_args()
+    if args.family:
+        args.out.write_text(json.dumps(run_families(args.quick, [args.family]), indent=2))
+        return
     result = run(args.quick)
     args.out.write_text(json.dumps(result, indent=2))
     print_table(f"Decode step per family, Llama-2-7B-class shapes, batch {result['batch']}, bf16, "
