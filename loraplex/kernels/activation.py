@@ -26,7 +26,6 @@ from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
 _BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit
@@ -39,7 +38,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK
     up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     if GELU_TANH:  # tanh(z) = 2 sigmoid(2z) - 1
-        z = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        # sqrt(2 / pi) written out: a @triton.jit body may read only constexpr globals (GPU compile error)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         act = (0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))).to(gate.dtype)
     else:
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
