@@ -24,7 +24,7 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.api.errors import install_error_handlers
-from loraplex.platform.api.routes import adapters, completions, models, stats, tenants
+from loraplex.platform.api.routes import adapters, completions, evaluations, models, stats, tenants
 from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES, BodySizeLimit
 from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.cache import publish_stats
@@ -63,7 +63,7 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> 
     app.state.ctx = ctx
     install_error_handlers(app)
     for router in (completions.router, models.router, adapters.tenant_router, adapters.admin_router,
-                   tenants.router, stats.router):
+                   tenants.router, stats.router, evaluations.router):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)
     app.add_middleware(_RequestMetrics, ctx=ctx)
