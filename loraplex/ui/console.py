@@ -6,7 +6,7 @@
 The console holds no logic of its own: every callback calls the platform's
 service functions with ``app.state.ctx`` (the :class:`PlatformContext` the
 REST routes use). Sign-in asks for a key: the admin key opens every tab; a
-tenant API key opens that tenant's Adapters, Playground and Usage tabs.
+tenant API key opens that tenant's Adapters, Playground, Evaluate and Usage tabs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.services.adapters import MB
-from loraplex.ui import adapters_tab, playground_tab, stats_tab, tenants_tab, usage_tab
+from loraplex.ui import adapters_tab, evaluate_tab, playground_tab, stats_tab, tenants_tab, usage_tab
 from loraplex.ui.session import ConsoleSession, login
 from loraplex.ui.stats_tab import StatsHistory
 from loraplex.ui.wiring import on
@@ -102,6 +102,7 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
                 adapters = adapters_tab.build(ctx, state)
                 stats = stats_tab.build(ctx, state, history, refresh_s)
                 playground = playground_tab.build(ctx, state)
+                evaluate_tab.build(ctx, state)
                 usage = usage_tab.build(ctx, state)
 
         outputs = [state, login_panel, main_panel, whoami, key, tenants.tab, stats.tab, usage.tab, tabs, stats.timer,
