@@ -2,8 +2,8 @@
 admin reads every tenant's under ``/admin/evaluations``.
 
 ``POST /v1/evaluations?adapter=NAME[&adapter=NAME...][&name=SET]`` takes the JSONL
-evaluation set as the raw request body (``Content-Type: application/jsonl`` or
-``application/x-ndjson``) and answers when the run is over with the stored rows.
+evaluation set as the raw request body (any ``Content-Type``; the schema declares
+``text/plain``) and answers when the run is over with the stored rows.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from loraplex.platform.services import tenants as tenant_service
 router = APIRouter(tags=["evaluations"])
 
 EVAL_OPENAPI = {"requestBody": {"required": True, "content": {
-    "application/jsonl": {"schema": {"type": "string", "description": "One JSON item per line: "
+    "text/plain": {"schema": {"type": "string", "description": "JSONL, one JSON item per line: "
                                      "{prompt, choices, answer} or {prompt, reference}."}}}}}
 
 
