@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.platform import crud
 from loraplex.platform.cache import LookupCache, RateLimiter, Store, make_store
+from loraplex.platform.core.limits import SharedLimit
 from loraplex.platform.core.security import ADMIN_KEY_PREFIX, generate_key, hash_key
 from loraplex.platform.db import make_db_engine, make_session_factory, session_scope, upgrade_database
 from loraplex.platform.metrics import PlatformMetrics
@@ -35,6 +36,8 @@ class PlatformContext:
 
     ``engine`` is None when the app serves no model (admin API only); then
     ``model_id``, ``max_model_len`` and ``base_spec`` are None too.
+    ``evaluation_limit``: the engine requests all adapter evaluations together keep in
+    flight at most (``settings.eval_max_concurrent_requests``).
     """
 
     settings: Settings
@@ -51,6 +54,10 @@ class PlatformContext:
     base_spec: BaseModelSpec | None = None
     max_lora_rank: int | None = None
     started_at: float = field(default_factory=time.time)
+    evaluation_limit: SharedLimit = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.evaluation_limit = SharedLimit(self.settings.eval_max_concurrent_requests)
 
 
 def build_context(settings: Settings, engine: AsyncEngine | None, *, out: TextIO = sys.stdout) -> PlatformContext:

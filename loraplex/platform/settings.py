@@ -71,8 +71,8 @@ class Settings(BaseSettings):
     eval_max_choices: int = Field(10, ge=2, description="Most choices of one multiple-choice item.")
     eval_max_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated per {prompt, reference} item.")
     eval_max_concurrent_requests: int = Field(
-        2, ge=1, description="Engine requests one evaluation keeps in flight at most (so it stays a low-priority "
-                             "trickle beside tenants' traffic).")
+        2, ge=1, description="Engine requests all adapter evaluations together keep in flight at most (so "
+                             "they stay a low-priority trickle beside tenants' traffic).")
     eval_num_examples: int = Field(3, ge=0, description="Example outputs kept per model and evaluation.")
 
     # --- cache / stats -----------------------------------------------------------------------

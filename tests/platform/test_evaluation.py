@@ -77,7 +77,7 @@ def test_multiple_choice_matches_hf_peft_and_is_stored_per_version_and_tenant(se
         alpha = tenant_service.tenant_context(session=db, name="alpha")
     eval_set = evaluation_service.parse_eval_set(jsonl(MC_ITEMS), name="mc.jsonl", settings=ctx.settings)
 
-    # At most eval_max_concurrent_requests (2) engine requests in flight.
+    # At most eval_max_concurrent_requests (2) engine requests in flight, over all runs.
     in_flight, peak = 0, 0
     generate = ctx.engine.generate
 
@@ -91,13 +91,17 @@ def test_multiple_choice_matches_hf_peft_and_is_stored_per_version_and_tenant(se
         finally:
             in_flight -= 1
 
+    async def two_runs():  # e.g. two console users at once: they share the limit
+        return await asyncio.gather(*(evaluation_service.run_evaluation(
+            ctx=ctx, tenant=alpha, adapter_names=["sharp"], eval_set=eval_set) for _ in range(2)))
+
     ctx.engine.generate = counting_generate
     try:
-        report = asyncio.run(evaluation_service.run_evaluation(ctx=ctx, tenant=alpha, adapter_names=["sharp"],
-                                                               eval_set=eval_set))
+        report, again = asyncio.run(two_runs())
     finally:
         del ctx.engine.generate
     assert peak == 2
+    assert [s.items for s in again.models] == [s.items for s in report.models]
     assert [m.model for m in report.models] == ["tiny", "sharp"]
     for score, label in ((report.base, "base"), (report.adapters[0], "v1")):
         for item_score, ref_logliks in zip(score.items, ref[label]):
@@ -108,7 +112,9 @@ def test_multiple_choice_matches_hf_peft_and_is_stored_per_version_and_tenant(se
     assert report.base.mean_loglik != pytest.approx(report.adapters[0].mean_loglik, abs=1e-3)
 
     with live.tenant(key_a) as a, live.tenant(key_b) as b, live.admin() as admin:
-        [row] = a.get("/v1/evaluations").json()
+        rows = a.get("/v1/evaluations").json()
+        assert sorted(r["run_id"] for r in rows) == sorted((report.run_id, again.run_id))
+        [row] = [r for r in rows if r["run_id"] == report.run_id]
         assert (row["adapter"], row["version"], row["tenant"], row["num_items"]) == ("sharp", 1, "alpha", 6)
         assert row["accuracy"] == report.adapters[0].accuracy
         assert row["base_accuracy"] == report.base.accuracy
@@ -131,12 +137,12 @@ def test_multiple_choice_matches_hf_peft_and_is_stored_per_version_and_tenant(se
         assert response.status_code == 201, response.text
         [new] = response.json()
         rows = a.get("/v1/evaluations", params={"adapter": "sharp"}).json()
-        assert [(r["version"], r["run_id"]) for r in rows] == [(2, new["run_id"]), (1, row["run_id"])]
+        assert [r["version"] for r in rows] == [2, 1, 1] and rows[0]["run_id"] == new["run_id"]
         accuracy, mean_loglik = expected_scores(ref["v2"])
         assert rows[0]["accuracy"] == accuracy
         assert rows[0]["mean_loglik"] == pytest.approx(mean_loglik, abs=1e-4)
         assert rows[0]["base_mean_loglik"] == pytest.approx(row["base_mean_loglik"], abs=1e-5)
-        assert [r["tenant"] for r in admin.get("/admin/evaluations").json()] == ["alpha", "alpha"]
+        assert [r["tenant"] for r in admin.get("/admin/evaluations").json()] == ["alpha"] * 3
         assert admin.get("/admin/evaluations", params={"tenant": "beta"}).json() == []
 
 

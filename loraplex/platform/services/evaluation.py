@@ -19,9 +19,10 @@ tokens; the model sees ``context + continuation`` and the continuation's log-lik
 engine's prompt logprobs (``SamplingParams(prompt_logprobs=0, max_tokens=1)``; the engine
 computes them without the prefix cache, so every position is scored).
 
-Priority: the engine has no per-request priority yet, so a run keeps at most
-``Settings.eval_max_concurrent_requests`` engine requests in flight (default 2): tenants'
-traffic always finds the rest of the batch. Evaluation requests are not charged to the
+Priority: the engine has no per-request priority yet, so all evaluations of the process
+together keep at most ``Settings.eval_max_concurrent_requests`` engine requests in flight
+(default 2, ``PlatformContext.evaluation_limit``): tenants' traffic always finds the rest
+of the batch, and a second run waits for the first one's requests. Evaluation requests are not charged to the
 tenant's usage or rate limits.
 
 Each run stores one :class:`~loraplex.platform.models.AdapterEvaluation` row per adapter
@@ -257,8 +258,7 @@ async def run_evaluation(*, ctx: PlatformContext, tenant: TenantContext, adapter
     targets += [_Target(r.name, r, adapter_service.lora_request(r)) for r in routes]
     encoded = _encode(ctx, eval_set)
     run_id = uuid.uuid4().hex
-    limit = asyncio.Semaphore(ctx.settings.eval_max_concurrent_requests)
-    scorer = _Scorer(ctx, run_id, limit)
+    scorer = _Scorer(ctx, run_id, ctx.evaluation_limit.semaphore())
     scores = await asyncio.gather(*(scorer.score_model(i, t, eval_set, encoded) for i, t in enumerate(targets)))
     report = EvaluationReport(run_id=run_id, eval_set=eval_set, base=scores[0], adapters=tuple(scores[1:]))
     await asyncio.to_thread(_store, ctx, tenant, report)
