@@ -212,6 +212,9 @@ def test_eval_set_size_bound_and_http_errors(serve, tmp_path):
         assert bad.status_code == 400
         assert bad.json()["error"] == {"message": "evaluation set line 1: 'prompt' must be a non-empty string",
                                        "type": "invalid_request_error", "param": "file", "code": "invalid_eval_set"}
+        long_name = a.post("/v1/evaluations", params={"adapter": "x", "name": "n" * 129},
+                           content=b'{"prompt": "a", "reference": "b"}')
+        assert long_name.status_code == 400 and long_name.json()["error"]["param"] == "name"
         no_adapter = a.post("/v1/evaluations", content=b'{"prompt": "a", "reference": "b"}')
         assert no_adapter.status_code == 400
         assert no_adapter.json()["error"]["param"] == "adapter"

@@ -98,10 +98,15 @@ def parse_eval_set(data: bytes, *, name: str, settings: Settings) -> EvalSet:
     """Parse and check an uploaded JSONL evaluation set (see the module docstring).
 
     Raises ``PayloadTooLarge`` (413) above ``settings.eval_max_file_bytes``, and
-    ``InvalidRequest`` (400, ``code="invalid_eval_set"``, the message names the line) for
+    ``InvalidRequest`` (400: ``param="name"`` for an empty name or one over 128 characters;
+    otherwise ``code="invalid_eval_set"``, the message names the line) for
     bad UTF-8 or JSON, unknown or missing fields, mixed kinds, an answer that is not one of
     the choices, more than ``eval_max_items`` items or ``eval_max_choices`` choices, or no item.
     """
+    name = name.strip()
+    if not name or len(name) > EVAL_SET_NAME_MAX:
+        raise InvalidRequest(f"name={name!r}: the evaluation set's name must be 1-{EVAL_SET_NAME_MAX} characters",
+                             param="name")
     if len(data) > settings.eval_max_file_bytes:
         raise PayloadTooLarge(f"the evaluation set is larger than eval_max_file_bytes="
                               f"{settings.eval_max_file_bytes} bytes", param="file")
@@ -128,8 +133,7 @@ def parse_eval_set(data: bytes, *, name: str, settings: Settings) -> EvalSet:
         items.append(item)
     if not items:
         raise InvalidRequest("the evaluation set holds no item", param="file", code="invalid_eval_set")
-    label = (name or "eval.jsonl").strip()[:EVAL_SET_NAME_MAX] or "eval.jsonl"
-    return EvalSet(name=label, sha256=hashlib.sha256(data).hexdigest(), task=task, items=tuple(items))
+    return EvalSet(name=name, sha256=hashlib.sha256(data).hexdigest(), task=task, items=tuple(items))
 
 
 def _parse_item(number: int, obj: object, settings: Settings) -> tuple[EvalItem, Task]:
