@@ -260,7 +260,7 @@ async def run_evaluation(*, ctx: PlatformContext, tenant: TenantContext, adapter
         lambda: [adapter_service.resolve_adapter(ctx=ctx, tenant_id=tenant.tenant_id, name=n) for n in names])
     targets = [_Target(ctx.model_id, None, None)]
     targets += [_Target(r.name, r, adapter_service.lora_request(r)) for r in routes]
-    encoded = _encode(ctx, eval_set)
+    encoded = await asyncio.to_thread(_encode, ctx, eval_set)
     run_id = uuid.uuid4().hex
     scorer = _Scorer(ctx, run_id, ctx.evaluation_limit.semaphore())
     scores = await asyncio.gather(*(scorer.score_model(i, t, eval_set, encoded) for i, t in enumerate(targets)))
