@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.platform import crud
 from loraplex.platform.admission import TenantAdmission
 from loraplex.platform.cache import LookupCache, Store, make_store
+from loraplex.platform.core.limits import SharedLimit
 from loraplex.platform.core.security import ADMIN_KEY_PREFIX, generate_key, hash_key
 from loraplex.platform.db import make_db_engine, make_session_factory, session_scope, upgrade_database
 from loraplex.platform.limits import RateLimiter
@@ -43,6 +44,8 @@ class PlatformContext:
     ``model_id``, ``max_model_len`` and ``base_spec`` are None too. ``serving_dtype``:
     the dtype adapters are served in (the engine's slot dtype), which uploads are checked
     against; ``upload_validator`` runs those checks in worker processes.
+    ``evaluation_limit``: the engine requests all adapter evaluations together keep in
+    flight at most (``settings.eval_max_concurrent_requests``).
     """
 
     settings: Settings
@@ -63,6 +66,10 @@ class PlatformContext:
     serving_dtype: torch.dtype | None = None
     upload_validator: UploadValidator | None = None
     started_at: float = field(default_factory=time.time)
+    evaluation_limit: SharedLimit = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.evaluation_limit = SharedLimit(self.settings.eval_max_concurrent_requests)
 
 
 def build_context(settings: Settings, engine: AsyncEngine | None, *, out: TextIO = sys.stdout) -> PlatformContext:

@@ -11,7 +11,16 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from loraplex.platform.errors import Conflict, NotFound
-from loraplex.platform.models import Adapter, AdapterVersion, AdminKey, ApiKey, Tenant, UsageCounter, utcnow
+from loraplex.platform.models import (
+    Adapter,
+    AdapterEvaluation,
+    AdapterVersion,
+    AdminKey,
+    ApiKey,
+    Tenant,
+    UsageCounter,
+    utcnow,
+)
 
 READY = "ready"
 SUPERSEDED = "superseded"
@@ -227,3 +236,27 @@ def usage_by_tenant(*, session: Session) -> list[tuple[str, int, int, int]]:
         sa.func.coalesce(sa.func.sum(UsageCounter.completion_tokens), 0),
     ).outerjoin(UsageCounter, UsageCounter.tenant_id == Tenant.id).group_by(Tenant.name).order_by(Tenant.name))
     return [(name, int(r), int(p), int(c)) for name, r, p, c in rows]
+
+
+# -- evaluations -----------------------------------------------------------------------------------
+def add_evaluations(*, session: Session, rows: list[AdapterEvaluation]) -> list[AdapterEvaluation]:
+    """Insert one run's evaluation rows and flush."""
+    session.add_all(rows)
+    session.flush()
+    return rows
+
+
+def list_evaluations(*, session: Session, tenant_id: int | None, adapter_name: str | None = None,
+                     ) -> list[tuple[AdapterEvaluation, Tenant, Adapter, AdapterVersion]]:
+    """(evaluation, tenant, adapter, version) rows, newest first; ``tenant_id`` None = every
+    tenant (admin); ``adapter_name`` filters one adapter (of ``tenant_id``)."""
+    query = (sa.select(AdapterEvaluation, Tenant, Adapter, AdapterVersion)
+             .join(AdapterVersion, AdapterEvaluation.adapter_version_id == AdapterVersion.id)
+             .join(Adapter, AdapterVersion.adapter_id == Adapter.id)
+             .join(Tenant, AdapterEvaluation.tenant_id == Tenant.id)
+             .order_by(AdapterEvaluation.id.desc()))
+    if tenant_id is not None:
+        query = query.where(AdapterEvaluation.tenant_id == tenant_id, Adapter.tenant_id == tenant_id)
+    if adapter_name is not None:
+        query = query.where(Adapter.name == adapter_name)
+    return [tuple(row) for row in session.execute(query)]

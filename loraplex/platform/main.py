@@ -27,8 +27,8 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.platform.api.errors import install_error_handlers
-from loraplex.platform.api.routes import adapters, completions, models, stats, tenants
 from loraplex.platform.api.guards import RequestGuard, SecurityHeaders
+from loraplex.platform.api.routes import adapters, completions, evaluations, models, stats, tenants
 from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES
 from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.cache import publish_stats
@@ -68,7 +68,7 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> 
     app.state.ctx = ctx
     install_error_handlers(app)
     for router in (completions.router, models.router, adapters.tenant_router, adapters.admin_router,
-                   tenants.router, stats.router):
+                   tenants.router, stats.router, evaluations.router):
         app.include_router(router)
     app.add_middleware(RequestGuard, ctx=ctx, max_json_body_bytes=int(settings.max_json_body_mb * MB),
                        max_upload_body_bytes=int(settings.max_upload_mb * MB) + MULTIPART_OVERHEAD_BYTES)

@@ -153,6 +153,39 @@ class AdapterVersion(Base):
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
 
 
+class AdapterEvaluation(Base):
+    """How one adapter version scored against the base model on one evaluation set.
+
+    ``run_id`` groups the rows of one run (one row per evaluated adapter version; the base
+    model's scores of that run are repeated in ``base_*``). ``task``: ``multiple_choice``
+    (``accuracy`` = fraction of items whose answer has the highest log-likelihood) or
+    ``generation`` (``accuracy`` = normalized exact match of greedy output). ``mean_loglik``:
+    mean over items of the summed log-likelihood (nats) of the answer / reference tokens.
+    ``examples``: a few ``{"prompt", "expected", "base", "adapter"}`` dicts.
+    """
+
+    __tablename__ = "adapter_evaluations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    adapter_version_id: Mapped[int] = mapped_column(ForeignKey("adapter_versions.id", ondelete="CASCADE"),
+                                                    index=True)
+    run_id: Mapped[str] = mapped_column(String(32), index=True)
+    eval_set_name: Mapped[str] = mapped_column(String(128))
+    eval_set_sha256: Mapped[str] = mapped_column(String(64))
+    task: Mapped[str] = mapped_column(String(16))
+    num_items: Mapped[int] = mapped_column(Integer)
+    accuracy: Mapped[float] = mapped_column(Float)
+    mean_loglik: Mapped[float] = mapped_column(Float)
+    base_model: Mapped[str] = mapped_column(String(128))
+    base_accuracy: Mapped[float] = mapped_column(Float)
+    base_mean_loglik: Mapped[float] = mapped_column(Float)
+    examples: Mapped[list[dict]] = mapped_column(JSON)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    adapter_version: Mapped[AdapterVersion] = relationship()
+
+
 class UsageCounter(Base):
     """Requests and tokens served to one tenant on one UTC day."""
 
@@ -167,4 +200,4 @@ class UsageCounter(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
-__all__ = ["Base", "Tenant", "ApiKey", "AdminKey", "Adapter", "AdapterVersion", "UsageCounter", "utcnow"]
+__all__ = ["Base", "Tenant", "ApiKey", "AdminKey", "Adapter", "AdapterVersion", "UsageCounter", "AdapterEvaluation", "utcnow"]

@@ -148,3 +148,29 @@ class StatsPublic(BaseModel):
     adapter_slots: dict[str, Any] | None
     cache: dict[str, Any]
     tenants: list[UsagePublic]
+
+
+class EvaluationPublic(BaseModel):
+    """One stored evaluation of an adapter version against the base model (``GET /v1/evaluations``).
+
+    ``accuracy`` / ``base_accuracy``: fraction of items correct (0..1); ``mean_loglik`` /
+    ``base_mean_loglik``: mean over items of the answer's (reference's) summed token
+    log-likelihood in nats. ``examples``: ``{"prompt", "expected", "base", "adapter"}`` dicts.
+    """
+
+    run_id: str
+    tenant: str
+    adapter: str
+    version: int
+    version_id: str
+    eval_set_name: str
+    eval_set_sha256: str
+    task: str
+    num_items: int
+    accuracy: float
+    mean_loglik: float
+    base_model: str
+    base_accuracy: float
+    base_mean_loglik: float
+    examples: list[dict[str, Any]]
+    created_at: dt.datetime

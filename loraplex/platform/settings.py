@@ -120,6 +120,16 @@ class Settings(BaseSettings):
     console_file_lifetime_s: int = Field(
         600, ge=60, description="Files uploaded through the console are deleted after this long.")
 
+    # --- adapter evaluation (console Evaluate tab, /v1/evaluations) ------------------------------
+    eval_max_file_bytes: int = Field(1_000_000, ge=1, description="Largest accepted evaluation set (JSONL) in bytes.")
+    eval_max_items: int = Field(200, ge=1, description="Most items (JSONL lines) of one evaluation set.")
+    eval_max_choices: int = Field(10, ge=2, description="Most choices of one multiple-choice item.")
+    eval_max_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated per {prompt, reference} item.")
+    eval_max_concurrent_requests: int = Field(
+        2, ge=1, description="Engine requests all adapter evaluations together keep in flight at most (so "
+                             "they stay a low-priority trickle beside tenants' traffic).")
+    eval_num_examples: int = Field(3, ge=0, description="Example outputs kept per model and evaluation.")
+
     # --- cache / stats -----------------------------------------------------------------------
     cache_ttl_s: int = Field(60, ge=1, description="Lifetime of a cached tenant/key/adapter lookup.")
     redis_retry_s: float = Field(5.0, gt=0, description="After a Redis failure, wait this long before retrying.")

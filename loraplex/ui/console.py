@@ -6,7 +6,7 @@
 The console holds no logic of its own: every callback calls the platform's
 service functions with ``app.state.ctx`` (the :class:`PlatformContext` the
 REST routes use). Sign-in asks for a key: the admin key opens every tab; a
-tenant API key opens that tenant's Adapters, Playground and Usage tabs. A page
+tenant API key opens that tenant's Adapters, Playground, Evaluate and Usage tabs. A page
 reload keeps the session (``session.SessionStore``) until "Sign out" or its lifetime ends.
 """
 
@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import Unauthenticated
 from loraplex.platform.services.adapters import MB
-from loraplex.ui import adapters_tab, playground_tab, stats_tab, tenants_tab, usage_tab
+from loraplex.ui import adapters_tab, evaluate_tab, playground_tab, stats_tab, tenants_tab, usage_tab
 from loraplex.ui.gate import install_gate
 from loraplex.ui.session import ConsoleSession, SessionStore, check, login
 from loraplex.ui.stats_tab import StatsHistory
@@ -140,6 +140,7 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
                 adapters = adapters_tab.build(ctx, state)
                 stats = stats_tab.build(ctx, state, history, refresh_s)
                 playground = playground_tab.build(ctx, state)
+                evaluate_tab.build(ctx, state)
                 usage = usage_tab.build(ctx, state)
 
         outputs = [state, login_panel, main_panel, whoami, key, tenants.tab, stats.tab, usage.tab, tabs, stats.timer,

@@ -14,7 +14,8 @@ from platform_testlib import adapter_members, make_peft_adapter, make_settings, 
 from loraplex.platform.db import downgrade_database, make_db_engine, upgrade_database
 from loraplex.platform.models import Adapter, AdapterVersion, ApiKey, Base, Tenant, UsageCounter
 
-TABLES = {"tenants", "api_keys", "admin_keys", "adapters", "adapter_versions", "usage_counters"}
+TABLES = {"tenants", "api_keys", "admin_keys", "adapters", "adapter_versions", "usage_counters",
+          "adapter_evaluations"}
 
 
 def _engine(database_url, tmp_path) -> sa.Engine:

@@ -356,3 +356,88 @@ def test_bad_inputs_show_the_service_message(console, live, tmp_path):
         ui.page.reload()  # and it stays signed out
         expect(ui.element("login-key")).to_be_visible()
         expect(ui.element("whoami")).to_be_hidden()
+
+
+EVAL_ITEMS = [
+    {"prompt": "The capital of France is", "choices": [" Paris", " Rome", " a blue whale"], "answer": 0},
+    {"prompt": "Two plus two equals", "choices": [" four", " five"], "answer": " four"},
+    {"prompt": "The sky is", "choices": [" blue", " green", " plaid"], "answer": 2},
+    {"prompt": "LoRA adapters are", "choices": [" low-rank", " high-rank"], "answer": 1},
+]
+
+
+def _table_rows(ui: Console, elem_id: str) -> list[list[str]]:
+    """A Gradio dataframe's shown cells, row by row (its grid rows, not the hidden sizing table)."""
+    rows = ui.page.locator(f"#{elem_id} [role=row][data-index]")
+    return [[squash(c) for c in rows.nth(i).locator("[role=gridcell]").all_inner_texts()]
+            for i in range(rows.count())]
+
+
+def test_evaluate_tab_scores_base_and_adapter_like_hf_peft(console, live, peft_adapter_dir, tiny_llama_dir,
+                                                           tmp_path):
+    import json
+
+    import httpx
+    from eval_reference import continuation_loglik, hf_model
+    from transformers import AutoTokenizer
+
+    from ui_testlib import PEFT_FILES as FILES
+
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as admin:
+        assert admin.post("/admin/tenants", json={"name": "initech"}).status_code == 201
+        files = [("files", (n, (peft_adapter_dir / n).read_bytes(), "application/octet-stream")) for n in FILES]
+        assert admin.post("/admin/tenants/initech/adapters", data={"name": "sharp"}, files=files).status_code == 201
+        tenant_key = admin.post("/admin/tenants/initech/keys").json()["key"]
+    eval_file = tmp_path / "mc.jsonl"
+    eval_file.write_text("".join(json.dumps(item) + "\n" for item in EVAL_ITEMS))
+
+    # The independent reference: HF transformers (+ PEFT), float32.
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    expected = {}
+    for label, model in ((MODEL_ID, hf_model(tiny_llama_dir)), ("sharp", hf_model(tiny_llama_dir, peft_adapter_dir))):
+        correct, right = 0, []
+        for item in EVAL_ITEMS:
+            answer = item["choices"].index(item["answer"]) if isinstance(item["answer"], str) else item["answer"]
+            logliks = [continuation_loglik(model, tok, item["prompt"], c) for c in item["choices"]]
+            correct += max(range(len(logliks)), key=lambda j: (logliks[j], -j)) == answer
+            right.append(logliks[answer])
+        expected[label] = (correct, sum(right) / len(right))
+
+    ui = console
+    with screenshots_on_failure(ui):
+        ui.open()
+        ui.sign_in(tenant_key)
+        expect(ui.element("whoami")).to_contain_text("Signed in as tenant initech")
+        ui.tab("Evaluate")
+        expect(ui.field("eval-tenant")).to_have_value("initech")
+        ui.page.get_by_label("sharp", exact=True).check()
+        ui.page.set_input_files("#eval-file input[type=file]", [str(eval_file)])
+        expect(ui.element("eval-file")).to_contain_text("mc.jsonl")
+        ui.page.click("#eval-run")
+        expect(ui.element("eval-message")).to_contain_text("results stored")
+        expect(ui.page.locator("#eval-scores [role=row][data-index]")).to_have_count(2)
+        expect(ui.element("eval-scores")).to_contain_text("sharp")
+        expect(ui.element("eval-history")).to_contain_text("mc.jsonl")
+        rows = _table_rows(ui, "eval-scores")
+        assert [r[:2] for r in rows] == [[MODEL_ID, "base"], ["sharp", "1"]]
+        for row in rows:
+            correct, mean_loglik = expected[row[0]]
+            assert int(row[2]) == correct and int(row[3]) == len(EVAL_ITEMS)
+            assert float(row[4]) == pytest.approx(correct / len(EVAL_ITEMS), abs=1e-3)
+            assert float(row[5]) == pytest.approx(mean_loglik, abs=2e-4)
+        examples = _table_rows(ui, "eval-examples")
+        assert [r[:2] for r in examples] == [[squash(i["prompt"]), squash(i["choices"][
+            i["choices"].index(i["answer"]) if isinstance(i["answer"], str) else i["answer"]])] for i in EVAL_ITEMS[:3]]
+        [stored] = _table_rows(ui, "eval-history")
+        assert stored[:6] == ["initech", "sharp", "1", "mc.jsonl", "multiple_choice", str(len(EVAL_ITEMS))]
+        ui.assert_no_stack_trace()
+        ui.shot("tenant-evaluate")
+
+        # A bad line is refused with the service's message, nothing stored.
+        eval_file.write_text('{"prompt": "a", "choices": ["x", "y"], "answer": 5}\n')
+        ui.page.click("#eval-file button[aria-label=Clear]")
+        ui.page.set_input_files("#eval-file input[type=file]", [str(eval_file)])
+        ui.page.click("#eval-run")
+        expect(ui.element("eval-message")).to_contain_text(
+            "Error: evaluation set line 1: answer=5 must be a choice's text or its index in 0..1 (field file)")
+        assert len(_table_rows(ui, "eval-history")) == 1

@@ -35,7 +35,7 @@ from loraplex.platform.services import adapters as adapter_service
 from loraplex.platform.services import serving
 from loraplex.platform.services import tenants as tenant_service
 from loraplex.platform.services.stats import engine_stats
-from loraplex.ui import adapters_tab, playground_tab, stats_tab, tenants_tab, usage_tab
+from loraplex.ui import adapters_tab, evaluate_tab, playground_tab, stats_tab, tenants_tab, usage_tab
 from loraplex.ui.console import sign_in
 from loraplex.ui.format import error_text
 from loraplex.ui.playground_tab import SamplingSettings
@@ -605,3 +605,42 @@ def test_upload_errors_use_the_forms_words(ctx, tmp_path):
         "**Error:** choose one archive (.zip, .tar.gz) or the two files adapter_config.json and "
         "adapter_model.safetensors; 4 files were chosen (adapter_config.json, adapter_model.safetensors, a.json, "
         "b.json) (check the chosen files)")
+
+
+# -- evaluate --------------------------------------------------------------------------------------
+def test_evaluate_tab_is_tenant_scoped_and_lists_stored_results(running_ctx, peft_files, tmp_path):
+    ctx = running_ctx
+    acme_key = add_tenant(ctx, "acme")
+    globex_key = add_tenant(ctx, "globex")
+    upload(ctx, "acme", "shouty", peft_files)
+    acme, globex = login(ctx, acme_key), login(ctx, globex_key)
+    eval_set = tmp_path / "two.jsonl"
+    eval_set.write_text('{"prompt": "Hello", "choices": [" there", " world"], "answer": 0}\n'
+                        '{"prompt": "Good", "choices": [" morning", " night"], "answer": " night"}\n')
+
+    tenant_update, _ = evaluate_tab.tenant_choices(ctx, acme, None)
+    assert (tenant_update["choices"], tenant_update["value"], tenant_update["interactive"]) == (["acme"], "acme", False)
+    assert evaluate_tab.tenant_choices(ctx, admin(), None)[0]["choices"] == ["acme", "globex"]
+    checkboxes, history, _ = evaluate_tab.refresh(ctx, acme, "acme", ["gone"])
+    assert (checkboxes["choices"], checkboxes["value"], len(history)) == (["shouty"], [], 0)
+    # globex can neither see nor run acme's adapter.
+    with pytest.raises(NotFound, match="'acme' does not exist"):
+        evaluate_tab.refresh(ctx, globex, "acme", [])
+    with pytest.raises(ModelNotFound):
+        asyncio.run(evaluate_tab.run(ctx, globex, "globex", ["shouty"], str(eval_set)))
+
+    scores, examples, history, message = asyncio.run(evaluate_tab.run(ctx, admin(), "acme", ["shouty"],
+                                                                      str(eval_set)))
+    assert "results stored" in message
+    assert list(scores["model"]) == [MODEL_ID, "shouty"] and list(scores["items"]) == [2, 2]
+    assert list(examples.columns) == ["prompt", "expected", MODEL_ID, "shouty"]
+    assert list(examples["expected"]) == [" there", " night"]
+    [row] = records(history)
+    assert (row["tenant"], row["adapter"], row["version"], row["evaluation set"]) == ("acme", "shouty", 1, "two.jsonl")
+    assert row["accuracy"] == scores["accuracy"][1] and row["base accuracy"] == scores["accuracy"][0]
+    assert len(evaluate_tab.history_table(ctx, globex, "globex")) == 0
+    assert len(evaluate_tab.history_table(ctx, acme, "acme")) == 1
+    with pytest.raises(InvalidRequest, match="upload an evaluation set"):
+        asyncio.run(evaluate_tab.run(ctx, acme, "acme", ["shouty"], None))
+    with pytest.raises(InvalidRequest, match="choose at least one adapter"):
+        asyncio.run(evaluate_tab.run(ctx, acme, "acme", [], str(eval_set)))
