@@ -28,7 +28,7 @@ from common import LLAMA2_7B, git_commit, make_random_adapter, out_dir, print_ta
 
 from loraplex.adapters import BaseModelSpec, LoRASlotPool, inspect_peft_adapter  # noqa: E402
 from loraplex.adapters.slot_image import read_slot_image  # noqa: E402
-from loraplex.engine.lora_request import LoRARequest  # noqa: E402
+from loraplex.adapters.lora_request import LoRARequest  # noqa: E402
 
 
 def spec_7b() -> BaseModelSpec:

@@ -1,6 +1,6 @@
 """LoRA adapters: PEFT format loading and validation, content identity, and GPU slots.
 
-Depends only on torch, safetensors and ``loraplex.engine.lora_request``.
+Depends only on torch, safetensors and ``loraplex.adapters.lora_request``.
 """
 
 from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight
@@ -16,6 +16,7 @@ from loraplex.adapters.errors import (
     UnknownAdapterError,
 )
 from loraplex.adapters.identity import compute_version_id
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import (
     AdapterLayout,
     adapter_files_signature,
@@ -38,6 +39,7 @@ __all__ = [
     "AdapterUnsupportedError",
     "BaseModelSpec",
     "LoRAAdapter",
+    "LoRARequest",
     "LoRASlotPool",
     "LoRAWeight",
     "NoFreeSlotError",

@@ -70,7 +70,7 @@ from loraplex.adapters.peft_format import (
 )
 from loraplex.adapters.slot_image import ModuleKey, SlotImage, read_slot_image, slot_image_from_adapter
 from loraplex.adapters.spec import BaseModelSpec
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 
 _SLOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PerLayer = list[dict[str, torch.Tensor]]  # [layer][module] -> tensor

@@ -24,7 +24,7 @@ from loraplex.engine.detokenizer import SequenceTextState
 from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
 from loraplex.engine.models.llama import ModelSpec
 from loraplex.engine.models.loader import build_model

@@ -21,7 +21,7 @@ from loraplex.adapters import (
     SlotPoolError,
     UnknownAdapterError,
 )
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 
 SPEC = BaseModelSpec(
     num_layers=2,
