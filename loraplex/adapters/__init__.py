@@ -4,6 +4,7 @@ Depends only on torch, safetensors and ``loraplex.adapters.lora_request``.
 """
 
 from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight
+from loraplex.adapters.config import LoRAConfig
 from loraplex.adapters.errors import (
     AdapterChangedError,
     AdapterConflictError,
@@ -25,6 +26,7 @@ from loraplex.adapters.peft_format import (
     validate_adapter_dir,
 )
 from loraplex.adapters.slot_pool import LoRASlotPool, SlotInfo, SlotPoolStats
+from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import LORA_MODULE_NAMES, BaseModelSpec
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "AdapterUnsupportedError",
     "BaseModelSpec",
     "LoRAAdapter",
+    "LoRAConfig",
     "LoRARequest",
     "LoRASlotPool",
     "LoRAWeight",
@@ -46,6 +49,7 @@ __all__ = [
     "SlotInfo",
     "SlotPoolError",
     "SlotPoolStats",
+    "SlotTable",
     "UnknownAdapterError",
     "adapter_files_signature",
     "compute_version_id",
