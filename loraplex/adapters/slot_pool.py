@@ -32,14 +32,8 @@ Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already pad
 rank R (pinned when slots live on CUDA), so installing one is two contiguous copies per
 targeted module and one for the scalings, enqueued without waiting.
 
-Slot tensors, per layer ``l`` and module ``m`` (S = max_loras, R = max_lora_rank):
-
-- ``a[l][m]``: ``[S, R, in_features]`` in ``dtype`` (lora_A, rows ``r..R`` zero),
-- ``b[l][m]``: ``[S, out_features, R]`` in ``dtype`` (lora_B, columns ``r..R`` zero),
-- ``scaling[l][m]``: ``[S] fp32`` (0 where the slot's adapter does not target ``(l, m)``).
-
-Semantics: ``y[t] += scaling[l][m][s] * (x[t] @ a[l][m][s].T) @ b[l][m][s].T`` for ``s = slot(t)``,
-nothing when ``s == -1``. Zero padding makes the rank-R product equal the rank-r one.
+Slot tensors ``a``, ``b``, ``scaling`` (shapes and semantics): see
+:mod:`loraplex.adapters.device_weights`.
 
 The pool composes one owner per concept: ``AdapterRegistry`` (registration and version rules),
 ``AdapterLoader`` (reads, change detection, the host tier), ``SlotTable`` (which adapter is in
@@ -64,6 +58,7 @@ from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import adapter_files_signature
 from loraplex.adapters.registry import AdapterRegistry, Registration
+from loraplex.adapters.slot_image import SlotImage
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec
 
@@ -365,7 +360,7 @@ class LoRASlotPool:
 
     # ------------------------------------------------------------------ internals
 
-    def _install(self, slot: int, int_id: int, image) -> None:
+    def _install(self, slot: int, int_id: int, image: SlotImage) -> None:
         try:
             self.weights.write(slot, image)
         except Exception:
