@@ -28,7 +28,7 @@ from common import LLAMA2_7B, git_commit, make_random_adapter, out_dir, print_ta
 
 from loraplex.adapters import BaseModelSpec, LoRASlotPool, inspect_peft_adapter  # noqa: E402
 from loraplex.adapters.slot_image import read_slot_image  # noqa: E402
-from loraplex.engine.lora_request import LoRARequest  # noqa: E402
+from loraplex.adapters.lora_request import LoRARequest  # noqa: E402
 
 
 def spec_7b() -> BaseModelSpec:
@@ -68,12 +68,12 @@ def read_and_install(pool: LoRASlotPool, int_ids: list[int]) -> dict:
         pool.unpin(int_id)
     torch.cuda.synchronize()
     install_s = time.perf_counter() - t0
-    return {"threads": pool.max_loads_in_flight, "adapters": len(int_ids),
+    return {"threads": pool.config.num_loader_threads, "adapters": len(int_ids),
             "read_ms_per_adapter": 1e3 * read_s / len(int_ids), "install_ms_per_adapter": 1e3 * install_s / len(int_ids)}
 
 
 def pool_throughput(spec: BaseModelSpec, folders: list[Path], threads: int, first_id: int, pinned: bool = True) -> dict:
-    pool = LoRASlotPool(spec, 8, 16, len(folders), torch.bfloat16, "cuda", max_loads_in_flight=threads,
+    pool = LoRASlotPool(spec, 8, 16, len(folders), torch.bfloat16, "cuda", num_loader_threads=threads,
                         pin_host_cache=pinned)
     requests = [LoRARequest(f"l{first_id + i}", first_id + i, str(f), version_id=f"{first_id + i:064d}")
                 for i, f in enumerate(folders)]

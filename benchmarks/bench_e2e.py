@@ -133,10 +133,10 @@ def loraplex_runs(model_dir: Path, adapters: list[LoRARequest], batch: int, in_l
     t0 = time.perf_counter()
     llm.engine.add_lora(adapters[0])
     t1 = time.perf_counter()
-    llm.engine.pins.pin(adapters[0].lora_int_id)
+    llm.engine.lora_pool.pin(adapters[0].lora_int_id)
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    llm.engine.pins.unpin(adapters[0].lora_int_id)
+    llm.engine.lora_pool.unpin(adapters[0].lora_int_id)
     for a in adapters[1:]:
         llm.engine.add_lora(a)
     run_engine(llm, prompts[:4], 8)  # warm-up: compile kernels

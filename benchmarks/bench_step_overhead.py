@@ -66,7 +66,7 @@ from tiny_models import make_peft_adapter, make_tiny_model  # noqa: E402
 from loraplex.engine.config import EngineConfig  # noqa: E402
 from loraplex.engine.cuda_graphs import CudaGraphRunner, _Graph  # noqa: E402
 from loraplex.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplex.engine.lora_request import LoRARequest  # noqa: E402
+from loraplex.adapters.lora_request import LoRARequest  # noqa: E402
 from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
 
 STAGES = ("schedule", "prepare", "forward", "sample", "post", "step")

@@ -3,7 +3,7 @@
 The offline API mirrors vLLM: ``from loraplex import LLM, SamplingParams, LoRARequest``.
 """
 
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 

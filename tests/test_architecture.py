@@ -43,10 +43,7 @@ OPTIONAL_LAZY = {
 }
 
 # Upward arrows that another open issue removes, as (importing file, imported part).
-KNOWN_VIOLATIONS = {
-    # Issue 17 (multi-LoRA): the engine <-> adapters cycle; the slot pool takes the engine's LoRARequest.
-    ("adapters/slot_pool.py", "engine"),
-}
+KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 
 def imported_modules(source: str, module: str) -> list[str]:

@@ -1,9 +1,10 @@
 """LoRA adapters: PEFT format loading and validation, content identity, and GPU slots.
 
-Depends only on torch, safetensors and ``loraplex.engine.lora_request``.
+Depends only on torch, safetensors and ``loraplex.adapters.lora_request``.
 """
 
 from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight
+from loraplex.adapters.config import LoRAConfig
 from loraplex.adapters.errors import (
     AdapterChangedError,
     AdapterConflictError,
@@ -16,6 +17,7 @@ from loraplex.adapters.errors import (
     UnknownAdapterError,
 )
 from loraplex.adapters.identity import compute_version_id
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import (
     AdapterLayout,
     adapter_files_signature,
@@ -24,6 +26,7 @@ from loraplex.adapters.peft_format import (
     validate_adapter_dir,
 )
 from loraplex.adapters.slot_pool import LoRASlotPool, SlotInfo, SlotPoolStats
+from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import LORA_MODULE_NAMES, BaseModelSpec
 
 __all__ = [
@@ -38,12 +41,15 @@ __all__ = [
     "AdapterUnsupportedError",
     "BaseModelSpec",
     "LoRAAdapter",
+    "LoRAConfig",
+    "LoRARequest",
     "LoRASlotPool",
     "LoRAWeight",
     "NoFreeSlotError",
     "SlotInfo",
     "SlotPoolError",
     "SlotPoolStats",
+    "SlotTable",
     "UnknownAdapterError",
     "adapter_files_signature",
     "compute_version_id",

@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from loraplex.adapters.config import LoRAConfig
+
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -126,6 +128,12 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def lora_config(self, device: torch.device) -> LoRAConfig:
+        """The adapter tiers' knobs. Adapter reads run on loader threads on CUDA (disk reads stay
+        out of the GPU step) and inline on CPU (deterministic tests)."""
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, background_loads=device.type == "cuda")
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The compute dtype: ``dtype``, or bfloat16 on CUDA / float32 on CPU for ``"auto"``."""

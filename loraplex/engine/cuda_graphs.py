@@ -33,7 +33,7 @@ import torch
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_expand import DECODE_BLOCK_M
-from loraplex.kernels.lora_mapping import LoRAMapping, tile_lists
+from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments, tile_lists
 
 logger = logging.getLogger(__name__)
 
@@ -235,21 +235,13 @@ class CudaGraphRunner:
                 rows[i] = list(table)
 
     def _fill_lora(self, size: int, lora_slots: list[int]) -> None:
-        """SGMV segments over all slots, computed on the host (B is small)."""
-        slots = lora_slots + [-1] * (size - len(lora_slots))
-        order = sorted(range(size), key=slots.__getitem__)
-        counts = [0] * self.num_lora_slots
-        for s in slots:
-            if s >= 0:
-                counts[s] += 1
-        start = size - sum(counts)
-        starts = []
-        for c in counts:
-            starts.append(start)
-            start += c
-        self._host_token_slots[:size] = slots
-        self._host_sorted_token_ids[:size] = order
-        self._host_segment_starts[:self.num_lora_slots] = starts
+        """SGMV segments over all slots (one per slot, empty ones too), from the eager path's builder."""
+        slots = torch.tensor(lora_slots + [-1] * (size - len(lora_slots)), dtype=torch.int32)
+        plan = plan_segments(slots, num_slots=self.num_lora_slots)
+        counts = plan.segment_lens
+        self._host_token_slots[:size] = slots.numpy()
+        self._host_sorted_token_ids[:size] = plan.sorted_token_ids.numpy()
+        self._host_segment_starts[:self.num_lora_slots] = plan.segment_starts
         self._host_segment_lens[:self.num_lora_slots] = counts
         _, host_tiles = self._tiles(size)
         segments, tiles = tile_lists(counts, DECODE_BLOCK_M)

@@ -14,7 +14,7 @@ from typing import Any
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 

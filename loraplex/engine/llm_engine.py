@@ -24,7 +24,7 @@ from loraplex.engine.detokenizer import SequenceTextState
 from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
@@ -70,28 +70,6 @@ class EngineStats:
     lora: SlotPoolStats | None = None  # None when the engine runs without LoRA
     scheduling_policy: str = "fcfs"
     tenants: tuple[TenantServiceStats, ...] = ()  # per tenant: queue, running, tokens served, counter
-
-
-class _AdapterPins:
-    """Pins adapters in the slot pool and remembers which slot each got (the scheduler's ``AdapterPins``)."""
-
-    def __init__(self, pool) -> None:
-        self.pool = pool
-        self.slots: dict[int, int] = {}
-
-    def pin(self, lora_int_id: int) -> int:
-        slot = self.pool.pin(lora_int_id)
-        self.slots[lora_int_id] = slot
-        return slot
-
-    def unpin(self, lora_int_id: int) -> None:
-        self.pool.unpin(lora_int_id)
-
-    def ensure_ready(self, lora_int_id: int) -> bool:
-        return self.pool.ensure_ready(lora_int_id)
-
-    def slot_of(self, lora_int_id: int) -> int:
-        return self.slots[lora_int_id]
 
 
 @dataclass
@@ -141,10 +119,9 @@ class LLMEngine:
                                  config.seed)
         self.eos_token_ids = set(self.spec.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.lora_pool = self._build_lora_pool() if config.enable_lora else None
-        self.pins = _AdapterPins(self.lora_pool) if self.lora_pool else None
         self._build_kv_cache()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
-                                  slot_of=self.pins.slot_of if self.pins else None)
+                                  slot_of=self.lora_pool.slot_of if self.lora_pool else None)
         self.runner.eos_token_ids = self.eos_token_ids
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_cuda_graphs(self.max_model_len, config.max_num_seqs,
@@ -163,10 +140,7 @@ class LLMEngine:
         from loraplex.adapters import LoRASlotPool
 
         spec = self.spec.adapter_spec
-        # Background adapter reads keep disk loads out of the GPU step; on CPU the reads run
-        # inline so tests are deterministic (``pool.background_loads`` may be switched later).
-        pool = LoRASlotPool(spec, self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras,
-                            self.dtype, self.device, background_loads=self.device.type == "cuda")
+        pool = LoRASlotPool(spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device))
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
                           [pool.scaling[layer][m] for m in lin.module_names])
@@ -189,7 +163,7 @@ class LLMEngine:
                                                    policy=c.scheduling_policy,
                                                    prompt_token_weight=c.fair_prompt_token_weight,
                                                    output_token_weight=c.fair_output_token_weight),
-                                   self.kv_manager, self.pins)
+                                   self.kv_manager, self.lora_pool)
 
     def _activation_bytes(self) -> int:
         """Upper estimate of one step's activation memory (kept out of the KV cache),

@@ -63,7 +63,9 @@ policies, so per-tenant service is always reported.
 
 Readiness is asked for at most ``max_lookahead_loras`` distinct adapters per
 step (the host cache size), so prefetches never evict each other before they
-are pinned. An adapter whose read fails fails exactly its waiting and swapped
+are pinned. After admission, the adapters of queued requests the scan did not
+reach (it stops at the token budget or ``max_num_seqs``) are asked too: their
+reads start ahead of need. An adapter whose read fails fails exactly its waiting and swapped
 requests (``ScheduledBatch.failures``); everyone else keeps running.
 """
 
@@ -201,6 +203,14 @@ class _AdapterGate:
         if lora:
             self.active.add(lora)
 
+    def prefetch(self, lora: int) -> None:
+        """Ask whether ``lora`` is ready (starting its read if not), without admitting anything."""
+        self._is_ready(lora)
+
+    def lookahead_full(self) -> bool:
+        """Whether ``max_lookahead_loras`` adapters were asked for readiness this step."""
+        return len(self.ready) >= self.max_lookahead
+
     def _is_ready(self, lora: int) -> bool:
         if self.pins is None:
             return True
@@ -312,6 +322,7 @@ class Scheduler:
             self._age(gate)
             budget = self._schedule_swapped(planned, budget, gate)
             self._schedule_waiting(planned, budget, gate)
+            self._prefetch(gate)
             failures = self._fail_adapters(gate.failed)
         return ScheduledBatch(tuple(planned), self.kv.take_pending(), preempted, failures)
 
@@ -528,6 +539,23 @@ class Scheduler:
             self.waiting.popleft()
             budget -= item.num_new_tokens
         self.waiting.extendleft(reversed(skipped))
+
+    def _prefetch(self, gate: _AdapterGate) -> None:
+        """Ask readiness (which starts a background read) for the adapters of queued requests that
+        the admission scan did not reach (it stops at the token budget or ``max_num_seqs``), in
+        queue order: swapped, then the first ``max_waiting_scan`` waiting. Bounded like every
+        readiness question by ``max_lookahead_loras`` distinct adapters per step (the host cache
+        size), so prefetched adapters never evict each other before they are pinned."""
+        if self.pins is None:
+            return
+        limit = self.config.max_waiting_scan
+        for queue in (self.swapped, self.waiting):
+            for i, seq in enumerate(queue):
+                if i >= limit or gate.lookahead_full():
+                    return
+                lora = seq.group.lora_int_id
+                if lora and lora not in gate.active:
+                    gate.prefetch(lora)
 
     def _fail_adapters(self, failed: dict[int, str]) -> tuple[AdapterLoadFailure, ...]:
         """Finish every waiting and swapped sequence of each failed adapter (none of them runs:

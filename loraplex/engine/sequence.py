@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.outputs import TopLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 

@@ -28,7 +28,7 @@ from loraplex.adapters import (
     load_peft_adapter,
     peft_format,
 )
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters import slot_image
 
 SPEC = BaseModelSpec(

@@ -19,7 +19,7 @@ from loraplex.adapters import (
     load_peft_adapter,
     validate_adapter_dir,
 )
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 
 MAX_RANK = 16
 Q0_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"

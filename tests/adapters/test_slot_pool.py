@@ -21,7 +21,7 @@ from loraplex.adapters import (
     SlotPoolError,
     UnknownAdapterError,
 )
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 
 SPEC = BaseModelSpec(
     num_layers=2,
@@ -297,9 +297,9 @@ def test_protocol_errors(adapters):
     with pytest.raises(UnknownAdapterError, match="lora_int_id=42 is not registered"):
         pool.pin(42)
     for kwargs, message in (
-        (dict(max_loras=0), "LoRASlotPool.max_loras=0: must be an integer >= 1"),
-        (dict(max_lora_rank=0), "LoRASlotPool.max_lora_rank=0: must be an integer >= 1"),
-        (dict(max_cpu_loras=0), "LoRASlotPool.max_cpu_loras=0: must be an integer >= 1"),
+        (dict(max_loras=0), "LoRAConfig.max_loras=0: must be an integer >= 1"),
+        (dict(max_lora_rank=0), "LoRAConfig.max_lora_rank=0: must be an integer >= 1"),
+        (dict(max_cpu_loras=0), "LoRAConfig.max_cpu_loras=0: must be an integer >= 1"),
         (dict(dtype=torch.int8), "LoRASlotPool.dtype=torch.int8: must be one of"),
     ):
         args = dict(max_loras=2, max_lora_rank=4, max_cpu_loras=2, dtype=torch.float16, device="cpu") | kwargs

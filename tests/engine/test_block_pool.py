@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from loraplex.engine.block_pool import BlockPool, NoFreeBlocksError
 from loraplex.engine.kv_cache_manager import KVCacheManager
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import RequestGroup, Sequence
 

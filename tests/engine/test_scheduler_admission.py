@@ -12,7 +12,7 @@ import pytest
 
 from loraplex.adapters import AdapterFormatError
 from loraplex.engine.kv_cache_manager import KVCacheManager
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence, SequenceStatus

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 
 
 def test_documented_example():
@@ -52,3 +52,23 @@ def test_bad_inputs_raise_typed_errors():
         LoRAMapping.from_token_slots(torch.tensor([0, 1], dtype=torch.int64))
     with pytest.raises(KernelArgumentError, match="contains -2"):
         LoRAMapping.from_token_slots(torch.tensor([0, -2], dtype=torch.int32))
+
+
+def test_fixed_slot_plan_of_the_documented_example():
+    """The CUDA-graph form: one segment per slot 0..3, empty ones included, same token order."""
+    plan = plan_segments(torch.tensor([2, -1, 0, 2, 0, -1, 2], dtype=torch.int32), num_slots=4)
+    assert plan.sorted_token_ids.tolist() == [1, 5, 2, 4, 0, 3, 6]
+    assert (plan.segment_starts, plan.segment_lens, plan.segment_slots) == ([2, 4, 4, 7], [2, 0, 3, 0], [0, 1, 2, 3])
+    with pytest.raises(KernelArgumentError, match="contains 4, expected -1 <= slot < num_slots=4"):
+        plan_segments(torch.tensor([4], dtype=torch.int32), num_slots=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=-1, max_value=5), max_size=40))
+def test_fixed_slot_plan_agrees_with_the_eager_mapping(slots):
+    token_slots = torch.tensor(slots, dtype=torch.int32)
+    eager = LoRAMapping.from_token_slots(token_slots)
+    plan = plan_segments(token_slots, num_slots=6)
+    assert plan.sorted_token_ids.tolist() == eager.sorted_token_ids.tolist()
+    used = [(s, st, n) for s, st, n in zip(plan.segment_slots, plan.segment_starts, plan.segment_lens) if n]
+    assert used == list(zip(eager.segment_slots_host, eager.segment_starts_host, eager.segment_lens_host))

@@ -37,7 +37,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.adapters import AdapterError, AdapterInfo
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.platform import crud
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.db import session_scope

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from loraplex.adapters import AdapterConflictError, AdapterError, UnknownAdapterError
 from loraplex.engine.fairness import TenantShare
 from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
-from loraplex.engine.lora_request import LoRARequest
+from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.admission import retry_after_s

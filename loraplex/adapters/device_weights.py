@@ -1,0 +1,84 @@
+"""The stacked LoRA A/B slot tensors on the device and their writes.
+
+Per layer ``l`` and module ``m`` (S = max_loras, R = max_lora_rank):
+
+- ``a[l][m]``: ``[S, R, in_features]`` in ``dtype`` (lora_A, rows ``r..R`` zero),
+- ``b[l][m]``: ``[S, out_features, R]`` in ``dtype`` (lora_B, columns ``r..R`` zero),
+- ``scaling[l][m]``: ``[S] fp32`` (0 where the slot's adapter does not target ``(l, m)``), views of
+  one ``[L, M, S]`` table so that one copy writes a slot's scalings.
+
+Semantics: ``y[t] += scaling[l][m][s] * (x[t] @ a[l][m][s].T) @ b[l][m][s].T`` for ``s = slot(t)``,
+nothing when ``s == -1``. Zero padding makes the rank-R product equal the rank-r one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.adapters.slot_image import ModuleKey, SlotImage
+from loraplex.adapters.spec import BaseModelSpec
+
+SLOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PerLayer = list[dict[str, torch.Tensor]]  # [layer][module] -> tensor
+
+
+class LoRADeviceWeights:
+    """Zeroed slot tensors for ``num_slots`` adapters of rank <= ``max_lora_rank`` on model ``spec``.
+
+    Raises ``ValueError`` for a ``dtype`` other than fp16, bf16 or fp32.
+    """
+
+    def __init__(self, spec: BaseModelSpec, num_slots: int, max_lora_rank: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if dtype not in SLOT_DTYPES:
+            raise ValueError(f"LoRASlotPool.dtype={dtype!r}: must be one of {list(SLOT_DTYPES)}")
+        self.spec = spec
+        self.num_slots = num_slots
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        S, R = num_slots, max_lora_rank
+        shapes = spec.module_shapes
+        self._scaling_table = self._zeros(spec.num_layers, len(shapes), S, dtype=torch.float32)
+        self.a: _PerLayer = [{m: self._zeros(S, R, i) for m, (i, _) in shapes.items()} for _ in range(spec.num_layers)]
+        self.b: _PerLayer = [{m: self._zeros(S, o, R) for m, (_, o) in shapes.items()} for _ in range(spec.num_layers)]
+        self.scaling: _PerLayer = [{m: self._scaling_table[layer, i] for i, m in enumerate(shapes)}
+                                   for layer in range(spec.num_layers)]
+        self._written: list[frozenset[ModuleKey]] = [frozenset()] * S  # (layer, module)s non-zero per slot
+
+    def write(self, slot: int, image: SlotImage) -> None:
+        """Overwrite ``slot`` with ``image``: two contiguous copies per targeted module (already
+        rank-padded), zeros for modules an earlier occupant wrote and this one does not
+        target, one copy for all scalings; enqueued without waiting. Nothing of a previous
+        adapter survives. If a copy raises, the slot is marked unknown (see ``invalidate``)."""
+        try:
+            for layer, module in self._written[slot] - image.offsets.keys():
+                self.a[layer][module][slot].zero_()
+                self.b[layer][module][slot].zero_()
+            keys = list(image.offsets)
+            destinations = [self.a[l][m][slot] for l, m in keys] + [self.b[l][m][slot] for l, m in keys]
+            sources = [image.a(key) for key in keys] + [image.b(key) for key in keys]
+            torch._foreach_copy_(destinations, sources, non_blocking=True)  # one call, not 2 per module
+            self._scaling_table[:, :, slot].copy_(image.scaling, non_blocking=True)
+        except Exception:
+            self.invalidate(slot)
+            raise
+        self._written[slot] = frozenset(image.offsets)
+
+    def disable(self, slot: int) -> None:
+        """Zero ``slot``'s scalings: tokens mapped to it get no LoRA delta (A/B left as they are)."""
+        self._scaling_table[:, :, slot] = 0.0
+
+    def invalidate(self, slot: int) -> None:
+        """``slot``'s contents are unknown (a write failed): scalings zero, every module re-zeroed at the next write."""
+        self.disable(slot)
+        self._written[slot] = frozenset((layer, m) for layer in range(self.spec.num_layers)
+                                        for m in self.spec.module_shapes)
+
+    def memory_bytes(self) -> int:
+        """Device memory of the slot tensors, in bytes."""
+        tensors = [t for group in (self.a, self.b, self.scaling) for per_layer in group for t in per_layer.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype or self.dtype, device=self.device)
