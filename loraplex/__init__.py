@@ -3,7 +3,6 @@
 The offline API mirrors vLLM: ``from loraplex import LLM, SamplingParams, LoRARequest``.
 """
 
-from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -14,6 +13,10 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Engine classes import torch/transformers; load them on first use so that
     # `import loraplex` stays light for the CLI and the settings module.
+    if name == "LoRARequest":  # loraplex.adapters imports torch
+        from loraplex.adapters.lora_request import LoRARequest
+
+        return LoRARequest
     if name == "LLM":
         from loraplex.engine.llm import LLM
 

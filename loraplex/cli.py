@@ -54,6 +54,7 @@ from loraplex.engine.demo_models import (
     demo_model_dir,
     is_prepared,
 )
+from loraplex.platform.user_errors import fail
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 USER_ERRORS = (ValueError, OSError)
 """Exceptions that mean a bad argument or a missing/unreadable file (``FileNotFoundError``,
 ``pydantic.ValidationError`` included): reported in one line, exit status 2."""
-USER_ERROR_STATUS = 2
-
-
-def fail(message: str) -> int:
-    """Print ``error: <message>`` on one line (newlines collapsed) to stderr; returns ``USER_ERROR_STATUS``."""
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
-    return USER_ERROR_STATUS
-
-
 def build_parser(cache_dir_default: Path | None = None) -> argparse.ArgumentParser:
     """The full parser: ``models`` commands plus the platform's, if present.
 

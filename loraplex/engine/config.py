@@ -7,7 +7,7 @@ device and dtype) are computed once by :meth:`EngineConfig.resolve`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch

@@ -6,9 +6,9 @@ field and the value, before the request reaches the scheduler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from loraplex.engine.structured_output import StructuredOutputsParams
+from loraplex.engine.structured_params import StructuredOutputsParams
 
 
 @dataclass

@@ -17,7 +17,7 @@ environment variables, then to defaults (``Settings``): every flag defaults
 to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
 Run in a source checkout, the storage defaults are ``make serve``'s (``.cache/data``,
 ``.cache``; see ``Settings``), so these commands act on the demo server's registry.
-Errors print one ``error: ...`` line and exit with status 2 (``loraplex.cli.fail``).
+Errors print one ``error: ...`` line and exit with status 2 (``loraplex.platform.user_errors.fail``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loraplex.cli import fail
+from loraplex.platform.user_errors import fail
 from loraplex.platform.demo import add_demo_command
 
 _S = argparse.SUPPRESS

@@ -425,7 +425,7 @@ def _say(line: str) -> None:
 
 
 def _fail(message: str, admin_key: str | None) -> int:
-    from loraplex.cli import fail
+    from loraplex.platform.user_errors import fail
 
     status = fail(message)
     _show_unprinted_admin_key(admin_key)

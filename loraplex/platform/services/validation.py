@@ -33,11 +33,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
-from loraplex.adapters import AdapterError, AdapterInfo, BaseModelSpec, validate_adapter_dir
 from loraplex.platform.errors import InvalidRequest, PlatformError, ServiceUnavailable
 from loraplex.platform.services.uploads import UploadLimits, UploadPart, stage_upload
+
+if TYPE_CHECKING:  # torch and the adapters package load in the worker (and at the first upload) only
+    import torch
+
+    from loraplex.adapters import AdapterInfo, BaseModelSpec
 
 logger = logging.getLogger(__name__)
 _COPY_CHUNK_BYTES = 1 << 20
@@ -69,6 +73,8 @@ class UploadCheck:
 def check_upload(job: UploadCheck) -> AdapterInfo:
     """Extract and validate an upload (runs in the worker). Raises the ``PlatformError`` of
     ``stage_upload`` or the ``AdapterError`` of ``validate_adapter_dir``."""
+    from loraplex.adapters import validate_adapter_dir
+
     dest = Path(job.dest)
     dest.mkdir()
     with _opened(job.parts) as parts:
@@ -126,7 +132,7 @@ class UploadValidator:
         self.check = check
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._mp = multiprocessing.get_context("forkserver")
-        self._mp.set_forkserver_preload([__name__])
+        self._mp.set_forkserver_preload([__name__, "torch", "loraplex.adapters"])
 
     def warm_up(self) -> None:
         """Start the forkserver now (it imports torch once), so the first upload does not wait for it."""
@@ -186,6 +192,10 @@ class UploadValidator:
 def _worker_main(conn: multiprocessing.connection.Connection, check: Callable[[UploadCheck], AdapterInfo],
                  job: UploadCheck, memory_bytes: int | None) -> None:
     """The worker: bound threads and memory, run ``check``, send ``(kind, value)`` back."""
+    import torch
+
+    from loraplex.adapters import AdapterError
+
     torch.set_num_threads(1)
     try:
         if memory_bytes is not None:
