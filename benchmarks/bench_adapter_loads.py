@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import LLAMA2_7B, git_commit, make_random_adapter, out_dir, print_table  # noqa: E402
+from common import LLAMA2_7B, adapter_version_id, git_commit, make_random_adapter, out_dir, print_table  # noqa: E402
 
 from loraplex.adapters import BaseModelSpec, LoRASlotPool, inspect_peft_adapter  # noqa: E402
 from loraplex.adapters.slot_image import read_slot_image  # noqa: E402
@@ -75,7 +75,7 @@ def read_and_install(pool: LoRASlotPool, int_ids: list[int]) -> dict:
 def pool_throughput(spec: BaseModelSpec, folders: list[Path], threads: int, first_id: int, pinned: bool = True) -> dict:
     pool = LoRASlotPool(spec, 8, 16, len(folders), torch.bfloat16, "cuda", num_loader_threads=threads,
                         pin_host_cache=pinned)
-    requests = [LoRARequest(f"l{first_id + i}", first_id + i, str(f), version_id=f"{first_id + i:064d}")
+    requests = [LoRARequest(f"l{first_id + i}", first_id + i, str(f), version_id=adapter_version_id(f))
                 for i, f in enumerate(folders)]
     for r in requests:
         pool.add_lora(r)

@@ -17,7 +17,6 @@ CPU logic check: ``python benchmarks/bench_fairness.py --tiny --out /tmp/fairnes
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import statistics
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import LLAMA2_7B, git_commit, make_model_dir, print_table  # noqa: E402
+from common import LLAMA2_7B, adapter_version_id, git_commit, make_model_dir, print_table  # noqa: E402
 
 from loraplex import LLM, LoRARequest, SamplingParams  # noqa: E402
 from loraplex.engine.fairness import TenantShare  # noqa: E402
@@ -83,7 +82,7 @@ def make_adapters(root: Path, config: dict, rank: int, per_tenant: int, distinct
             (path / "adapter_config.json").write_text(json.dumps(cfg))
             # a declared version id (as the platform declares its registry's content hash):
             # registration reads only the config and the safetensors header
-            version_id = hashlib.sha256(str(path).encode()).hexdigest()
+            version_id = adapter_version_id(path)
             adapters[tenant].append(LoRARequest(f"{tenant}-a{k}", next_id, str(path), version_id=version_id))
             next_id += 1
     return adapters

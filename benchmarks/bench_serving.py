@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import random
@@ -37,8 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (ALL_TARGETS, LLAMA2_7B, git_commit, make_model_dir, make_random_adapter,  # noqa: E402
-                    measure_copy_bandwidth, out_dir, print_table, triton_variants)
+from common import (ALL_TARGETS, LLAMA2_7B, adapter_version_id, git_commit, make_model_dir,  # noqa: E402
+                    make_random_adapter, measure_copy_bandwidth, out_dir, print_table, triton_variants)
 
 from bench_adapter_loads import read_and_install  # noqa: E402
 
@@ -75,9 +74,9 @@ def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
 
 
 def declared_version_id(path: Path) -> str:
-    """A unique id declared for a benchmark adapter, as the platform declares its registry's
-    content hash: registration then reads only the config and the safetensors header."""
-    return hashlib.sha256(str(path).encode()).hexdigest()
+    """The benchmark adapter's content id (``common.adapter_version_id``), declared as the platform
+    declares its registry's content hash: registration reads only the config and the header."""
+    return adapter_version_id(path)
 
 
 def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) -> dict:

@@ -127,3 +127,16 @@ def triton_variants() -> int:
             for per_device in getattr(obj, "device_caches", {}).values():
                 total += len(per_device[0]) if isinstance(per_device, tuple) else 0
     return total
+
+
+def adapter_version_id(folder: Path) -> str:
+    """The adapter's real content id (``loraplex.adapters.identity.compute_version_id`` over its
+    config and stored tensors), declared as the platform declares its registry's content hash:
+    registration then reads only the config and the safetensors header, and the engine checks
+    the id at the first read (a made-up id is refused as a changed adapter)."""
+    from safetensors.torch import load_file
+
+    from loraplex.adapters.identity import compute_version_id
+
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    return compute_version_id(config, load_file(str(Path(folder) / "adapter_model.safetensors")))
