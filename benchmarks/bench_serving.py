@@ -202,8 +202,9 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict
     num_requests, in_len, out_len = (64, 64, 16) if quick else (512, 128, 32)
     prompts = [[rng.randrange(10, 31000) for _ in range(in_len)] for _ in range(max(num_requests, max(counts)))]
     # As many GPU slots as max_num_seqs (q/v r=16 slots: 16.8 MB each, 4.3 GB for 256) and a
-    # host cache for 512 adapters: one batch can hold one request per slot.
-    llm = engine(model_dir, max_loras=256, max_cpu_loras=512, max_model_len=1024)
+    # host cache for every adapter (issue 17's setting; 2000 x 16.8 MB = 34 GB of host memory):
+    # one batch can hold one request per slot.
+    llm = engine(model_dir, max_loras=256, max_cpu_loras=max(counts) + 64, max_model_len=1024)
     warm_up(llm, make_adapters(root / "warm", config, 2, distinct_files=2, targets=["q_proj", "v_proj"],
                                first_id=200001))
     load_rate = host_load_rate(llm, make_adapters(root / "loadrate", config, 32, distinct_files=32,
