@@ -20,6 +20,7 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (checks the logic only)")
     ap.add_argument("--requests", type=int, default=None, help="default 1024 (GPU), 24 (--tiny)")
     ap.add_argument("--repeats", type=int, default=None, help="runs per policy; default 3 (GPU), 1 (--tiny)")
+    ap.add_argument("--child", choices=("fcfs", "fair"), help=argparse.SUPPRESS)  # one run, in this process
     args = ap.parse_args(argv)
     config = TINY if args.tiny else dict(LLAMA2_7B)
     count = args.requests or (24 if args.tiny else 1024)
@@ -163,16 +165,22 @@ def main(argv: list[str] | None = None) -> dict:
     adapters = make_adapters(root / "adapters", config, 8 if args.tiny else 16, per_tenant,
                              distinct=2 if args.tiny else 16)
     requests = workload(random.Random(0), count, in_len, config["vocab_size"], per_tenant)
+    if args.child:  # one engine per process: an engine does not give its device memory back in-process
+        llm = build_engine(model_dir, args.child, args.tiny, max_cpu_loras=4 * per_tenant)
+        for tenant_adapters in adapters.values():  # a serving engine's steady state: adapters in host memory
+            for adapter in tenant_adapters:
+                llm.engine.preload_lora(adapter)
+        run_policy(llm, requests[: max(4, count // 16)], adapters, out_len)  # warm-up, not measured
+        args.out.write_text(json.dumps(run_policy(llm, requests, adapters, out_len)))
+        release(llm)
+        return {}
     runs: dict[str, list[dict]] = {"fcfs": [], "fair": []}
-    for _ in range(repeats):
+    for i in range(repeats):
         for policy in ("fcfs", "fair"):
-            llm = build_engine(model_dir, policy, args.tiny, max_cpu_loras=4 * per_tenant)
-            for tenant_adapters in adapters.values():  # a serving engine's steady state: adapters in host memory
-                for adapter in tenant_adapters:
-                    llm.engine.preload_lora(adapter)
-            run_policy(llm, requests[: max(4, count // 16)], adapters, out_len)  # warm-up, not measured
-            runs[policy].append(run_policy(llm, requests, adapters, out_len))
-            release(llm)
+            part = root / f"run-{i}-{policy}.json"
+            cmd = [sys.executable, __file__, "--out", str(part), "--child", policy, "--requests", str(count)]
+            subprocess.run(cmd + (["--tiny"] if args.tiny else []), check=True)
+            runs[policy].append(json.loads(part.read_text()))
     median = {p: statistics.median(r["output_tokens_per_s"] for r in rs) for p, rs in runs.items()}
     results = {"commit": git_commit(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "scenario": {"prompt_tokens": in_len, "output_tokens": out_len, "requests": count,
