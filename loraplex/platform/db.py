@@ -10,6 +10,8 @@ Migration files are named ``<revision id>.py`` with ids that sort in order (``00
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,8 +93,14 @@ def upgrade_database(engine: sa.Engine, revision: str = "head") -> None:
 
 
 def newest_migration_id() -> str:
-    """Revision id of the newest migration file (file stems are the ids and sort in order)."""
-    return max(path.stem for path in (MIGRATIONS_DIR / "versions").glob("*.py"))
+    """Revision id of the newest migration file: file names start with a 4-digit sequence number
+    (``0004_...``) and sort in order; the id is the file's ``revision`` line (ids are at most 32
+    characters, ``alembic_version``'s width, so they may be shorter than the file stem)."""
+    newest = max((MIGRATIONS_DIR / "versions").glob("[0-9][0-9][0-9][0-9]_*.py"), key=lambda p: p.name)
+    match = re.search(r"^revision: str = ['\"]([^'\"]+)['\"]", newest.read_text(encoding="utf-8"), re.M)
+    if match is None:
+        raise RuntimeError(f"{newest.name}: no `revision: str = '...'` line")
+    return match.group(1)
 
 
 def current_revision(engine: sa.Engine) -> str | None:

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import functools
 import json
+import shlex
 import socket
 import sys
 import threading
@@ -404,10 +405,11 @@ def json_answer_example(base_url: str, key_expr: str) -> str:
 
 def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
     """A Python heredoc with the ``openai`` client asking each of ``models`` the example question;
-    without ``key`` it reads the ``DEMO_KEY`` environment variable."""
+    without ``key`` it reads the ``DEMO_KEY`` environment variable. It runs with the server's own
+    interpreter (the project's ``.venv``, which has ``openai``), not whatever ``python3`` is first."""
     key_arg = repr(key) if key else f'os.environ["{KEY_ENV_VAR}"]'
     return "\n".join([
-        "python3 - <<'EOF'",
+        f"{shlex.quote(sys.executable)} - <<'EOF'",
         *([] if key else ["import os"]),
         "from openai import OpenAI",
         f"client = OpenAI(base_url={base_url + '/v1'!r}, api_key={key_arg})",

@@ -96,7 +96,8 @@ class UsageWriter:
 
     # -- writer side ---------------------------------------------------------------------------
     def flush(self) -> bool:
-        """Try to write every buffered row now (in the calling thread). True when none is left."""
+        """Try to write every buffered row now (in the calling thread). True when every row taken
+        in this pass was written (rows added meanwhile wait for the next pass: not a failure)."""
         with self._write_lock:
             with self._lock:
                 batch, self._rows = self._rows, {}
@@ -118,7 +119,7 @@ class UsageWriter:
                     merged.prompt_tokens += row.prompt_tokens
                     merged.completion_tokens += row.completion_tokens
                     merged.first_added_s = min(merged.first_added_s, row.first_added_s)
-                return not self._rows
+                return not failed
 
     def _write(self, key: tuple[int, dt.date], row: UsageRow) -> str:
         """"ok", "gone" (tenant deleted: dropped) or "retry" (database error)."""

@@ -16,8 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 def wait_idle(live, timeout_s: float = 15.0) -> dict:
     deadline = time.monotonic() + timeout_s
+    from loraplex.platform.async_engine import stats_to_dict
+
     while True:
-        stats = live.ctx.engine.stats_dict()
+        # a fresh snapshot taken on the engine thread (the published one can predate the request)
+        stats = stats_to_dict(live.ctx.engine._submit(live.ctx.engine.engine.get_stats).result(timeout_s))
         if stats and stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0:
             return stats
         if time.monotonic() > deadline:
