@@ -230,3 +230,23 @@ def test_every_listed_model_can_be_retrieved(live, client, tiny_llama_dir, tmp_p
         with pytest.raises(openai.NotFoundError) as info:
             client.models.retrieve(name)
         assert info.value.code == "model_not_found"
+
+
+def test_malformed_json_and_unsupported_content_parts_name_no_internal_labels(live):
+    """A body that is not JSON: a clean 400 (no character offset as ``param``); an image part:
+    the param is the content field, without pydantic's union label (``...content.str``)."""
+    import httpx
+
+    key = new_tenant(live, "jsonbad")
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {key}",
+                                                  "Content-Type": "application/json"}) as http:
+        bad = http.post("/v1/chat/completions", content=b'{"model":')
+        image = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]})
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert (error["param"], error["code"]) == (None, "invalid_json")
+    assert error["message"].startswith("the request body is not valid JSON")
+    assert image.status_code == 400
+    assert image.json()["error"]["param"].startswith("messages.0.content")
+    assert ".str" not in image.json()["error"]["param"]

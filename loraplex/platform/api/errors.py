@@ -28,7 +28,14 @@ async def _platform_error(_request: Request, exc: PlatformError) -> JSONResponse
 
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    if first.get("type") == "json_invalid":  # loc holds a character offset, not a field
+        reason = first.get("ctx", {}).get("error", "JSON decode error")
+        offset = first.get("loc", ("body", "?"))[-1]
+        return JSONResponse(error_body(f"the request body is not valid JSON ({reason} at character {offset})",
+                                       "invalid_request_error", code="invalid_json"), status_code=400)
+    # pydantic's union labels (``str``, ``list[...]``, ``function-after[...]``) are not fields
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")
+           and not (isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p))]
     param = ".".join(loc) or None
     value = first.get("input")
     shown = f" (got {value!r})" if value is not None and not isinstance(value, (dict, list)) else ""
