@@ -96,8 +96,9 @@ class UsageWriter:
 
     # -- writer side ---------------------------------------------------------------------------
     def flush(self) -> bool:
-        """Try to write every buffered row now (in the calling thread). True when every row taken
-        in this pass was written (rows added meanwhile wait for the next pass: not a failure)."""
+        """Try to write every buffered row now (in the calling thread). True when no row taken in
+        this pass is kept for a retry (written, or dropped past ``give_up_s``); rows added
+        meanwhile wait for the next pass and are not a failure."""
         with self._write_lock:
             with self._lock:
                 batch, self._rows = self._rows, {}
@@ -110,16 +111,18 @@ class UsageWriter:
             with self._lock:
                 self._writing = set()
                 now = self._clock()
+                kept = 0
                 for key, row in failed.items():
                     if now - row.first_added_s >= self.give_up_s:
                         self._drop(key, row, f"not written for {self.give_up_s:.0f} s ({self.last_error})")
                         continue
+                    kept += 1
                     merged = self._rows.setdefault(key, UsageRow(first_added_s=row.first_added_s))
                     merged.requests += row.requests
                     merged.prompt_tokens += row.prompt_tokens
                     merged.completion_tokens += row.completion_tokens
                     merged.first_added_s = min(merged.first_added_s, row.first_added_s)
-                return not failed
+                return kept == 0
 
     def _write(self, key: tuple[int, dt.date], row: UsageRow) -> str:
         """"ok", "gone" (tenant deleted: dropped) or "retry" (database error)."""
