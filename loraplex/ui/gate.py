@@ -30,13 +30,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from loraplex.platform.api.guards import (
     REGISTRY_ERRORS,
     bearer,
+    body_cap,
     counting_receive,
-    declared_length,
     registry_unavailable,
     send_error,
 )
 from loraplex.platform.context import PlatformContext
-from loraplex.platform.errors import PayloadTooLarge, PlatformError, Unauthenticated
+from loraplex.platform.errors import PlatformError, Unauthenticated
 from loraplex.ui.session import ConsoleSession, check, login
 
 COOKIE = "loraplex_console"
@@ -153,13 +153,11 @@ class ConsoleGate:
         except REGISTRY_ERRORS:
             await send_error(registry_unavailable(), scope, receive, send)
             return
-        is_upload = inner in UPLOAD_PATHS
-        limit = self.max_upload_body_bytes if is_upload else self.max_json_body_bytes
-        what = "the upload" if is_upload else "the request body"
-        declared = declared_length(scope)
-        if declared is not None and declared > limit:
-            await send_error(PayloadTooLarge(f"{what} is {declared} bytes; the limit is {limit} bytes"),
-                             scope, receive, send)
+        limit, what, refusal = body_cap(scope, is_upload=inner in UPLOAD_PATHS,
+                                        max_upload_body_bytes=self.max_upload_body_bytes,
+                                        max_json_body_bytes=self.max_json_body_bytes)
+        if refusal is not None:
+            await send_error(refusal, scope, receive, send)
             return
         await self.app(scope, counting_receive(receive, limit, what), send)
 

@@ -64,6 +64,19 @@ def bearer(scope: Scope) -> str | None:
     return None
 
 
+def body_cap(scope: Scope, *, is_upload: bool, max_upload_body_bytes: int, max_json_body_bytes: int
+             ) -> tuple[int, str, PayloadTooLarge | None]:
+    """``(limit_bytes, what, refusal)`` for a request body: the cap of an upload or of a JSON
+    body, its name for messages, and a 413 when ``Content-Length`` already declares more."""
+    limit = max_upload_body_bytes if is_upload else max_json_body_bytes
+    what = "the upload" if is_upload else "the request body"
+    declared = declared_length(scope)
+    refusal = None
+    if declared is not None and declared > limit:
+        refusal = PayloadTooLarge(f"{what} is {declared} bytes; the limit is {limit} bytes")
+    return limit, what, refusal
+
+
 def counting_receive(receive: Receive, max_bytes: int, what: str) -> Receive:
     """``receive`` that raises ``PayloadTooLarge`` once more than ``max_bytes`` body bytes came."""
     seen = 0
@@ -106,12 +119,10 @@ class RequestGuard:
             await send_error(registry_unavailable(), scope, receive, send)
             return
         is_upload = path.rstrip("/").endswith("/adapters")
-        limit = self.max_upload_body_bytes if is_upload else self.max_json_body_bytes
-        what = "the upload" if is_upload else "the request body"
-        declared = declared_length(scope)
-        if declared is not None and declared > limit:
-            await send_error(PayloadTooLarge(f"{what} is {declared} bytes; the limit is {limit} bytes"),
-                             scope, receive, send)
+        limit, what, refusal = body_cap(scope, is_upload=is_upload, max_upload_body_bytes=self.max_upload_body_bytes,
+                                        max_json_body_bytes=self.max_json_body_bytes)
+        if refusal is not None:
+            await send_error(refusal, scope, receive, send)
             return
         if is_upload:
             await self.app(scope, counting_receive(receive, limit, what), send)
