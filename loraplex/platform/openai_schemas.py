@@ -2,10 +2,13 @@
 
 Reference: https://platform.openai.com/docs/api-reference/completions and
 /chat. ``top_k``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty`` and
-``stop_token_ids``, ``prompt_logprobs`` are vLLM extensions. Unknown request fields are
-ignored, as OpenAI clients send provider-specific extras; features loraplex does not
-serve (``suffix``, ``logit_bias``, ``best_of`` > ``n``, vLLM's ``guided_*``) are refused
-with a 400 naming the field. Structured output (``response_format``,
+``stop_token_ids``, ``prompt_logprobs`` are vLLM extensions. An unknown request field is
+refused with a 400 ``Unrecognized request argument supplied: <field>`` (as OpenAI's API
+answers), never ignored; fields loraplex knows but does not serve (``suffix``,
+``logit_bias``, ``best_of`` > ``n``, vLLM's ``guided_*``) are refused with a 400 naming the
+field. In ``messages``, OpenAI's response-only fields (``refusal``, ``audio``,
+``function_call``, ``annotations``) are accepted when empty, so a previous reply's
+``message.model_dump()`` can be sent back. Structured output (``response_format``,
 ``structured_outputs``) and tool calling (``tools``, ``tool_choice``): see
 :mod:`loraplex.platform.structured_schemas`.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from loraplex.platform.structured_schemas import (
     ResponseFormat,
@@ -27,11 +31,13 @@ from loraplex.platform.structured_schemas import (
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(..., min_length=1, description="The base model's id or the name of one of your adapters.")
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most.")
@@ -78,20 +84,32 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
     text: str
 
 
+# Fields of OpenAI's response message that clients send back in the history: accepted when empty.
+_RESPONSE_ONLY_MESSAGE_FIELDS = frozenset({"refusal", "audio", "function_call", "annotations"})
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unknown_fields(self) -> "ChatMessage":
+        for field, value in (self.model_extra or {}).items():
+            if field not in _RESPONSE_ONLY_MESSAGE_FIELDS or value not in (None, [], "", {}):
+                raise PydanticCustomError("extra_forbidden", "Extra inputs are not permitted",
+                                          {"field": field})
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

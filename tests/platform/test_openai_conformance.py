@@ -255,3 +255,37 @@ def test_malformed_json_and_unsupported_content_parts_name_no_internal_labels(li
     assert image.status_code == 400
     assert image.json()["error"]["param"].startswith("messages.0.content")
     assert ".str" not in image.json()["error"]["param"]
+
+
+# -- unknown request fields are refused as OpenAI's API refuses them, never ignored -------------------
+@pytest.mark.parametrize("extra, name", [
+    ({"foo": 1}, "foo"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"messages": [{"role": "user", "content": "hi", "priority": "high"}]}, "messages.0.priority"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+     "messages.0.content.0.cache_control"),
+])
+def test_an_unknown_request_field_is_a_400_naming_it(client, extra, name):
+    kwargs = dict(model="tiny", messages=CHINESE, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kwargs, extra_body=extra)
+    assert info.value.status_code == 400
+    assert (info.value.param, info.value.code) == (name, "unrecognized_argument")
+    assert info.value.body["message"] == f"Unrecognized request argument supplied: {name}"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"foo": 1})
+    assert info.value.param == "foo"
+
+
+def test_a_previous_reply_sent_back_in_the_history_is_accepted(client):
+    """The history may carry a reply's own ``model_dump()`` (``refusal``/``annotations`` empty)."""
+    first = client.chat.completions.create(model="tiny", messages=CHINESE, max_tokens=3)
+    reply = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations"} <= reply.keys()
+    second = client.chat.completions.create(model="tiny", max_tokens=3, messages=[
+        *CHINESE, reply, {"role": "user", "content": "again"}])
+    assert second.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", max_tokens=3, messages=[
+            *CHINESE, {**reply, "refusal": "I can't"}, {"role": "user", "content": "again"}])
+    assert info.value.param == "messages.1.refusal"

@@ -123,7 +123,7 @@ def test_bad_and_unsupported_requests_are_400_naming_the_problem(live):
          "response_format", "$defs"),
         ({"structured_outputs": {"regex": "a("}}, "structured_outputs", "The parenthesis is not closed"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
-        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "Extra inputs"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "Unrecognized request argument supplied"),
         ({"guided_json": {"type": "object"}}, "guided_json", "use structured_outputs"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "Input should be"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "cannot be combined"),

@@ -26,17 +26,31 @@ async def _platform_error(_request: Request, exc: PlatformError) -> JSONResponse
     return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=exc.headers())
 
 
+def _field_path(loc) -> list[str]:
+    """A pydantic error location as field names: request parts and pydantic's union labels
+    (``str``, ``list[...]``, ``function-after[...]``) are not fields."""
+    return [str(p) for p in loc if p not in ("body", "query", "path", "header")
+            and not (isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p))]
+
+
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":  # loc holds a character offset, not a field
         reason = first.get("ctx", {}).get("error", "JSON decode error")
         offset = first.get("loc", ("body", "?"))[-1]
         return JSONResponse(error_body(f"the request body is not valid JSON ({reason} at character {offset})",
                                        "invalid_request_error", code="invalid_json"), status_code=400)
-    # pydantic's union labels (``str``, ``list[...]``, ``function-after[...]``) are not fields
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")
-           and not (isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p))]
-    param = ".".join(loc) or None
+    # a wrong value beats an unknown field; the str branch of a content union failing is neither
+    relevant = [e for e in errors if not (e.get("loc") and e["loc"][-1] == "str" and e.get("type") == "string_type")]
+    wrong = [e for e in relevant if e.get("type") != "extra_forbidden"]
+    first = (wrong or relevant or errors or [first])[0]
+    if first.get("type") == "extra_forbidden":  # OpenAI's own answer to an unknown request field
+        field = (first.get("ctx") or {}).get("field")
+        name = ".".join(_field_path(first.get("loc", ())) + ([str(field)] if field else []))
+        return JSONResponse(error_body(f"Unrecognized request argument supplied: {name}", "invalid_request_error",
+                                       param=name, code="unrecognized_argument"), status_code=400)
+    param = ".".join(_field_path(first.get("loc", ()))) or None
     value = first.get("input")
     shown = f" (got {value!r})" if value is not None and not isinstance(value, (dict, list)) else ""
     message = f"{param or 'request'}: {first.get('msg', 'invalid value')}{shown}"
