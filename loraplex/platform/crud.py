@@ -10,7 +10,7 @@ import datetime as dt
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from loraplex.platform.errors import Conflict, NotFound
+from loraplex.platform.errors import Conflict, LimitExceeded, NotFound
 from loraplex.platform.models import (
     Adapter,
     AdapterEvaluation,
@@ -149,15 +149,18 @@ def count_adapters(*, session: Session, tenant_id: int) -> int:
 
 
 def add_adapter_version(*, session: Session, tenant_id: int, name: str, content_hash: str, rank: int,
-                        alpha: float, target_modules: list[str], size_bytes: int,
+                        alpha: float, target_modules: list[str], size_bytes: int, max_adapters: int | None = None,
                         ) -> tuple[AdapterVersion, list[AdapterVersion]]:
     """Record a new ``ready`` version of ``name`` (creating the adapter if new) and mark
-    earlier ready versions ``superseded``. Returns (new version, superseded versions)."""
+    earlier ready versions ``superseded``. Returns (new version, superseded versions).
+
+    A new adapter is created only while the tenant has fewer than ``max_adapters``
+    (checked and inserted in one statement, after locking the tenant's row on databases
+    that lock rows, so concurrent uploads cannot both take the last place). Raises
+    ``LimitExceeded`` past it."""
     adapter = get_adapter(session=session, tenant_id=tenant_id, name=name)
     if adapter is None:
-        adapter = Adapter(tenant_id=tenant_id, name=name)
-        session.add(adapter)
-        session.flush()
+        adapter = _create_adapter_within_quota(session, tenant_id, name, max_adapters)
     last = session.scalar(sa.select(sa.func.max(AdapterVersion.version)).where(
         AdapterVersion.adapter_id == adapter.id)) or 0
     superseded = list(session.scalars(sa.select(AdapterVersion).where(
@@ -169,6 +172,25 @@ def add_adapter_version(*, session: Session, tenant_id: int, name: str, content_
     session.add(version)
     session.flush()
     return version, superseded
+
+
+def _create_adapter_within_quota(session: Session, tenant_id: int, name: str, max_adapters: int | None) -> Adapter:
+    if max_adapters is None:
+        adapter = Adapter(tenant_id=tenant_id, name=name)
+        session.add(adapter)
+        session.flush()
+        return adapter
+    # PostgreSQL: concurrent creators of one tenant queue here; the count below then sees the winner's row.
+    session.execute(sa.select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+    count = sa.select(sa.func.count(Adapter.id)).where(Adapter.tenant_id == tenant_id).scalar_subquery()
+    columns = Adapter.__table__.c
+    row = sa.select(sa.literal(tenant_id, columns.tenant_id.type), sa.literal(name, columns.name.type),
+                    sa.literal(utcnow(), columns.created_at.type)).where(count < max_adapters)
+    adapter_id = session.scalar(sa.insert(Adapter).from_select(["tenant_id", "name", "created_at"], row)
+                                .returning(Adapter.id))
+    if adapter_id is None:
+        raise LimitExceeded(f"the tenant has reached max_adapters={max_adapters}", param="name")
+    return session.get_one(Adapter, adapter_id)
 
 
 def adapter_versions(*, session: Session, adapter_id: int) -> list[AdapterVersion]:

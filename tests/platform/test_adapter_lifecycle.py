@@ -182,6 +182,34 @@ def test_max_adapters_quota(serve, adapter_v1):
     assert stored_state(live)[:2] == (1, 2)
 
 
+def test_max_adapters_holds_when_an_upload_finishes_while_another_is_checked(serve, adapter_v1, database_url,
+                                                                              monkeypatch):
+    """The last place goes to one upload only: B runs start to end while A is between its early
+    quota check and its record (the window of two concurrent uploads); A is refused, not stored."""
+    from loraplex.platform.services import adapters as adapter_service
+
+    live = serve(database_url=database_url) if database_url else serve()
+    new_tenant(live, "acme", max_adapters=1)
+    real_validate = adapter_service._validate
+    nested: list[int] = []
+
+    def validate_with_a_concurrent_upload(*args, **kwargs):
+        if not nested:
+            nested.append(0)
+            with live.admin() as other:
+                nested[0] = upload_zip(other, "acme", "two", adapter_v1).status_code
+        return real_validate(*args, **kwargs)
+
+    monkeypatch.setattr(adapter_service, "_validate", validate_with_a_concurrent_upload)
+    with live.admin() as admin:
+        refused = upload_zip(admin, "acme", "one", adapter_v1)
+        names = [a["name"] for a in admin.get("/admin/tenants/acme/adapters").json()]
+    assert nested == [201]
+    assert refused.status_code == 403 and "max_adapters=1" in refused.json()["error"]["message"]
+    assert names == ["two"]
+    assert stored_state(live)[:2] == (1, 1)
+
+
 def test_name_of_the_base_model_is_refused(serve, adapter_v1):
     live = serve()
     new_tenant(live, "acme")

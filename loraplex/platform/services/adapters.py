@@ -100,8 +100,7 @@ def upload_adapter(*, session: Session, ctx: PlatformContext, tenant: TenantCont
     _check_ready(ctx, name)
     is_new = crud.get_adapter(session=session, tenant_id=tenant.tenant_id, name=name) is None
     if is_new and crud.count_adapters(session=session, tenant_id=tenant.tenant_id) >= tenant.max_adapters:
-        raise LimitExceeded(f"tenant {tenant.tenant_name!r} has reached max_adapters={tenant.max_adapters}",
-                            param="name")
+        raise _quota_reached(tenant)  # early answer; _record enforces the quota atomically
     staging, staged = _stage(ctx, tenant, parts)
     try:
         info = _validate(ctx, tenant, staging, staged)
@@ -112,6 +111,11 @@ def upload_adapter(*, session: Session, ctx: PlatformContext, tenant: TenantCont
     ctx.cache.invalidate(*adapter_cache_keys(tenant.tenant_id, name), *repaired)
     retire_versions(ctx, [(v.id, v.content_hash) for v in superseded])
     return version_public(name, version)
+
+
+def _quota_reached(tenant: TenantContext) -> LimitExceeded:
+    return LimitExceeded(f"tenant {tenant.tenant_name!r} has reached max_adapters={tenant.max_adapters}",
+                         param="name")
 
 
 def validate_upload(*, ctx: PlatformContext, tenant: TenantContext, name: str,
@@ -202,9 +206,15 @@ def _record(session: Session, ctx: PlatformContext, tenant: TenantContext, name:
     try:
         version, superseded = crud.add_adapter_version(
             session=session, tenant_id=tenant.tenant_id, name=name, content_hash=info.version_id,
-            rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules), size_bytes=info.size_bytes)
+            rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules), size_bytes=info.size_bytes,
+            max_adapters=tenant.max_adapters)
         repaired = crud.repair_versions(session=session, content_hash=info.version_id)
         session.commit()
+    except LimitExceeded:  # another upload took the last place while this one was being checked
+        session.rollback()
+        if stored:
+            _delete_files_if_unused(ctx, info.version_id)
+        raise _quota_reached(tenant) from None
     except IntegrityError:
         session.rollback()
         if stored:
