@@ -3,8 +3,12 @@ for new tokens, prefix-cache lookup, forking with copy-on-write, swapping.
 
 Prefix caching (vLLM automatic prefix caching): every *full* block gets a
 hash chained from its parent's hash, its token ids and the sequence's extra
-keys (the adapter's version id: the same tokens under another adapter give
-other KV)::
+keys: the adapter's version id (the same tokens under another adapter give
+other KV) and the tenant id, a salt as vLLM's ``cache_salt``: tenants never
+share cached blocks, so no tenant can tell from its time to first token that
+another tenant sent the same prompt (a timing side channel). Requests of one
+tenant share blocks; the anonymous tenant ``""`` (the offline ``LLM`` API)
+shares with itself only::
 
     hash_i = sha256(hash_{i-1} || token_ids[i*bs:(i+1)*bs] || extra_keys)
 
@@ -150,7 +154,9 @@ class KVCacheManager:
 
     # -- prefix caching ---------------------------------------------------
     def extra_key(self, seq: Sequence) -> str:
-        return seq.group.lora_version or ""
+        """The adapter version and the tenant (a salt): blocks are shared only within both."""
+        group = seq.group
+        return f"{group.lora_version or ''}\x00{group.tenant_id}" if group.tenant_id else group.lora_version or ""
 
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
         """Lookup only (no side effects: no reference taken, no stats): the longest cached

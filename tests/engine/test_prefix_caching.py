@@ -59,6 +59,25 @@ def test_same_prompt_other_adapter_shares_no_block(tiny_llama_dir, lora_a):
     assert again.num_cached_tokens == 40
 
 
+def test_tenants_never_share_cached_blocks(tiny_llama_dir, lora_a):
+    """The tenant salts the prefix cache (a timing side channel otherwise: a hit shows that another
+    tenant sent the same prompt); one tenant's requests share, also with the same adapter."""
+    from loraplex.engine.fairness import TenantShare
+
+    llm = make_llm(tiny_llama_dir, caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = SYSTEM + [1]
+    cached = {}
+    for step, (tenant, lora) in enumerate([("acme", None), ("globex", None), ("acme", None), ("acme", lora_a),
+                                           ("globex", lora_a), ("globex", lora_a)]):
+        llm.engine.add_request(f"r{step}", prompt, params, lora_request=lora, tenant=TenantShare(tenant))
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                if out.finished:
+                    cached[step] = out.num_cached_tokens
+    assert cached == {0: 0, 1: 0, 2: 40, 3: 0, 4: 0, 5: 40}
+
+
 def test_new_adapter_version_shares_nothing_and_equals_cold_run(tiny_llama_dir, lora_a, tmp_path):
     v2_dir = tmp_path / "a-v2"
     shutil.copytree(lora_a.lora_path, v2_dir)
