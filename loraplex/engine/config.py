@@ -60,6 +60,11 @@ class EngineConfig:
             request is admitted first; see ``loraplex.engine.fairness``).
         fair_prompt_token_weight: service weight of one computed prompt token (VTC's w_p).
         fair_output_token_weight: service weight of one generated token (VTC's w_q).
+        quantization: ``None`` or ``"fp8"``: the base model's linear layers (q/k/v, o,
+            gate/up, down) quantized at load to FP8 e4m3 with per-output-channel scales,
+            computed as W8A16 (activations, LoRA, embeddings and LM head stay in ``dtype``);
+            see ``loraplex.engine.models.quantization``. Checkpoints that are already
+            quantized are refused at load.
     """
 
     model: str
@@ -85,6 +90,7 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "fair"] = "fcfs"
     fair_prompt_token_weight: float = 1.0
     fair_output_token_weight: float = 2.0
+    quantization: Literal["fp8"] | None = None
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -112,6 +118,7 @@ class EngineConfig:
             (self.fair_prompt_token_weight + self.fair_output_token_weight > 0, "fair_output_token_weight",
              "the two token weights must not both be 0"),
             (self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f"must be >= max_loras={self.max_loras}"),
+            (self.quantization in (None, "fp8"), "quantization", "must be None or 'fp8'"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -27,6 +27,7 @@ from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
 from loraplex.engine.models.loader import build_model, load_model_spec
+from loraplex.engine.models.quantization import quantize_linears_fp8
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -117,6 +118,11 @@ class LLMEngine:
         kernels = Kernels(default_backend(self.device))
         self.model = build_model(self.model_path, self.spec, self.dtype, self.device, kernels, dummy_weights,
                                  config.seed)
+        self.quantization = None
+        if config.quantization == "fp8":
+            self.quantization = quantize_linears_fp8(self.model)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the unquantized weights' memory goes to the KV cache
         self.eos_token_ids = set(self.spec.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.lora_pool = self._build_lora_pool() if config.enable_lora else None
         self._build_kv_cache()

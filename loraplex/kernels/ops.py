@@ -23,6 +23,7 @@ from loraplex.kernels._triton import require_triton
 from loraplex.kernels.activation import GELU_TANH_AND_MUL, SILU_AND_MUL
 from loraplex.kernels.attention import PAGED_ATTENTION
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.fp8_linear import FP8_LINEAR
 from loraplex.kernels.lora_expand import LORA_EXPAND
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_shrink import LORA_SHRINK
@@ -43,6 +44,7 @@ OPS: tuple[Op, ...] = (
     LORA_SHRINK,
     LORA_EXPAND,
     ADD_LORA,
+    FP8_LINEAR,
 )
 
 
@@ -74,6 +76,7 @@ class Kernels:
         self.lora_shrink = LORA_SHRINK.select(backend)
         self.lora_expand = LORA_EXPAND.select(backend)
         self.add_lora = ADD_LORA.select(backend)
+        self.fp8_linear = FP8_LINEAR.select(backend)
 
     def __repr__(self) -> str:
         return f"Kernels({self.backend!r})"

@@ -80,13 +80,26 @@ class LinearWithLoRA(nn.Module):
         self.lora_a: list[torch.Tensor] = []
         self.lora_b: list[torch.Tensor] = []
         self.lora_scaling: list[torch.Tensor] = []
+        self.qweight: torch.Tensor | None = None  # FP8 weight [out, in] once quantize_fp8() ran
+        self.weight_scale: torch.Tensor | None = None  # its per-output-channel scale [out] float32
+
+    def quantize_fp8(self) -> None:
+        """Replace the weight by its FP8 e4m3 form with per-output-channel scales
+        (:mod:`loraplex.engine.models.quantization`); the bf16/fp32 weight is freed."""
+        from loraplex.engine.models.quantization import quantize_fp8_per_channel
+
+        self.qweight, self.weight_scale = quantize_fp8_per_channel(self.weight.data)
+        self.weight = None  # frees the unquantized weight
 
     def bind_lora(self, a: list[torch.Tensor], b: list[torch.Tensor], scaling: list[torch.Tensor]) -> None:
         """Point at the adapter slot pool's stacked weights ([S,R,in], [S,out_i,R], [S])."""
         self.lora_a, self.lora_b, self.lora_scaling = a, b, scaling
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self.qweight is not None:
+            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
             self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
         return y

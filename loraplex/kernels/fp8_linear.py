@@ -1,0 +1,155 @@
+"""Linear layer over FP8 (e4m3) weights with per-output-channel scales, 16/32-bit activations (W8A16).
+
+Semantics: :data:`FP8_LINEAR`. The weight is read as 1 byte per element (half the bytes of
+bf16: a decode step, bound by weight reads, moves half as much), widened to the activation
+dtype inside the kernel (every e4m3 value is exact in bf16, fp16 and fp32), multiplied on
+tensor cores with fp32 accumulation, and rescaled per output channel in the epilogue. The
+format is the one of vLLM's and compressed-tensors' per-channel FP8 (``float8_e4m3fn``,
+``scale = amax(|W[n, :]|) / 448``); activations are not quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels._checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_dtype,
+    check_shape,
+)
+from loraplex.kernels._triton import dot_dtype, dot_precision, require_triton, tl, triton
+from loraplex.kernels.op import Op
+
+_OP = "fp8_linear"
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    num_tokens,
+    out_features,
+    in_features,
+    stride_xt,
+    stride_wn,
+    stride_ot,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program per (token tile, output-column tile); the K loop streams the fp8 weight tile.
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_tokens
+    col_mask = cols < out_features
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+    scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
+    acc = acc * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_dtype(_OP, "x", x, FLOAT_DTYPES)
+    check_shape(_OP, "x", x, (None, None))
+    check_dtype(_OP, "weight", weight, (FP8_DTYPE,))
+    check_shape(_OP, "weight", weight, (None, x.shape[1]))
+    check_device(_OP, "weight", weight, x.device)
+    check_dtype(_OP, "scale", scale, (torch.float32,))
+    check_shape(_OP, "scale", scale, (weight.shape[0],))
+    check_device(_OP, "scale", scale, x.device)
+    if bias is not None:
+        check_shape(_OP, "bias", bias, (weight.shape[0],))
+        check_same_dtype(_OP, "bias", bias, "x", x)
+        check_device(_OP, "bias", bias, x.device)
+
+
+def _block_sizes(num_tokens: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps). Decode-sized token counts take the smallest
+    token tile tensor cores allow (16) and narrow column tiles so the grid covers every SM
+    while the weight is streamed once; prefill-sized ones take square-ish tiles."""
+    if device.type != "cuda":
+        return 16, 32, 32, 4
+    if num_tokens <= 16:
+        return 16, 64, 256, 4
+    if num_tokens <= 64:
+        return 64, 64, 128, 4
+    return 128, 128, 64, 8
+
+
+def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launch of :func:`fp8_linear_ref`."""
+    require_triton(_OP)
+    _check_args(x, weight, scale, bias)
+    check_last_dim_contiguous(_OP, "x", x)
+    check_last_dim_contiguous(_OP, "weight", weight)
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    block_t, block_n, block_k, num_warps = _block_sizes(num_tokens, x.device)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
+    _fp8_linear_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, out,
+        num_tokens, out_features, in_features,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
+        num_warps=num_warps,
+    )
+    return out
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T + bias`` over an FP8 weight (plain torch, fp32 math).
+
+    Args:
+        x: ``[T, K]`` fp16/bf16/fp32 activations (last dim stride 1 for Triton).
+        weight: ``[N, K]`` ``torch.float8_e4m3fn`` quantized weight.
+        scale: ``[N]`` float32 per-output-channel scale (dequantized ``W = weight * scale``).
+        bias: optional ``[N]`` bias in x.dtype.
+
+    Returns:
+        ``[T, N]`` in x.dtype (accumulated in fp32).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device/layout.
+        TritonUnavailableError: Triton backend without triton installed.
+    """
+    _check_args(x, weight, scale, bias)
+    out = (x.to(torch.float32) @ weight.to(torch.float32).T) * scale
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
+FP8_LINEAR = Op(
+    name=_OP,
+    semantics="out[t, n] = scale[n] * sum_k x[t, k] * float(weight[n, k]) + bias[n]  (weight e4m3, fp32 accumulation)",
+    reference=fp8_linear_ref,
+    triton=_launch_fp8_linear,
+)
