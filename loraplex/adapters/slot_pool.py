@@ -47,13 +47,15 @@ files into new host tensors; all pool state is changed on the caller's thread.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from loraplex.adapters.config import LoRAConfig
 from loraplex.adapters.device_weights import LoRADeviceWeights
-from loraplex.adapters.errors import NoFreeSlotError
+from loraplex.adapters.errors import NoFreeSlotError, SlotPoolError
 from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import adapter_files_signature
@@ -154,6 +156,8 @@ class LoRASlotPool:
             executor=read_executor,
         )
         self.slots = SlotTable(config.max_loras)
+        self._pending_writes: dict[int, SlotImage] | None = None  # slot -> image, inside ``batched_installs``
+        self.install_batches = 0  # device write batches issued (one per ``batched_installs`` with installs)
         self._slot_loads = 0
         self._slot_evictions = 0
 
@@ -267,6 +271,16 @@ class LoRASlotPool:
         loader.put(int_id, loader.claim(int_id))
         return True
 
+    def is_ready(self, int_id: int) -> bool:
+        """True when ``pin(int_id)`` will not touch the disk (resident, or in host memory after
+        moving finished background reads there); False also for an unknown or removed adapter.
+        Starts no read and raises nothing (``ensure_ready`` does both)."""
+        registration = self.registry.get(int_id)
+        if registration is None or registration.pending_removal:
+            return False
+        self.loader.poll()
+        return self.slots.slot_of(int_id) is not None or int_id in self.loader.cache
+
     def preload(self, int_id: int) -> None:
         """Read ``int_id`` into the host cache now (synchronously; the LRU entry is evicted if the
         cache is full) unless it is resident or cached already: an explicit warm-up.
@@ -313,6 +327,32 @@ class LoRASlotPool:
             image = self.loader.host_copy(registration)
             self._install(slot, int_id, image)
         return self.slots.pin(int_id)
+
+    @contextlib.contextmanager
+    def batched_installs(self) -> Iterator[None]:
+        """Inside it, ``pin`` assigns slots at once but defers the device writes; they are issued
+        together at exit (``LoRADeviceWeights.write_many``: one host-to-device copy per adapter
+        and one scatter per targeted module for all of them), before anything reads the slots.
+        The scheduler wraps one step's admission in it. Nesting is refused (``SlotPoolError``).
+        If the writes raise, their slots are emptied (pins included) and the error propagates."""
+        if self._pending_writes is not None:
+            raise SlotPoolError("batched_installs is already open")
+        self._pending_writes = {}
+        try:
+            yield
+        finally:
+            pending, self._pending_writes = self._pending_writes, None
+            if pending:
+                self._flush(pending)
+
+    def _flush(self, pending: dict[int, SlotImage]) -> None:
+        self.install_batches += 1
+        try:
+            self.weights.write_many(list(pending.items()), staging_bytes=self.config.install_staging_bytes)
+        except Exception:
+            for slot in pending:
+                self.slots.clear(slot)  # partly overwritten: they hold no adapter now
+            raise
 
     def unpin(self, int_id: int) -> None:
         """Release one pin of ``int_id``; at zero pins its slot may be reused (and a pending
@@ -361,11 +401,14 @@ class LoRASlotPool:
     # ------------------------------------------------------------------ internals
 
     def _install(self, slot: int, int_id: int, image: SlotImage) -> None:
-        try:
-            self.weights.write(slot, image)
-        except Exception:
-            self.slots.clear(slot)  # partly overwritten: it holds no adapter now
-            raise
+        if self._pending_writes is not None:
+            self._pending_writes[slot] = image  # written at the end of ``batched_installs``
+        else:
+            try:
+                self.weights.write(slot, image)
+            except Exception:
+                self.slots.clear(slot)  # partly overwritten: it holds no adapter now
+                raise
         if self.slots.assign(slot, int_id) is not None:
             self._slot_evictions += 1
         self._slot_loads += 1
@@ -377,6 +420,8 @@ class LoRASlotPool:
         slot = self.slots.slot_of(int_id)
         if slot is not None:
             self.slots.clear(slot)
+            if self._pending_writes is not None:
+                self._pending_writes.pop(slot, None)
             self.weights.disable(slot)
 
     def _slot_info(self, slot: int) -> SlotInfo:
