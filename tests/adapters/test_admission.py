@@ -11,9 +11,12 @@ cache size of them.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from loraplex.adapters import BaseModelSpec, LoRASlotPool, load_peft_adapter
 from loraplex.adapters.lora_request import LoRARequest
@@ -121,3 +124,97 @@ def test_adapters_behind_the_budget_are_prefetched_up_to_the_host_cache(requests
     assert executor.submitted == reads_started
     assert pool.stats().cpu_evictions == 0
     assert sorted(pool.stats().cpu_cache_lru) == sorted(f"ad{i}" for i in range(1, 3 + reads_started))
+
+
+# -- issue 17 goal 3: admission at scale, in counted steps -------------------------------------
+
+OUTPUT_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def many_adapters(tmp_path_factory):
+    """2,000 registered toy adapters: one weight file, each its own config (own version id)."""
+    root = tmp_path_factory.mktemp("many")
+    generator = torch.Generator().manual_seed(0)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.randn(2, 8, generator=generator),
+               f"{prefix}.lora_B.weight": torch.randn(8, 2, generator=generator)}, str(root / "weights.safetensors"))
+    made = []
+    for index in range(1, 2001):
+        folder = root / f"ad{index}"
+        folder.mkdir()
+        os.symlink(root / "weights.safetensors", folder / "adapter_model.safetensors")
+        config = {"peft_type": "LORA", "r": 2, "lora_alpha": float(index % 7 + 1), "target_modules": ["q_proj"],
+                  "bias": "none", "base_model_name_or_path": f"toy-{index}"}
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        made.append(LoRARequest(f"ad{index}", index, str(folder),
+                                version_id=load_peft_adapter(folder, SPEC, MAX_RANK).version_id))
+    return made
+
+
+def serve(requests, pool, *, prompt_tokens=128):
+    """The scaling benchmark's shape in counted steps (prompt 128 / output 32, 256 sequences and
+    256 slots, 8,192-token budget): each scheduled prompt is computed, each sample appends a
+    token, a sequence finishes at 32 output tokens. Returns the steps taken."""
+    kv = KVCacheManager(8192, block_size=16, enable_prefix_caching=False)
+    lookahead = pool.config.max_cpu_loras if pool is not None else 8
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_loras=256,
+                                          max_model_len=1024, max_lookahead_loras=lookahead), kv, pool)
+    for k, request in enumerate(requests):
+        group = RequestGroup(f"q{k}", None, list(range(prompt_tokens)), SamplingParams(), request,
+                             request.version_id if request else None)
+        seq = Sequence(k + 1, group, 0, list(range(prompt_tokens)), prompt_tokens, None, None)
+        group.seqs.append(seq)
+        scheduler.add(seq)
+    steps = 0
+    while scheduler.num_unfinished:
+        batch = scheduler.schedule()
+        assert not batch.failures and steps < 10_000
+        steps += 1
+        for item in batch.seqs:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.num_samples:
+                seq.append_token(1)
+                if seq.num_output_tokens == OUTPUT_TOKENS:
+                    scheduler.finish(seq)
+    return steps
+
+
+def registered_pool(requests, executor=None):
+    """256 slots, a host cache for every adapter."""
+    pool = LoRASlotPool(SPEC, 256, MAX_RANK, len(requests) + 64, torch.float32, "cpu",
+                        read_executor=executor or InstantExecutor())
+    for request in requests:
+        pool.add_lora(request)
+    return pool
+
+
+@pytest.mark.parametrize(("num_adapters", "base_steps"), [(512, 68), (2000, 259)])
+def test_host_cached_adapters_take_exactly_the_base_step_count(many_adapters, num_adapters, base_steps):
+    """Issue 17 goal 3's setting: one request per adapter (512 or 2,000 adapters), every adapter in
+    host memory, 256 slots. The batch math (the same requests on the base model) says 68 / 259
+    steps; with adapters it takes exactly that, slack 0 (before: 2,000 took 260, the aging rule
+    kept every free slot for one starved adapter), with at most one device write batch per step
+    and no disk read inside the run."""
+    requests = many_adapters[:num_adapters]
+    assert serve([None] * num_adapters, None) == base_steps
+    pool = registered_pool(requests)
+    for request in requests:
+        pool.preload(request.lora_int_id)
+    reads_before = pool.stats().disk_loads
+    steps = serve(requests, pool)
+    assert steps == base_steps
+    stats = pool.stats()
+    assert stats.disk_loads == reads_before and stats.slot_loads == num_adapters
+    assert pool.install_batches <= steps
+
+
+def test_cold_adapters_take_one_step_more_than_the_base(many_adapters):
+    """The cold-start row with a disk that answers at once: the first step starts the reads of the
+    256 scanned requests (nothing is ready yet); after that admission keeps the base's pace."""
+    requests = many_adapters[:512]
+    executor = InstantExecutor()
+    pool = registered_pool(requests, executor)
+    assert serve(requests, pool) == 68 + 1
+    assert executor.submitted == 512 and pool.stats().disk_loads == 512  # each adapter read once
