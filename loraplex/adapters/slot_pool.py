@@ -153,7 +153,7 @@ class LoRASlotPool:
             spec, config.max_lora_rank, dtype, self.device, config.max_cpu_loras,
             background_loads=config.background_loads, max_loads_in_flight=config.max_loads_in_flight,
             num_loader_threads=config.num_loader_threads, pin_host_cache=config.pin_host_cache,
-            executor=read_executor,
+            executor=read_executor, host_arena_chunk_bytes=config.host_arena_chunk_bytes,
         )
         self.slots = SlotTable(config.max_loras)
         self._pending_writes: dict[int, SlotImage] | None = None  # slot -> image, inside ``batched_installs``
