@@ -1,7 +1,8 @@
 """Adapter reads from disk (inline or on loader threads) and the host-memory tier behind the slots.
 
-Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to rank R
-(pinned when slots live on CUDA), so installing one is two contiguous copies per targeted
+Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to rank R,
+in ranges of a ``HostArena`` (chunks allocated once, pinned when slots live on CUDA), so a read
+allocates nothing once the chunks exist and installing one is two contiguous copies per targeted
 module and one for the scalings.
 
 Background reads: ``start`` queues a read (at most ``max_loads_in_flight`` queued or running,

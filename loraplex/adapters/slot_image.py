@@ -1,7 +1,7 @@
 """An adapter laid out in host memory exactly as a GPU adapter slot holds it.
 
 The host-cache tier of ``LoRASlotPool`` keeps ``SlotImage``s, not ``LoRAAdapter``s:
-one buffer per adapter in the slot dtype (pinned when slots live on CUDA), with every
+one buffer per adapter in the slot dtype (a ``HostArena`` range in the pool, pinned when slots live on CUDA), with every
 module's factors already padded to the pool's rank ``R``, so that installing the adapter
 in a slot is two contiguous host-to-device copies per module and one for all scalings
 (S-LoRA, Sheng et al. 2023, "unified paging" of adapter weights; here without paging).

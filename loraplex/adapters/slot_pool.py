@@ -18,8 +18,8 @@ mismatch: files changed on disk after they were validated); the files' stat sign
 (size, mtime_ns) is then recorded, and later reads trust the ``version_id`` while it is
 unchanged and re-hash otherwise.
 
-Loads off the critical path: ``ensure_ready(id)`` is True when ``pin(id)`` will not
-touch the disk (resident or cached); otherwise it queues a background read (at most
+Loads off the critical path: ``is_ready(id)`` says without side effects whether ``pin(id)``
+will not touch the disk (resident or cached); ``ensure_ready(id)`` is True in that case; otherwise it queues a background read (at most
 ``max_loads_in_flight`` queued or running, on ``num_loader_threads`` threads) and returns False.
 Every finished read is moved into the host cache by the next ``ensure_ready`` of *any* adapter
 (a completion queue), so reads that complete between steps are claimable at once and free their
@@ -29,8 +29,12 @@ synchronously (waiting for its in-flight read if any). A failed read raises its
 call starts a new read. With ``background_loads=False`` ``ensure_ready`` reads inline.
 
 Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to
-rank R (pinned when slots live on CUDA), so installing one is two contiguous copies per
-targeted module and one for the scalings, enqueued without waiting.
+rank R, in ranges of a ``HostArena`` (chunks allocated and, when slots live on CUDA,
+page-locked once; no allocation per read). Installing one alone (``pin`` outside a batch)
+is two contiguous copies per targeted module and one for the scalings, enqueued without
+waiting; inside ``batched_installs`` (one scheduler step) the pins' slots are assigned at
+once and written together at exit: one host-to-device copy per image into a device staging
+buffer, then one ``index_copy_`` per targeted module for all of them.
 
 Slot tensors ``a``, ``b``, ``scaling`` (shapes and semantics): see
 :mod:`loraplex.adapters.device_weights`.
