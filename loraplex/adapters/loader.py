@@ -103,6 +103,9 @@ class AdapterLoader:
         """The adapter from the host cache, else from its background read (waited for), else read
         now; then cached. Raises a kept failure of its last read or the read's ``AdapterError``."""
         int_id = registration.request.lora_int_id
+        image = self.cache.get(int_id)  # before ``poll``: finished reads put there must not evict it first
+        if image is not None:
+            return image
         self.poll()
         image = self.cache.get(int_id)
         if image is not None:

@@ -278,12 +278,13 @@ class LoRASlotPool:
     def is_ready(self, int_id: int) -> bool:
         """True when ``pin(int_id)`` will not touch the disk (resident, or in host memory after
         moving finished background reads there); False also for an unknown or removed adapter.
-        Starts no read and raises nothing (``ensure_ready`` does both)."""
+        Starts no read and raises nothing (``ensure_ready`` does both); a cached adapter becomes the
+        most recently used (it is about to be pinned)."""
         registration = self.registry.get(int_id)
         if registration is None or registration.pending_removal:
             return False
         self.loader.poll()
-        return self.slots.slot_of(int_id) is not None or int_id in self.loader.cache
+        return self.slots.slot_of(int_id) is not None or self.loader.cached(int_id) is not None
 
     def preload(self, int_id: int) -> None:
         """Read ``int_id`` into the host cache now (synchronously; the LRU entry is evicted if the

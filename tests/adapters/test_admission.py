@@ -218,3 +218,41 @@ def test_cold_adapters_take_one_step_more_than_the_base(many_adapters):
     pool = registered_pool(requests, executor)
     assert serve(requests, pool) == 68 + 1
     assert executor.submitted == 512 and pool.stats().disk_loads == 512  # each adapter read once
+
+
+class ManualExecutor(concurrent.futures.Executor):
+    """Holds each read until ``finish_all`` runs them (reads that complete between two calls)."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[concurrent.futures.Future, object, tuple]] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.held.append((future, fn, args))
+        return future
+
+    def finish_all(self) -> None:
+        for future, fn, args in self.held:
+            future.set_result(fn(*args))
+        self.held.clear()
+
+
+def test_ready_adapter_is_pinned_without_a_read_when_finished_reads_fill_the_host_cache(requests_for):
+    """Adapter 1 is in a host cache of 2 and answers ready; reads of 2 and 3 finish right after.
+    Pinning 1 must not let those reads push it out of the cache first (they would have: the pin
+    moved finished reads into the cache before looking for 1, then read 1 from disk inline)."""
+    requests = requests_for(3)
+    executor = ManualExecutor()
+    pool = LoRASlotPool(SPEC, 2, MAX_RANK, 2, torch.float32, "cpu", read_executor=executor)
+    for request in requests:
+        pool.add_lora(request)
+    pool.preload(1)
+    assert (pool.ensure_ready(2), pool.ensure_ready(3)) == (False, False)
+    assert pool.is_ready(1)
+    executor.finish_all()
+    pool.loader.read_now = lambda registration: pytest.fail("a ready adapter was read from disk")
+    with pool.batched_installs():
+        assert pool.pin(1) == 0
+    assert pool.stats().slots[0].lora_name == "ad1"
+    assert pool.is_ready(2) and pool.is_ready(3)  # the finished reads are claimed by the next question
+    assert pool.stats().cpu_cache_lru == ["ad2", "ad3"]
