@@ -256,3 +256,41 @@ def test_ready_adapter_is_pinned_without_a_read_when_finished_reads_fill_the_hos
     assert pool.stats().slots[0].lora_name == "ad1"
     assert pool.is_ready(2) and pool.is_ready(3)  # the finished reads are claimed by the next question
     assert pool.stats().cpu_cache_lru == ["ad2", "ad3"]
+
+
+def test_resident_and_cached_adapters_run_in_the_step_while_other_reads_are_in_flight(requests_for):
+    """Goal 3: no request of a ready adapter waits on another adapter's read. Adapter 1 is in a
+    slot, adapter 2 in host memory; four adapters queued before them need reads that stay in
+    flight (held by the executor) and use up the lookahead (4). Both ready requests run in the
+    first step; the others run the step after their reads finish."""
+    requests = requests_for(6)
+    executor = ManualExecutor()
+    pool = LoRASlotPool(SPEC, 8, MAX_RANK, 8, torch.float32, "cpu", read_executor=executor)
+    for request in requests:
+        pool.add_lora(request)
+    pool.preload(1)
+    pool.preload(2)
+    pool.pin(1)
+    pool.unpin(1)  # resident, unpinned
+    kv = KVCacheManager(1024, block_size=4, enable_prefix_caching=False)
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=1024, max_loras=8, max_model_len=128,
+                             max_lookahead_loras=4)
+    scheduler = Scheduler(config, kv, pool)
+    for lora in (3, 4, 5, 6, 1, 2):
+        request = requests[lora - 1]
+        group = RequestGroup(f"r{lora}", None, list(range(PROMPT_TOKENS)), SamplingParams(), request,
+                             request.version_id)
+        seq = Sequence(lora, group, 0, list(range(PROMPT_TOKENS)), PROMPT_TOKENS, None, None)
+        group.seqs.append(seq)
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert [item.seq.group.request_id for item in batch.seqs] == ["r1", "r2"]
+    assert pool.stats().loads_in_flight == 4 and len(executor.held) == 4
+    for item in batch.seqs:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.append_token(1)
+    executor.finish_all()
+    batch = scheduler.schedule()
+    assert [(item.seq.group.request_id, item.num_new_tokens) for item in batch.seqs] == [
+        ("r1", 1), ("r2", 1), ("r3", PROMPT_TOKENS), ("r4", PROMPT_TOKENS), ("r5", PROMPT_TOKENS),
+        ("r6", PROMPT_TOKENS)]
