@@ -351,3 +351,37 @@ def test_batched_installs_refuse_nesting(adapters):
         with pytest.raises(SlotPoolError, match="already open"):
             with pool.batched_installs():
                 pass
+
+
+def test_one_batch_of_installs_is_one_copy_per_adapter_and_one_scatter_per_module(adapters):
+    """The device work of three installs in one batch, counted at the ATen level: each image is
+    copied whole once (3 copies), then every targeted (layer, module) factor is scattered once for
+    all adapters sharing a layout (``index_copy_``), plus one scatter of the scalings per layout;
+    one-by-one installs took two copies per targeted module and adapter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    pool = make_pool(adapters, max_loras=3)
+    for name in ("a1", "a2", "a5"):
+        pool.preload(iid(adapters, name))
+    images = [pool.loader.cached(iid(adapters, name)) for name in ("a1", "a2", "a5")]
+    count = Count()
+    with count:
+        with pool.batched_installs():
+            for name in ("a1", "a2", "a5"):
+                pool.pin(iid(adapters, name))
+            assert count.calls == {}  # pins only assign slots: nothing is written before the batch ends
+    keys = sum(len(image.offsets) for image in images)  # 3 + 6 + 2 targeted modules, one layout each
+    assert count.calls.get("copy_") == 3
+    assert count.calls.get("index_copy_") == 2 * keys + 3
+    for slot, name in enumerate(("a1", "a2", "a5")):
+        assert_slot_holds(pool, slot, adapters[name][1])
