@@ -181,7 +181,8 @@ def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTenso
 def _read_per_tensor(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
     """A padded image filled tensor by tensor (direct reads where the layout allows)."""
     ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
-    image = _empty_image(ranks, target.spec, target.max_rank, target.dtype, target.version_id, target.allocate)
+    image = _empty_image(ranks, target.spec, target.max_rank, target.dtype, target.version_id,
+                         target.allocate)
     for plan in layout.modules:
         key, rank = (plan.layer, plan.module), plan.hyper.rank
         _read_into(fd, plan.a_name, stored, image.a(key)[:rank])

@@ -19,7 +19,8 @@ mismatch: files changed on disk after they were validated); the files' stat sign
 unchanged and re-hash otherwise.
 
 Loads off the critical path: ``is_ready(id)`` says without side effects whether ``pin(id)``
-will not touch the disk (resident or cached); ``ensure_ready(id)`` is True in that case; otherwise it queues a background read (at most
+will not touch the disk (resident or cached); ``ensure_ready(id)`` is True in that case;
+otherwise it queues a background read (at most
 ``max_loads_in_flight`` queued or running, on ``num_loader_threads`` threads) and returns False.
 Every finished read is moved into the host cache by the next ``ensure_ready`` of *any* adapter
 (a completion queue), so reads that complete between steps are claimable at once and free their

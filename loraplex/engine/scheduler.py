@@ -66,9 +66,11 @@ Readiness is asked for at most ``max_lookahead_loras`` distinct adapters per
 step (the host cache size), so prefetches never evict each other before they
 are pinned; past that bound no read starts, but an adapter already resident or
 in host memory (``AdapterPins.is_ready``, no side effects) is still admitted:
-no request of a ready adapter waits on another adapter's read. After admission, the adapters of queued requests the scan did not
-reach (it stops at the token budget or ``max_num_seqs``) are asked too: their
-reads start ahead of need. An adapter whose read fails fails exactly its waiting and swapped
+no request of a ready adapter waits on another adapter's read. After
+admission, the adapters of queued requests the scan did not reach (it stops
+at the token budget or ``max_num_seqs``) are asked too: their reads start
+ahead of need. The pins of one step write their device slots together at the
+end of admission (``AdapterPins.batched_installs``). An adapter whose read fails fails exactly its waiting and swapped
 requests (``ScheduledBatch.failures``); everyone else keeps running.
 """
 
