@@ -301,9 +301,10 @@ def read_all(pool, int_ids: list[int]) -> None:
     scheduler drives them: ``ensure_ready`` each round)."""
     pending = list(int_ids)
     while pending:
-        pending = [i for i in pending if not pool.ensure_ready(i)]
-        if pending:
-            pool.wait_for_loads(timeout_s=0.002)
+        pending = [i for i in pending if not pool.ensure_ready(i)]  # queues up to max_loads_in_flight reads
+        while pool.loader.loads_in_flight:
+            pool.wait_for_loads(timeout_s=0.01)
+            pool.loader.poll()
 
 
 def disk_to_slot(pool, int_ids: list[int]) -> dict:
