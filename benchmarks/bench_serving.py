@@ -6,10 +6,15 @@ random bf16 weights, r=16 adapters on all 7 projections.
    requests; loraplex on all requests, HF transformers + PEFT (``generate``
    with ``adapter_names``, padded batch) on a fixed subset, both as output
    tokens/s on the same GPU in the same run.
-2. ``scaling``: output tokens/s with 1, 8, 64, 512 and 2000 distinct adapters
-   (uniform popularity, cold loads included) against base only. Adapters
-   beyond the first share their weight file through a symlink but have their
-   own config (own version id), so each is a separate load.
+2. ``scaling`` (issue 17 goal 3): 512 requests (2000 for 2000 adapters), prompt 128 /
+   output 32, r=16 on q/v (16.8 MB per adapter), 256 slots: output tokens/s with 1, 8,
+   64, 512 and 2000 distinct adapters (uniform) and 512 requests Zipf over 2000, every
+   adapter already in the host cache (files in the page cache), each against the base
+   model on the same requests (its step count is the batch math's minimum); a cold-start
+   row (512 adapters read for the first time inside the run) with its measured cause;
+   disk -> slot ms of a 16.8 MB adapter. Adapters beyond the 64 distinct weight files
+   link to one of them but have their own config (own version id), so each is a
+   separate read. ``--parts scaling --cpu-check`` runs its logic on CPU.
 3. ``decode``: decode step time at batch 1, 32 and 128, base and mixed
    adapters, against the weight-bandwidth floor.
 
@@ -20,6 +25,7 @@ Writes ``$OUT/serving.json``; prints markdown tables last.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
 import os
@@ -36,10 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (ALL_TARGETS, LLAMA2_7B, adapter_version_id, git_commit, make_model_dir,  # noqa: E402
+from common import (ALL_TARGETS, LLAMA2_7B, git_commit, make_model_dir,  # noqa: E402
                     make_random_adapter, measure_copy_bandwidth, out_dir, print_table, triton_variants)
-
-from bench_adapter_loads import read_and_install  # noqa: E402
 
 from loraplex import LLM, LoRARequest, SamplingParams  # noqa: E402
 
@@ -56,12 +60,18 @@ def zipf_choices(rng: random.Random, n_items: int, count: int, s: float = 1.1) -
 def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
                   targets=ALL_TARGETS, first_id: int = 1) -> list[LoRARequest]:
     """``count`` adapters; the first ``distinct_files`` have their own weights, the rest
-    link to one of them but have their own config (so their own version id)."""
-    out = []
+    link to one of them but have their own config (so their own version id), declared as the
+    platform declares its registry's content hash (registration reads only the config and the
+    header; the engine checks the id at the first read). Ids are hashed on 16 threads."""
+    from safetensors.torch import load_file
+
+    from loraplex.adapters.identity import compute_version_id
+
+    paths = []
     for i in range(count):
         path = root / f"a{i}"
         if i < distinct_files:
-            make_random_adapter(path, config, 16, seed=i, targets=targets)
+            make_random_adapter(path, config, 16, seed=first_id + i, targets=targets)
         else:
             path.mkdir(parents=True, exist_ok=True)
             src = root / f"a{i % distinct_files}"
@@ -69,20 +79,28 @@ def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
             cfg = json.loads((src / "adapter_config.json").read_text())
             cfg["base_model_name_or_path"] = f"dummy-{i}"
             (path / "adapter_config.json").write_text(json.dumps(cfg))
-        out.append(LoRARequest(f"a{first_id + i}", first_id + i, str(path), version_id=declared_version_id(path)))
-    return out
+        paths.append(path)
+    tensors = [load_file(str(root / f"a{i}" / "adapter_model.safetensors")) for i in range(min(count, distinct_files))]
+
+    def version_id(i: int) -> str:  # common.adapter_version_id, the weight file loaded once
+        cfg = json.loads((paths[i] / "adapter_config.json").read_text())
+        return compute_version_id(cfg, tensors[i % distinct_files])
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        ids = list(pool.map(version_id, range(count)))
+    return [LoRARequest(f"a{first_id + i}", first_id + i, str(path), version_id=ids[i])
+            for i, path in enumerate(paths)]
 
 
-def declared_version_id(path: Path) -> str:
-    """The benchmark adapter's content id (``common.adapter_version_id``), declared as the platform
-    declares its registry's content hash: registration reads only the config and the header."""
-    return adapter_version_id(path)
-
-
-def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) -> dict:
+def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, trace_loads: bool = False) -> dict:
+    """Submit all, step until done. ``trace_loads``: also ``load_trace`` = per step (seconds since
+    the start, disk loads so far in this run)."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind="final_only")
-    torch.cuda.synchronize()
+    pool = engine.lora_pool
+    loads0 = pool.loader.disk_loads if pool is not None else 0
+    trace = []
+    sync()
     t0 = time.perf_counter()
     for i, (p, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"q{time.monotonic_ns()}-{i}", p, params, lora)
@@ -90,11 +108,21 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) 
     while engine.has_unfinished_requests():
         errors += sum(1 for out in engine.step() if out.finished and out.error is not None)
         steps += 1
-    torch.cuda.synchronize()
+        if trace_loads:
+            trace.append((time.perf_counter() - t0, pool.loader.disk_loads - loads0))
+    sync()
     dt = time.perf_counter() - t0
-    return {"requests": len(prompts), "total_s": dt, "requests_per_s": len(prompts) / dt,
-            "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps, "errors": errors,
-            "triton_variants_after": triton_variants()}
+    out = {"requests": len(prompts), "total_s": dt, "requests_per_s": len(prompts) / dt,
+           "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps, "errors": errors,
+           "triton_variants_after": triton_variants()}
+    if trace_loads:
+        out["load_trace"] = trace
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def release(llm: LLM) -> None:
@@ -102,7 +130,8 @@ def release(llm: LLM) -> None:
     llm.engine.close()
     llm.engine = None
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def warm_up(llm: LLM, adapters: list[LoRARequest]) -> None:
@@ -110,16 +139,19 @@ def warm_up(llm: LLM, adapters: list[LoRARequest]) -> None:
     base tokens; decode batches of <= 8 and of 32 tokens; prefill chunks of < 256 and > 256
     tokens), with adapters the measurement does not use. Not measured."""
     rng = random.Random(99)
+    top = min(31000, llm.engine.spec.vocab_size - 1)
     loras = [adapters[i % len(adapters)] if i % 4 else None for i in range(32)]
-    run_requests(llm, [[rng.randrange(10, 31000) for _ in range(64)] for _ in range(4)], 8, loras[:4])
-    run_requests(llm, [[rng.randrange(10, 31000) for _ in range(300)] for _ in range(32)], 16, loras)
-    run_requests(llm, [[rng.randrange(10, 31000) for _ in range(900)]], 4, loras[1:2])
+    run_requests(llm, [[rng.randrange(10, top) for _ in range(64)] for _ in range(4)], 8, loras[:4])
+    run_requests(llm, [[rng.randrange(10, top) for _ in range(300)] for _ in range(32)], 16, loras)
+    run_requests(llm, [[rng.randrange(10, top) for _ in range(900)]], 4, loras[1:2])
 
 
 def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: int = 4096) -> LLM:
-    llm = LLM(model=str(model_dir), dummy_weights=True, dtype="bfloat16", max_model_len=max_model_len,
+    device = {} if torch.cuda.is_available() else {"device": "cpu", "dtype": "float32", "num_kv_blocks": 4096}
+    llm = LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len,
               gpu_memory_utilization=0.85, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
-              max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192)
+              max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192,
+              **({"dtype": "bfloat16"} | device))
     llm.engine.lora_pool.pin_host_cache = RESULTS["host_cache"] == "pinned"
     return llm
 
@@ -194,48 +226,138 @@ def hf_peft_run(peft, prompts: list[list[int]], loras: list, out_len: int) -> di
 
 
 def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict:
+    """Issue 17 goal 3. Rows 1/8/64/512/2000 adapters (uniform) and a Zipf row with every adapter
+    already in the host cache (files in the page cache too: the serving engine's steady state),
+    each against the base model on the same requests (throughput and engine steps: the base's
+    steps are the batch math's minimum); a cold-start row whose adapters are read for the first
+    time inside the run (first reads hash the content), with its cause; disk -> slot ms."""
     counts = [1, 8, 64] if quick else [1, 8, 64, 512, 2000]
-    # r=16 on q_proj and v_proj (16 MiB each) so that 2000 cold loads fit the run.
-    adapters = make_adapters(root / "scaling", config, max(counts), distinct_files=16 if quick else 64,
-                             targets=["q_proj", "v_proj"])
-    rng = random.Random(1)
     num_requests, in_len, out_len = (64, 64, 16) if quick else (512, 128, 32)
-    prompts = [[rng.randrange(10, 31000) for _ in range(in_len)] for _ in range(max(num_requests, max(counts)))]
-    # As many GPU slots as max_num_seqs (q/v r=16 slots: 16.8 MB each, 4.3 GB for 256) and a
-    # host cache for every adapter (issue 17's setting; 2000 x 16.8 MB = 34 GB of host memory):
-    # one batch can hold one request per slot.
-    llm = engine(model_dir, max_loras=256, max_cpu_loras=max(counts) + 64, max_model_len=1024)
-    warm_up(llm, make_adapters(root / "warm", config, 2, distinct_files=2, targets=["q_proj", "v_proj"],
-                               first_id=200001))
-    load_rate = host_load_rate(llm, make_adapters(root / "loadrate", config, 32, distinct_files=32,
-                                                  targets=["q_proj", "v_proj"], first_id=100001))
-    print(f"[scaling] host loads: {load_rate}", flush=True)
-    out = {"base": run_requests(llm, prompts[:num_requests], out_len, [None] * num_requests),
-           "host_loads": load_rate}
+    num_cold = 64 if quick else 512
+    qv = ["q_proj", "v_proj"]
+    # r=16 on q_proj and v_proj: 16.8 MB per adapter in bf16 (Llama-2-7B shapes).
+    t0 = time.perf_counter()
+    adapters = make_adapters(root / "scaling", config, max(counts), distinct_files=16 if quick else 64, targets=qv)
+    cold = make_adapters(root / "cold", config, num_cold, distinct_files=16 if quick else 64, targets=qv,
+                         first_id=50001)
+    probes = make_adapters(root / "probe", config, 8, distinct_files=8, targets=qv, first_id=90001)
+    print(f"[scaling] adapters written and hashed: {time.perf_counter() - t0:.1f} s", flush=True)
+    rng = random.Random(1)
+    total = max(num_requests, max(counts))
+    prompts = [[rng.randrange(10, config["vocab_size"] - 1) for _ in range(in_len)] for _ in range(total)]
+    # As many GPU slots as max_num_seqs (q/v r=16 slots: 16.8 MB each, 4.3 GB for 256) and a host
+    # cache for every adapter (issue 17's setting): one batch can hold one request per slot.
+    llm = engine(model_dir, max_loras=256, max_cpu_loras=max(256, max(counts) + num_cold + 64), max_model_len=1024)
+    pool = llm.engine.lora_pool
+    warm_up(llm, make_adapters(root / "warm", config, 2, distinct_files=2, targets=qv, first_id=200001))
+    t0 = time.perf_counter()
+    for a in adapters + cold + probes:
+        llm.engine.add_lora(a)
+    registered_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    read_all(pool, [a.lora_int_id for a in adapters])  # the host cache holds every warm adapter
+    preload = {"adapters": len(adapters), "registration_s": registered_s, "read_s": time.perf_counter() - t0}
+    print(f"[scaling] preload: {preload}", flush=True)
+    out: dict = {"preload": preload, "disk_to_slot": disk_to_slot(pool, [a.lora_int_id for a in probes])}
+    print(f"[scaling] disk -> slot: {out['disk_to_slot']}", flush=True)
+    base: dict[int, dict] = {}
+
+    def base_row(n: int) -> dict:
+        if n not in base:
+            base[n] = run_requests(llm, prompts[:n], out_len, [None] * n)
+            print(f"[scaling] base, {n} requests: {base[n]}", flush=True)
+        return base[n]
+
+    def row(name: str, loras: list, **extra) -> None:
+        n = len(loras)
+        reference = base_row(n)
+        before = lora_counters(llm)
+        chunks_before = pool.loader.arenas[True].chunk_allocations + pool.loader.arenas[False].chunk_allocations
+        res = run_requests(llm, prompts[:n], out_len, loras, trace_loads=True)
+        trace = res.pop("load_trace")
+        res["host_arena_chunks_allocated"] = (pool.loader.arenas[True].chunk_allocations
+                                              + pool.loader.arenas[False].chunk_allocations - chunks_before)
+        if name.startswith("cold"):
+            res["cause"] = cold_cause(res, trace, reference, pool)
+        res.update(extra, fraction_of_base=res["output_tokens_per_s"] / reference["output_tokens_per_s"],
+                   min_steps=reference["steps"], distinct_adapters=len({a.lora_int_id for a in loras}),
+                   lora=diff_counters(lora_counters(llm), before))
+        out[name] = res
+        print(f"[scaling] {name}: {res}", flush=True)
+
     for count in counts:
         n = max(num_requests, count)  # every adapter gets at least one request
-        loras = [adapters[i % count] for i in range(n)]
-        t0 = time.perf_counter()
-        res = run_requests(llm, prompts[:n], out_len, loras)
-        res["fraction_of_base"] = res["output_tokens_per_s"] / out["base"]["output_tokens_per_s"]
-        res["lora_stats"] = {k: getattr(llm.engine.get_stats().lora, k) for k in
-                             ("disk_loads", "slot_loads", "cpu_evictions", "slot_evictions")}
-        out[str(count)] = res
-        print(f"[scaling] {count} adapters: {res} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        row(str(count), [adapters[i % count] for i in range(n)], popularity="uniform")
+    zipf = zipf_choices(random.Random(3), max(counts), num_requests)
+    row(f"zipf-{max(counts)}", [adapters[k] for k in zipf], popularity="zipf s=1.1")
+    row(f"cold-{num_cold}", [cold[i % num_cold] for i in range(max(num_requests, num_cold))],
+        popularity="uniform, first reads inside the run")
     release(llm)
     return out
 
 
-def host_load_rate(llm: LLM, adapters: list[LoRARequest]) -> dict:
-    """Cold reads of ``adapters`` (files in the page cache) through the pool's background readers,
-    as the scheduler drives them (``ensure_ready`` each round), then one slot install each."""
-    engine = llm.engine
-    for a in adapters:
-        engine.add_lora(a)
-    result = read_and_install(engine.lora_pool, [a.lora_int_id for a in adapters])
-    for a in adapters:
-        engine.remove_lora(a.lora_int_id)
-    return result
+def read_all(pool, int_ids: list[int]) -> None:
+    """Read ``int_ids`` into the host cache through the pool's background readers (as the
+    scheduler drives them: ``ensure_ready`` each round)."""
+    pending = list(int_ids)
+    while pending:
+        pending = [i for i in pending if not pool.ensure_ready(i)]  # queues up to max_loads_in_flight reads
+        while pool.loader.loads_in_flight:
+            pool.wait_for_loads(timeout_s=0.01)
+            pool.loader.poll()
+
+
+def disk_to_slot(pool, int_ids: list[int]) -> dict:
+    """Per adapter (files in the page cache, nothing else in flight), ms from the readiness question
+    to the adapter written in its slot on the device (``ensure_ready`` until True, then a pin in
+    one install batch, device synchronized): first the first read of a registration (its content
+    hashed against the declared version id), then a re-read of the same adapter evicted from the
+    host cache and its slot (the steady-state path: the registered id is trusted while the files'
+    stat holds)."""
+    def once(int_id: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        while not pool.ensure_ready(int_id):
+            pool.wait_for_loads(timeout_s=0.0002)
+        with pool.batched_installs():
+            pool.pin(int_id)
+        sync()
+        dt = 1e3 * (time.perf_counter() - t0)
+        pool.unpin(int_id)
+        return dt
+
+    first, again = [], []
+    for int_id in int_ids:
+        first.append(once(int_id))
+        pool.loader.cache.pop(int_id)  # evicted from host memory and from its slot
+        pool.slots.clear(pool.slots.slot_of(int_id))
+        again.append(once(int_id))
+    image_mb = pool.loader.cached(int_ids[0]).nbytes / 1e6
+    return {"adapter_MB": image_mb, "first_read_ms": statistics.median(first),
+            "reread_ms": statistics.median(again), "reread_ms_all": again}
+
+
+def lora_counters(llm: LLM) -> dict:
+    stats = llm.engine.get_stats().lora
+    return {"disk_loads": stats.disk_loads, "slot_loads": stats.slot_loads, "cpu_evictions": stats.cpu_evictions,
+            "slot_evictions": stats.slot_evictions, "install_batches": llm.engine.lora_pool.install_batches}
+
+
+def diff_counters(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def cold_cause(row: dict, trace: list[tuple[float, int]], reference: dict, pool) -> str:
+    """The measured cause of the cold row: when its first reads finished against the run."""
+    reads = trace[-1][1] if trace else 0
+    done_s = next((t for t, loads in trace if loads >= reads), trace[-1][0] if trace else 0.0)
+    done_step = next((i for i, (_, loads) in enumerate(trace, start=1) if loads >= reads), len(trace))
+    return (f"{reads} first reads (content hashed) on {pool.config.num_loader_threads} loader threads took "
+            f"{done_s:.2f} s ({1e3 * done_s / max(1, reads):.1f} ms per adapter), until step {done_step} of "
+            f"{row['steps']}, {row['host_arena_chunks_allocated']} host-arena chunks of "
+            f"{pool.config.host_arena_chunk_bytes >> 20} MiB allocated (page-locked) meanwhile; the base run takes "
+            f"{reference['total_s']:.2f} s and {reference['steps']} steps: steps before that admit only the "
+            f"adapters read so far")
 
 
 def part_decode(model_dir: Path, adapters: list[LoRARequest], floor_ms: float) -> dict:
@@ -276,23 +398,32 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--host-cache", choices=["pinned", "pageable"], default="pinned",
                     help="host memory of the adapter cache (LoRASlotPool.pin_host_cache)")
+    ap.add_argument("--cpu-check", action="store_true",
+                    help="the benchmark's logic on CPU with a tiny model (implies --quick; numbers mean nothing)")
     args = ap.parse_args()
     RESULTS["host_cache"] = args.host_cache
     config = dict(LLAMA2_7B)
-    if args.quick:
+    if args.quick or args.cpu_check:
+        args.quick = True
         config.update(num_hidden_layers=2)
+    if args.cpu_check:
+        config.update(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+                      vocab_size=512)
     root = Path(tempfile.mkdtemp())
     model_dir = make_model_dir(root / "model", config)
-    bw = measure_copy_bandwidth()
+    bw = measure_copy_bandwidth() if torch.cuda.is_available() else float("nan")
     weight_bytes = 2 * (config["vocab_size"] * config["hidden_size"] * 2 + config["num_hidden_layers"] * (
         4 * config["hidden_size"] ** 2 + 3 * config["hidden_size"] * config["intermediate_size"]))
     floor_ms = 1e3 * weight_bytes / bw
-    RESULTS.update(device=torch.cuda.get_device_name(), copy_TBps=bw / 1e12, floor_ms=floor_ms)
+    RESULTS.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                   copy_TBps=bw / 1e12, floor_ms=floor_ms)
     parts = args.parts.split(",")
     # 100 adapters with their own config (own version id); 16 distinct weight files, the rest
     # link to them (speed does not depend on the values; writing 100 x 80 MiB does not fit a run).
     count = 100 if "scenarios" in parts else 32
-    adapters = make_adapters(root / "zipf", config, count, distinct_files=min(count, 8 if args.quick else 16))
+    adapters = []
+    if "scenarios" in parts or "decode" in parts:
+        adapters = make_adapters(root / "zipf", config, count, distinct_files=min(count, 8 if args.quick else 16))
     jobs = {"scenarios": lambda: part_scenarios(model_dir, config, adapters, args.quick),
             "scaling": lambda: part_scaling(model_dir, config, root, args.quick),
             "decode": lambda: part_decode(model_dir, adapters, floor_ms)}
@@ -318,10 +449,20 @@ def summarize() -> None:
                     [[n, f"{r['loraplex']['requests_per_s']:.2f}", f"{r['loraplex']['output_tokens_per_s']:.0f}",
                       f"{r['hf_peft']['output_tokens_per_s']:.1f}", f"{r['speedup']:.0f}x"] for n, r in sc.items()])
     scl = RESULTS.get("scaling", {})
-    if "error" not in scl:
-        print_table("Adapter-count scaling (uniform popularity)", ["adapters", "out tok/s", "of base", "slot loads"],
-                    [[k, f"{v['output_tokens_per_s']:.0f}", f"{v.get('fraction_of_base', 1):.2f}",
-                      v.get("lora_stats", {}).get("slot_loads", "-")] for k, v in scl.items() if k != "host_loads"])
+    if scl and "error" not in scl:
+        rows = {k: v for k, v in scl.items() if isinstance(v, dict) and "fraction_of_base" in v}
+        print_table("Adapter-count scaling (q/v r=16, 256 slots; host cache holds every adapter unless cold)",
+                    ["row", "popularity", "requests", "distinct adapters", "out tok/s", "of base", "steps",
+                     "min steps", "disk reads", "slot loads", "install batches"],
+                    [[k, v["popularity"], v["requests"], v["distinct_adapters"], f"{v['output_tokens_per_s']:.0f}",
+                      f"{v['fraction_of_base']:.2f}", v["steps"], v["min_steps"], v["lora"]["disk_loads"],
+                      v["lora"]["slot_loads"], v["lora"]["install_batches"]] for k, v in rows.items()])
+        d = scl["disk_to_slot"]
+        print(f"disk -> slot, {d['adapter_MB']:.1f} MB adapter (median of {len(d['reread_ms_all'])}): "
+              f"re-read {d['reread_ms']:.2f} ms, first read (content hashed) {d['first_read_ms']:.2f} ms")
+        for k, v in rows.items():
+            if "cause" in v:
+                print(f"{k}: {v['cause']}")
     dec = RESULTS.get("decode", {})
     if "error" not in dec:
         print_table("Decode step vs weight-bandwidth floor", ["batch", "step ms", "floor / step"],

@@ -26,6 +26,13 @@ class LoRAConfig:
     cache size so that finished prefetches never evict each other before they are pinned."""
     num_loader_threads: int = 4
     """Threads reading adapter files (the disk's useful parallelism)."""
+    install_staging_bytes: int = 512 << 20
+    """Device staging of one batch of slot installs, at most (``LoRASlotPool.batched_installs``: the
+    adapters admitted in one step are copied whole to the device, then scattered into their slots;
+    more than this many bytes of them go in several rounds)."""
+    host_arena_chunk_bytes: int = 256 << 20
+    """Host-cache memory is taken in chunks of this size (or one adapter, if larger), each allocated
+    (and page-locked) once and reused by later images (``loraplex.adapters.host_arena``)."""
     pin_host_cache: bool = True
     """Host images in page-locked memory when slots live on CUDA (installs are asynchronous copies; a first
     read pays the page locking) or pageable (installs block the caller while the driver stages the copy)."""
@@ -39,6 +46,8 @@ class LoRAConfig:
             "max_cpu_loras": self.max_cpu_loras,
             "max_loads_in_flight": self.max_loads_in_flight,
             "num_loader_threads": self.num_loader_threads,
+            "install_staging_bytes": self.install_staging_bytes,
+            "host_arena_chunk_bytes": self.host_arena_chunk_bytes,
         }
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -65,6 +65,57 @@ class LoRADeviceWeights:
             raise
         self._written[slot] = frozenset(image.offsets)
 
+    def write_many(self, writes: list[tuple[int, SlotImage]], *, staging_bytes: int) -> None:
+        """Overwrite several slots at once (distinct slots), as ``write`` would one by one, with
+        one host-to-device copy per image and one device-side ``index_copy_`` per targeted
+        (layer, module) factor and group of up to ``staging_bytes`` of images sharing a layout
+        (instead of two small host-to-device copies per module and image): the images are
+        copied whole into a device staging buffer ``[n, numel]`` and scattered from there; the
+        scalings of a group take one copy. Enqueued without waiting. If a copy raises, every
+        slot of ``writes`` is marked unknown (see ``invalidate``)."""
+        groups: dict[tuple, list[tuple[int, SlotImage]]] = {}
+        for slot, image in writes:
+            layout = (image.data.numel(), tuple(sorted(image.offsets.items())))
+            groups.setdefault(layout, []).append((slot, image))
+        try:
+            for slot, image in writes:
+                for layer, module in self._written[slot] - image.offsets.keys():
+                    self.a[layer][module][slot].zero_()
+                    self.b[layer][module][slot].zero_()
+            for members in groups.values():
+                per_chunk = max(1, staging_bytes // max(1, members[0][1].nbytes))
+                for start in range(0, len(members), per_chunk):
+                    self._scatter(members[start : start + per_chunk])
+        except Exception:
+            for slot, _ in writes:
+                self.invalidate(slot)
+            raise
+        for slot, image in writes:
+            self._written[slot] = frozenset(image.offsets)
+
+    def _scatter(self, members: list[tuple[int, SlotImage]]) -> None:
+        """Images of one layout -> staging ``[n, numel]`` on the device -> their slots."""
+        first = members[0][1]
+        staging = torch.empty(len(members), first.data.numel(), dtype=self.dtype, device=self.device)
+        for row, (_, image) in enumerate(members):
+            staging[row].copy_(image.data, non_blocking=True)
+        slots = self._to_device(torch.tensor([slot for slot, _ in members], dtype=torch.int64))
+        R = self.max_lora_rank
+        for (layer, module), (a_offset, b_offset) in first.offsets.items():
+            in_features, out_features = self.spec.module_shapes[module]
+            self.a[layer][module].index_copy_(
+                0, slots, staging[:, a_offset : a_offset + R * in_features].unflatten(1, (R, in_features)))
+            self.b[layer][module].index_copy_(
+                0, slots, staging[:, b_offset : b_offset + out_features * R].unflatten(1, (out_features, R)))
+        scalings = torch.stack([image.scaling for _, image in members], dim=-1)  # [L, M, n] fp32
+        self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without a stream sync (staged in pinned memory on CUDA)."""
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
     def disable(self, slot: int) -> None:
         """Zero ``slot``'s scalings: tokens mapped to it get no LoRA delta (A/B left as they are)."""
         self._scaling_table[:, :, slot] = 0.0

@@ -1,7 +1,8 @@
 """Adapter reads from disk (inline or on loader threads) and the host-memory tier behind the slots.
 
-Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to rank R
-(pinned when slots live on CUDA), so installing one is two contiguous copies per targeted
+Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to rank R,
+in ranges of a ``HostArena`` (chunks allocated once, pinned when slots live on CUDA), so a read
+allocates nothing once the chunks exist and installing one is two contiguous copies per targeted
 module and one for the scalings.
 
 Background reads: ``start`` queues a read (at most ``max_loads_in_flight`` queued or running,
@@ -31,6 +32,7 @@ import torch
 from loraplex.adapters.adapter import LoRAAdapter
 from loraplex.adapters.cpu_cache import AdapterLRUCache
 from loraplex.adapters.errors import AdapterChangedError, AdapterError, AdapterFormatError
+from loraplex.adapters.host_arena import HostArena
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import (
     AdapterLayout,
@@ -59,11 +61,14 @@ class AdapterLoader:
     ``executor``: runs the background reads (default: a thread pool of ``num_loader_threads``
     threads, made at the first read); tests pass one that runs each read at submission.
     ``background_loads`` and ``pin_host_cache`` may be switched later (new reads).
+    Every image lives in a ``HostArena`` (``host_arena_chunk_bytes`` chunks, page-locked when
+    ``pin_host_cache`` and slots are on CUDA): no allocation per read once the chunks exist.
     """
 
     def __init__(self, spec: BaseModelSpec, max_lora_rank: int, dtype: torch.dtype, device: torch.device,
                  max_cpu_loras: int, *, background_loads: bool, max_loads_in_flight: int, num_loader_threads: int,
-                 pin_host_cache: bool, executor: concurrent.futures.Executor | None = None) -> None:
+                 pin_host_cache: bool, executor: concurrent.futures.Executor | None = None,
+                 host_arena_chunk_bytes: int = 256 << 20) -> None:
         self.spec = spec
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
@@ -73,6 +78,7 @@ class AdapterLoader:
         self.num_loader_threads = num_loader_threads
         self.pin_host_cache = pin_host_cache
         self.cache: AdapterLRUCache[SlotImage] = AdapterLRUCache(max_cpu_loras)
+        self.arenas = {pinned: HostArena(host_arena_chunk_bytes, pin_memory=pinned) for pinned in (False, True)}
         self._executor = executor
         self._owns_executor = executor is None
         self._loading: dict[int, concurrent.futures.Future[_Read]] = {}
@@ -97,6 +103,9 @@ class AdapterLoader:
         """The adapter from the host cache, else from its background read (waited for), else read
         now; then cached. Raises a kept failure of its last read or the read's ``AdapterError``."""
         int_id = registration.request.lora_int_id
+        image = self.cache.get(int_id)  # before ``poll``: finished reads put there must not evict it first
+        if image is not None:
+            return image
         self.poll()
         image = self.cache.get(int_id)
         if image is not None:
@@ -228,16 +237,19 @@ class AdapterLoader:
     def _pin_images(self) -> bool:
         return self.pin_host_cache and self.device.type == "cuda"
 
+    def _arena(self) -> HostArena:
+        return self.arenas[self._pin_images()]
+
     def _image_of(self, adapter: LoRAAdapter) -> SlotImage:
         return slot_image_from_adapter(adapter, self.spec, self.max_lora_rank, self.dtype,
-                                       pin_memory=self._pin_images())
+                                       pin_memory=self._pin_images(), allocate=self._arena().empty)
 
     def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None) -> SlotImage:
         """Header checks (unless ``layout`` holds them), then the tensors straight into a slot
         image; nothing hashed."""
         layout = layout or inspect_peft_adapter(path, self.spec, self.max_lora_rank)
         return read_slot_image(layout, self.spec, self.max_lora_rank, self.dtype,
-                               version_id=version_id, pin_memory=self._pin_images())
+                               version_id=version_id, pin_memory=self._pin_images(), allocate=self._arena().empty)
 
     def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None,
               layout: AdapterLayout | None = None, verified: bool = False) -> _Read:

@@ -1,7 +1,7 @@
 """An adapter laid out in host memory exactly as a GPU adapter slot holds it.
 
 The host-cache tier of ``LoRASlotPool`` keeps ``SlotImage``s, not ``LoRAAdapter``s:
-one buffer per adapter in the slot dtype (pinned when slots live on CUDA), with every
+one buffer per adapter in the slot dtype (a ``HostArena`` range in the pool, pinned when slots live on CUDA), with every
 module's factors already padded to the pool's rank ``R``, so that installing the adapter
 in a slot is two contiguous host-to-device copies per module and one for all scalings
 (S-LoRA, Sheng et al. 2023, "unified paging" of adapter weights; here without paging).
@@ -17,7 +17,7 @@ makes the rank-R product equal the rank-r one.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from loraplex.adapters.peft_format import SAFETENSORS_NAME, AdapterLayout, Store
 from loraplex.adapters.spec import BaseModelSpec
 
 ModuleKey = tuple[int, str]  # (layer index, module name)
+Allocate = Callable[[int, torch.dtype], torch.Tensor]  # (numel, dtype) -> uninitialised [numel] host tensor
 _STORED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
@@ -79,9 +80,12 @@ def read_slot_image(
     *,
     version_id: str,
     pin_memory: bool,
+    allocate: Allocate | None = None,
 ) -> SlotImage:
     """Read the tensors of the adapter ``layout`` (checked by ``inspect_peft_adapter``)
     straight into a ``SlotImage`` of ``dtype``; nothing is hashed (``version_id`` is trusted).
+    ``allocate`` gives the image's buffer (e.g. ``HostArena.empty``); default a new tensor,
+    page-locked when ``pin_memory``.
 
     When every tensor is stored in ``dtype`` with rank R, the image *is* the file's data
     section: one ``pread`` (the GIL released throughout) and the offsets taken from the
@@ -98,7 +102,7 @@ def read_slot_image(
     names = {(plan.layer, plan.module): (plan.a_name, plan.b_name) for plan in layout.modules}
     fd = _open(path)
     try:
-        target = _Target(spec, max_rank, dtype, version_id, pin_memory)
+        target = _Target(spec, max_rank, dtype, version_id, allocate or _new_tensor(pin_memory))
         read = _read_verbatim if _is_verbatim(layout, stored, max_rank, dtype) else _read_per_tensor
         image = read(fd, layout, stored, target)
     finally:
@@ -109,14 +113,16 @@ def read_slot_image(
 
 
 def slot_image_from_adapter(
-    adapter: LoRAAdapter, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype, *, pin_memory: bool
+    adapter: LoRAAdapter, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype, *, pin_memory: bool,
+    allocate: Allocate | None = None,
 ) -> SlotImage:
-    """The ``SlotImage`` of a loaded (validated, finite) ``adapter``.
+    """The ``SlotImage`` of a loaded (validated, finite) ``adapter`` (buffer from ``allocate``, as
+    in ``read_slot_image``).
 
     Raises ``AdapterFormatError`` if a value overflows to Inf in ``dtype``.
     """
     ranks = {key: weight.rank for key, weight in adapter.weights.items()}
-    image = _empty_image(ranks, spec, max_rank, dtype, adapter.version_id, pin_memory)
+    image = _empty_image(ranks, spec, max_rank, dtype, adapter.version_id, allocate or _new_tensor(pin_memory))
     for key, weight in adapter.weights.items():
         _fill(image, key, weight.a, weight.b, weight.scaling, spec)
     _check_finite(image, {key: (f"layer {key[0]} {key[1]} lora_A", f"layer {key[0]} {key[1]} lora_B")
@@ -138,13 +144,17 @@ def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_ran
 
 @dataclass(frozen=True)
 class _Target:
-    """What an image is built for: model shapes, pool rank R, slot dtype, id, pinned or not."""
+    """What an image is built for: model shapes, pool rank R, slot dtype, id, where its buffer comes from."""
 
     spec: BaseModelSpec
     max_rank: int
     dtype: torch.dtype
     version_id: str
-    pin_memory: bool
+    allocate: Allocate
+
+
+def _new_tensor(pin_memory: bool) -> Allocate:
+    return lambda numel, dtype: torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
 
 
 def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
@@ -153,7 +163,7 @@ def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTenso
     refs = [stored[name] for plan in layout.modules for name in (plan.a_name, plan.b_name)]
     start = min(ref.offset_bytes for ref in refs)
     end = max(ref.offset_bytes + ref.nbytes for ref in refs)
-    data = torch.empty((end - start) // dtype.itemsize, dtype=dtype, pin_memory=target.pin_memory)
+    data = target.allocate((end - start) // dtype.itemsize, dtype)
     _pread_exact(fd, data, start, f"{layout.modules[0].a_name} .. {layout.modules[-1].b_name}")
     offsets = {}
     for plan in layout.modules:
@@ -171,7 +181,8 @@ def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTenso
 def _read_per_tensor(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
     """A padded image filled tensor by tensor (direct reads where the layout allows)."""
     ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
-    image = _empty_image(ranks, target.spec, target.max_rank, target.dtype, target.version_id, target.pin_memory)
+    image = _empty_image(ranks, target.spec, target.max_rank, target.dtype, target.version_id,
+                         target.allocate)
     for plan in layout.modules:
         key, rank = (plan.layer, plan.module), plan.hyper.rank
         _read_into(fd, plan.a_name, stored, image.a(key)[:rank])
@@ -225,7 +236,7 @@ def _empty_image(
     max_rank: int,
     dtype: torch.dtype,
     version_id: str,
-    pin_memory: bool,
+    allocate: Allocate,
 ) -> SlotImage:
     """An image for the modules in ``ranks``; zero-filled only if some module needs rank padding."""
     offsets: dict[ModuleKey, tuple[int, int]] = {}
@@ -234,9 +245,9 @@ def _empty_image(
         in_features, out_features = spec.module_shapes[key[1]]
         offsets[key] = (numel, numel + max_rank * in_features)
         numel += max_rank * (in_features + out_features)
-    padded = any(rank != max_rank for rank in ranks.values())
-    make = torch.zeros if padded else torch.empty
-    data = make(numel, dtype=dtype, pin_memory=pin_memory)
+    data = allocate(numel, dtype)
+    if any(rank != max_rank for rank in ranks.values()):
+        data.zero_()
     scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
     return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes))
 

@@ -18,8 +18,9 @@ mismatch: files changed on disk after they were validated); the files' stat sign
 (size, mtime_ns) is then recorded, and later reads trust the ``version_id`` while it is
 unchanged and re-hash otherwise.
 
-Loads off the critical path: ``ensure_ready(id)`` is True when ``pin(id)`` will not
-touch the disk (resident or cached); otherwise it queues a background read (at most
+Loads off the critical path: ``is_ready(id)`` says without side effects whether ``pin(id)``
+will not touch the disk (resident or cached); ``ensure_ready(id)`` is True in that case;
+otherwise it queues a background read (at most
 ``max_loads_in_flight`` queued or running, on ``num_loader_threads`` threads) and returns False.
 Every finished read is moved into the host cache by the next ``ensure_ready`` of *any* adapter
 (a completion queue), so reads that complete between steps are claimable at once and free their
@@ -29,8 +30,12 @@ synchronously (waiting for its in-flight read if any). A failed read raises its
 call starts a new read. With ``background_loads=False`` ``ensure_ready`` reads inline.
 
 Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to
-rank R (pinned when slots live on CUDA), so installing one is two contiguous copies per
-targeted module and one for the scalings, enqueued without waiting.
+rank R, in ranges of a ``HostArena`` (chunks allocated and, when slots live on CUDA,
+page-locked once; no allocation per read). Installing one alone (``pin`` outside a batch)
+is two contiguous copies per targeted module and one for the scalings, enqueued without
+waiting; inside ``batched_installs`` (one scheduler step) the pins' slots are assigned at
+once and written together at exit: one host-to-device copy per image into a device staging
+buffer, then one ``index_copy_`` per targeted module for all of them.
 
 Slot tensors ``a``, ``b``, ``scaling`` (shapes and semantics): see
 :mod:`loraplex.adapters.device_weights`.
@@ -47,13 +52,15 @@ files into new host tensors; all pool state is changed on the caller's thread.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from loraplex.adapters.config import LoRAConfig
 from loraplex.adapters.device_weights import LoRADeviceWeights
-from loraplex.adapters.errors import NoFreeSlotError
+from loraplex.adapters.errors import NoFreeSlotError, SlotPoolError
 from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import adapter_files_signature
@@ -151,9 +158,11 @@ class LoRASlotPool:
             spec, config.max_lora_rank, dtype, self.device, config.max_cpu_loras,
             background_loads=config.background_loads, max_loads_in_flight=config.max_loads_in_flight,
             num_loader_threads=config.num_loader_threads, pin_host_cache=config.pin_host_cache,
-            executor=read_executor,
+            executor=read_executor, host_arena_chunk_bytes=config.host_arena_chunk_bytes,
         )
         self.slots = SlotTable(config.max_loras)
+        self._pending_writes: dict[int, SlotImage] | None = None  # slot -> image, inside ``batched_installs``
+        self.install_batches = 0  # device write batches issued (one per ``batched_installs`` with installs)
         self._slot_loads = 0
         self._slot_evictions = 0
 
@@ -267,6 +276,17 @@ class LoRASlotPool:
         loader.put(int_id, loader.claim(int_id))
         return True
 
+    def is_ready(self, int_id: int) -> bool:
+        """True when ``pin(int_id)`` will not touch the disk (resident, or in host memory after
+        moving finished background reads there); False also for an unknown or removed adapter.
+        Starts no read and raises nothing (``ensure_ready`` does both); a cached adapter becomes the
+        most recently used (it is about to be pinned)."""
+        registration = self.registry.get(int_id)
+        if registration is None or registration.pending_removal:
+            return False
+        self.loader.poll()
+        return self.slots.slot_of(int_id) is not None or self.loader.cached(int_id) is not None
+
     def preload(self, int_id: int) -> None:
         """Read ``int_id`` into the host cache now (synchronously; the LRU entry is evicted if the
         cache is full) unless it is resident or cached already: an explicit warm-up.
@@ -313,6 +333,32 @@ class LoRASlotPool:
             image = self.loader.host_copy(registration)
             self._install(slot, int_id, image)
         return self.slots.pin(int_id)
+
+    @contextlib.contextmanager
+    def batched_installs(self) -> Iterator[None]:
+        """Inside it, ``pin`` assigns slots at once but defers the device writes; they are issued
+        together at exit (``LoRADeviceWeights.write_many``: one host-to-device copy per adapter
+        and one scatter per targeted module for all of them), before anything reads the slots.
+        The scheduler wraps one step's admission in it. Nesting is refused (``SlotPoolError``).
+        If the writes raise, their slots are emptied (pins included) and the error propagates."""
+        if self._pending_writes is not None:
+            raise SlotPoolError("batched_installs is already open")
+        self._pending_writes = {}
+        try:
+            yield
+        finally:
+            pending, self._pending_writes = self._pending_writes, None
+            if pending:
+                self._flush(pending)
+
+    def _flush(self, pending: dict[int, SlotImage]) -> None:
+        self.install_batches += 1
+        try:
+            self.weights.write_many(list(pending.items()), staging_bytes=self.config.install_staging_bytes)
+        except Exception:
+            for slot in pending:
+                self.slots.clear(slot)  # partly overwritten: they hold no adapter now
+            raise
 
     def unpin(self, int_id: int) -> None:
         """Release one pin of ``int_id``; at zero pins its slot may be reused (and a pending
@@ -361,11 +407,14 @@ class LoRASlotPool:
     # ------------------------------------------------------------------ internals
 
     def _install(self, slot: int, int_id: int, image: SlotImage) -> None:
-        try:
-            self.weights.write(slot, image)
-        except Exception:
-            self.slots.clear(slot)  # partly overwritten: it holds no adapter now
-            raise
+        if self._pending_writes is not None:
+            self._pending_writes[slot] = image  # written at the end of ``batched_installs``
+        else:
+            try:
+                self.weights.write(slot, image)
+            except Exception:
+                self.slots.clear(slot)  # partly overwritten: it holds no adapter now
+                raise
         if self.slots.assign(slot, int_id) is not None:
             self._slot_evictions += 1
         self._slot_loads += 1
@@ -377,6 +426,8 @@ class LoRASlotPool:
         slot = self.slots.slot_of(int_id)
         if slot is not None:
             self.slots.clear(slot)
+            if self._pending_writes is not None:
+                self._pending_writes.pop(slot, None)
             self.weights.disable(slot)
 
     def _slot_info(self, slot: int) -> SlotInfo:

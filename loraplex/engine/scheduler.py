@@ -40,7 +40,8 @@ new requests, since no slot would ever drain. Once the oldest request blocked
 on a slot has waited more than ``max_adapter_wait_steps`` steps, one running
 adapter is *drained*: it admits no new (or swapped) sequence, and the slot it
 frees is reserved for the starved request's adapter (no other new adapter
-may take it). The drained adapter is the one with the fewest running
+may take the last free slot while the starved one does not run; other free
+slots stay usable). The drained adapter is the one with the fewest running
 sequences, ties broken by the oldest last admission (it empties soonest).
 Bound: a request blocked only on a slot gets one after at most
 ``max_adapter_wait_steps`` + (the longest remaining run of the drained
@@ -63,17 +64,23 @@ policies, so per-tenant service is always reported.
 
 Readiness is asked for at most ``max_lookahead_loras`` distinct adapters per
 step (the host cache size), so prefetches never evict each other before they
-are pinned. After admission, the adapters of queued requests the scan did not
-reach (it stops at the token budget or ``max_num_seqs``) are asked too: their
-reads start ahead of need. An adapter whose read fails fails exactly its waiting and swapped
+are pinned; past that bound no read starts, but an adapter already resident or
+in host memory (``AdapterPins.is_ready``, no side effects) is still admitted:
+no request of a ready adapter waits on another adapter's read. After
+admission, the adapters of queued requests the scan did not reach (it stops
+at the token budget or ``max_num_seqs``) are asked too: their reads start
+ahead of need. The pins of one step write their device slots together at the
+end of admission (``AdapterPins.batched_installs``). An adapter whose read fails fails exactly its waiting and swapped
 requests (``ScheduledBatch.failures``); everyone else keeps running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -130,8 +137,9 @@ class ScheduledBatch:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``max_waiting_scan``: waiting entries examined per step, at most.
-    ``max_lookahead_loras``: distinct adapters (not yet running) asked for readiness per step,
-    at most; keep it <= the host adapter cache size so prefetched adapters are not evicted
+    ``max_lookahead_loras``: distinct adapters (not yet running) asked for readiness per step
+    before reads stop starting (a ready adapter past it is still admitted); keep it <= the
+    host adapter cache size so prefetched adapters are not evicted
     by later prefetches before they are pinned.
     ``max_adapter_wait_steps``: scheduler steps a request blocked on an adapter slot may wait
     before one running adapter is drained for it (aging, see the module docstring); its first
@@ -168,6 +176,15 @@ class AdapterPins(Protocol):
         """
         ...
 
+    def is_ready(self, lora_int_id: int) -> bool:
+        """True when ``pin`` will not touch the disk (resident or in host memory); starts nothing
+        and raises nothing (a lookup without side effects: ``ensure_ready`` is the commit)."""
+        ...
+
+    def batched_installs(self) -> AbstractContextManager[None]:
+        """Pins inside it write the device slots once, together, at exit (one step's admissions)."""
+        ...
+
 
 class _AdapterGate:
     """One step's adapter admission: the running adapters, readiness answers, failed adapters."""
@@ -178,6 +195,7 @@ class _AdapterGate:
         self.max_loras = config.max_loras
         self.max_lookahead = config.max_lookahead_loras
         self.ready: dict[int, bool] = {}
+        self.asked = 0  # distinct adapters asked for readiness this step
         self.failed: dict[int, str] = {}
         self.draining = 0  # adapter admitting nothing new (its slot drains); 0 = none
         self.reserved_for = 0  # adapter the next free slot is kept for; 0 = none
@@ -191,9 +209,10 @@ class _AdapterGate:
         if lora in self.active:
             return True
         ready = self._is_ready(lora)  # asked even when no slot is free: a prefetch ahead of time
-        if self.reserved_for and lora != self.reserved_for:
-            return False
-        return ready and len(self.active) < self.max_loras
+        free_slots = self.max_loras - len(self.active)
+        if self.reserved_for and lora != self.reserved_for and self.reserved_for not in self.active:
+            free_slots -= 1  # one free slot stays kept for the starved adapter; others may take the rest
+        return ready and free_slots > 0
 
     def blocked_on_slot(self, lora: int) -> bool:
         """``lora`` is an adapter that needs a slot none is free for (aging candidate)."""
@@ -209,9 +228,13 @@ class _AdapterGate:
 
     def lookahead_full(self) -> bool:
         """Whether ``max_lookahead_loras`` adapters were asked for readiness this step."""
-        return len(self.ready) >= self.max_lookahead
+        return self.asked >= self.max_lookahead
 
     def _is_ready(self, lora: int) -> bool:
+        """A resident or host-cached adapter is ready at once, whatever reads are in flight or
+        however many adapters were asked before it; a read starts only while fewer than
+        ``max_lookahead_loras`` distinct adapters were asked this step (ready ones included: they
+        hold host-cache entries that the new reads must not evict before they are pinned)."""
         if self.pins is None:
             return True
         if lora in self.failed:
@@ -219,8 +242,13 @@ class _AdapterGate:
         known = self.ready.get(lora)
         if known is not None:
             return known
-        if len(self.ready) >= self.max_lookahead:
+        if self.pins.is_ready(lora):  # never refused, but it holds a host-cache entry: counted
+            self.asked += 1
+            self.ready[lora] = True
+            return True
+        if self.asked >= self.max_lookahead:
             return False
+        self.asked += 1
         try:
             ready = self.pins.ensure_ready(lora)
         except AdapterError as exc:
@@ -320,8 +348,9 @@ class Scheduler:
         if not preempted:
             gate = _AdapterGate(self.pins, self.running_adapters(), self.config)
             self._age(gate)
-            budget = self._schedule_swapped(planned, budget, gate)
-            self._schedule_waiting(planned, budget, gate)
+            with self.pins.batched_installs() if self.pins is not None else contextlib.nullcontext():
+                budget = self._schedule_swapped(planned, budget, gate)
+                self._schedule_waiting(planned, budget, gate)
             self._prefetch(gate)
             failures = self._fail_adapters(gate.failed)
         return ScheduledBatch(tuple(planned), self.kv.take_pending(), preempted, failures)

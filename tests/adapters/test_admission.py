@@ -11,9 +11,12 @@ cache size of them.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from loraplex.adapters import BaseModelSpec, LoRASlotPool, load_peft_adapter
 from loraplex.adapters.lora_request import LoRARequest
@@ -131,13 +134,8 @@ OUTPUT_TOKENS = 32
 @pytest.fixture(scope="module")
 def many_adapters(tmp_path_factory):
     """2,000 registered toy adapters: one weight file, each its own config (own version id)."""
-    import json
-    import os
-
     root = tmp_path_factory.mktemp("many")
     generator = torch.Generator().manual_seed(0)
-    from safetensors.torch import save_file
-
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
     save_file({f"{prefix}.lora_A.weight": torch.randn(2, 8, generator=generator),
                f"{prefix}.lora_B.weight": torch.randn(8, 2, generator=generator)}, str(root / "weights.safetensors"))
@@ -154,13 +152,13 @@ def many_adapters(tmp_path_factory):
     return made
 
 
-def serve(requests, pool, *, prompt_tokens=128, max_loras=256):
+def serve(requests, pool, *, prompt_tokens=128):
     """The scaling benchmark's shape in counted steps (prompt 128 / output 32, 256 sequences and
-    ``max_loras`` slots, 8,192-token budget): each scheduled prompt is computed, each sample
-    appends a token, a sequence finishes at 32 output tokens. Returns the steps taken."""
+    256 slots, 8,192-token budget): each scheduled prompt is computed, each sample appends a
+    token, a sequence finishes at 32 output tokens. Returns the steps taken."""
     kv = KVCacheManager(8192, block_size=16, enable_prefix_caching=False)
-    lookahead = pool.max_cpu_loras if pool is not None else 8
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_loras=max_loras,
+    lookahead = pool.config.max_cpu_loras if pool is not None else 8
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_loras=256,
                                           max_model_len=1024, max_lookahead_loras=lookahead), kv, pool)
     for k, request in enumerate(requests):
         group = RequestGroup(f"q{k}", None, list(range(prompt_tokens)), SamplingParams(), request,
@@ -183,7 +181,8 @@ def serve(requests, pool, *, prompt_tokens=128, max_loras=256):
     return steps
 
 
-def host_cached_pool(requests, executor=None):
+def registered_pool(requests, executor=None):
+    """256 slots, a host cache for every adapter."""
     pool = LoRASlotPool(SPEC, 256, MAX_RANK, len(requests) + 64, torch.float32, "cpu",
                         read_executor=executor or InstantExecutor())
     for request in requests:
@@ -196,11 +195,11 @@ def test_host_cached_adapters_take_exactly_the_base_step_count(many_adapters, nu
     """Issue 17 goal 3's setting: one request per adapter (512 or 2,000 adapters), every adapter in
     host memory, 256 slots. The batch math (the same requests on the base model) says 68 / 259
     steps; with adapters it takes exactly that, slack 0 (before: 2,000 took 260, the aging rule
-    kept every free slot for one starved adapter), with one device write batch per step that
-    admits new adapters and no disk read inside the run."""
+    kept every free slot for one starved adapter), with at most one device write batch per step
+    and no disk read inside the run."""
     requests = many_adapters[:num_adapters]
     assert serve([None] * num_adapters, None) == base_steps
-    pool = host_cached_pool(requests)
+    pool = registered_pool(requests)
     for request in requests:
         pool.preload(request.lora_int_id)
     reads_before = pool.stats().disk_loads
@@ -213,9 +212,85 @@ def test_host_cached_adapters_take_exactly_the_base_step_count(many_adapters, nu
 
 def test_cold_adapters_take_one_step_more_than_the_base(many_adapters):
     """The cold-start row with a disk that answers at once: the first step starts the reads of the
-    256 scanned requests (nothing is ready yet), every later step admits as the base does."""
+    256 scanned requests (nothing is ready yet); after that admission keeps the base's pace."""
     requests = many_adapters[:512]
     executor = InstantExecutor()
-    pool = host_cached_pool(requests, executor)
+    pool = registered_pool(requests, executor)
     assert serve(requests, pool) == 68 + 1
     assert executor.submitted == 512 and pool.stats().disk_loads == 512  # each adapter read once
+
+
+class ManualExecutor(concurrent.futures.Executor):
+    """Holds each read until ``finish_all`` runs them (reads that complete between two calls)."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[concurrent.futures.Future, object, tuple]] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.held.append((future, fn, args))
+        return future
+
+    def finish_all(self) -> None:
+        for future, fn, args in self.held:
+            future.set_result(fn(*args))
+        self.held.clear()
+
+
+def test_ready_adapter_is_pinned_without_a_read_when_finished_reads_fill_the_host_cache(requests_for):
+    """Adapter 1 is in a host cache of 2 and answers ready; reads of 2 and 3 finish right after.
+    Pinning 1 must not let those reads push it out of the cache first (they would have: the pin
+    moved finished reads into the cache before looking for 1, then read 1 from disk inline)."""
+    requests = requests_for(3)
+    executor = ManualExecutor()
+    pool = LoRASlotPool(SPEC, 2, MAX_RANK, 2, torch.float32, "cpu", read_executor=executor)
+    for request in requests:
+        pool.add_lora(request)
+    pool.preload(1)
+    assert (pool.ensure_ready(2), pool.ensure_ready(3)) == (False, False)
+    assert pool.is_ready(1)
+    executor.finish_all()
+    pool.loader.read_now = lambda registration: pytest.fail("a ready adapter was read from disk")
+    with pool.batched_installs():
+        assert pool.pin(1) == 0
+    assert pool.stats().slots[0].lora_name == "ad1"
+    assert pool.is_ready(2) and pool.is_ready(3)  # the finished reads are claimed by the next question
+    assert pool.stats().cpu_cache_lru == ["ad2", "ad3"]
+
+
+def test_resident_and_cached_adapters_run_in_the_step_while_other_reads_are_in_flight(requests_for):
+    """Goal 3: no request of a ready adapter waits on another adapter's read. Adapter 1 is in a
+    slot, adapter 2 in host memory; four adapters queued before them need reads that stay in
+    flight (held by the executor) and use up the lookahead (4). Both ready requests run in the
+    first step; the others run the step after their reads finish."""
+    requests = requests_for(6)
+    executor = ManualExecutor()
+    pool = LoRASlotPool(SPEC, 8, MAX_RANK, 8, torch.float32, "cpu", read_executor=executor)
+    for request in requests:
+        pool.add_lora(request)
+    pool.preload(1)
+    pool.preload(2)
+    pool.pin(1)
+    pool.unpin(1)  # resident, unpinned
+    kv = KVCacheManager(1024, block_size=4, enable_prefix_caching=False)
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=1024, max_loras=8, max_model_len=128,
+                             max_lookahead_loras=4)
+    scheduler = Scheduler(config, kv, pool)
+    for lora in (3, 4, 5, 6, 1, 2):
+        request = requests[lora - 1]
+        group = RequestGroup(f"r{lora}", None, list(range(PROMPT_TOKENS)), SamplingParams(), request,
+                             request.version_id)
+        seq = Sequence(lora, group, 0, list(range(PROMPT_TOKENS)), PROMPT_TOKENS, None, None)
+        group.seqs.append(seq)
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert [item.seq.group.request_id for item in batch.seqs] == ["r1", "r2"]
+    assert pool.stats().loads_in_flight == 4 and len(executor.held) == 4
+    for item in batch.seqs:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.append_token(1)
+    executor.finish_all()
+    batch = scheduler.schedule()
+    assert [(item.seq.group.request_id, item.num_new_tokens) for item in batch.seqs] == [
+        ("r1", 1), ("r2", 1), ("r3", PROMPT_TOKENS), ("r4", PROMPT_TOKENS), ("r5", PROMPT_TOKENS),
+        ("r6", PROMPT_TOKENS)]

@@ -305,3 +305,83 @@ def test_protocol_errors(adapters):
         args = dict(max_loras=2, max_lora_rank=4, max_cpu_loras=2, dtype=torch.float16, device="cpu") | kwargs
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             LoRASlotPool(SPEC, **args)
+
+
+def test_batched_installs_hold_exactly_their_adapters_after_churn(adapters):
+    """The churn above, four operations per ``batched_installs`` (a scheduler step): slots are
+    assigned at once and written together at exit (``write_many``), never one by one, and every
+    resident slot then holds exactly its adapter, modules of an earlier occupant zeroed included
+    (adapters of different ranks and target sets share the 3 slots, so a batch has several layouts)."""
+    pool = make_pool(adapters, max_loras=3, max_cpu_loras=2, dtype=torch.bfloat16)
+    single_writes = []
+    pool.weights.write = lambda slot, image: single_writes.append(slot)
+    rng = random.Random(1)
+    pins = {iid(adapters, name): 0 for name in ADAPTERS}
+    by_id = {req.lora_int_id: (name, ref) for name, (req, ref) in adapters.items()}
+    batches_with_installs = most_in_one_batch = 0
+    for _ in range(60):
+        loads_before = pool.stats().slot_loads
+        with pool.batched_installs():
+            for _ in range(4):
+                int_id = rng.choice(list(pins))
+                if rng.random() < 0.45:
+                    try:
+                        pool.pin(int_id)
+                        pins[int_id] += 1
+                    except NoFreeSlotError:
+                        assert sum(1 for count in pins.values() if count > 0) == 3
+                elif pins[int_id] > 0:
+                    pool.unpin(int_id)
+                    pins[int_id] -= 1
+        batches_with_installs += pool.stats().slot_loads > loads_before
+        most_in_one_batch = max(most_in_one_batch, pool.stats().slot_loads - loads_before)
+        for info in pool.stats().slots:
+            if info.lora_int_id is not None:
+                assert info.pin_count == pins[info.lora_int_id]
+                assert_slot_holds(pool, info.slot, by_id[info.lora_int_id][1])
+    assert single_writes == []
+    assert pool.install_batches == batches_with_installs == 10  # one device write batch each
+    assert most_in_one_batch == 2  # two adapters (two layouts) written in one batch
+    assert pool.stats().slot_evictions > 5
+
+
+def test_batched_installs_refuse_nesting(adapters):
+    pool = make_pool(adapters)
+    with pool.batched_installs():
+        with pytest.raises(SlotPoolError, match="already open"):
+            with pool.batched_installs():
+                pass
+
+
+def test_one_batch_of_installs_is_one_copy_per_adapter_and_one_scatter_per_module(adapters):
+    """The device work of three installs in one batch, counted at the ATen level: each image is
+    copied whole once (3 copies), then every targeted (layer, module) factor is scattered once for
+    all adapters sharing a layout (``index_copy_``), plus one scatter of the scalings per layout;
+    one-by-one installs took two copies per targeted module and adapter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    pool = make_pool(adapters, max_loras=3)
+    for name in ("a1", "a2", "a5"):
+        pool.preload(iid(adapters, name))
+    images = [pool.loader.cached(iid(adapters, name)) for name in ("a1", "a2", "a5")]
+    count = Count()
+    with count:
+        with pool.batched_installs():
+            for name in ("a1", "a2", "a5"):
+                pool.pin(iid(adapters, name))
+            assert count.calls == {}  # pins only assign slots: nothing is written before the batch ends
+    keys = sum(len(image.offsets) for image in images)  # 3 + 6 + 2 targeted modules, one layout each
+    assert count.calls.get("copy_") == 3
+    assert count.calls.get("index_copy_") == 2 * keys + 3
+    for slot, name in enumerate(("a1", "a2", "a5")):
+        assert_slot_holds(pool, slot, adapters[name][1])

@@ -8,6 +8,8 @@ slot first; an adapter whose read fails fails only its own requests.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from loraplex.adapters import AdapterFormatError
@@ -40,6 +42,12 @@ class FakePins:
         if lora_int_id not in self.prefetches:
             self.prefetches.append(lora_int_id)
         return False
+
+    def batched_installs(self):
+        return contextlib.nullcontext()
+
+    def is_ready(self, lora_int_id: int) -> bool:
+        return lora_int_id in self.ready and lora_int_id not in self.broken
 
     def pin(self, lora_int_id: int) -> int:
         assert lora_int_id in self.ready or lora_int_id in self.pins, f"pin({lora_int_id}) would read the disk"
@@ -162,10 +170,23 @@ def test_scan_and_lookahead_are_bounded():
     assert names(scheduler.waiting) == [f"r{i}" for i in range(1, 8)] + ["base"]
     pins.ready |= {1, 2, 3}
     assert scheduled(scheduler.schedule()) == ["r1", "r2", "r3"]
-    assert pins.asked[3:] == [1, 2, 3]  # admitted this step, still counted: nothing else is asked
+    assert pins.asked[3:] == []  # ready: admitted without a read; they used the bound, nothing else is asked
     assert scheduled(scheduler.schedule()) == ["r1", "r2", "r3", "base"]
-    assert pins.asked[6:] == [4, 5, 6]  # running adapters are not asked: the next three are
+    assert pins.asked[3:] == [4, 5, 6]  # running adapters are not asked: the next three are
     assert names(scheduler.waiting) == ["r4", "r5", "r6", "r7"]
+
+
+def test_ready_adapter_is_admitted_while_the_lookahead_is_spent_on_reads():
+    """Issue 17: no request of a ready adapter waits on another adapter's read. Three adapters
+    needing reads come first and use the whole lookahead (3); adapter 9 behind them is in host
+    memory (or resident) and is admitted in the same step."""
+    pins = FakePins(ready={9})
+    scheduler = make_scheduler(pins, max_loras=8, max_lookahead_loras=3)
+    for i in (1, 2, 3, 4):
+        add(scheduler, f"r{i}", i)
+    add(scheduler, "r9", 9)
+    assert scheduled(scheduler.schedule()) == ["r9"]
+    assert pins.asked == [1, 2, 3] and pins.prefetches == [1, 2, 3]  # 4: no read started (bound)
 
 
 def test_failed_adapter_fails_only_its_requests():
