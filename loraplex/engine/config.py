@@ -60,6 +60,12 @@ class EngineConfig:
             request is admitted first; see ``loraplex.engine.fairness``).
         fair_prompt_token_weight: service weight of one computed prompt token (VTC's w_p).
         fair_output_token_weight: service weight of one generated token (VTC's w_q).
+        tensor_parallel_size: ranks (processes; GPUs on CUDA) the model is split over, Megatron-style
+            (``loraplex.engine.tensor_parallel``); must divide the model's KV heads, query heads and
+            intermediate size.
+        tensor_parallel_all_reduce: the row-parallel layers' all-reduce on CUDA: ``"auto"`` = one-shot
+            on symmetric memory (``"symm_mem"``; the engine refuses to start where it is unavailable),
+            ``"nccl"`` = NCCL (decode steps then run eagerly). On CPU only ``"auto"`` (gloo).
     """
 
     model: str
@@ -85,6 +91,8 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "fair"] = "fcfs"
     fair_prompt_token_weight: float = 1.0
     fair_output_token_weight: float = 2.0
+    tensor_parallel_size: int = 1
+    tensor_parallel_all_reduce: Literal["auto", "symm_mem", "nccl"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -112,6 +120,9 @@ class EngineConfig:
             (self.fair_prompt_token_weight + self.fair_output_token_weight > 0, "fair_output_token_weight",
              "the two token weights must not both be 0"),
             (self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f"must be >= max_loras={self.max_loras}"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
+            (self.tensor_parallel_all_reduce in ("auto", "symm_mem", "nccl"), "tensor_parallel_all_reduce",
+             "must be auto, symm_mem or nccl"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -15,6 +15,7 @@ pre-norm, RMSNorm, RoPE, GQA, SwiGLU. What a checkpoint may ask for is decided b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,15 +81,23 @@ class LinearWithLoRA(nn.Module):
         self.lora_a: list[torch.Tensor] = []
         self.lora_b: list[torch.Tensor] = []
         self.lora_scaling: list[torch.Tensor] = []
+        # Row-parallel (tensor parallelism): sums the ranks' partial outputs, LoRA delta included; the
+        # bias is added once, after it. None: the layer's output is complete.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def bind_lora(self, a: list[torch.Tensor], b: list[torch.Tensor], scaling: list[torch.Tensor]) -> None:
         """Point at the adapter slot pool's stacked weights ([S,R,in], [S,out_i,R], [S])."""
         self.lora_a, self.lora_b, self.lora_scaling = a, b, scaling
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        reduce = self.all_reduce
+        y = F.linear(x, self.weight, self.bias if reduce is None else None)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
             self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
+        if reduce is not None:
+            y = reduce(y)
+            if self.bias is not None:
+                y = y + self.bias
         return y
 
 
