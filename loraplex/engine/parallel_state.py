@@ -6,11 +6,12 @@ Backends:
 - CPU: gloo for both (``all_reduce="auto"``).
 - CUDA, ``all_reduce="symm_mem"`` (what ``"auto"`` means there): a one-shot all-reduce on
   symmetric memory (``torch.distributed._symmetric_memory``; about 16 µs per call between two
-  H200s against 51-68 µs for an eager NCCL ``all_reduce``, see benchmarks/RESULTS.md). The input
-  is copied into a symmetric buffer and every rank sums all ranks' buffers (rank order, so every
-  rank gets the same bits). Two buffers alternate, so a rank never overwrites a buffer a peer
-  may still read: before it writes one again it has passed the barrier of the call in between,
-  which the peer enters only after its read. It works inside CUDA graphs (fixed buffers).
+  H200s against 51-68 µs for an eager NCCL ``all_reduce``, see /work/shared/NOTES-gpu.md). The
+  input is copied into a symmetric buffer and every rank sums all ranks' buffers (rank order, so
+  every rank gets the same bits). Two buffers, used alternately by the callers (``o_proj`` buffer
+  0, ``down_proj`` buffer 1), so a rank never overwrites a buffer a peer may still read: before
+  it writes one again it has passed the barrier of the call in between, which the peer enters
+  only after its read. No state changes per call, so it works inside CUDA graphs (fixed buffers).
   If symmetric memory cannot be set up, the engine refuses to start and names the
   ``tensor_parallel_all_reduce="nccl"`` setting; it never falls back by itself.
 - CUDA, ``all_reduce="nccl"``: ``torch.distributed.all_reduce`` (NCCL), logged at start; decode
@@ -40,7 +41,8 @@ class AllReduceUnavailableError(RuntimeError):
 class ParallelGroup:
     """Rank ``rank`` of a ``world_size``-process group (joined at construction, a collective).
 
-    ``all_reduce(x [T, H]) -> [T, H]``: the sum over ranks (``x`` may be overwritten).
+    ``all_reduce(x [T, H], buffer) -> [T, H]``: the sum over ranks (``x`` may be overwritten); successive
+    calls must alternate ``buffer`` 0 and 1 (the same sequence on every rank).
     ``max_numel``: the largest ``x.numel()`` (symmetric buffers are sized by it).
 
     Raises ``AllReduceUnavailableError`` for ``symm_mem`` where it cannot be set up, and for a
@@ -60,7 +62,6 @@ class ParallelGroup:
         self.group = dist.group.WORLD
         self.control = dist.new_group(backend="gloo") if cuda else self.group
         self._buffers: list[torch.Tensor] = []
-        self._next = 0
         if self.backend == "symm_mem":
             self._buffers = self._symmetric_buffers(max_numel, dtype)
         if rank == 0:
@@ -85,13 +86,12 @@ class ParallelGroup:
         """Whether decode CUDA graphs may capture the all-reduce (symmetric memory: yes; NCCL: not used)."""
         return self.backend == "symm_mem"
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of ``x`` over the ranks, same shape and dtype."""
+    def all_reduce(self, x: torch.Tensor, buffer: int) -> torch.Tensor:
+        """Sum of ``x`` over the ranks, same shape and dtype (``buffer``: 0 or 1, see the class)."""
         if self.backend != "symm_mem":
             dist.all_reduce(x, group=self.group)
             return x
-        buffer = self._buffers[self._next][: x.numel()]
-        self._next ^= 1
+        buffer = self._buffers[buffer][: x.numel()]
         buffer.copy_(x.reshape(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", self.group_name).view(x.shape)
 

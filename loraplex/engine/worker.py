@@ -19,6 +19,7 @@ driver sizes the KV cache and sends ``_Init`` -> allocate it -> capture decode g
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import socket
@@ -108,9 +109,9 @@ class RankState:
         self.model: LlamaForCausalLM = build_model(model_path, self.spec, self.dtype, self.device,
                                                    Kernels(default_backend(self.device)), dummy_weights,
                                                    config.seed, shard=self.shard)
-        for layer in self.model.layers:  # the row-parallel layers
-            layer.self_attn.o_proj.all_reduce = self.group.all_reduce
-            layer.mlp.down_proj.all_reduce = self.group.all_reduce
+        for layer in self.model.layers:  # the row-parallel layers, alternating the two all-reduce buffers
+            layer.self_attn.o_proj.all_reduce = functools.partial(self.group.all_reduce, buffer=0)
+            layer.mlp.down_proj.all_reduce = functools.partial(self.group.all_reduce, buffer=1)
         self.lora_weights = None
         if config.enable_lora:
             self.lora_weights = ShardedLoRADeviceWeights(self.shard, self.local_spec, config.max_loras,
