@@ -207,7 +207,10 @@ def _worker_main(config: EngineConfig, model_path: str, rank: int, init_method: 
     """A worker rank: build the shard, then follow the driver's messages until ``None``."""
     state = RankState(config, Path(model_path), rank, init_method, dummy_weights)
     group = state.group
-    init: _Init = group.broadcast()
+    init: _Init | None = group.broadcast()
+    if init is None:  # the driver failed after the group formed (e.g. KV cache too small) and closed it
+        group.close()
+        return
     kv_cache = KVCache(state.local_spec, init.sizing, state.dtype, state.device, init.num_swap_blocks)
     runner = ModelRunner(state.model, kv_cache, config.block_size, state.device)
     if init.graphs is not None:
