@@ -24,6 +24,7 @@ picklable object from rank 0 (the driver) to every rank, in program order.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -72,6 +73,9 @@ class ParallelGroup:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
+            with warnings.catch_warnings():  # needed by older torch versions, deprecated (a no-op) by newer ones
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group.group_name)
             buffer = symm_mem.empty(2 * max_numel, dtype=dtype, device=self.device)
             symm_mem.rendezvous(buffer, self.group.group_name)
         except Exception as exc:  # noqa: BLE001 - any failure is reported with the setting that avoids it
