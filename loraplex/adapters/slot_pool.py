@@ -144,7 +144,8 @@ class LoRASlotPool:
         self.max_lora_rank = config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras
         # ``weights``: slot tensors built by the caller (a tensor-parallel rank's slices); else full-size ones.
-        self.weights = weights or LoRADeviceWeights(spec, config.max_loras, config.max_lora_rank, dtype, device)
+        self.weights = weights if weights is not None else LoRADeviceWeights(spec, config.max_loras, config.max_lora_rank,
+                                                                             dtype, device)
         self.dtype = dtype
         self.device = self.weights.device
         self.a, self.b, self.scaling = self.weights.a, self.weights.b, self.weights.scaling
