@@ -314,12 +314,12 @@ def run_function_ablation(model_dir: Path, batch: int, rounds: int = 4) -> dict[
     plan = engine.scheduler.schedule()  # the next decode step, planned but not run
     runner, kv, seqs = engine.runner, engine.kv_manager, [item.seq for item in plan.seqs]
     with torch.inference_mode():
-        hidden = runner._run_graph(plan)
+        hidden = runner._run_graph(runner.plan_step(plan))
     rows = list(range(len(plan.seqs)))
     functions = {
         "_sample": (lambda: runner._sample(plan, rows, hidden),
                     ["greedy_batch", "output_without_top", "sampling_row_cache"]),
-        "graph fill": (lambda: runner._run_graph(plan), ["table_row_cache"]),
+        "graph fill": (lambda: runner._run_graph(runner.plan_step(plan)), ["table_row_cache"]),
         "allocation checks": (lambda: [kv.try_allocate_slots(seq, 1) for seq in seqs], ["decode_alloc_fast_path"]),
     }
     best: dict[tuple[str, str], float] = {}

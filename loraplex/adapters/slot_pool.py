@@ -139,6 +139,7 @@ class LoRASlotPool:
         num_loader_threads: int = 4,
         pin_host_cache: bool = True,
         read_executor: concurrent.futures.Executor | None = None,
+        weights: LoRADeviceWeights | None = None,
     ) -> None:
         if config is None:
             config = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
@@ -149,7 +150,9 @@ class LoRASlotPool:
         self.max_loras = config.max_loras
         self.max_lora_rank = config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras
-        self.weights = LoRADeviceWeights(spec, config.max_loras, config.max_lora_rank, dtype, device)
+        # ``weights``: slot tensors built by the caller (a tensor-parallel rank's slices); else full-size ones.
+        self.weights = weights if weights is not None else LoRADeviceWeights(spec, config.max_loras, config.max_lora_rank,
+                                                                             dtype, device)
         self.dtype = dtype
         self.device = self.weights.device
         self.a, self.b, self.scaling = self.weights.a, self.weights.b, self.weights.scaling

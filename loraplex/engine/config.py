@@ -65,6 +65,12 @@ class EngineConfig:
             computed as W8A16 (activations, LoRA, embeddings and LM head stay in ``dtype``);
             see ``loraplex.engine.models.quantization``. Checkpoints that are already
             quantized are refused at load.
+        tensor_parallel_size: ranks (processes; GPUs on CUDA) the model is split over, Megatron-style
+            (``loraplex.engine.tensor_parallel``); must divide the model's KV heads, query heads and
+            intermediate size.
+        tensor_parallel_all_reduce: the row-parallel layers' all-reduce on CUDA: ``"auto"`` = one-shot
+            on symmetric memory (``"symm_mem"``; the engine refuses to start where it is unavailable),
+            ``"nccl"`` = NCCL (decode steps then run eagerly). On CPU only ``"auto"`` (gloo).
     """
 
     model: str
@@ -91,6 +97,8 @@ class EngineConfig:
     fair_prompt_token_weight: float = 1.0
     fair_output_token_weight: float = 2.0
     quantization: Literal["fp8"] | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_all_reduce: Literal["auto", "symm_mem", "nccl"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -119,6 +127,11 @@ class EngineConfig:
              "the two token weights must not both be 0"),
             (self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f"must be >= max_loras={self.max_loras}"),
             (self.quantization in (None, "fp8"), "quantization", "must be None or 'fp8'"),
+            (self.quantization is None or self.tensor_parallel_size == 1, "quantization",
+             "fp8 is not implemented with tensor_parallel_size > 1"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
+            (self.tensor_parallel_all_reduce in ("auto", "symm_mem", "nccl"), "tensor_parallel_all_reduce",
+             "must be auto, symm_mem or nccl"),
         ]
         for ok, name, rule in checks:
             if not ok:

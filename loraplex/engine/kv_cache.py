@@ -96,6 +96,7 @@ class KVCache:
         shape = (sizing.num_blocks, sizing.block_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(spec.num_layers)]
+        self.num_swap_blocks = num_swap_blocks
         swap_shape = (num_swap_blocks, *shape[1:])
         pin = device.type == "cuda"
         self.swap = [(torch.zeros(swap_shape, dtype=dtype, pin_memory=pin), torch.zeros(swap_shape, dtype=dtype, pin_memory=pin))

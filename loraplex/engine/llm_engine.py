@@ -33,6 +33,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence
 from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputManager
+from loraplex.engine.worker import TensorParallelDriver
 from loraplex.kernels.ops import Kernels, default_backend
 
 if TYPE_CHECKING:
@@ -115,9 +116,15 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         torch.manual_seed(config.seed)
-        kernels = Kernels(default_backend(self.device))
-        self.model = build_model(self.model_path, self.spec, self.dtype, self.device, kernels, dummy_weights,
-                                 config.seed)
+        # Tensor parallelism: this process is rank 0 (the driver) and holds rank 0's shard.
+        self.tp = TensorParallelDriver(config, self.model_path, dummy_weights) if config.tensor_parallel_size > 1 else None
+        self.rank_spec = self.spec if self.tp is None else self.tp.state.local_spec
+        if self.tp is None:
+            kernels = Kernels(default_backend(self.device))
+            self.model = build_model(self.model_path, self.spec, self.dtype, self.device, kernels, dummy_weights,
+                                     config.seed)
+        else:
+            self.device, self.model = self.tp.state.device, self.tp.state.model
         self.quantization = None
         if config.quantization == "fp8":
             self.quantization = quantize_linears_fp8(self.model)
@@ -129,9 +136,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
                                   slot_of=self.lora_pool.slot_of if self.lora_pool else None)
         self.runner.eos_token_ids = self.eos_token_ids
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_cuda_graphs(self.max_model_len, config.max_num_seqs,
-                                           config.max_loras if self.lora_pool else 0)
+        graphs = ((self.max_model_len, config.max_num_seqs, config.max_loras if self.lora_pool else 0)
+                  if self.device.type == "cuda" and not config.enforce_eager else None)
+        if self.tp is not None:
+            self.tp.start_workers(self.runner, self.kv_sizing, self.kv_cache.num_swap_blocks, graphs)
+        elif graphs is not None:
+            self.runner.enable_cuda_graphs(*graphs)
         self.groups: dict[str, RequestGroup] = {}
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
@@ -146,7 +156,8 @@ class LLMEngine:
         from loraplex.adapters import LoRASlotPool
 
         spec = self.spec.adapter_spec
-        pool = LoRASlotPool(spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device))
+        pool = LoRASlotPool(spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device),
+                            weights=self.tp.state.lora_weights if self.tp is not None else None)
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
                           [pool.scaling[layer][m] for m in lin.module_names])
@@ -154,14 +165,14 @@ class LLMEngine:
 
     def _build_kv_cache(self) -> None:
         c = self.config
-        sizing = size_kv_cache(self.spec, self.dtype, self.device, block_size=c.block_size,
+        sizing = size_kv_cache(self.rank_spec, self.dtype, self.device, block_size=c.block_size,
                                max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
                                num_kv_blocks=c.num_kv_blocks, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
                                gpu_memory_utilization=c.gpu_memory_utilization,
                                activation_bytes=self._activation_bytes())
         num_swap = c.swap_space_bytes // (sizing.bytes_per_token * c.block_size)
         self.kv_sizing = sizing
-        self.kv_cache = KVCache(self.spec, sizing, self.dtype, self.device, num_swap)
+        self.kv_cache = KVCache(self.rank_spec, sizing, self.dtype, self.device, num_swap)
         self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
                                                    self.max_model_len, max_lookahead_loras=c.max_cpu_loras,
@@ -212,6 +223,8 @@ class LLMEngine:
         if self.lora_pool is not None:
             self.lora_pool.close()
         self.runner.grammar_masks.close()
+        if self.tp is not None:
+            self.tp.close()
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:

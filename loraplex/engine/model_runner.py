@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -21,6 +22,7 @@ from loraplex.engine.outputs import TopLogprobs
 from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.step_plan import StepPlan
 from loraplex.engine.structured_output import GrammarMaskFiller, PendingMask
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
@@ -123,6 +125,8 @@ class ModelRunner:
         self.eos_token_ids = set(model.spec.eos_token_ids)
         self.graphs: CudaGraphRunner | None = None
         self.grammar_masks = GrammarMaskFiller(self.vocab_size, device)
+        # Called with each step's plan before its forward (the tensor-parallel driver broadcasts it).
+        self.on_step: Callable[[StepPlan], None] | None = None
 
     def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int) -> None:
         """Capture decode graphs (CUDA only); decode-only steps then replay them."""
@@ -136,9 +140,8 @@ class ModelRunner:
         self.graphs = graphs
 
     # -- inputs -----------------------------------------------------------
-    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """Host lists -> vectorised host tensors -> two packed copies to the device."""
-        bs = self.block_size
+    def plan_step(self, batch: ScheduledBatch) -> StepPlan:
+        """The forward inputs of ``batch`` as host lists (what tensor-parallel ranks receive)."""
         token_ids: list[int] = []
         q_lens, seq_lens, tables = [], [], []
         for item in batch.seqs:
@@ -147,6 +150,13 @@ class ModelRunner:
             q_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             tables.append(item.seq.block_ids)
+        return StepPlan(token_ids, q_lens, seq_lens, tables, self._lora_slots(batch), batch.block_copies,
+                        use_graph=self._graph_fits(batch))
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        """Host lists -> vectorised host tensors -> two packed copies to the device."""
+        bs = self.block_size
+        token_ids, q_lens, seq_lens, tables = plan.token_ids, plan.q_lens, plan.seq_lens, plan.block_tables
         num_seqs, num_tokens = len(q_lens), len(token_ids)
         query_start = list(accumulate(q_lens, initial=0))
         # position of token t of sequence b = t - query_start[b] + start[b]
@@ -156,12 +166,12 @@ class ModelRunner:
         positions = torch.arange(num_tokens) + _host_ints(offsets, torch.int64)[seq_index]
         block_tables = _padded_rows(tables)
         slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
-        lora_slots = self._lora_slots(batch)
+        lora_slots = plan.lora_slots
         host_i32 = [_host_ints(query_start, torch.int32), _host_ints(seq_lens, torch.int32), block_tables.view(-1)]
-        plan = None
+        segments = None
         if lora_slots is not None:
-            plan = plan_segments(_host_ints(lora_slots, torch.int32)[seq_index])
-            host_i32 += plan.host_tensors()
+            segments = plan_segments(_host_ints(lora_slots, torch.int32)[seq_index])
+            host_i32 += segments.host_tensors()
         input_ids, positions_dev, slot_mapping_dev = _to_device(
             [_host_ints(token_ids, torch.int64), positions, slot_mapping], self.device)
         query_start_dev, seq_lens_dev, block_tables_dev, *lora_tensors = _to_device(host_i32, self.device)
@@ -175,7 +185,7 @@ class ModelRunner:
             query_start_loc_host=query_start,
             seq_lens_host=seq_lens,
         )
-        lora = LoRABatch(LoRAMapping.from_plan(plan, lora_tensors)) if plan is not None else None
+        lora = LoRABatch(LoRAMapping.from_plan(segments, lora_tensors)) if segments is not None else None
         return StepInputs(input_ids, positions_dev, meta, lora, [q - 1 for q in query_start[1:]])
 
     # -- step -------------------------------------------------------------
@@ -185,33 +195,33 @@ class ModelRunner:
         # the inputs are prepared and the forward pass runs; sampling waits for them.
         plan = self._sampling_plan(batch)
         mask = self.grammar_masks.submit([seq.grammar for _, seq in plan]) if plan else None
-        self.kv_cache.apply(batch.block_copies)
-        if self._graph_fits(batch):
-            hidden = self._run_graph(batch)
-            sample_index = list(range(len(batch.seqs)))
-            return StepResult(self._sample(batch, plan, sample_index, hidden, mask), [None] * len(batch.seqs))
-        inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
-        samples = self._sample(batch, plan, inputs.sample_token_index, hidden, mask)
-        prompt_lps = self._prompt_logprobs(batch, hidden)
+        step = self.plan_step(batch)
+        if self.on_step is not None:  # tensor parallelism: the other ranks run the same plan
+            self.on_step(step)
+        hidden = self.forward(step)
+        samples = self._sample(batch, plan, step.sample_token_index, hidden, mask)
+        prompt_lps = [None] * len(batch.seqs) if step.use_graph else self._prompt_logprobs(batch, hidden)
         return StepResult(samples, prompt_lps)
+
+    @torch.inference_mode()
+    def forward(self, step: StepPlan) -> torch.Tensor:
+        """Block moves, then the forward pass of ``step``: ``[rows, hidden]`` (one row per token, or one per
+        sequence when a decode graph is replayed)."""
+        self.kv_cache.apply(step.block_copies)
+        if step.use_graph:
+            return self._run_graph(step)
+        inputs = self.prepare_inputs(step)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
 
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.seqs) <= self.graphs.max_batch_size
                 and all(s.num_new_tokens == 1 and not s.prompt_logprobs for s in batch.seqs))
 
-    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run_graph(self, step: StepPlan) -> torch.Tensor:
         bs = self.block_size
-        token_ids, positions, slots, seq_lens, tables = [], [], [], [], []
-        for item in batch.seqs:
-            seq, pos = item.seq, item.start_position
-            block_ids = seq.block_ids
-            token_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
-            seq_lens.append(pos + 1)
-            tables.append(block_ids)
-        return self.graphs.run(token_ids, positions, slots, seq_lens, tables, self._lora_slots(batch))
+        positions = [n - 1 for n in step.seq_lens]
+        slots = [table[pos // bs] * bs + pos % bs for table, pos in zip(step.block_tables, positions)]
+        return self.graphs.run(step.token_ids, positions, slots, step.seq_lens, step.block_tables, step.lora_slots)
 
     def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Adapter slot of each sequence (-1 = base model); None when no sequence uses an adapter."""

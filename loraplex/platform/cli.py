@@ -118,7 +118,11 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
                        help="fair (default): least-served tenant first (Virtual Token Counter); fcfs: arrival order")
     serve.add_argument("--fair-prompt-token-weight", type=float, default=_S)
     serve.add_argument("--fair-output-token-weight", type=float, default=_S)
-    serve.add_argument("--tensor-parallel-size", type=int, default=_S, help="only 1 is supported")
+    serve.add_argument("--tensor-parallel-size", type=int, default=_S,
+                       help="ranks (GPUs) the model is split over, Megatron-style; one process per rank")
+    serve.add_argument("--tensor-parallel-all-reduce", choices=["auto", "symm_mem", "nccl"], default=_S,
+                       help="CUDA all-reduce of tensor parallelism: auto = symm_mem (one-shot on symmetric memory); "
+                            "nccl only when asked")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_S)
     serve.add_argument("--device", choices=["auto", "cuda", "cpu"], default=_S)
     serve.add_argument("--seed", type=int, default=_S)

@@ -49,7 +49,8 @@ def build_engine(settings: Settings):
     knobs = ("dtype", "seed", "block_size", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
              "max_num_batched_tokens", "swap_space", "enable_prefix_caching", "enable_lora", "max_loras",
              "max_lora_rank", "max_cpu_loras", "max_adapter_wait_steps", "scheduling_policy",
-             "fair_prompt_token_weight", "fair_output_token_weight")
+             "fair_prompt_token_weight", "fair_output_token_weight", "tensor_parallel_size",
+             "tensor_parallel_all_reduce")
     values = {k: getattr(settings, k) for k in knobs if getattr(settings, k) is not None}
     config = EngineConfig(model=settings.model, download_dir=str(settings.cache_dir),
                           device=settings.device or "auto", **values)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 CHECKOUT_CACHE_DIR = Path(".cache")
@@ -84,7 +84,9 @@ class Settings(BaseSettings):
         "fair", description="fair: Virtual Token Counter across tenants (by tenant weight); fcfs: arrival order.")
     fair_prompt_token_weight: float | None = Field(None, ge=0, description="Service weight of a prompt token.")
     fair_output_token_weight: float | None = Field(None, ge=0, description="Service weight of a generated token.")
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks (GPUs) the model is split over.")
+    tensor_parallel_all_reduce: Literal["auto", "symm_mem", "nccl"] = Field(
+        "auto", description="Tensor parallelism's all-reduce on CUDA: auto = symm_mem; nccl only when asked.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     device: Literal["auto", "cuda", "cpu"] | None = None
     seed: int | None = None
@@ -135,13 +137,6 @@ class Settings(BaseSettings):
     redis_retry_s: float = Field(5.0, gt=0, description="After a Redis failure, wait this long before retrying.")
     stats_interval_s: float = Field(1.0, gt=0, description="How often the engine publishes live stats.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _single_device(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"tensor_parallel_size={value}: only 1 is supported for now")
-        return value
 
     @property
     def resolved_database_url(self) -> str:

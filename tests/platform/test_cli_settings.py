@@ -33,10 +33,17 @@ def test_flags_override_environment_override_defaults(monkeypatch, tmp_path):
     assert settings.model_id == "m"
 
 
-def test_serve_refuses_tensor_parallel(capsys, tmp_path):
-    status = cli.main(["serve", "--model", "m", "--tensor-parallel-size", "2", "--data-dir", str(tmp_path)])
+def test_serve_refuses_tensor_parallel_size_not_dividing_kv_heads(capsys, tmp_path, tiny_llama_dir):
+    status = cli.main(["serve", "--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "4",
+                       "--data-dir", str(tmp_path)])
     assert status == 2
-    assert "tensor_parallel_size=2: only 1 is supported" in capsys.readouterr().err
+    assert "tensor_parallel_size=4 does not divide the model's num_key_value_heads=2" in capsys.readouterr().err
+
+
+def test_tensor_parallel_flags_reach_settings():
+    settings = settings_from_args(parse(["serve", "--model", "m", "--tensor-parallel-size", "2",
+                                         "--tensor-parallel-all-reduce", "nccl"]))
+    assert (settings.tensor_parallel_size, settings.tensor_parallel_all_reduce) == (2, "nccl")
 
 
 def test_tenant_key_and_adapter_commands(capsys, tmp_path, tiny_llama_dir):

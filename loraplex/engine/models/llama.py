@@ -15,6 +15,7 @@ pre-norm, RMSNorm, RoPE, GQA, SwiGLU. What a checkpoint may ask for is decided b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,9 @@ class LinearWithLoRA(nn.Module):
         self.lora_scaling: list[torch.Tensor] = []
         self.qweight: torch.Tensor | None = None  # FP8 weight [out, in] once quantize_fp8() ran
         self.weight_scale: torch.Tensor | None = None  # its per-output-channel scale [out] float32
+        # Row-parallel (tensor parallelism): sums the ranks' partial outputs, LoRA delta included; the
+        # bias is added once, after it. None: the layer's output is complete.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def quantize_fp8(self) -> None:
         """Replace the weight by its FP8 e4m3 form with per-output-channel scales
@@ -96,12 +100,17 @@ class LinearWithLoRA(nn.Module):
         self.lora_a, self.lora_b, self.lora_scaling = a, b, scaling
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        reduce = self.all_reduce
         if self.qweight is not None:
-            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, self.bias)
+            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, self.bias if reduce is None else None)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias if reduce is None else None)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
             self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
+        if reduce is not None:
+            y = reduce(y)
+            if self.bias is not None:
+                y = y + self.bias
         return y
 
 

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.tensor_parallel import TensorShard, shard_spec
 from loraplex.kernels.ops import Kernels
 
 logger = logging.getLogger(__name__)
@@ -47,32 +48,40 @@ def load_model_spec(path: Path) -> ModelSpec:
 
 
 def build_model(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernels: Kernels,
-                dummy_weights: bool = False, seed: int = 0) -> LlamaForCausalLM:
+                dummy_weights: bool = False, seed: int = 0, shard: TensorShard | None = None) -> LlamaForCausalLM:
     """Create the model on ``device``, its layers calling ``kernels``, and fill its weights.
+
+    ``shard``: build one tensor-parallel rank's model (shapes of ``shard_spec``) and fill it with
+    that rank's slices of the checkpoint (or of the same random weights as the whole model).
+    The row-parallel layers' all-reduce is set by the caller.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``path`` (and not dummy).
         ValueError: a checkpoint tensor is missing, unexpected, or mis-shaped.
     """
-    model = LlamaForCausalLM(spec, dtype, device, kernels)
+    model = LlamaForCausalLM(spec if shard is None else shard_spec(spec, shard.world_size), dtype, device, kernels)
     if dummy_weights:
-        fill_dummy_weights(model, seed)
+        fill_dummy_weights(model, seed, shard)
     else:
-        load_safetensors(model, Path(path))
+        load_safetensors(model, Path(path), shard)
     return model.eval()
 
 
-def fill_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights with sane magnitudes (speed does not depend on values)."""
+def fill_dummy_weights(model: LlamaForCausalLM, seed: int, shard: TensorShard | None = None) -> None:
+    """Random weights with sane magnitudes (speed does not depend on values); with ``shard``, this
+    rank's slices of the whole model's random weights (the same values for every world size)."""
     gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):  # every RMSNorm weight
             p.data.fill_(1.0)
-        else:
+        elif shard is None:
             p.data.normal_(0.0, 0.02, generator=gen)
+        else:
+            full = p.data.new_empty(shard.full_shape(name, p.shape)).normal_(0.0, 0.02, generator=gen)
+            p.data.copy_(shard.shard_tensor(name, full, whole=True))
 
 
-def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
+def load_safetensors(model: LlamaForCausalLM, path: Path, shard: TensorShard | None = None) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
@@ -86,7 +95,10 @@ def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
                 target = _target_for(name, model.spec)
                 if target is None or target not in expected:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.spec.architecture}")
-                _copy_into(model, target, f.get_tensor(name), name)
+                tensor = f.get_tensor(name)
+                if shard is not None:
+                    tensor = shard.shard_tensor(target[0], tensor, whole=model.spec.fused_projections)
+                _copy_into(model, target, tensor, name)
                 seen.add(target)
     missing = sorted(expected - seen)
     if missing:

@@ -1,0 +1,236 @@
+"""Tensor-parallel ranks: one process per rank; the scheduler runs in one place.
+
+Rank 0 is the engine's own process (the *driver*): it schedules, owns the adapter slot table
+and samples. Ranks 1..W-1 are worker processes (``spawn``) that each hold their shard of the model
+(:mod:`loraplex.engine.tensor_parallel`), of the KV cache and of the LoRA slots, and follow the
+driver's messages on the control channel, in order:
+
+- ``_Init``: KV cache size, swap blocks, CUDA-graph sizes (sent once, after the driver sized the cache);
+- a :class:`~loraplex.engine.step_plan.StepPlan`: run the forward pass of the step (the all-reduces
+  inside it pair the ranks up); only the driver computes logits and samples;
+- ``_LoRAWrite`` / ``_LoRADisable``: install this rank's slice of an adapter's slot image / zero a
+  slot's scalings (the driver decided; slots, loads and pins stay the same on every rank);
+- ``None``: leave.
+
+Timeline of start-up (every rank): join the group -> build the model shard (+ LoRA slots) ->
+driver sizes the KV cache and sends ``_Init`` -> allocate it -> capture decode graphs in lockstep
+(the captures run all-reduces) -> agree that every rank has its graphs -> serve.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import multiprocessing
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.adapters.slot_image import SlotImage
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv_cache import KVCache, KVCacheSizing
+from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.models.loader import build_model, load_model_spec
+from loraplex.engine.parallel_state import ParallelGroup
+from loraplex.engine.step_plan import StepPlan
+from loraplex.engine.tensor_parallel import (ShardedLoRADeviceWeights, TensorShard, UnsupportedParallelismError,
+                                              shard_spec)
+from loraplex.kernels.ops import Kernels, default_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Init:
+    sizing: KVCacheSizing
+    num_swap_blocks: int
+    graphs: tuple[int, int, int] | None  # (max_model_len, max_num_seqs, num_lora_slots), None: eager
+
+
+@dataclass(frozen=True)
+class _LoRAWrite:
+    slot: int
+    image: SlotImage
+
+
+@dataclass(frozen=True)
+class _LoRADisable:
+    slot: int
+
+
+def check_tensor_parallel(config: EngineConfig, spec) -> None:
+    """Refuse, before any process starts, what tensor parallelism cannot run: a size that does not divide
+    the model's heads or intermediate size, more ranks than CUDA devices, a CUDA all-reduce on CPU.
+
+    Raises ``UnsupportedParallelismError`` naming the setting and the values.
+    """
+    size = config.tensor_parallel_size
+    shard_spec(spec, size)
+    device = config.resolve_device()
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise UnsupportedParallelismError(
+            f"tensor_parallel_size={size}: needs {size} CUDA devices, {torch.cuda.device_count()} visible")
+    if device.type != "cuda" and config.tensor_parallel_all_reduce != "auto":
+        raise UnsupportedParallelismError(
+            f"tensor_parallel_all_reduce={config.tensor_parallel_all_reduce!r} needs CUDA devices; on CPU the "
+            f"ranks all-reduce with gloo ('auto')")
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of ``rank``: ``cuda:rank`` on CUDA, the CPU otherwise."""
+    device = config.resolve_device()
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _max_all_reduce_numel(config: EngineConfig, hidden_size: int) -> int:
+    """Largest all-reduce of one forward: one step's tokens (or a graph's batch) x hidden."""
+    return max(config.max_num_batched_tokens, config.max_num_seqs) * hidden_size
+
+
+class RankState:
+    """What one rank holds: its group, shard, model, LoRA slot tensors (None without LoRA)."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, rank: int, init_method: str,
+                 dummy_weights: bool, forward_write=None, forward_disable=None) -> None:
+        self.device = rank_device(config, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = config.resolve_dtype(self.device)
+        self.spec = load_model_spec(model_path)
+        self.local_spec = shard_spec(self.spec, config.tensor_parallel_size)
+        self.group = ParallelGroup(rank, config.tensor_parallel_size, init_method, self.device,
+                                   config.tensor_parallel_all_reduce,
+                                   _max_all_reduce_numel(config, self.spec.hidden_size), self.dtype)
+        self.shard = TensorShard(rank, config.tensor_parallel_size, self.spec)
+        torch.manual_seed(config.seed)
+        self.model: LlamaForCausalLM = build_model(model_path, self.spec, self.dtype, self.device,
+                                                   Kernels(default_backend(self.device)), dummy_weights,
+                                                   config.seed, shard=self.shard)
+        for layer in self.model.layers:  # the row-parallel layers, alternating the two all-reduce buffers
+            layer.self_attn.o_proj.all_reduce = functools.partial(self.group.all_reduce, buffer=0)
+            layer.mlp.down_proj.all_reduce = functools.partial(self.group.all_reduce, buffer=1)
+        self.lora_weights = None
+        if config.enable_lora:
+            self.lora_weights = ShardedLoRADeviceWeights(self.shard, self.local_spec, config.max_loras,
+                                                         config.max_lora_rank, self.dtype, self.device,
+                                                         forward_write, forward_disable)
+            bind_lora(self.model, self.lora_weights)
+
+
+def bind_lora(model: LlamaForCausalLM, weights) -> None:
+    """Point every LoRA-capable linear of ``model`` at its slices of the slot tensors ``weights``."""
+    for layer, lin in model.lora_linears():
+        lin.bind_lora([weights.a[layer][m] for m in lin.module_names], [weights.b[layer][m] for m in lin.module_names],
+                      [weights.scaling[layer][m] for m in lin.module_names])
+
+
+class TensorParallelDriver:
+    """Rank 0's side: starts the worker processes, joins the group with them and sends them every
+    step, adapter write and the final stop. Not thread-safe: the engine's step loop calls it.
+
+    Raises what rank 0's :class:`RankState` raises; a worker that fails at start makes the group's
+    join fail or time out (the worker's exception is in its log).
+    """
+
+    def __init__(self, config: EngineConfig, model_path: Path, dummy_weights: bool) -> None:
+        check_tensor_parallel(config, load_model_spec(model_path))
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.workers = [context.Process(target=_worker_main, name=f"loraplex-tp-rank{rank}", daemon=True,
+                                        args=(config, str(model_path), rank, init_method, dummy_weights))
+                        for rank in range(1, self.world_size)]
+        for process in self.workers:
+            process.start()
+        try:
+            self.state = RankState(config, model_path, 0, init_method, dummy_weights,
+                                   forward_write=self._send_lora_write, forward_disable=self._send_lora_disable)
+        except BaseException:
+            self._stop_workers(timeout_s=0)
+            raise
+        self.group = self.state.group
+        self._closed = False
+
+    @property
+    def shard(self) -> TensorShard:
+        return self.state.shard
+
+    def start_workers(self, runner: ModelRunner, sizing: KVCacheSizing, num_swap_blocks: int,
+                      graphs: tuple[int, int, int] | None) -> None:
+        """Send ``_Init``; capture the driver's decode graphs in lockstep with the workers' (``graphs``:
+        ``(max_model_len, max_num_seqs, num_lora_slots)``, None for eager); drop them on every rank
+        unless every rank has them. Then every step's plan goes to the workers (``runner.on_step``)."""
+        if graphs is not None and not self.group.captures_collectives:
+            graphs = None
+        self.group.broadcast(_Init(sizing, num_swap_blocks, graphs))
+        if graphs is not None:
+            runner.enable_cuda_graphs(*graphs)
+        _agree_on_graphs(self.group, runner)
+        runner.on_step = self.group.broadcast
+
+    def _send_lora_write(self, slot: int, image: SlotImage) -> None:
+        self.group.broadcast(_LoRAWrite(slot, image))
+
+    def _send_lora_disable(self, slot: int) -> None:
+        self.group.broadcast(_LoRADisable(slot))
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.group.broadcast(None)
+        self.group.close()
+        self._stop_workers(timeout_s=30)
+
+    def _stop_workers(self, timeout_s: float) -> None:
+        for process in self.workers:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+
+
+def _agree_on_graphs(group: ParallelGroup, runner: ModelRunner) -> None:
+    if not group.all_agree(runner.graphs is not None) and runner.graphs is not None:
+        logger.warning("tensor parallel: decode CUDA graphs missing on some rank; every rank runs eagerly")
+        runner.graphs = None
+    elif runner.graphs is not None and group.rank == 0:
+        logger.info("tensor parallel: decode CUDA graphs captured with their all-reduces (%s)", group.backend)
+
+
+def _worker_main(config: EngineConfig, model_path: str, rank: int, init_method: str, dummy_weights: bool) -> None:
+    """A worker rank: build the shard, then follow the driver's messages until ``None``."""
+    state = RankState(config, Path(model_path), rank, init_method, dummy_weights)
+    group = state.group
+    init: _Init | None = group.broadcast()
+    if init is None:  # the driver failed after the group formed (e.g. KV cache too small) and closed it
+        group.close()
+        return
+    kv_cache = KVCache(state.local_spec, init.sizing, state.dtype, state.device, init.num_swap_blocks)
+    runner = ModelRunner(state.model, kv_cache, config.block_size, state.device)
+    if init.graphs is not None:
+        runner.enable_cuda_graphs(*init.graphs)
+    _agree_on_graphs(group, runner)
+    with torch.inference_mode():
+        while (message := group.broadcast()) is not None:
+            if isinstance(message, StepPlan):
+                runner.forward(message)
+            elif isinstance(message, _LoRAWrite):
+                state.lora_weights.write(message.slot, message.image)
+            elif isinstance(message, _LoRADisable):
+                state.lora_weights.disable(message.slot)
+            else:
+                raise TypeError(f"tensor-parallel worker {rank}: unexpected message {type(message).__name__}")
+    runner.grammar_masks.close()
+    group.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
