@@ -147,6 +147,13 @@ class ShardedLoRADeviceWeights(LoRADeviceWeights):
         if self.forward_write is not None:
             self.forward_write(slot, image)
 
+    def write_many(self, writes: list[tuple[int, SlotImage]], *, staging_bytes: int) -> None:
+        super().write_many([(slot, self.shard.shard_slot_image(image, self.spec.module_shapes))
+                            for slot, image in writes], staging_bytes=staging_bytes)
+        if self.forward_write is not None:
+            for slot, image in writes:
+                self.forward_write(slot, image)
+
     def disable(self, slot: int) -> None:
         super().disable(slot)
         if self.forward_disable is not None:
