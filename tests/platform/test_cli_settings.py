@@ -34,9 +34,10 @@ def test_flags_override_environment_override_defaults(monkeypatch, tmp_path):
 
 
 def test_serve_refuses_tensor_parallel(capsys, tmp_path):
-    status = cli.main(["serve", "--model", "m", "--tensor-parallel-size", "2", "--data-dir", str(tmp_path)])
-    assert status == 2
-    assert "tensor_parallel_size=2: only 1 is supported" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--model", "m", "--tensor-parallel-size", "2", "--data-dir", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "argument --tensor-parallel-size: 2: must be one of 1" in capsys.readouterr().err
 
 
 def test_tenant_key_and_adapter_commands(capsys, tmp_path, tiny_llama_dir):
