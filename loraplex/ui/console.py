@@ -129,7 +129,7 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
     default: the last 5 minutes; ``sessions``: the console sessions the gate checks, see
     :func:`mount_console`)."""
     history = history or StatsHistory(window_s=300.0, min_interval_s=min(1.0, refresh_s))
-    sessions = sessions or ConsoleSessions(ctx)
+    sessions = ConsoleSessions(ctx) if sessions is None else sessions
     sign_in_js, sign_out_js = _session_js(path)
     # Uploaded files wait in Gradio's cache: delete them once older than console_file_lifetime_s
     # (checked every half of it, so none lives longer than 1.5 times it).

@@ -117,7 +117,7 @@ def install_gate(app: FastAPI, ctx: PlatformContext, *, path: str,
     from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES
     from loraplex.platform.services.adapters import MB
 
-    sessions = sessions or ConsoleSessions(ctx)
+    sessions = ConsoleSessions(ctx) if sessions is None else sessions
     app.include_router(session_router(sessions, path))
     app.add_middleware(ConsoleGate, sessions=sessions, path=path,
                        max_json_body_bytes=int(ctx.settings.max_json_body_mb * MB),
