@@ -1,4 +1,5 @@
-"""The import arrows of docs/ARCHITECTURE.md: kernels <- adapters <- engine <- platform <- ui <- cli.
+"""The import arrows of docs/ARCHITECTURE.md: kernels <- adapters <- engine <- platform <- ui <- cli,
+and the console's rule: it calls the platform's public services only (no private names, no crud/models).
 
 Every ``import`` in the package counts, at module level or inside a function
 (lazy imports and ``TYPE_CHECKING`` blocks included), parsed with ``ast``
@@ -136,6 +137,61 @@ def test_checker_sees_lazy_relative_and_from_imports():
         ("platform/main.py", "loraplex.ui.mount_console", "platform (layer 3) imports ui")
     ]
     assert arrow_violations("cli.py", "from loraplex.ui import mount_console\nimport packaging\n") == []
+
+
+# What the console (ui) may import of the platform: its services and the plain data / error types they
+# take and return (console -> services -> crud -> models). Never crud, models or the database directly.
+CONSOLE_FORBIDDEN = ("loraplex.platform.crud", "loraplex.platform.models", "loraplex.platform.db")
+
+
+def console_violations(rel_path: str, source: str) -> list[tuple[str, str, str]]:
+    """``(file, what, why)`` for each place a console module (``loraplex/ui/<rel_path>``) reaches past the
+    platform's public services: a private name (leading underscore) imported from another layer or read as
+    an attribute of anything but ``self`` / ``cls`` (``engine._submit``, ``adapter_service._stage``), or an
+    import of crud / models / db."""
+    module = "loraplex." + rel_path.removesuffix(".py").replace("/", ".")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            names = imported_modules(ast.unparse(node), module)
+            for alias, name in zip(node.names, names):
+                if part_of(name) != "ui" and alias.name.startswith("_"):
+                    found.append((rel_path, name, "imports a private name of another layer"))
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for name in imported_modules(ast.unparse(node), module):
+                if name.startswith(CONSOLE_FORBIDDEN):
+                    found.append((rel_path, name, "the console calls services, never crud/models/db"))
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append((rel_path, f"{ast.unparse(node.value)}.{node.attr}", "reads a private attribute"))
+    return found
+
+
+def test_the_console_uses_only_public_services():
+    found = []
+    for path in sorted((PACKAGE / "ui").rglob("*.py")):
+        found += console_violations(path.relative_to(PACKAGE).as_posix(), path.read_text(encoding="utf-8"))
+    assert found == [], "\n".join(f"{f}: {what}: {why}" for f, what, why in found)
+
+
+def test_console_checker_sees_private_names_and_crud():
+    source = (
+        "from loraplex.platform.services.adapters import _check_name, validate_upload\n"
+        "from loraplex.engine.llm_engine import _Throughput\n"
+        "from loraplex.platform import crud\n"
+        "from loraplex.ui.wiring import _private_helper_of_the_console\n"
+        "def f(engine, adapter_service, self):\n"
+        "    engine._submit(lambda: None)\n"
+        "    adapter_service._stage()\n"
+        "    self._ok, engine.__class__\n"
+    )
+    assert sorted((what, why) for _, what, why in console_violations("ui/x.py", source)) == [
+        ("adapter_service._stage", "reads a private attribute"),
+        ("engine._submit", "reads a private attribute"),
+        ("loraplex.engine.llm_engine._Throughput", "imports a private name of another layer"),
+        ("loraplex.platform.crud", "the console calls services, never crud/models/db"),
+        ("loraplex.platform.services.adapters._check_name", "imports a private name of another layer"),
+    ]
 
 
 def test_optional_packages_are_imported_lazily_only():

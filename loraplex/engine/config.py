@@ -1,141 +1,178 @@
-"""Engine configuration: one validated dataclass, as vLLM's ``EngineArgs``.
+"""Engine configuration: one validated dataclass, the single source of every engine knob.
 
-Every knob is checked once in ``__post_init__``; a bad value raises
-``ValueError`` naming the field and the value. Derived values (the resolved
-device and dtype) are computed once by :meth:`EngineConfig.resolve`.
+:class:`EngineConfig` is what the engine reads, and what the platform generates its
+``loraplex serve`` flags (``--block-size``) and its settings fields / environment
+variables (``LORAPLEX_BLOCK_SIZE``) from, as vLLM's ``EngineArgs.add_cli_args`` does:
+:func:`config_fields` describes each field (name, type, choices, default, and the
+help text: the field's docstring). Every value is checked once, by
+:meth:`EngineConfig.validate` (``__post_init__`` and the platform call the same
+function); a bad value raises :class:`ConfigError`, which carries the field, the value
+and the rule, so each front end names its own spelling (flag or env var).
+
+Adding a knob: declare the field here with a default, a docstring under it, a ``Literal``
+for fixed choices or ``knob(default, rule)`` for a range; the CLI flag and the env var
+appear by themselves. Derived values (the resolved device and dtype) are computed by
+the ``resolve_*`` methods. This module imports torch only inside those methods, so the
+CLI's ``--help`` stays light.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from loraplex.adapters.config import LoRAConfig
+    from loraplex.adapters.config import LoRAConfig
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A config value that breaks its field's rule. ``field``: the field name; ``value``: the
+    value given; ``rule``: what it must be (e.g. ``"must be one of 1, 2, 4, 8, 16, 32, 64, 128"``)."""
+
+    def __init__(self, field_name: str, value: Any, rule: str) -> None:
+        super().__init__(f"EngineConfig.{field_name}={value!r}: {rule}")
+        self.field = field_name
+        self.value = value
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check of one field's value (``None`` of an optional field always passes)."""
+
+    ok: Callable[[Any], bool]
+    text: str
+    choices: tuple[Any, ...] | None = None
+
+
+def one_of(*values: Any) -> Rule:
+    return Rule(lambda v: v in values, "must be one of " + ", ".join(map(str, values)), values)
+
+
+def at_least(low: float) -> Rule:
+    return Rule(lambda v: v >= low, f"must be >= {low}")
+
+
+def greater_than(low: float) -> Rule:
+    return Rule(lambda v: v > low, f"must be > {low}")
+
+
+def in_range(low: float, high: float) -> Rule:
+    """``low < value <= high``."""
+    return Rule(lambda v: low < v <= high, f"must be in ({low}, {high}]")
+
+
+def knob(default: Any, rule: Rule) -> Any:
+    """A field with ``default`` whose values must satisfy ``rule``."""
+    return field(default=default, metadata={"rule": rule})
+
+
+POWERS_OF_TWO_TO_128 = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass
 class EngineConfig:
-    """All engine knobs (names as in vLLM).
-
-    Attributes:
-        model: local HF folder (``config.json`` + safetensors + tokenizer) or a
-            demo model name such as ``"smollm2-135m-instruct"``.
-        download_dir: where demo models are prepared (``None``: ~/.cache/loraplex).
-        dtype: weight/activation dtype; ``"auto"`` is bfloat16 on CUDA and
-            float32 on CPU (so CPU results match HF transformers exactly).
-        device: ``"auto"`` picks CUDA when available.
-        seed: seed of the default random generator (unseeded requests).
-        block_size: tokens per KV block.
-        gpu_memory_utilization: fraction of GPU memory the engine may use in
-            total (weights + activations + KV cache).
-        kv_cache_memory_bytes: explicit KV cache size; required sizing on CPU
-            (default there: enough for ``max_num_seqs`` sequences of
-            ``max_model_len`` tokens, capped at 2 GiB).
-        num_kv_blocks: explicit number of KV blocks (overrides both sizes; for tests).
-        max_model_len: maximum prompt + output tokens of one sequence
-            (``None``: the model's ``max_position_embeddings``).
-        max_num_seqs: maximum sequences running at once.
-        max_num_batched_tokens: token budget of one step (prompt chunks and
-            decode tokens together); longer prompts are chunked.
-        swap_space: GiB of host memory for swapped-out KV blocks; 0 means
-            preemption recomputes instead of swapping.
-        enable_prefix_caching: share and keep KV blocks of identical prefixes.
-        enable_lora: serve LoRA adapters.
-        max_loras: adapter slots on the device (distinct adapters in one step).
-        max_lora_rank: largest adapter rank accepted; slots are padded to it.
-        max_cpu_loras: adapters kept in the host-memory LRU cache.
-        enforce_eager: disable CUDA graphs.
-        max_adapter_wait_steps: aging bound of adapter admission, in scheduler steps: once a
-            request that needs an adapter slot (all ``max_loras`` taken) has waited this long,
-            one running adapter admits nothing new until its slot drains and the waiting
-            adapter takes it. Its first token then comes within about this many steps plus
-            one request duration.
-        scheduling_policy: ``"fcfs"`` (arrival order) or ``"fair"`` (Virtual Token Counter
-            across tenants, Sheng et al. OSDI 2024: the least-served backlogged tenant's
-            request is admitted first; see ``loraplex.engine.fairness``).
-        fair_prompt_token_weight: service weight of one computed prompt token (VTC's w_p).
-        fair_output_token_weight: service weight of one generated token (VTC's w_q).
-        quantization: ``None`` or ``"fp8"``: the base model's linear layers (q/k/v, o,
-            gate/up, down) quantized at load to FP8 e4m3 with per-output-channel scales,
-            computed as W8A16 (activations, LoRA, embeddings and LM head stay in ``dtype``);
-            see ``loraplex.engine.models.quantization``. Checkpoints that are already
-            quantized are refused at load.
-        tensor_parallel_size: ranks (processes; GPUs on CUDA) the model is split over, Megatron-style
-            (``loraplex.engine.tensor_parallel``); must divide the model's KV heads, query heads and
-            intermediate size.
-        tensor_parallel_all_reduce: the row-parallel layers' all-reduce on CUDA: ``"auto"`` = one-shot
-            on symmetric memory (``"symm_mem"``; the engine refuses to start where it is unavailable),
-            ``"nccl"`` = NCCL (decode steps then run eagerly). On CPU only ``"auto"`` (gloo).
-    """
+    """All engine knobs (names as in vLLM); each field's docstring is its ``--help`` text."""
 
     model: str
+    """Local HF folder (config.json + safetensors + tokenizer) or a demo model name such as smollm2-135m-instruct."""
     download_dir: str | None = None
+    """Where demo models are prepared (None: ~/.cache/loraplex)."""
     dtype: DTypeName = "auto"
+    """Weight/activation dtype; auto is bfloat16 on CUDA and float32 on CPU (CPU results then match HF exactly)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto picks CUDA when available."""
     seed: int = 0
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    swap_space: float = 0.0
+    """Seed of the default random generator (requests without their own seed)."""
+    block_size: int = knob(16, one_of(*POWERS_OF_TWO_TO_128))
+    """Tokens per KV block."""
+    gpu_memory_utilization: float = knob(0.9, in_range(0.0, 1.0))
+    """Fraction of GPU memory the engine may use in total (weights + activations + KV cache)."""
+    kv_cache_memory_bytes: int | None = knob(None, greater_than(0))
+    """Explicit KV cache size in bytes (CPU default: max_num_seqs sequences of max_model_len tokens, at most 2 GiB)."""
+    num_kv_blocks: int | None = knob(None, greater_than(0))
+    """Explicit number of KV blocks (overrides both sizes; for tests)."""
+    max_model_len: int | None = knob(None, greater_than(0))
+    """Maximum prompt + output tokens of one sequence (None: the model's max_position_embeddings)."""
+    max_num_seqs: int = knob(256, greater_than(0))
+    """Maximum sequences running at once."""
+    max_num_batched_tokens: int = knob(2048, greater_than(0))
+    """Token budget of one step (prompt chunks and decode tokens together); longer prompts are chunked."""
+    swap_space: float = knob(0.0, at_least(0))
+    """GiB of host memory for swapped-out KV blocks; 0 means preemption recomputes instead of swapping."""
     enable_prefix_caching: bool = True
+    """Share and keep KV blocks of identical prefixes."""
     enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 16
+    """Serve LoRA adapters."""
+    max_loras: int = knob(4, greater_than(0))
+    """Adapter slots on the device (distinct adapters in one step)."""
+    max_lora_rank: int = knob(16, one_of(*POWERS_OF_TWO_TO_128, 256))
+    """Largest adapter rank accepted; slots are padded to it."""
     max_cpu_loras: int | None = None
+    """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     enforce_eager: bool = False
-    max_adapter_wait_steps: int = 32
+    """Disable CUDA graphs."""
+    max_adapter_wait_steps: int = knob(32, at_least(0))
+    """Aging bound of adapter admission, in scheduler steps: once a request that needs an adapter slot (all
+    max_loras taken) has waited this long, one running adapter admits nothing new until its slot drains and
+    the waiting adapter takes it."""
     scheduling_policy: Literal["fcfs", "fair"] = "fcfs"
-    fair_prompt_token_weight: float = 1.0
-    fair_output_token_weight: float = 2.0
+    """fcfs: arrival order; fair: Virtual Token Counter across tenants (Sheng et al. OSDI 2024), the
+    least-served backlogged tenant's request first (loraplex.engine.fairness)."""
+    fair_prompt_token_weight: float = knob(1.0, at_least(0))
+    """Service weight of one computed prompt token (VTC's w_p)."""
+    fair_output_token_weight: float = knob(2.0, at_least(0))
+    """Service weight of one generated token (VTC's w_q)."""
     quantization: Literal["fp8"] | None = None
-    tensor_parallel_size: int = 1
+    """fp8: the base model's projections (q/k/v, o, gate/up, down) quantized at load to FP8 e4m3 with
+    per-output-channel scales, computed as W8A16 (activations, LoRA, embeddings and LM head stay in dtype;
+    loraplex.engine.models.quantization). Checkpoints that are already quantized are refused at load."""
+    tensor_parallel_size: int = knob(1, at_least(1))
+    """Ranks (processes; GPUs on CUDA) one model is split over, Megatron-style (loraplex.engine.tensor_parallel);
+    must divide the model's KV heads, query heads and intermediate size."""
     tensor_parallel_all_reduce: Literal["auto", "symm_mem", "nccl"] = "auto"
+    """The row-parallel layers' all-reduce on CUDA: auto = one-shot on symmetric memory (symm_mem; the engine
+    refuses to start where it is unavailable), nccl = NCCL (decode steps then run eagerly). On CPU: gloo."""
 
     def __post_init__(self) -> None:
+        self.validate(dataclasses.asdict(self))
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
-        checks = [
-            (bool(self.model), "model", "must not be empty"),
-            (self.dtype in ("auto", *_DTYPES), "dtype", f"must be one of auto, {', '.join(_DTYPES)}"),
-            (self.device in ("auto", "cuda", "cpu"), "device", "must be auto, cuda or cpu"),
-            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128"),
-            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
-            (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
-             "must be > 0"),
-            (self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be > 0"),
-            (self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0"),
-            (self.max_num_seqs > 0, "max_num_seqs", "must be > 0"),
-            (self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0"),
-            (self.swap_space >= 0, "swap_space", "must be >= 0"),
-            (self.max_loras > 0, "max_loras", "must be > 0"),
-            (self.max_lora_rank in (1, 2, 4, 8, 16, 32, 64, 128, 256), "max_lora_rank",
-             "must be a power of two <= 256"),
-            (self.max_adapter_wait_steps >= 0, "max_adapter_wait_steps", "must be >= 0"),
-            (self.scheduling_policy in ("fcfs", "fair"), "scheduling_policy", "must be fcfs or fair"),
-            (self.fair_prompt_token_weight >= 0, "fair_prompt_token_weight", "must be >= 0"),
-            (self.fair_output_token_weight >= 0, "fair_output_token_weight", "must be >= 0"),
-            (self.fair_prompt_token_weight + self.fair_output_token_weight > 0, "fair_output_token_weight",
+
+    @classmethod
+    def validate(cls, values: Mapping[str, Any]) -> None:
+        """Check ``values`` (field name -> value; fields left out take their defaults): each value's
+        type and rule, then the rules across fields. Raises :class:`ConfigError` for the first bad one
+        and ``TypeError`` for an unknown field name."""
+        described = {f.name: f for f in config_fields()}
+        unknown = set(values) - set(described)
+        if unknown:
+            raise TypeError(f"EngineConfig has no field {sorted(unknown)[0]!r}")
+        merged = {name: f.default for name, f in described.items()} | dict(values)
+        for name, value in values.items():
+            described[name].check(value)
+        max_cpu_loras = merged["max_cpu_loras"] if merged["max_cpu_loras"] is not None else merged["max_loras"]
+        across = [
+            (max_cpu_loras >= merged["max_loras"], "max_cpu_loras", f"must be >= max_loras={merged['max_loras']}"),
+            (merged["fair_prompt_token_weight"] + merged["fair_output_token_weight"] > 0, "fair_output_token_weight",
              "the two token weights must not both be 0"),
-            (self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f"must be >= max_loras={self.max_loras}"),
-            (self.quantization in (None, "fp8"), "quantization", "must be None or 'fp8'"),
-            (self.quantization is None or self.tensor_parallel_size == 1, "quantization",
+            (merged["quantization"] is None or merged["tensor_parallel_size"] == 1, "quantization",
              "fp8 is not implemented with tensor_parallel_size > 1"),
-            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
-            (self.tensor_parallel_all_reduce in ("auto", "symm_mem", "nccl"), "tensor_parallel_all_reduce",
-             "must be auto, symm_mem or nccl"),
         ]
-        for ok, name, rule in checks:
+        for ok, name, rule in across:
             if not ok:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {rule}")
+                raise ConfigError(name, merged[name], rule)
 
     @property
     def swap_space_bytes(self) -> int:
@@ -143,6 +180,8 @@ class EngineConfig:
 
     def resolve_device(self) -> torch.device:
         """The device to run on; raises ``ValueError`` if CUDA is asked for but absent."""
+        import torch
+
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device='cuda': no CUDA device is available")
         if self.device == "auto":
@@ -152,11 +191,115 @@ class EngineConfig:
     def lora_config(self, device: torch.device) -> LoRAConfig:
         """The adapter tiers' knobs. Adapter reads run on loader threads on CUDA (disk reads stay
         out of the GPU step) and inline on CPU (deterministic tests)."""
+        from loraplex.adapters.config import LoRAConfig
+
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras, background_loads=device.type == "cuda")
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The compute dtype: ``dtype``, or bfloat16 on CUDA / float32 on CPU for ``"auto"``."""
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+# -- the fields, described for the front ends ------------------------------------------------------
+@dataclass(frozen=True)
+class ConfigField:
+    """One :class:`EngineConfig` field as a front end needs it. ``type``: ``int``, ``float``,
+    ``bool`` or ``str``; ``optional``: None is a valid value; ``choices``: the allowed values
+    (from a ``Literal`` or a ``one_of`` rule), else None; ``help``: the field's docstring."""
+
+    name: str
+    type: type
+    optional: bool
+    default: Any
+    choices: tuple[Any, ...] | None
+    rule: Rule | None
+    help: str
+
+    def check(self, value: Any) -> None:
+        """Raises :class:`ConfigError` unless ``value`` has the field's type and passes its rule."""
+        if value is None:
+            if not self.optional:
+                raise ConfigError(self.name, value, "must not be None")
+            return
+        if not _has_type(value, self.type):
+            raise ConfigError(self.name, value, f"must be of type {self.type.__name__}")
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(self.name, value, "must be one of " + ", ".join(map(str, self.choices)))
+        if self.rule is not None and not self.rule.ok(value):
+            raise ConfigError(self.name, value, self.rule.text)
+        if self.type is str and not value:
+            raise ConfigError(self.name, value, "must not be empty")
+
+    def parse(self, text: str) -> Any:
+        """``text`` (a flag or env value) as the field's type; raises :class:`ConfigError`."""
+        try:
+            if self.type is bool:
+                lowered = text.strip().lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError(text)
+                return lowered in ("true", "1", "yes", "on")
+            return self.type(text)
+        except ValueError:
+            raise ConfigError(self.name, text, f"must be {'an' if self.type is int else 'a'} "
+                                               f"{self.type.__name__}") from None
+
+
+def _has_type(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def config_fields() -> list[ConfigField]:
+    """Every :class:`EngineConfig` field, in declaration order."""
+    global _FIELDS
+    if _FIELDS is None:
+        hints = typing.get_type_hints(EngineConfig)
+        docs = attribute_docstrings(EngineConfig)
+        _FIELDS = [_describe(f, hints[f.name], docs.get(f.name, "")) for f in dataclasses.fields(EngineConfig)]
+    return _FIELDS
+
+
+_FIELDS: list[ConfigField] | None = None
+
+
+def _describe(f: dataclasses.Field, hint: Any, doc: str) -> ConfigField:
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        (hint,) = [a for a in args if a is not type(None)]
+    choices = None
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        hint = type(choices[0])
+    rule: Rule | None = f.metadata.get("rule")
+    if rule is not None and rule.choices is not None:
+        choices = rule.choices
+    default = None if f.default is dataclasses.MISSING else f.default
+    if hint not in (int, float, bool, str):
+        raise TypeError(f"EngineConfig.{f.name}: type {hint!r} has no flag/env form; use int, float, bool, str, "
+                        "a Literal of them, or Optional of those")
+    return ConfigField(f.name, hint, optional, default, choices, rule, " ".join(doc.split()))
+
+
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """Field name -> the string literal right under its declaration in ``cls``'s source (as vLLM's
+    ``get_attr_docs``); empty when the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = after.value.value
+    return docs

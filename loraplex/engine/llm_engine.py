@@ -28,6 +28,16 @@ from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.models.quantization import quantize_linears_fp8
+from loraplex.engine.input_processor import (  # noqa: F401 - the errors are re-exported
+    ContextLengthExceededError,
+    EmptyPromptError,
+    InputProcessor,
+    InvalidPromptError,
+    InvalidRequestError,
+    ProcessedPrompt,
+    PromptTooLongError,
+    TokenIdOutOfVocabError,
+)
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -40,14 +50,6 @@ if TYPE_CHECKING:
     from loraplex.adapters.slot_pool import SlotPoolStats
 
 logger = logging.getLogger(__name__)
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room for output under ``max_model_len``."""
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot run (empty prompt, bad token id, duplicate id, LoRA disabled)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class LLMEngine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the unquantized weights' memory goes to the KV cache
         self.eos_token_ids = set(self.spec.eos_token_ids) or {self.tokenizer.eos_token_id}
+        self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len)
         self.lora_pool = self._build_lora_pool() if config.enable_lora else None
         self._build_kv_cache()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
@@ -240,9 +243,11 @@ class LLMEngine:
             raise InvalidRequestError("LoRA is disabled: start the engine with enable_lora=True")
 
     # -- requests ---------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int] | ProcessedPrompt,
+                    params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None, tenant: TenantShare | None = None) -> None:
-        """Queue a request. ``prompt`` is text or token ids. ``tenant``: who it is served for and
+        """Queue a request. ``prompt`` is text, token ids, or what ``input_processor.process``
+        returned for it with the same ``params`` (the checks are not repeated). ``tenant``: who it is served for and
         that tenant's weight (the fair policy shares service by it; ``None``: the anonymous
         tenant ``""`` of weight 1).
 
@@ -255,25 +260,25 @@ class LLMEngine:
         ``n`` sequences gets its own matcher.
 
         Raises:
-            InvalidRequestError: duplicate id, empty prompt, token id outside the vocabulary, LoRA disabled,
-                a structured-output constraint that does not compile (message names the problem).
-            PromptTooLongError: ``len(prompt_tokens) >= max_model_len``.
+            InvalidPromptError: the prompt is refused by ``InputProcessor.process`` (``EmptyPromptError``,
+                ``TokenIdOutOfVocabError``, ``PromptTooLongError``, ``ContextLengthExceededError``).
+            InvalidRequestError: duplicate id, LoRA disabled, a structured-output constraint that does
+                not compile (message names the problem).
             AdapterError: the adapter fails validation at registration.
         """
         params = params or SamplingParams()
         if request_id in self.groups:
             raise InvalidRequestError(f"request_id={request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids)
+        processed = self.input_processor.process(prompt, params)
+        text, token_ids = processed.text, processed.token_ids
         version = self._adapter_version(lora_request)
         group = RequestGroup(request_id, text, token_ids, params, lora_request, version)
         if tenant is not None:
             group.tenant_id, group.tenant_weight = tenant.tenant_id, tenant.weight
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
-        max_tokens = self._effective_max_tokens(params, len(token_ids))
         for index in range(params.n):
-            group.seqs.append(self._new_sequence(group, index, max_tokens))
+            group.seqs.append(self._new_sequence(group, index, processed.max_tokens))
         if params.structured_outputs is not None:
             try:
                 for seq in group.seqs:
@@ -284,31 +289,12 @@ class LLMEngine:
         self._prompt_total += len(token_ids)
         self.scheduler.add(group.seqs[0])
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        return None, [int(t) for t in prompt]
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                                     f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit")
-
     def _adapter_version(self, lora_request: LoRARequest | None) -> str | None:
         if lora_request is None:
             return None
         self._require_lora()
         self.lora_pool.add_lora(lora_request)  # no-op (False) when registered already
         return self.lora_pool.version_id(lora_request.lora_int_id)
-
-    def _effective_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
-        room = self.max_model_len - prompt_len
-        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def _new_sequence(self, group: RequestGroup, index: int, max_tokens: int) -> Sequence:
         generator = None

@@ -16,6 +16,7 @@ Layout (FastAPI full-stack template style)::
     metrics.py         Prometheus metrics in a per-app registry
     context.py         PlatformContext: what services receive
     main.py            create_app(settings, engine=None)
+    engine_options.py  the engine's knobs as serve flags / LORAPLEX_* settings, generated from EngineConfig
     cli.py             serve / tenant / key / adapter commands
 
 Nothing is imported here, so ``import loraplex.platform.settings`` stays light.

@@ -12,7 +12,8 @@
 ``fn(app)`` on the app they run (``loraplex.cli`` passes the Gradio console's
 mounter; the platform never imports the console).
 
-Engine flags are named as vLLM's. Flags left out fall back to ``LORAPLEX_*``
+Engine flags are generated from ``EngineConfig``'s fields (``engine_options.add_engine_flags``:
+``--block-size``, ...) and checked by its rules when parsed. Flags left out fall back to ``LORAPLEX_*``
 environment variables, then to defaults (``Settings``): every flag defaults
 to ``argparse.SUPPRESS`` so only the flags given reach ``Settings(**flags)``.
 Run in a source checkout, the storage defaults are ``make serve``'s (``.cache/data``,
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loraplex.platform.engine_options import add_engine_flags
 from loraplex.platform.user_errors import fail
 from loraplex.platform.demo import add_demo_command
 
@@ -101,31 +103,7 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
     serve.add_argument("--served-model-name", default=_S)
     serve.add_argument("--host", default=_S)
     serve.add_argument("--port", type=int, default=_S)
-    serve.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=_S)
-    serve.add_argument("--max-loras", type=int, default=_S)
-    serve.add_argument("--max-lora-rank", type=int, default=_S)
-    serve.add_argument("--max-cpu-loras", type=int, default=_S)
-    serve.add_argument("--gpu-memory-utilization", type=float, default=_S)
-    serve.add_argument("--max-model-len", type=int, default=_S)
-    serve.add_argument("--block-size", type=int, default=_S)
-    serve.add_argument("--max-num-seqs", type=int, default=_S)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=_S)
-    serve.add_argument("--swap-space", type=float, default=_S, help="GiB")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_S)
-    serve.add_argument("--max-adapter-wait-steps", type=int, default=_S,
-                       help="steps a request may wait for an adapter slot before one is drained for it")
-    serve.add_argument("--scheduling-policy", choices=["fcfs", "fair"], default=_S,
-                       help="fair (default): least-served tenant first (Virtual Token Counter); fcfs: arrival order")
-    serve.add_argument("--fair-prompt-token-weight", type=float, default=_S)
-    serve.add_argument("--fair-output-token-weight", type=float, default=_S)
-    serve.add_argument("--tensor-parallel-size", type=int, default=_S,
-                       help="ranks (GPUs) the model is split over, Megatron-style; one process per rank")
-    serve.add_argument("--tensor-parallel-all-reduce", choices=["auto", "symm_mem", "nccl"], default=_S,
-                       help="CUDA all-reduce of tensor parallelism: auto = symm_mem (one-shot on symmetric memory); "
-                            "nccl only when asked")
-    serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_S)
-    serve.add_argument("--device", choices=["auto", "cuda", "cpu"], default=_S)
-    serve.add_argument("--seed", type=int, default=_S)
+    add_engine_flags(serve)  # one flag per EngineConfig field (engine_options.py)
     serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S)
     _add_storage_flags(serve)
@@ -157,13 +135,16 @@ def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = Non
     from pydantic import ValidationError
 
     from loraplex.platform.main import create_app
+    from loraplex.platform.settings import validation_error_text
 
     try:
         settings = settings_from_args(args)
         if not settings.model:
             return _fail("--model (or LORAPLEX_MODEL) is required")
         app = create_app(settings)
-    except (ValidationError, ValueError, FileNotFoundError) as exc:
+    except ValidationError as exc:
+        return _fail(validation_error_text(exc))
+    except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
     if mount_console is not None:
         mount_console(app)

@@ -250,14 +250,26 @@ def record_usage(*, session: Session, tenant_id: int, requests: int, prompt_toke
     session.flush()
 
 
-def usage_by_tenant(*, session: Session) -> list[tuple[str, int, int, int]]:
-    """(tenant name, requests, prompt tokens, completion tokens) summed over all days."""
+def usage_by_tenant(*, session: Session, since: dt.date | None = None) -> list[tuple[str, int, int, int]]:
+    """(tenant name, requests, prompt tokens, completion tokens) summed over all days, or over the
+    UTC days ``>= since``; every tenant, zeros included."""
+    joined = UsageCounter.tenant_id == Tenant.id
+    if since is not None:
+        joined = sa.and_(joined, UsageCounter.day >= since)
     rows = session.execute(sa.select(
         Tenant.name, sa.func.coalesce(sa.func.sum(UsageCounter.requests), 0),
         sa.func.coalesce(sa.func.sum(UsageCounter.prompt_tokens), 0),
         sa.func.coalesce(sa.func.sum(UsageCounter.completion_tokens), 0),
-    ).outerjoin(UsageCounter, UsageCounter.tenant_id == Tenant.id).group_by(Tenant.name).order_by(Tenant.name))
+    ).outerjoin(UsageCounter, joined).group_by(Tenant.name).order_by(Tenant.name))
     return [(name, int(r), int(p), int(c)) for name, r, p, c in rows]
+
+
+def adapter_version_names(*, session: Session) -> list[tuple[int, str, str, int]]:
+    """(tenant id, tenant name, adapter name, version) of every stored adapter version."""
+    rows = session.execute(sa.select(Tenant.id, Tenant.name, Adapter.name, AdapterVersion.version)
+                           .join(Adapter, Adapter.tenant_id == Tenant.id)
+                           .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id))
+    return [(int(t), tenant, name, int(v)) for t, tenant, name, v in rows]
 
 
 # -- evaluations -----------------------------------------------------------------------------------

@@ -40,20 +40,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine(settings: Settings):
-    """An ``LLMEngine`` for ``settings.model`` with the engine flags that were set."""
+    """An ``LLMEngine`` for ``settings.model`` with the engine options that were set (the rest: the
+    engine's defaults)."""
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.llm_engine import LLMEngine
 
     if not settings.model:
         raise ValueError("Settings.model is not set: pass --model or LORAPLEX_MODEL")
-    knobs = ("dtype", "seed", "block_size", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-             "max_num_batched_tokens", "swap_space", "enable_prefix_caching", "enable_lora", "max_loras",
-             "max_lora_rank", "max_cpu_loras", "max_adapter_wait_steps", "scheduling_policy",
-             "fair_prompt_token_weight", "fair_output_token_weight", "tensor_parallel_size",
-             "tensor_parallel_all_reduce")
-    values = {k: getattr(settings, k) for k in knobs if getattr(settings, k) is not None}
-    config = EngineConfig(model=settings.model, download_dir=str(settings.cache_dir),
-                          device=settings.device or "auto", **values)
+    config = EngineConfig(model=settings.model, download_dir=str(settings.cache_dir), **settings.engine_values())
     return LLMEngine(config)
 
 

@@ -5,15 +5,21 @@ Precedence: explicit keyword arguments (the CLI passes the flags it was given)
 ``LORAPLEX_DATABASE_URL``, ``LORAPLEX_REDIS_URL``, ``LORAPLEX_ADMIN_KEY``)
 > the defaults below. Values are validated once, at construction
 (``pydantic.ValidationError`` names the field and the value).
+
+The engine's settings are not declared here: ``Settings`` gets one field per
+``EngineConfig`` field (``engine_options.py``), checked by ``EngineConfig.validate``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError, create_model, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loraplex.engine.config import ConfigError, EngineConfig
+from loraplex.platform.engine_options import SERVER_DEFAULTS, engine_options, env_name, flag_name, option_error_text
 
 CHECKOUT_CACHE_DIR = Path(".cache")
 """Cache folder of ``make serve``, relative to a loraplex source checkout (git-ignored)."""
@@ -40,8 +46,8 @@ def default_cache_dir() -> Path:
     return CHECKOUT_CACHE_DIR.resolve() if in_source_checkout() else Path.home() / ".cache" / "loraplex"
 
 
-class Settings(BaseSettings):
-    """Everything the server, the admin API and the CLI need to know."""
+class PlatformSettings(BaseSettings):
+    """The settings of the platform itself; :data:`Settings` adds the engine's (see below)."""
 
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="forbid", validate_default=True)
 
@@ -65,31 +71,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 
-    # --- engine (names as vLLM's flags; None = the engine's default, see EngineConfig) ------------
-    enable_lora: bool = True
-    max_loras: int | None = Field(None, ge=1, description="Adapter slots on the device (S).")
-    max_lora_rank: int | None = Field(None, ge=1, description="Largest accepted adapter rank (R).")
-    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept in the host-memory cache.")
-    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
-    max_model_len: int | None = Field(None, ge=1, description="Context limit in tokens; None = the model's.")
-    block_size: int | None = Field(None, ge=1, description="Tokens per KV block.")
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    swap_space: float | None = Field(None, ge=0.0, description="Host swap space for KV blocks in GiB.")
-    enable_prefix_caching: bool | None = None
-    max_adapter_wait_steps: int | None = Field(
-        None, ge=0, description="Aging bound (scheduler steps) before a running adapter's slot is drained "
-                                "for a request waiting for an adapter slot.")
-    scheduling_policy: Literal["fcfs", "fair"] = Field(
-        "fair", description="fair: Virtual Token Counter across tenants (by tenant weight); fcfs: arrival order.")
-    fair_prompt_token_weight: float | None = Field(None, ge=0, description="Service weight of a prompt token.")
-    fair_output_token_weight: float | None = Field(None, ge=0, description="Service weight of a generated token.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Ranks (GPUs) the model is split over.")
-    tensor_parallel_all_reduce: Literal["auto", "symm_mem", "nccl"] = Field(
-        "auto", description="Tensor parallelism's all-reduce on CUDA: auto = symm_mem; nccl only when asked.")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
-    device: Literal["auto", "cuda", "cpu"] | None = None
-    seed: int | None = None
+    # --- engine: one field per EngineConfig field, generated below (engine_options.py) -----------
     chat_content_special_tokens: bool = Field(
         False, description="Let special-token strings in chat message content become control tokens (unsafe: "
                            "a user can forge turns); off = content is literal text.")
@@ -138,6 +120,21 @@ class Settings(BaseSettings):
     stats_interval_s: float = Field(1.0, gt=0, description="How often the engine publishes live stats.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @model_validator(mode="after")
+    def _check_engine_options(self) -> PlatformSettings:
+        """The engine options given, checked by ``EngineConfig.validate`` (the one validation)."""
+        try:
+            EngineConfig.validate(self.engine_values())
+        except ConfigError as exc:
+            raise ValueError(option_error_text(exc)) from None
+        return self
+
+    def engine_values(self) -> dict[str, Any]:
+        """The engine options that are set (name -> value; None = the engine's default), for
+        ``EngineConfig(model=..., **settings.engine_values())``."""
+        names = [option.name for option in engine_options()]
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
     @property
     def resolved_database_url(self) -> str:
         """The SQLAlchemy URL in use (the SQLite default made explicit)."""
@@ -161,3 +158,30 @@ class Settings(BaseSettings):
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model).name if self.model else None
+
+
+def validation_error_text(exc: ValidationError) -> str:
+    """One line per error of ``exc``: ``"port=99999: Input should be ..."``; an engine option's
+    error as ``option_error_text`` words it (it names the flag and the env var)."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        message = error["msg"].removeprefix("Value error, ")
+        where = ".".join(map(str, error["loc"]))
+        lines.append(f"{where}={error['input']!r}: {message}" if where else message)
+    return "; ".join(lines)
+
+
+def _engine_fields() -> dict[str, Any]:
+    """One optional settings field per engine option: its type (a ``Literal``'s values are checked by
+    ``EngineConfig.validate``, so every engine error reads the same), the server default or None
+    (= the engine's default), the field's docstring as description."""
+    fields = {}
+    for option in engine_options():
+        description = f"{option.help} (flag {flag_name(option.name)}, env {env_name(option.name)})"
+        fields[option.name] = (option.type | None, Field(SERVER_DEFAULTS.get(option.name), description=description))
+    return fields
+
+
+Settings = create_model("Settings", __base__=PlatformSettings, __module__=__name__, **_engine_fields())
+Settings.__doc__ = """Everything the server, the admin API and the CLI need to know: :class:`PlatformSettings`
+plus one field per ``EngineConfig`` field (``LORAPLEX_BLOCK_SIZE``, ...; see ``engine_options.py``)."""

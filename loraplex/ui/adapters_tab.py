@@ -28,7 +28,6 @@ from loraplex.platform.schemas import AdapterPublic
 from loraplex.platform.services import adapters as adapter_service
 from loraplex.platform.services.stats import engine_stats
 from loraplex.platform.services.uploads import UploadPart
-from loraplex.ui import services
 from loraplex.ui.format import error_text, format_bytes, format_time, ok_text
 from loraplex.ui.session import ConsoleSession, acting_tenant, check
 from loraplex.ui.wiring import SERVICE_ERRORS, on
@@ -111,7 +110,7 @@ def open_parts(paths: Sequence[str] | str | None) -> Iterator[list[UploadPart]]:
         yield parts
 
 
-def preview_text(preview: services.UploadPreview) -> str:
+def preview_text(preview: adapter_service.UploadPreview) -> str:
     """The validation report shown before confirming."""
     info = preview.info
     action = (f"replaces live version {preview.replaces_version}" if preview.replaces_version
@@ -132,8 +131,8 @@ def check_upload(ctx: PlatformContext, session: ConsoleSession | None, tenant_na
     service error (its message becomes the report)."""
     tenant = acting_tenant(ctx, session, tenant_name)
     with open_parts(paths) as parts, ctx.sessions() as db:
-        preview = services.preview_upload(session=db, ctx=ctx, tenant=tenant, name=(name or "").strip(),
-                                          parts=parts)
+        preview = adapter_service.preview_upload(session=db, ctx=ctx, tenant=tenant, name=(name or "").strip(),
+                                                 parts=parts)
     return gr.update(interactive=True), preview_text(preview)
 
 
@@ -157,7 +156,7 @@ def confirm_upload(ctx: PlatformContext, session: ConsoleSession | None, tenant_
 
 def _preload(ctx: PlatformContext, tenant_id: int, name: str) -> str:
     try:
-        loaded = services.preload_adapter(ctx=ctx, tenant_id=tenant_id, name=name)
+        loaded = adapter_service.preload_adapter(ctx=ctx, tenant_id=tenant_id, name=name)
     except (AdapterError, EngineStoppedError, FutureTimeout) as exc:
         logger.warning("console preload of adapter %r (tenant %d) failed: %s", name, tenant_id, exc)
         return "loading it into the engine failed; it will be loaded at its first request"

@@ -6,8 +6,9 @@
 The console holds no logic of its own: every callback calls the platform's
 service functions with ``app.state.ctx`` (the :class:`PlatformContext` the
 REST routes use). Sign-in asks for a key: the admin key opens every tab; a
-tenant API key opens that tenant's Adapters, Playground, Evaluate and Usage tabs. A page
-reload keeps the session (``session.SessionStore``) until "Sign out" or its lifetime ends.
+tenant API key opens that tenant's Adapters, Playground, Evaluate and Usage tabs. Signing in
+opens a console session (``session.ConsoleSessions``, carried by an HttpOnly cookie; see
+``gate.py``); a page reload resumes it until "Sign out" or its lifetime ends.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from loraplex.platform.errors import Unauthenticated
 from loraplex.platform.services.adapters import MB
 from loraplex.ui import adapters_tab, evaluate_tab, playground_tab, stats_tab, tenants_tab, usage_tab
 from loraplex.ui.gate import install_gate
-from loraplex.ui.session import ConsoleSession, SessionStore, check, login
+from loraplex.ui.session import COOKIE, ConsoleSession, ConsoleSessions, login
 from loraplex.ui.stats_tab import StatsHistory
-from loraplex.ui.wiring import on
+from loraplex.ui.wiring import on, with_error_message
 
 CONSOLE_PATH = "/ui"
 REFRESH_S = 2.0
@@ -75,17 +76,29 @@ def after_sign_in(ctx: PlatformContext, session: ConsoleSession | None):
     return tenants_tab.refresh(ctx, session, None)
 
 
-def resume(ctx: PlatformContext, sessions: SessionStore, token: str | None):
-    """On page load: the outputs of :func:`sign_in` for the session the browser's token still
-    holds (its key checked again), plus the token to keep (None when it is no longer valid:
-    the login form stays)."""
-    session = sessions.resume(token)
-    if session is not None:
-        try:
-            return (*signed_in_view(ctx, check(ctx, session)), token)
-        except Unauthenticated:
-            sessions.end(token)
-    return (*[gr.skip()] * 13, None)
+def sign_in_with_session(ctx: PlatformContext, sessions: ConsoleSessions, key: str | None, token: str | None):
+    """The Sign in button after its script opened the console session (``POST {path}/session``):
+    the outputs of :func:`sign_in` for the session of the cookie ``token``, which must be the
+    typed key's. Raises ``Unauthenticated``: the platform's message for a wrong key, or a note
+    when the session cookie did not come back (cookies blocked)."""
+    typed = login(ctx, key)  # the service's message for a wrong key
+    try:
+        session = sessions.resume(token)
+    except Unauthenticated:
+        session = None
+    if session != typed:
+        raise Unauthenticated("The console session could not be opened: allow cookies for this site and sign in "
+                              "again.")
+    return signed_in_view(ctx, session)
+
+
+def resume(ctx: PlatformContext, sessions: ConsoleSessions, token: str | None):
+    """On page load: the outputs of :func:`sign_in` for the console session of the cookie
+    ``token`` (its key checked again); no change (the login form stays) when there is none."""
+    try:
+        return signed_in_view(ctx, sessions.resume(token))
+    except Unauthenticated:
+        return tuple(gr.skip() for _ in range(13))
 
 
 def tenant_choices_for(ctx: PlatformContext, session: ConsoleSession | None, selected: str | None):
@@ -111,11 +124,12 @@ def _session_js(path: str) -> tuple[str, str]:
 
 def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
                   history: StatsHistory | None = None, path: str = CONSOLE_PATH,
-                  sessions: SessionStore | None = None) -> gr.Blocks:
+                  sessions: ConsoleSessions | None = None) -> gr.Blocks:
     """The console's ``gr.Blocks`` over ``ctx`` for mounting at ``path`` (stats plots keep ``history``,
-    default: the last 5 minutes; sign-ins survive page reloads through ``sessions``)."""
+    default: the last 5 minutes; ``sessions``: the console sessions the gate checks, see
+    :func:`mount_console`)."""
     history = history or StatsHistory(window_s=300.0, min_interval_s=min(1.0, refresh_s))
-    sessions = sessions or SessionStore()
+    sessions = ConsoleSessions(ctx) if sessions is None else sessions
     sign_in_js, sign_out_js = _session_js(path)
     # Uploaded files wait in Gradio's cache: delete them once older than console_file_lifetime_s
     # (checked every half of it, so none lives longer than 1.5 times it).
@@ -123,8 +137,6 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
     with gr.Blocks(title="loraplex console", analytics_enabled=False,
                    delete_cache=(max(1, lifetime_s // 2), lifetime_s)) as blocks:
         state = gr.State(None)
-        # The sign-in token of this browser (see session.SessionStore), kept across page reloads.
-        browser_token = gr.BrowserState(None, storage_key="loraplex-console-session")
         gr.Markdown("## loraplex console")
         with gr.Column(visible=True, elem_id="login-panel") as login_panel:
             key = gr.Textbox(label="Admin key or tenant API key", type="password", elem_id="login-key",
@@ -146,20 +158,24 @@ def build_console(ctx: PlatformContext, *, refresh_s: float = REFRESH_S,
         outputs = [state, login_panel, main_panel, whoami, key, tenants.tab, stats.tab, usage.tab, tabs, stats.timer,
                    adapters.tenant, playground.tenant, login_message]
         first_view = [tenants.table, tenants.selected, tenants.message]
+
+        def on_sign_in(typed_key: str | None, request: gr.Request):
+            return with_error_message(len(outputs), sign_in_with_session, ctx, sessions, typed_key,
+                                      request.cookies.get(COOKIE))
+
+        def on_load(request: gr.Request):
+            return resume(ctx, sessions, request.cookies.get(COOKIE))
+
         for event in (login_btn.click, key.submit):
-            signed_in = on(event, ctx, sign_in, [key], outputs, js=sign_in_js)
-            signed_in.success(lambda session: sessions.issue(session) if session else None, [state], [browser_token],
-                              api_visibility="private")
+            signed_in = event(on_sign_in, inputs=[key], outputs=outputs, js=sign_in_js, api_visibility="private")
             on(signed_in.then, ctx, after_sign_in, [state], first_view)
-        resumed = blocks.load(lambda token: resume(ctx, sessions, token), [browser_token], [*outputs, browser_token],
-                              api_visibility="private", show_progress="hidden")
+        resumed = blocks.load(on_load, None, outputs, api_visibility="private", show_progress="hidden")
         on(resumed.then, ctx, after_sign_in, [state], first_view)
         on(adapters.tab.select, ctx, tenant_choices_for, [state, adapters.tenant], [adapters.tenant, adapters.message],
            show_progress="hidden")
         on(playground.tab.select, ctx, tenant_choices_for, [state, playground.tenant],
            [playground.tenant, playground.status], show_progress="hidden")
-        logout_btn.click(lambda token: sessions.end(token), [browser_token], [browser_token],
-                         api_visibility="private").then(None, js=sign_out_js)  # closes the gate's session, reloads
+        logout_btn.click(None, js=sign_out_js)  # ends the console session (DELETE {path}/session), reloads
     blocks.queue(default_concurrency_limit=16)
     return blocks
 
@@ -173,8 +189,8 @@ def mount_console(app: FastAPI, *, path: str = CONSOLE_PATH, ctx: PlatformContex
     (``gate.py``). Returns ``app``.
     """
     ctx = ctx or app.state.ctx
-    install_gate(app, ctx, path=path)
-    blocks = build_console(ctx, refresh_s=refresh_s, path=path)
+    sessions = install_gate(app, ctx, path=path)
+    blocks = build_console(ctx, refresh_s=refresh_s, path=path, sessions=sessions)
     return gr.mount_gradio_app(app, blocks, path=path, theme=console_theme(), css=CSS, ssr_mode=False,
                                footer_links=[], show_error=True, mcp_server=False,
                                max_file_size=int(ctx.settings.max_upload_mb * MB))

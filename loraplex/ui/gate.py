@@ -12,16 +12,12 @@ no valid console-session cookie, except the few the sign-in page itself needs
 (:data:`OPEN_BEFORE_SIGN_IN`: the event queue, whose callbacks check the session themselves).
 Bodies are capped: uploads at the server's upload limit, everything else at the JSON limit
 (413). The key behind a cookie is checked again on every use, so a revoked key or deleted
-tenant loses its console session at once; sessions expire after :data:`SESSION_LIFETIME_S`.
+tenant loses its console session at once. The sessions are ``session.ConsoleSessions`` (one
+store, shared with the page, which resumes a session from the same cookie after a reload).
 Files Gradio stores are deleted after ``settings.console_file_lifetime_s``.
 """
 
 from __future__ import annotations
-
-import secrets
-import threading
-import time
-from collections.abc import Callable
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -36,62 +32,13 @@ from loraplex.platform.api.guards import (
     send_error,
 )
 from loraplex.platform.context import PlatformContext
-from loraplex.platform.errors import PlatformError, Unauthenticated
-from loraplex.ui.session import ConsoleSession, check, login
+from loraplex.platform.errors import PlatformError
+from loraplex.ui.session import COOKIE, ConsoleSessions
 
-COOKIE = "loraplex_console"
-SESSION_LIFETIME_S = 8 * 3600
-MAX_SESSIONS = 10_000
 OPEN_BEFORE_SIGN_IN = ("/gradio_api/queue/join", "/gradio_api/cancel", "/gradio_api/reset")
 """Gradio endpoints (below the console path) the sign-in page posts to before a session exists."""
 UPLOAD_PATHS = ("/gradio_api/upload", "/gradio_api/process_recording")
 _BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
-
-
-class ConsoleSessions:
-    """Console-session tokens -> the :class:`ConsoleSession` that opened them (in memory;
-    thread-safe). A token is 256 random bits; at most ``max_sessions`` live at once."""
-
-    def __init__(self, ctx: PlatformContext, *, lifetime_s: float = SESSION_LIFETIME_S,
-                 max_sessions: int = MAX_SESSIONS, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ctx = ctx
-        self.lifetime_s = lifetime_s
-        self.max_sessions = max_sessions
-        self._clock = clock
-        self._sessions: dict[str, tuple[ConsoleSession, float]] = {}
-        self._lock = threading.Lock()
-
-    def open(self, key: str | None) -> str:
-        """A new token for ``key``. Raises ``Unauthenticated`` for a wrong key."""
-        session = login(self.ctx, key)
-        token = secrets.token_urlsafe(32)
-        with self._lock:
-            now = self._clock()
-            for old in [t for t, (_, expires) in self._sessions.items() if expires <= now]:
-                del self._sessions[old]
-            if len(self._sessions) >= self.max_sessions:  # drop the oldest
-                del self._sessions[min(self._sessions, key=lambda t: self._sessions[t][1])]
-            self._sessions[token] = (session, now + self.lifetime_s)
-        return token
-
-    def close(self, token: str | None) -> None:
-        with self._lock:
-            self._sessions.pop(token or "", None)
-
-    def check(self, token: str | None) -> ConsoleSession:
-        """The live session of ``token``, its key checked again. Raises ``Unauthenticated``."""
-        with self._lock:
-            found = self._sessions.get(token or "")
-            if found is not None and found[1] <= self._clock():
-                del self._sessions[token]
-                found = None
-        if found is None:
-            raise Unauthenticated("Sign in to the console first.")
-        try:
-            return check(self.ctx, found[0])
-        except Unauthenticated:
-            self.close(token)
-            raise
 
 
 def session_router(sessions: ConsoleSessions, path: str) -> APIRouter:
@@ -146,7 +93,7 @@ class ConsoleGate:
         inner = path[len(self.path):].rstrip("/")
         try:
             if inner not in OPEN_BEFORE_SIGN_IN:
-                await run_in_threadpool(self.sessions.check, _cookie(scope))
+                await run_in_threadpool(self.sessions.resume, _cookie(scope))
         except PlatformError as exc:
             await send_error(exc, scope, receive, send)
             return
@@ -162,13 +109,15 @@ class ConsoleGate:
         await self.app(scope, counting_receive(receive, limit, what), send)
 
 
-def install_gate(app: FastAPI, ctx: PlatformContext, *, path: str) -> ConsoleSessions:
+def install_gate(app: FastAPI, ctx: PlatformContext, *, path: str,
+                 sessions: ConsoleSessions | None = None) -> ConsoleSessions:
     """Add the session routes and :class:`ConsoleGate` for the console mounted at ``path``
-    (call before mounting it, so ``{path}/session`` is matched first)."""
+    (call before mounting it, so ``{path}/session`` is matched first). Returns the sessions
+    (``sessions``, default a new :class:`ConsoleSessions`), which the console's page shares."""
     from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES
     from loraplex.platform.services.adapters import MB
 
-    sessions = ConsoleSessions(ctx)
+    sessions = ConsoleSessions(ctx) if sessions is None else sessions
     app.include_router(session_router(sessions, path))
     app.add_middleware(ConsoleGate, sessions=sessions, path=path,
                        max_json_body_bytes=int(ctx.settings.max_json_body_mb * MB),

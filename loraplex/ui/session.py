@@ -6,9 +6,10 @@ through the platform's own authentication services, so a revoked key or a
 deleted tenant loses access at its next click.
 
 A page reload keeps the session for its lifetime (``SESSION_LIFETIME_S``, or until
-"Sign out"): :class:`SessionStore` hands out a random token per sign-in, which the
-browser keeps (``gr.BrowserState``, encrypted in localStorage); the key itself
-never leaves the server. Tokens live in the server's memory: a restart signs everyone out.
+"Sign out"): :class:`ConsoleSessions` (the one owner of console sessions) hands out a
+random token per sign-in, which the browser keeps only as an HttpOnly cookie; the key
+itself never leaves the server. The same token opens Gradio's data endpoints (``gate.py``).
+Tokens live in the server's memory: a restart signs everyone out.
 """
 
 from __future__ import annotations
@@ -89,38 +90,57 @@ def acting_tenant(ctx: PlatformContext, session: ConsoleSession | None, tenant_n
     return tenant_service.authenticate_tenant(ctx=ctx, token=session.key)
 
 
-SESSION_LIFETIME_S = 12 * 3600.0
-"""How long a console sign-in survives page reloads (the key is still checked at every click)."""
+SESSION_LIFETIME_S = 8 * 3600.0
+"""How long a console sign-in lasts (the key is still checked at every click)."""
+MAX_SESSIONS = 10_000
+COOKIE = "loraplex_console"
+"""The cookie that carries a console-session token (HttpOnly, SameSite=Strict, path = the console's)."""
 
 
-class SessionStore:
-    """Console sessions by token, each valid ``lifetime_s`` after sign-in (``clock``: seconds)."""
+class ConsoleSessions:
+    """The console's sessions, the one owner of them: token -> the :class:`ConsoleSession` that
+    opened it, valid ``lifetime_s`` after sign-in (``clock``: seconds). A token is 256 random bits
+    (43 URL-safe characters) that the browser holds only as the HttpOnly cookie :data:`COOKIE`; the
+    gate (``gate.py``) checks it before Gradio reads a body, the page checks it when it loads (a
+    reload stays signed in). At most ``max_sessions`` live at once (the oldest goes). In memory and
+    thread-safe: a restart signs everyone out."""
 
-    def __init__(self, lifetime_s: float = SESSION_LIFETIME_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ctx: PlatformContext, *, lifetime_s: float = SESSION_LIFETIME_S,
+                 max_sessions: int = MAX_SESSIONS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ctx = ctx
         self.lifetime_s = lifetime_s
+        self.max_sessions = max_sessions
         self._clock = clock
         self._sessions: dict[str, tuple[ConsoleSession, float]] = {}
         self._lock = threading.Lock()
 
-    def issue(self, session: ConsoleSession) -> str:
-        """A new token (43 URL-safe characters) for ``session``."""
+    def open(self, key: str | None) -> str:
+        """A new token for ``key`` (:func:`login`). Raises ``Unauthenticated`` for a wrong key."""
+        session = login(self.ctx, key)
         token = secrets.token_urlsafe(32)
         with self._lock:
             self._drop_expired()
+            if len(self._sessions) >= self.max_sessions:  # drop the oldest
+                del self._sessions[min(self._sessions, key=lambda t: self._sessions[t][1])]
             self._sessions[token] = (session, self._clock() + self.lifetime_s)
         return token
 
-    def resume(self, token: str | None) -> ConsoleSession | None:
-        """The session of ``token``; None for an unknown, ended or expired token."""
-        if not isinstance(token, str):
-            return None
+    def resume(self, token: str | None) -> ConsoleSession:
+        """The live session of ``token``, its key checked again (:func:`check`). Raises
+        ``Unauthenticated`` for an unknown, ended or expired token or a revoked key (then ended)."""
         with self._lock:
             self._drop_expired()
-            entry = self._sessions.get(token)
-        return entry[0] if entry else None
+            found = self._sessions.get(token) if isinstance(token, str) else None
+        if found is None:
+            raise Unauthenticated("Sign in to the console first.")
+        try:
+            return check(self.ctx, found[0])
+        except Unauthenticated:
+            self.close(token)
+            raise
 
-    def end(self, token: str | None) -> None:
-        """Forget ``token`` (sign out)."""
+    def close(self, token: str | None) -> None:
+        """End ``token``'s session (sign out); unknown tokens are ignored."""
         with self._lock:
             self._sessions.pop(token or "", None)
 

@@ -10,7 +10,6 @@ the lookup cache's counters, as ``GET /admin/stats`` returns them.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
@@ -20,9 +19,8 @@ from dataclasses import dataclass
 import gradio as gr
 import pandas as pd
 
-from loraplex.platform import crud
 from loraplex.platform.context import PlatformContext
-from loraplex.platform.services.stats import engine_stats
+from loraplex.platform.services.stats import AdapterLabel, adapter_labels, engine_stats
 from loraplex.ui.session import ConsoleSession, require_admin
 from loraplex.ui.wiring import on, with_error_message
 
@@ -35,7 +33,6 @@ THROUGHPUT_SERIES = {"tokens_per_s": "tokens/s"}
 TENANT_COLUMNS = ["tenant", "weight", "waiting", "running", "prompt tokens served", "output tokens served",
                   "virtual counter", "share of tokens"]
 _TENANT_TOKENS = "tenant_tokens:"  # history key prefix: tokens served to a tenant (prompt + output)
-_ENGINE_LORA_NAME = re.compile(r"^(\d+)/(.+)@(\d+)$")  # services.adapters.resolve_adapter's lora_name
 
 
 class StatsHistory:
@@ -92,14 +89,13 @@ class StatsHistory:
         return len(self._samples)
 
 
-def display_lora_name(lora_name: str | None, tenant_names: dict[int, str]) -> str:
-    """``"3/support@2"`` -> ``"acme/support v2"`` when tenant 3 is acme; unchanged otherwise."""
+def display_lora_name(lora_name: str | None, labels: dict[str, AdapterLabel]) -> str:
+    """The adapter's label (``"acme/support v2"``, from ``services.stats.adapter_labels``); an engine
+    name the registry does not know (deleted since) is shown as the engine has it."""
     if not lora_name:
         return ""
-    match = _ENGINE_LORA_NAME.match(lora_name)
-    if match is None or int(match.group(1)) not in tenant_names:
-        return lora_name
-    return f"{tenant_names[int(match.group(1))]}/{match.group(2)} v{match.group(3)}"
+    label = labels.get(lora_name)
+    return str(label) if label is not None else lora_name
 
 
 def summary_text(stats: dict | None, cache: dict) -> str:
@@ -126,13 +122,13 @@ def summary_text(stats: dict | None, cache: dict) -> str:
     return "\n\n".join(lines)
 
 
-def slot_tables(stats: dict | None, tenant_names: dict[int, str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def slot_tables(stats: dict | None, labels: dict[str, AdapterLabel]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(GPU slots, CPU cache in LRU order) tables."""
     lora = (stats or {}).get("lora") or {}
-    slots = pd.DataFrame([[s["slot"], display_lora_name(s["lora_name"], tenant_names) or "(empty)",
+    slots = pd.DataFrame([[s["slot"], display_lora_name(s["lora_name"], labels) or "(empty)",
                            s["lora_int_id"] if s["lora_int_id"] is not None else "", s["pin_count"]]
                           for s in lora.get("slots", [])], columns=SLOT_COLUMNS)
-    cpu = pd.DataFrame([[i + 1, display_lora_name(n, tenant_names)] for i, n in enumerate(lora.get("cpu_cache_lru", []))],
+    cpu = pd.DataFrame([[i + 1, display_lora_name(n, labels)] for i, n in enumerate(lora.get("cpu_cache_lru", []))],
                        columns=CPU_COLUMNS)
     return slots, cpu
 
@@ -156,8 +152,8 @@ def stats_view(ctx: PlatformContext, session: ConsoleSession | None, history: St
     stats = engine_stats(ctx)
     history.observe(stats)
     with ctx.sessions() as db:
-        tenant_names = {t.id: t.name for t in crud.list_tenants(session=db)}
-    slots, cpu = slot_tables(stats, tenant_names)
+        labels = adapter_labels(session=db)
+    slots, cpu = slot_tables(stats, labels)
     return (summary_text(stats, ctx.cache.stats()), slots, cpu, history.frame(KV_SERIES),
             history.frame(QUEUE_SERIES), history.frame(THROUGHPUT_SERIES), "")
 

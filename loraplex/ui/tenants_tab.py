@@ -15,10 +15,9 @@ import pandas as pd
 
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import InvalidRequest
-from loraplex.platform.models import utcnow
 from loraplex.platform.schemas import TenantCreate, TenantUpdate
+from loraplex.platform.services import stats as stats_service
 from loraplex.platform.services import tenants as tenant_service
-from loraplex.ui import services
 from loraplex.ui.format import format_limit, format_number, format_time, ok_text
 from loraplex.ui.session import ConsoleSession, require_admin
 from loraplex.ui.wiring import on
@@ -42,8 +41,8 @@ def tenants_table(ctx: PlatformContext, session: ConsoleSession | None, now: dt.
     require_admin(ctx, session)
     with ctx.sessions() as db:
         tenants = tenant_service.list_tenants(session=db)
-        recent = services.usage_since(session=db, since=usage_window_start(now or utcnow()))
-        total = services.usage_total(session=db)
+        recent = stats_service.usage_by_tenant(session=db, since=usage_window_start(now or dt.datetime.now(dt.UTC)))
+        total = stats_service.usage_by_tenant(session=db)
     rows = []
     for t in tenants:
         r, a = recent[t.name], total[t.name]
@@ -153,7 +152,7 @@ def disable_tenant(ctx: PlatformContext, session: ConsoleSession | None, name: s
     require_admin(ctx, session)
     name = _selected(name)
     with ctx.sessions() as db:
-        count = services.disable_tenant(session=db, ctx=ctx, name=name)
+        count = tenant_service.disable_tenant(session=db, ctx=ctx, name=name)
     keys, key_ids = keys_view(ctx, session, name)
     return tenants_table(ctx, session), keys, key_ids, ok_text(
         f"`{name}` disabled: {count} key(s) revoked; create a key to enable it again")

@@ -10,9 +10,8 @@ import pandas as pd
 
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import Unauthenticated
-from loraplex.platform.models import utcnow
+from loraplex.platform.services import stats as stats_service
 from loraplex.platform.services import tenants as tenant_service
-from loraplex.ui import services
 from loraplex.ui.format import format_limit, format_number
 from loraplex.ui.session import ConsoleSession, check
 from loraplex.ui.tenants_tab import USAGE_NOTE, usage_window_start
@@ -29,8 +28,8 @@ def own_usage(ctx: PlatformContext, session: ConsoleSession | None, now: dt.date
     name = session.tenant_name
     with ctx.sessions() as db:
         tenant = tenant_service.get_tenant(session=db, name=name)
-        recent = services.usage_since(session=db, since=usage_window_start(now or utcnow()))[name]
-        total = services.usage_total(session=db)[name]
+        recent = stats_service.usage_by_tenant(session=db, since=usage_window_start(now or dt.datetime.now(dt.UTC)))[name]
+        total = stats_service.usage_by_tenant(session=db)[name]
     rows = [[period, u.requests, u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens]
             for period, u in (("last 24 h", recent), ("all time", total))]
     limits = (f"**{name}** — limits: {format_limit(tenant.requests_per_minute)} requests/min, "

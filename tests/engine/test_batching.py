@@ -73,7 +73,7 @@ def test_too_long_prompt_rejected_engine_keeps_serving(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=32, block_size=4, num_kv_blocks=64)
     good = random_prompts(tiny_llama_dir, 2, seed=4, max_len=10)
     llm.engine.add_request("ok-1", good[0], GREEDY)
-    with pytest.raises(PromptTooLongError, match="max_model_len is 32"):
+    with pytest.raises(PromptTooLongError, match="maximum context length is 32 tokens"):
         llm.engine.add_request("too-long", list(range(5, 45)), GREEDY)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         llm.engine.add_request("bad-token", [10**7], GREEDY)

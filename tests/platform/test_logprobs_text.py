@@ -100,10 +100,12 @@ def _run_engine_side(tokenizer, prompt_ids, ids, params, eos):
 
 
 def _prep(kind, tokenizer, prompt_ids, params, top, echo):
+    from loraplex.engine.input_processor import ProcessedPrompt
     from loraplex.platform.services.openai_format import token_text
     from loraplex.platform.services.serving import PreparedRequest
 
-    return PreparedRequest(kind, "id", 0, "m", "m", None, [prompt_ids], params, None, True, False, top,
+    prompt = ProcessedPrompt(None, list(prompt_ids), params.max_tokens or 1)
+    return PreparedRequest(kind, "id", 0, "m", "m", None, [prompt], params, None, True, False, top,
                            token_text(tokenizer), echo=echo)
 
 

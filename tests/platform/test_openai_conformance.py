@@ -131,7 +131,7 @@ def test_special_token_text_in_content_stays_text(live, client, tokenizer):
     messages = [{"role": "user", "content": INJECTION}]
     body = ChatCompletionRequest(model="tiny", messages=messages)
     prep = serving.prepare_chat(ctx=live.ctx, tenant=_tenant(live), body=body)
-    ids = prep.prompts[0]
+    ids = prep.prompts[0].token_ids
     specials = set(tokenizer.all_special_ids)
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert [t for t in ids if t in specials] == [start, end, start]
@@ -142,7 +142,7 @@ def test_special_token_text_in_content_stays_text(live, client, tokenizer):
     plain = [{"role": "user", "content": "hi there"}]
     out = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
     assert serving.prepare_chat(ctx=live.ctx, tenant=_tenant(live), body=ChatCompletionRequest(
-        model="tiny", messages=plain)).prompts[0] == list(out["input_ids"] if hasattr(out, "keys") else out)
+        model="tiny", messages=plain)).prompts[0].token_ids == list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def test_the_old_behaviour_is_a_server_setting(serve, tokenizer):
@@ -155,9 +155,9 @@ def test_the_old_behaviour_is_a_server_setting(serve, tokenizer):
     prep = serving.prepare_chat(ctx=live.ctx, tenant=_tenant(live), body=ChatCompletionRequest(
         model="tiny", messages=messages))
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert prep.prompts[0] == list(out["input_ids"] if hasattr(out, "keys") else out)
+    assert prep.prompts[0].token_ids == list(out["input_ids"] if hasattr(out, "keys") else out)
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    assert [t for t in prep.prompts[0] if t in (start, end)] == [start, end, start, end, start]
+    assert [t for t in prep.prompts[0].token_ids if t in (start, end)] == [start, end, start, end, start]
 
 
 def _tenant(live):

@@ -480,10 +480,25 @@ def test_stats_view_without_engine_stats(ctx):
     assert all(o == gr.skip() for o in stats_tab.tick(ctx, None, StatsHistory()))
 
 
-def test_display_lora_name():
-    assert stats_tab.display_lora_name("3/support@2", {3: "acme"}) == "acme/support v2"
-    assert stats_tab.display_lora_name("4/support@2", {3: "acme"}) == "4/support@2"
-    assert stats_tab.display_lora_name(None, {}) == ""
+def test_adapter_names_travel_as_data(ctx, peft_files):
+    """Issue 22.1: the console shows the registry's labels for engine adapter names, never parses them."""
+    from loraplex.platform.services.stats import AdapterLabel, adapter_labels
+
+    add_tenant(ctx, "acme")
+    upload(ctx, "acme", "shouty", peft_files)
+    upload(ctx, "acme", "shouty", peft_files)
+    route = adapter_service.resolve_adapter(ctx=ctx, tenant_id=_tenant_id(ctx, "acme"), name="shouty")
+    with ctx.sessions() as db:
+        labels = adapter_labels(session=db)
+    assert labels[route.lora_name] == AdapterLabel("acme", "shouty", 2)
+    assert stats_tab.display_lora_name(route.lora_name, labels) == "acme/shouty v2"
+    assert stats_tab.display_lora_name("9/gone@1", labels) == "9/gone@1"  # deleted since: the engine's name
+    assert stats_tab.display_lora_name(None, labels) == ""
+
+
+def _tenant_id(ctx, name: str) -> int:
+    with ctx.sessions() as db:
+        return tenant_service.tenant_context(session=db, name=name).tenant_id
 
 
 def test_console_events_are_not_a_public_api(ctx):
@@ -565,31 +580,37 @@ def test_per_tenant_service_table_and_rate_plot():
 
 
 def test_a_reload_resumes_the_session_until_it_expires_or_its_key_is_revoked(ctx):
-    """Issue 15: a page reload signed the user out. The browser keeps a token; the server maps it
-    to the session for ``lifetime_s`` (injected clock) and checks the key again on resume."""
-    from loraplex.ui.console import resume
-    from loraplex.ui.session import SessionStore
+    """Issue 15: a page reload signed the user out. Issue 22.1: one owner of console sessions: the
+    token of the gate's cookie is what the page resumes, for ``lifetime_s`` (injected clock), its key
+    checked again."""
+    from loraplex.ui.console import resume, sign_in_with_session
+    from loraplex.ui.session import ConsoleSessions
 
     now_s = [0.0]
-    sessions = SessionStore(lifetime_s=100.0, clock=lambda: now_s[0])
+    sessions = ConsoleSessions(ctx, lifetime_s=100.0, clock=lambda: now_s[0])
     key = add_tenant(ctx, "acme")
-    token = sessions.issue(login(ctx, key))
+    token = sessions.open(key)
     assert len(token) == 43 and len(sessions) == 1
-    session, *_, kept = resume(ctx, sessions, token)
-    assert (session.tenant_name, kept) == ("acme", token)
-    assert resume(ctx, sessions, "forged")[-1] is None and resume(ctx, sessions, None)[-1] is None
+    assert sign_in_with_session(ctx, sessions, key, token)[0].tenant_name == "acme"
+    with pytest.raises(Unauthenticated, match="allow cookies"):  # the key is right but no session came back
+        sign_in_with_session(ctx, sessions, key, None)
+    with pytest.raises(Unauthenticated, match="Incorrect API key provided"):
+        sign_in_with_session(ctx, sessions, "lpx-wrong", token)  # the service's message for a wrong key
+    assert resume(ctx, sessions, token)[0].tenant_name == "acme"
+    skipped = resume(ctx, sessions, "forged")
+    assert len(skipped) == 13 and all(o == gr.skip() for o in skipped)
+    assert resume(ctx, sessions, None) == skipped
     now_s[0] = 99.0
     assert resume(ctx, sessions, token)[0].tenant_name == "acme"
     now_s[0] = 100.0  # lifetime over
-    assert resume(ctx, sessions, token)[-1] is None and len(sessions) == 0
+    assert resume(ctx, sessions, token) == skipped and len(sessions) == 0
     # a revoked key ends the session at the next reload too
-    token = sessions.issue(login(ctx, key))
+    token = sessions.open(key)
     with ctx.sessions() as db:
         key_id = tenant_service.list_api_keys(session=db, tenant_name="acme")[0].id
         tenant_service.revoke_api_key(session=db, ctx=ctx, tenant_name="acme", key_id=key_id)
-    outputs = resume(ctx, sessions, token)
-    assert outputs[-1] is None and all(o == gr.skip() for o in outputs[:-1]) and len(sessions) == 0
-    sessions.end(token)  # signing out twice is harmless
+    assert resume(ctx, sessions, token) == skipped and len(sessions) == 0
+    sessions.close(token)  # signing out twice is harmless
 
 
 def test_upload_errors_use_the_forms_words(ctx, tmp_path):

@@ -30,6 +30,7 @@ import os
 import re
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -128,6 +129,54 @@ def validate_upload(*, ctx: PlatformContext, tenant: TenantContext, name: str,
         return _validate(ctx, tenant, staging, staged)
     finally:
         remove_tree(staging)
+
+
+@dataclass(frozen=True)
+class UploadPreview:
+    """What an upload would store: the validated adapter, the live version it would supersede
+    (None when the name is new), the base model and the largest rank served."""
+
+    name: str
+    info: AdapterInfo
+    replaces_version: int | None
+    base_model: str | None
+    max_lora_rank: int
+
+
+def preview_upload(*, session: Session, ctx: PlatformContext, tenant: TenantContext, name: str,
+                   parts: list[UploadPart]) -> UploadPreview:
+    """:func:`validate_upload` plus the live version the upload would supersede (the console's
+    preview). Raises what :func:`upload_adapter` raises for its checks."""
+    info = validate_upload(ctx=ctx, tenant=tenant, name=name, parts=parts)
+    adapter = crud.get_adapter(session=session, tenant_id=tenant.tenant_id, name=name)
+    live = crud.live_version(session=session, adapter_id=adapter.id) if adapter else None
+    return UploadPreview(name=name, info=info, replaces_version=live.version if live else None,
+                         base_model=ctx.model_id, max_lora_rank=ctx.max_lora_rank)
+
+
+PRELOAD_TIMEOUT_S = 60.0
+
+
+def preload_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> bool:
+    """Register the live version of the tenant's adapter in the engine (read from disk into the
+    host-memory cache; ``AsyncEngine.preload_lora``), so its first request does not wait for the disk.
+
+    Returns False when no engine with LoRA is running. Raises ``ModelNotFound`` for an unknown
+    adapter, the engine's ``AdapterError`` for one it cannot load, ``TimeoutError`` after
+    ``PRELOAD_TIMEOUT_S``.
+    """
+    route = resolve_adapter(ctx=ctx, tenant_id=tenant_id, name=name)
+    engine = ctx.engine
+    if engine is None or not engine.is_running or not engine.lora_enabled:
+        return False
+    engine.preload_lora(lora_request(route)).result(PRELOAD_TIMEOUT_S)
+    return True
+
+
+def engine_lora_name(tenant_id: int, name: str, version: int) -> str:
+    """The engine's ``lora_name`` of a stored adapter version (unique across tenants); the
+    console shows ``services.stats.adapter_labels`` instead of parsing it."""
+    return f"{tenant_id}/{name}@{version}"
 
 
 def _check_ready(ctx: PlatformContext, name: str) -> None:
@@ -270,7 +319,7 @@ def resolve_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> Adapt
                 return None
             return AdapterRoute(
                 name=name, version=version.version, lora_int_id=version.id,
-                lora_name=f"{tenant_id}/{name}@{version.version}",
+                lora_name=engine_lora_name(tenant_id, name, version.version),
                 lora_path=str((ctx.settings.adapters_dir / version.content_hash).resolve()),
                 created_at=version.created_at, status=version.status).model_dump(mode="json")
 

@@ -43,7 +43,7 @@ from typing import Literal
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
+from loraplex.engine.input_processor import InvalidRequestError
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform import crud
@@ -53,6 +53,7 @@ from loraplex.platform.errors import Conflict, InvalidRequest, PayloadTooLarge, 
 from loraplex.platform.models import AdapterEvaluation
 from loraplex.platform.schemas import AdapterRoute, EvaluationPublic, TenantContext
 from loraplex.platform.services import adapters as adapter_service
+from loraplex.platform.services import input_errors
 from loraplex.platform.settings import Settings
 
 Task = Literal["multiple_choice", "generation"]
@@ -346,8 +347,8 @@ class _Scorer:
             try:
                 async for output in self.ctx.engine.generate(request_id, token_ids, params, lora):
                     final = output
-            except (InvalidRequestError, PromptTooLongError) as exc:
-                raise InvalidRequest(str(exc), param="file") from None
+            except InvalidRequestError as exc:
+                raise input_errors.request_error(exc, prompt_param="file") from None
         if final is None or final.error:
             raise ServiceUnavailable(f"evaluation request on {lora.lora_name if lora else 'the base model'} "
                                      f"failed: {final.error if final else 'no output'}")

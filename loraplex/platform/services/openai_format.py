@@ -182,7 +182,7 @@ class OpenAIFormatter:
 
     def _prompt(self, prompt_index: int) -> tuple[str, list[TokenPiece]]:
         if prompt_index not in self._prompt_cache:
-            ids = self.prep.prompts[prompt_index]
+            ids = self.prep.prompts[prompt_index].token_ids
             text, ends = prompt_text_ends(self.tokens.tokenizer, ids, skip_special_tokens=False)
             pieces = TokenTextSplitter().advance(text, ends, self.tokens.raws(ids, False), finished=True)
             self._prompt_cache[prompt_index] = text, pieces
@@ -192,7 +192,7 @@ class OpenAIFormatter:
         text, pieces = self._prompt(prompt_index)
         if self.prep.top_logprobs is None:
             return text, None
-        ids = self.prep.prompts[prompt_index]
+        ids = self.prep.prompts[prompt_index].token_ids
         plps = output.prompt_logprobs or [None] * len(ids)
         entries = []
         for token_id, piece, top in zip(ids, pieces, plps):

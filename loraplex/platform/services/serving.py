@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from loraplex.adapters import AdapterConflictError, AdapterError, UnknownAdapterError
 from loraplex.engine.fairness import TenantShare
-from loraplex.engine.llm_engine import InvalidRequestError, PromptTooLongError
+from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -40,7 +40,6 @@ from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, Requ
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import (
     AdapterBroken,
-    ContextLengthExceeded,
     InternalError,
     InvalidRequest,
     PlatformError,
@@ -59,7 +58,7 @@ from loraplex.platform.openai_schemas import (
     Usage,
 )
 from loraplex.platform.schemas import TenantContext
-from loraplex.platform.services import structured, tool_calls  # structured output / tool calling hooks
+from loraplex.platform.services import input_errors, structured, tool_calls  # structured output / tool calling hooks
 from loraplex.platform.services.adapters import lora_request, mark_broken, servable_route
 from loraplex.platform.services.chat_prompt import chat_prompt_ids
 from loraplex.platform.services.openai_format import ChoiceProgress, OpenAIFormatter, TokenText, token_text
@@ -78,7 +77,7 @@ class PreparedRequest:
     model: str
     adapter_label: str
     tenant: TenantContext
-    prompts: list[list[int]]
+    prompts: list[ProcessedPrompt]
     params: SamplingParams
     lora: LoRARequest | None
     stream: bool
@@ -113,8 +112,8 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
     params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                               prompt_logprobs=_max_or_none(body.prompt_logprobs, echo_logprobs))
     params = structured.constrain(engine.engine, params, *structured.requested_constraint(body))  # hook
-    prompts = _completion_prompts(engine, body.prompt, ctx.settings.max_prompts_per_request)
-    _check_lengths(ctx.max_model_len, prompts, body.max_tokens, "prompt")
+    prompts = _processed(engine, _completion_prompts(body.prompt, ctx.settings.max_prompts_per_request), params,
+                         "prompt")
     return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
                            prompts, params, lora, body.stream, _include_usage(body), body.logprobs,
                            token_text(engine.tokenizer), echo=body.echo, prompt_logprobs=body.prompt_logprobs)
@@ -133,9 +132,9 @@ def prepare_chat(*, ctx: PlatformContext, tenant: TenantContext, body: ChatCompl
     tools = tool_calls.ToolPlan.from_request(body)  # tool calling hook
     params = structured.constrain(engine.engine, params, *structured.chat_constraint(body, tools))  # hook
     prompt = _chat_prompt(engine, body, literal_content=not ctx.settings.chat_content_special_tokens)
-    _check_lengths(ctx.max_model_len, [prompt], max_tokens, "messages")
+    prompts = _processed(engine, [prompt], params, "messages")
     return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
-                           [prompt], params, lora, body.stream, _include_usage(body), top,
+                           prompts, params, lora, body.stream, _include_usage(body), top,
                            token_text(engine.tokenizer), prompt_logprobs=body.prompt_logprobs, tools=tools)
 
 
@@ -180,46 +179,30 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tok
         raise InvalidRequest(message, param=param) from None
 
 
-def _completion_prompts(engine: AsyncEngine, prompt: str | list, max_prompts: int) -> list[list[int]]:
-    if isinstance(prompt, str):
+def _completion_prompts(prompt: str | list, max_prompts: int) -> list[str | list[int]]:
+    """The prompts of a completion request: one text, one token-id list (``[]`` included), or a list of them."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
         items: list = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        items = [prompt]
     else:
         items = list(prompt)
-    if not items:
-        raise InvalidRequest("prompt: must not be empty", param="prompt")
     if len(items) > max_prompts:
         raise InvalidRequest(f"prompt: {len(items)} prompts in one request; at most {max_prompts} "
                              "(max_prompts_per_request)", param="prompt", code="too_many_prompts")
-    return [_tokens(engine, p) for p in items]
+    return items
 
 
-def _tokens(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
-    ids = engine.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise InvalidRequest("prompt: is empty after tokenization", param="prompt")
-    vocab = len(engine.tokenizer)
-    bad = [t for t in ids if not 0 <= t < max(vocab, engine.engine.spec.vocab_size)]
-    if bad:
-        raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
-    return ids
+def _processed(engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams,
+               param: str) -> list[ProcessedPrompt]:
+    """Each prompt through the engine's input processing (its one validation), refusals as 400s."""
+    try:
+        return [engine.engine.input_processor.process(p, params) for p in prompts]
+    except InvalidRequestError as exc:
+        raise input_errors.request_error(exc, prompt_param=param) from None
 
 
 def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest, *, literal_content: bool) -> list[int]:
     messages, template_kwargs = tool_calls.chat_template_inputs(engine.tokenizer, body)  # tool calling hook
     return chat_prompt_ids(engine.tokenizer, messages, literal_content=literal_content, **template_kwargs)
-
-
-def _check_lengths(max_model_len: int, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
-    for ids in prompts:
-        wanted = len(ids) + (max_tokens or 1)
-        if len(ids) >= max_model_len or wanted > max_model_len:
-            asked = f"{len(ids)} in the prompt" + (f", {max_tokens} in the completion" if max_tokens else "")
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_model_len} tokens (max_model_len). "
-                f"However, you requested {wanted} tokens ({asked}). Please reduce the length of the prompt "
-                "or the completion.", param=param)
 
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -233,7 +216,7 @@ async def start(ctx: PlatformContext, prep: PreparedRequest) -> list[RequestStre
     prep.admission = ctx.limiter.admit(
         tenant_id=prep.tenant.tenant_id, requests_per_minute=prep.tenant.requests_per_minute,
         tokens_per_minute=prep.tenant.tokens_per_minute, completions=len(prep.prompts) * n,
-        tokens=reserved_tokens([len(p) for p in prep.prompts], n=n, max_tokens=prep.params.max_tokens,
+        tokens=reserved_tokens([len(p.token_ids) for p in prep.prompts], n=n, max_tokens=prep.params.max_tokens,
                                max_model_len=ctx.max_model_len))
     ctx.metrics.adapter_requests.labels(prep.adapter_label).inc()
     tenant = prep.tenant
@@ -278,10 +261,8 @@ def _engine_error(exc: BaseException, prep: PreparedRequest, ctx: PlatformContex
     """The tenant-facing error for an engine failure: a stable code and a short message, never
     the engine's text (server paths, internal ids); the details go to the log. An adapter the
     engine cannot read from its stored folder is marked broken (``mark_broken``)."""
-    if isinstance(exc, PromptTooLongError):
-        return ContextLengthExceeded(str(exc), param="prompt")
     if isinstance(exc, InvalidRequestError):
-        return InvalidRequest(str(exc), param="prompt")
+        return input_errors.request_error(exc, prompt_param="messages" if prep.kind == "chat" else "prompt")
     if isinstance(exc, (AdapterConflictError, UnknownAdapterError)):
         logger.warning("request %s: adapter %r not accepted by the engine: %s", prep.id, prep.adapter_label, exc)
         return ServiceUnavailable(f"model {prep.model!r} is being replaced; retry", param="model",
@@ -374,7 +355,7 @@ class _Tracker:
     last_output_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.prompt_tokens = sum(len(p) for p in self.prep.prompts)
+        self.prompt_tokens = sum(len(p.token_ids) for p in self.prep.prompts)
 
     def observe(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         """Record an engine output; returns (choice index, completion) pairs in it."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
+from dataclasses import dataclass
+
 from sqlalchemy.orm import Session
 
 from loraplex.platform import crud
 from loraplex.platform.cache import read_stats
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.schemas import StatsPublic, UsagePublic
+from loraplex.platform.services.adapters import engine_lora_name
 
 
 def engine_stats(ctx: PlatformContext) -> dict | None:
@@ -23,6 +27,31 @@ def engine_stats(ctx: PlatformContext) -> dict | None:
 def platform_stats(*, session: Session, ctx: PlatformContext) -> StatsPublic:
     engine = engine_stats(ctx)
     slots = engine.pop("lora", None) if engine else None
-    usage = [UsagePublic(tenant=name, requests=r, prompt_tokens=p, completion_tokens=c)
-             for name, r, p, c in crud.usage_by_tenant(session=session)]
+    usage = list(usage_by_tenant(session=session).values())
     return StatsPublic(engine=engine, adapter_slots=slots, cache=ctx.cache.stats(), tenants=usage)
+
+
+def usage_by_tenant(*, session: Session, since: dt.date | None = None) -> dict[str, UsagePublic]:
+    """Per tenant name (every tenant, zeros included): requests and tokens over all days, or on the
+    UTC days ``>= since``."""
+    return {name: UsagePublic(tenant=name, requests=r, prompt_tokens=p, completion_tokens=c)
+            for name, r, p, c in crud.usage_by_tenant(session=session, since=since)}
+
+
+@dataclass(frozen=True)
+class AdapterLabel:
+    """Who an engine adapter (``lora_name``) belongs to, for display: ``"acme/support v2"``."""
+
+    tenant: str
+    name: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.name} v{self.version}"
+
+
+def adapter_labels(*, session: Session) -> dict[str, AdapterLabel]:
+    """Engine ``lora_name`` -> :class:`AdapterLabel` for every stored adapter version (admin only:
+    it names every tenant)."""
+    return {engine_lora_name(tenant_id, name, version): AdapterLabel(tenant, name, version)
+            for tenant_id, tenant, name, version in crud.adapter_version_names(session=session)}

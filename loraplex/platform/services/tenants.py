@@ -163,3 +163,14 @@ def authenticate_metrics_reader(*, ctx: PlatformContext, token: str | None) -> N
         return
     if not token or not key_matches(token, ctx.admin_key_hash):
         raise Unauthenticated("Missing or incorrect key: /metrics needs the admin key or the metrics key.")
+
+
+def disable_tenant(*, session: Session, ctx: PlatformContext, name: str) -> int:
+    """Revoke every active API key of the tenant (its requests get 401 at once; a new key
+    re-enables it). Returns how many keys were revoked. Raises ``NotFound``."""
+    revoked = 0
+    for key in list_api_keys(session=session, tenant_name=name):
+        if key.revoked_at is None:
+            revoke_api_key(session=session, ctx=ctx, tenant_name=name, key_id=key.id)
+            revoked += 1
+    return revoked
