@@ -1,8 +1,10 @@
 """The synchronous engine: requests in, one scheduling step at a time, outputs out.
 
-``LLMEngine.step()`` = schedule -> model runner -> update sequences (append
-sampled tokens, fork ``n > 1`` groups, detokenize, stop checks) -> free the
-finished. The async server wrapper and the offline :class:`~loraplex.LLM`
+``LLMEngine.step()`` = ``Scheduler.schedule`` -> ``ModelRunner.execute`` ->
+``Scheduler.update_from_output`` (all post-step state: computed tokens, sampled
+tokens, ``n > 1`` forks, detokenization and stop checks, finishing and freeing)
+-> outputs of the requests that progressed. The engine writes no ``Sequence``
+field after building it. The async server wrapper and the offline :class:`~loraplex.LLM`
 both drive it.
 """
 
@@ -25,7 +27,7 @@ from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.adapters.lora_request import LoRARequest
-from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
+from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -304,12 +306,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks and adapter pin (no-op if unknown)."""
         group = self.groups.pop(request_id, None)
-        if group is None:
-            return
-        for seq in group.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+        if group is not None:
+            self.scheduler.finish_group(group, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -325,10 +323,16 @@ class LLMEngine:
                 self.lora_pool.wait_for_loads(timeout_s=0.005)  # idle until an adapter read lands
             return failed
         result = self.runner.execute(batch)
-        touched = self._postprocess(batch, result)
+        update = self.scheduler.update_from_output(batch, result)
+        self._generated_total += update.num_generated_tokens
         self._throughput.add(batch.num_tokens)
-        return failed + [self._make_output(g, finished) for g, finished in touched
-                         if finished or g.params.output_kind == "cumulative"]
+        outputs = failed
+        for group, finished in update.groups:
+            if finished:
+                self.groups.pop(group.request_id, None)
+            if finished or group.params.output_kind == "cumulative":
+                outputs.append(self._make_output(group, finished))
+        return outputs
 
     def _fail_requests(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Final outputs (``finish_reason="error"``) of the requests whose adapter could not be read."""
@@ -341,71 +345,9 @@ class LLMEngine:
                 name = group.lora_request.lora_name if group.lora_request else None
                 error = f"adapter {name!r} (lora_int_id={failure.lora_int_id}) could not be loaded: {failure.error}"
                 logger.warning("request %s failed: %s", group.request_id, error)
-                for member in group.seqs:
-                    if not member.is_finished:
-                        self.scheduler.finish(member)
-                    member.finish_reason = "error"
+                self.scheduler.finish_group(group, "error")
                 outputs.append(self._make_output(group, True, error))
         return outputs
-
-    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[tuple[RequestGroup, bool]]:
-        """Apply the step's results; returns each touched group with whether it finished."""
-        touched: dict[str, RequestGroup] = {}
-        cache_full_blocks = self.kv_manager.cache_full_blocks
-        for item, samples, plp in zip(batch.seqs, result.samples, result.prompt_logprobs):
-            seq = item.seq
-            group = seq.group
-            seq.num_computed_tokens += item.num_new_tokens
-            cache_full_blocks(seq)
-            if plp is not None:  # plp[k] is for prompt token start + 1 + k; keep the missing ones
-                group.prompt_logprobs.extend(plp[len(group.prompt_logprobs) - 1 - item.start_position:])
-            if samples:
-                if len(samples) == 1 and group.forked:  # the common decode step
-                    self._append_token(seq, samples[0])
-                else:
-                    self._take_samples(seq, samples)
-                touched[group.request_id] = group
-            elif plp:
-                touched[group.request_id] = group
-        out = []
-        for group in touched.values():
-            finished = group.is_finished
-            if finished:
-                self.groups.pop(group.request_id, None)
-            out.append((group, finished))
-        return out
-
-    def _take_samples(self, seq: Sequence, samples: list[SampledToken]) -> None:
-        group = seq.group
-        if len(samples) > 1:
-            group.forked = True
-            for child, sample in zip(group.seqs[1:], samples[1:]):
-                child.num_computed_tokens = seq.num_computed_tokens
-                self.kv_manager.fork(seq, child)
-                self.scheduler.add_forked(child)
-                self._append_token(child, sample)
-        elif group.params.n == 1:
-            group.forked = True
-        self._append_token(seq, samples[0])
-
-    def _append_token(self, seq: Sequence, sample: SampledToken) -> None:
-        seq.append_token(sample.token_id)
-        if seq.grammar is not None and not seq.grammar.accept(sample.token_id):
-            # The mask allows only grammar tokens, so this means a bug: end the sequence, say so.
-            logger.error("request %s: token %d refused by its grammar after %d tokens; sequence aborted",
-                         seq.group.request_id, sample.token_id, seq.grammar.num_accepted_tokens)
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
-            return
-        seq.cumulative_logprob += sample.logprob
-        if seq.logprobs is not None:
-            seq.logprobs.append(sample.top_logprobs or {sample.token_id: sample.logprob})
-        self._generated_total += 1
-        state: SequenceTextState = seq.text_state
-        state.update(sample.token_id)
-        if state.finished:
-            seq.finish_reason, seq.stop_reason = state.finish_reason, state.stop_reason
-            self.scheduler.finish(seq)
 
     def _make_output(self, group: RequestGroup, finished: bool, error: str | None = None) -> RequestOutput:
         outputs = []

@@ -146,7 +146,7 @@ class ModelRunner:
             token_ids += item.seq.token_ids[item.start_position:end]
             q_lens.append(item.num_new_tokens)
             seq_lens.append(end)
-            tables.append(item.seq.block_ids)
+            tables.append(item.block_ids)
         num_seqs, num_tokens = len(q_lens), len(token_ids)
         query_start = list(accumulate(q_lens, initial=0))
         # position of token t of sequence b = t - query_start[b] + start[b]
@@ -205,7 +205,7 @@ class ModelRunner:
         token_ids, positions, slots, seq_lens, tables = [], [], [], [], []
         for item in batch.seqs:
             seq, pos = item.seq, item.start_position
-            block_ids = seq.block_ids
+            block_ids = item.block_ids
             token_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(block_ids[pos // bs] * bs + pos % bs)

@@ -3,7 +3,7 @@
 A *request group* is what a user submitted (one prompt, ``n`` completions).
 A *sequence* is the scheduling unit: one stream of tokens with its own block
 table. A group starts with one sequence; when its prompt is computed and
-``n > 1``, the engine forks ``n - 1`` more that share the prompt's KV blocks.
+``n > 1``, the scheduler forks ``n - 1`` more that share the prompt's KV blocks.
 
 Token bookkeeping of one sequence (positions)::
 
@@ -39,7 +39,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream with its block table (physical block ids per logical block).
+    """One token stream (its block table is the KV cache manager's, keyed by ``seq_id``).
+
+    After construction only the scheduler changes a sequence (``Scheduler.schedule`` and
+    ``Scheduler.update_from_output``; see docs/ARCHITECTURE.md, "Post-step state").
 
     ``token_ids`` is prompt + output; ``output_token_ids`` is the same output
     kept as its own list (no slicing per step). Generated tokens are added with
@@ -59,8 +62,6 @@ class Sequence:
     text_state: Any
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
     logprobs: list[TopLogprobs] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None

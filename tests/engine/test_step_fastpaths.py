@@ -196,7 +196,7 @@ def test_try_allocate_slots_equals_check_then_allocate(ops):
                 kv.free(seqs.pop(pick % len(seqs)))
         a, b = (kv.take_pending() for kv in managers)
         assert (a.copy, a.swap_in, a.swap_out) == (b.copy, b.swap_in, b.swap_out)
-        assert [s.block_ids for s in live[0]] == [s.block_ids for s in live[1]]
+        assert [managers[0].block_ids(s) for s in live[0]] == [managers[1].block_ids(s) for s in live[1]]
         assert managers[0].pool.ref_cnt == managers[1].pool.ref_cnt
 
 
