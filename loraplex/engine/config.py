@@ -60,6 +60,8 @@ class EngineConfig:
             request is admitted first; see ``loraplex.engine.fairness``).
         fair_prompt_token_weight: service weight of one computed prompt token (VTC's w_p).
         fair_output_token_weight: service weight of one generated token (VTC's w_q).
+        async_scheduling: schedule and launch step N+1 while step N runs on the device
+            (``LLMEngine.step``); off by default (not yet measured on a GPU).
     """
 
     model: str
@@ -85,6 +87,7 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "fair"] = "fcfs"
     fair_prompt_token_weight: float = 1.0
     fair_output_token_weight: float = 2.0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:

@@ -18,9 +18,9 @@ from loraplex.engine.cuda_graphs import CudaGraphRunner
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
-from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, top_logprobs
+from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, _build_output, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch
-from loraplex.engine.sequence import Sequence
+from loraplex.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from loraplex.engine.structured_output import GrammarMaskFiller, PendingMask
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
@@ -103,6 +103,27 @@ class StepResult:
     prompt_logprobs: list[list[TopLogprobs] | None]
 
 
+class PendingStep:
+    """A launched step: its sampled ids may still be on the device. :meth:`result` reads them
+    back (the host waits for the step there, not before) and returns the :class:`StepResult`.
+    ``token_ids`` ``[rows] int64`` device tensor (None: no row sampled)."""
+
+    def __init__(self, batch: ScheduledBatch, owner: list[int], token_ids: torch.Tensor | None,
+                 sampled_logprobs: torch.Tensor | None, ready: StepResult | None) -> None:
+        self.batch, self.owner = batch, owner
+        self.token_ids, self.sampled_logprobs = token_ids, sampled_logprobs
+        self._ready = ready
+
+    def result(self) -> StepResult:
+        if self._ready is None:
+            ids, lps = self.token_ids.tolist(), self.sampled_logprobs.tolist()
+            samples: list[list[SampledToken]] = [[] for _ in self.batch.seqs]
+            for i, token_id, logprob in zip(self.owner, ids, lps):
+                samples[i].append(SampledToken(token_id, logprob, None))
+            self._ready = StepResult(samples, [None] * len(self.batch.seqs))
+        return self._ready
+
+
 class ModelRunner:
     """Runs one :class:`ScheduledBatch` on the device: ``execute(batch)`` builds the step's input tensors
     (token ids, positions, :class:`AttentionMetadata`, the LoRA mapping from ``slot_of``), applies the batch's
@@ -122,6 +143,8 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = set(model.spec.eos_token_ids)
         self.graphs: CudaGraphRunner | None = None
+        self._last_sampled: torch.Tensor | None = None  # [rows] int64 device: the last launched step's samples
+        self._last_rows: dict[int, int] = {}  # seq_id -> its row in _last_sampled
         self.grammar_masks = GrammarMaskFiller(self.vocab_size, device)
 
     def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int) -> None:
@@ -181,26 +204,60 @@ class ModelRunner:
     # -- step -------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run the step and wait for its result (``launch(batch).result()``)."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> PendingStep:
+        """Queue the step on the device and return without reading its samples back when no
+        row needs top logprobs or prompt logprobs (else the result is read now). Input tokens
+        that are still placeholders (async scheduling: sampled by the previous launched step)
+        are taken from that step's device samples."""
         # Structured-output masks of this step's rows are filled on a worker thread while
         # the inputs are prepared and the forward pass runs; sampling waits for them.
         plan = self._sampling_plan(batch)
         mask = self.grammar_masks.submit([seq.grammar for _, seq in plan]) if plan else None
         self.kv_cache.apply(batch.block_copies)
+        fix_rows, fix_src = self._placeholder_inputs(batch)
         if self._graph_fits(batch):
-            hidden = self._run_graph(batch)
+            hidden = self._run_graph(batch, self._fixed_inputs(fix_rows, fix_src))
             sample_index = list(range(len(batch.seqs)))
-            return StepResult(self._sample(batch, plan, sample_index, hidden, mask), [None] * len(batch.seqs))
-        inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
-        samples = self._sample(batch, plan, inputs.sample_token_index, hidden, mask)
-        prompt_lps = self._prompt_logprobs(batch, hidden)
-        return StepResult(samples, prompt_lps)
+            prompt_lps = None
+        else:
+            inputs = self.prepare_inputs(batch)
+            if fix_rows:
+                ends = inputs.sample_token_index
+                index, values = self._fixed_inputs([ends[b] for b in fix_rows], fix_src)
+                inputs.input_ids[index] = values
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
+            sample_index = inputs.sample_token_index
+            prompt_lps = self._prompt_logprobs(batch, hidden) if any(s.prompt_logprobs for s in batch.seqs) else None
+        return self._sample(batch, plan, sample_index, hidden, mask, prompt_lps)
+
+    def _placeholder_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+        """(batch rows whose last input token is a placeholder, the row of the previous launched
+        step that sampled it)."""
+        rows, src = [], []
+        for b, item in enumerate(batch.seqs):
+            seq = item.seq
+            if seq.num_pending_tokens and seq.token_ids[item.start_position + item.num_new_tokens - 1] == PLACEHOLDER_TOKEN:
+                rows.append(b)
+                src.append(self._last_rows[seq.seq_id])
+        return rows, src
+
+    def _fixed_inputs(self, index: list[int], src: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices on the device, their ids from the previous step's samples) or None."""
+        if not index:
+            return None
+        src_dev = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
+        return (torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True),
+                self._last_sampled.index_select(0, src_dev))
 
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.seqs) <= self.graphs.max_batch_size
                 and all(s.num_new_tokens == 1 and not s.prompt_logprobs for s in batch.seqs))
 
-    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run_graph(self, batch: ScheduledBatch, input_fix=None) -> torch.Tensor:
         bs = self.block_size
         token_ids, positions, slots, seq_lens, tables = [], [], [], [], []
         for item in batch.seqs:
@@ -211,7 +268,8 @@ class ModelRunner:
             slots.append(block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
             tables.append(block_ids)
-        return self.graphs.run(token_ids, positions, slots, seq_lens, tables, self._lora_slots(batch))
+        return self.graphs.run(token_ids, positions, slots, seq_lens, tables, self._lora_slots(batch),
+                               input_fix=input_fix)
 
     def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Adapter slot of each sequence (-1 = base model); None when no sequence uses an adapter."""
@@ -234,27 +292,32 @@ class ModelRunner:
                 plan += [(i, seqs[item.seq.index + c]) for c in range(item.num_samples)]
         return plan
 
-    def _sample(self, batch: ScheduledBatch, plan: list[tuple[int, Sequence]], sample_token_index: list[int],
-                hidden: torch.Tensor, mask: PendingMask | None) -> list[list[SampledToken]]:
-        if not plan:
-            return [[] for _ in batch.seqs]
-        rows = [self._sampling_row(seq) for _, seq in plan]
+    def _sample(self, batch: ScheduledBatch, plan: list[tuple[int, Sequence]], sample_index: list[int],
+                hidden: torch.Tensor, mask: PendingMask | None, prompt_lps) -> PendingStep:
         owner = [i for i, _ in plan]
-        row_index = [sample_token_index[i] for i in owner]
+        if prompt_lps is None:
+            prompt_lps = [None] * len(batch.seqs)
+        if not plan:
+            return PendingStep(batch, owner, None, None, StepResult([[] for _ in batch.seqs], prompt_lps))
+        rows = [self._sampling_row(seq) for _, seq in plan]
+        row_index = [sample_index[i] for i in owner]
         if row_index != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(row_index, device=hidden.device)]
         logits = self.model.compute_logits(hidden)
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if mask is not None:
             sampling.grammar_bitmask = mask.result()
-        out = self.sampler(logits, sampling)
-        samples = zip(out.token_ids, out.sampled_logprobs, out.logprobs)
-        if owner == list(range(len(batch.seqs))):  # one sample per sequence (the decode case)
-            return [[SampledToken(token_id, logprob, top)] for token_id, logprob, top in samples]
+        raw_logprobs, token_ids = self.sampler.sample_on_device(logits, sampling)
+        self._last_sampled = token_ids
+        self._last_rows = {seq.seq_id: r for r, (_, seq) in enumerate(plan)}
+        if all(n is None for n in sampling.num_logprobs) and not any(p is not None for p in prompt_lps):
+            sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            return PendingStep(batch, owner, token_ids, sampled, None)
+        out = _build_output(raw_logprobs, token_ids, sampling.num_logprobs)
         result: list[list[SampledToken]] = [[] for _ in batch.seqs]
-        for i, (token_id, logprob, top) in zip(owner, samples):
+        for i, token_id, logprob, top in zip(owner, out.token_ids, out.sampled_logprobs, out.logprobs):
             result[i].append(SampledToken(token_id, logprob, top))
-        return result
+        return PendingStep(batch, owner, token_ids, None, StepResult(result, prompt_lps))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampling input, built once (it holds the live output list)."""

@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from loraplex.adapters.errors import AdapterError
 from loraplex.engine.fairness import TenantServiceStats, VirtualTokenCounter
 from loraplex.engine.kv_cache_manager import BlockCopies, KVCacheManager
-from loraplex.engine.sequence import RequestGroup, Sequence, SequenceStatus
+from loraplex.engine.sequence import PLACEHOLDER_TOKEN, RequestGroup, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from loraplex.engine.model_runner import SampledToken, StepResult
@@ -305,6 +305,10 @@ class Scheduler:
             return
         self._reset(seq, SequenceStatus.FINISHED)
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        if seq.num_pending_tokens:  # tokens of steps launched after the one it stopped at
+            del seq.token_ids[-seq.num_pending_tokens:]
+            del seq.output_token_ids[-seq.num_pending_tokens:]
+            seq.num_pending_tokens = 0
 
     def finish_group(self, group: RequestGroup, finish_reason: str) -> None:
         """End every unfinished sequence of ``group`` (abort, failed adapter read)."""
@@ -332,33 +336,52 @@ class Scheduler:
         seq.status = status
 
     # -- the return half of a step -----------------------------------------
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The step ``batch`` was launched: its tokens count as computed, and each sequence that
+        samples one token gets a placeholder for it (``PLACEHOLDER_TOKEN``, replaced by
+        :meth:`update_from_output`), so the next step can be scheduled before the host sees
+        the token (async scheduling; the sync engine calls it too, just before the update).
+        A group's first sample with ``n > 1`` (a fork) gets no placeholder."""
+        for item in batch.seqs:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.num_samples == 1:
+                seq.append_token(PLACEHOLDER_TOKEN)
+                seq.num_pending_tokens += 1
+
     def update_from_output(self, batch: ScheduledBatch, result: StepResult) -> StepUpdate:
-        """Apply a step's results to the sequences ``batch`` planned (sequences that ended
-        since, e.g. aborted, are skipped): advance ``num_computed_tokens``, hash the blocks that
-        became full, keep the prompt logprobs, append the sampled tokens, fork ``n > 1``
-        groups at their first sample, finish sequences (EOS, stop token or string, length,
-        a token the grammar refuses). ``result.samples[i]`` / ``result.prompt_logprobs[i]``
-        belong to ``batch.seqs[i]``."""
+        """Apply the results of committed step ``batch`` (:meth:`commit`) to its sequences
+        (those that finished since, e.g. aborted or stopped one step earlier, are skipped; a
+        sequence preempted since still gets its token): replace the placeholders by the
+        sampled tokens, hash the blocks that became full, keep the prompt logprobs, fork
+        ``n > 1`` groups at their first sample, finish sequences (EOS, stop token or string,
+        length, a token the grammar refuses). ``result.samples[i]`` /
+        ``result.prompt_logprobs[i]`` belong to ``batch.seqs[i]``."""
         touched: dict[str, RequestGroup] = {}
-        cache_full_blocks, running = self.kv.cache_full_blocks, SequenceStatus.RUNNING
+        cache_full_blocks, running, finished = self.kv.cache_full_blocks, SequenceStatus.RUNNING, SequenceStatus.FINISHED
         generated = 0
         for item, samples, plp in zip(batch.seqs, result.samples, result.prompt_logprobs):
             seq = item.seq
-            if seq.status is not running:
+            if seq.status is finished:
                 continue
             group = seq.group
-            seq.num_computed_tokens += item.num_new_tokens
-            cache_full_blocks(seq)
+            if item.num_samples == 1:  # the placeholder of this step: the oldest pending one
+                index = len(seq.token_ids) - seq.num_pending_tokens
+                seq.token_ids[index] = seq.output_token_ids[index - seq.num_prompt_tokens] = samples[0].token_id
+                seq.num_pending_tokens -= 1
+            if seq.status is running:
+                cache_full_blocks(seq)
             if plp is not None:  # plp[k] is for prompt token start + 1 + k; keep the missing ones
                 group.prompt_logprobs.extend(plp[len(group.prompt_logprobs) - 1 - item.start_position:])
                 if plp:
                     touched[group.request_id] = group
             if samples:
                 if len(samples) > 1:
+                    seq.append_token(samples[0].token_id)
                     self._fork(seq, samples)
                 elif not group.forked:
                     group.forked = True  # n == 1: its only sequence is the group's output
-                self._append_token(seq, samples[0])
+                self._accept_token(seq, samples[0])
                 generated += len(samples)
                 touched[group.request_id] = group
         return StepUpdate([(g, g.is_finished) for g in touched.values()], generated)
@@ -372,10 +395,11 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent, child)
             self._start_running(child)
-            self._append_token(child, sample)
+            child.append_token(sample.token_id)
+            self._accept_token(child, sample)
 
-    def _append_token(self, seq: Sequence, sample: SampledToken) -> None:
-        seq.append_token(sample.token_id)
+    def _accept_token(self, seq: Sequence, sample: SampledToken) -> None:
+        """The host's part of a token already in ``seq.token_ids``: grammar, logprobs, text, stop."""
         if seq.grammar is not None and not seq.grammar.accept(sample.token_id):
             # The mask allows only grammar tokens, so this means a bug: end the sequence, say so.
             logger.error("request %s: token %d refused by its grammar after %d tokens; sequence aborted",

@@ -30,6 +30,11 @@ from loraplex.engine.outputs import TopLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 
 
+# A sampled token the host has not seen yet (async scheduling): appended when its step is
+# launched, replaced by the real id when the step's result is applied.
+PLACEHOLDER_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -70,6 +75,7 @@ class Sequence:
     grammar: Any = None
     wait_since_step: int = 0  # scheduler step at which it last entered the waiting queue
     num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant (fair policy)
+    num_pending_tokens: int = 0  # trailing PLACEHOLDER_TOKENs: sampled on the device, not yet seen by the host
     output_token_ids: list[int] = field(init=False)
     sampling_row: Any = field(default=None, init=False, repr=False)
 

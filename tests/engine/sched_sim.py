@@ -1,7 +1,8 @@
 """A counted-step driver for the scheduler with a fake model runner (no model, no clock).
 
 Each ``Sim.step()`` = arrivals due at this step are queued -> ``Scheduler.schedule()`` ->
-a fake step result (token 7 for every planned sample) -> ``Scheduler.update_from_output``
+a fake step result (token 7 for every planned sample) -> ``Scheduler.commit`` and
+``Scheduler.update_from_output``
 (as the engine does: tokens computed, blocks hashed, a sample appended, the sequence
 finished after ``max_tokens`` outputs through its text state, here the ``SimRequest``).
 Service is measured here from the batches themselves (independent of the scheduler's own
@@ -114,6 +115,7 @@ class Sim:
                     req.first_token_step = self.now
         result = StepResult([[SampledToken(7, 0.0, None)] * item.num_samples for item in batch.seqs],
                             [None] * len(batch.seqs))
+        self.scheduler.commit(batch)
         update = self.scheduler.update_from_output(batch, result)
         for group, finished in update.groups:
             req = group.seqs[0].text_state

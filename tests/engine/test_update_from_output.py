@@ -47,6 +47,17 @@ def result(batch, *tokens_per_seq: list[int]) -> StepResult:
                       [None] * len(batch.seqs))
 
 
+class _Committing:
+    """``update_from_output`` after ``commit`` (what the engine does once a step is launched)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def __call__(self, batch, result):
+        self.scheduler.commit(batch)
+        return self.scheduler.update_from_output(batch, result)
+
+
 def test_prefill_decode_length_finish_exact_state():
     s = make()
     kv = s.kv
@@ -55,7 +66,9 @@ def test_prefill_decode_length_finish_exact_state():
     batch = s.schedule()
     assert [(i.start_position, i.num_new_tokens, i.num_samples) for i in batch.seqs] == [(0, 6, 1)]
     assert batch.seqs[0].block_ids == [0, 1]
-    assert seq.num_computed_tokens == 0  # nothing is computed before the step's result
+    assert seq.num_computed_tokens == 0  # nothing is computed before the step is launched
+    s.commit(batch)  # launched: computed, and a placeholder for the token being sampled
+    assert (seq.num_computed_tokens, seq.token_ids, seq.num_pending_tokens) == (6, [1, 2, 3, 4, 5, 6, -1], 1)
     update = s.update_from_output(batch, result(batch, [7]))
     assert (update.groups, update.num_generated_tokens) == ([(group, False)], 1)
     assert seq.num_computed_tokens == 6 and seq.token_ids == [1, 2, 3, 4, 5, 6, 7]
@@ -65,10 +78,10 @@ def test_prefill_decode_length_finish_exact_state():
 
     batch = s.schedule()
     assert [(i.start_position, i.num_new_tokens, i.num_samples) for i in batch.seqs] == [(6, 1, 1)]
-    s.update_from_output(batch, result(batch, [8]))
+    _Committing(s)(batch, result(batch, [8]))
     assert seq.num_computed_tokens == 7 and kv.block_ids(seq) == [0, 1] and len(kv.block_hashes(seq)) == 1
     batch = s.schedule()
-    update = s.update_from_output(batch, result(batch, [9]))
+    update = _Committing(s)(batch, result(batch, [9]))
     assert update.groups == [(group, True)]
     assert (seq.status, seq.finish_reason, seq.stop_reason) == (SequenceStatus.FINISHED, "length", None)
     assert seq.output_token_ids == [7, 8, 9] and seq.text_state.text == "hij"
@@ -82,12 +95,12 @@ def test_eos_and_stop_string_finish():
     eos = add(s, "eos", [1, 2], SamplingParams(max_tokens=10))
     stop = add(s, "stop", [3, 4], SamplingParams(max_tokens=10, stop=["cd"]))
     batch = s.schedule()
-    s.update_from_output(batch, result(batch, [EOS], [2]))
+    _Committing(s)(batch, result(batch, [EOS], [2]))
     assert (eos.seqs[0].finish_reason, eos.seqs[0].stop_reason, eos.seqs[0].output_token_ids) == ("stop", None, [EOS])
     assert stop.seqs[0].status is SequenceStatus.RUNNING
     batch = s.schedule()
     assert [i.seq.group.request_id for i in batch.seqs] == ["stop"]
-    update = s.update_from_output(batch, result(batch, [3]))
+    update = _Committing(s)(batch, result(batch, [3]))
     assert update.groups == [(stop, True)]
     assert (stop.seqs[0].finish_reason, stop.seqs[0].stop_reason, stop.seqs[0].text_state.text) == ("stop", "cd", "")
     assert s.kv.pool.num_free_blocks == 16 and s.kv.num_tables() == 0
@@ -100,7 +113,7 @@ def test_n2_fork_shares_blocks_then_copy_on_write():
     parent, child = group.seqs
     batch = s.schedule()
     assert batch.seqs[0].num_samples == 2
-    update = s.update_from_output(batch, result(batch, [7, 8]))
+    update = _Committing(s)(batch, result(batch, [7, 8]))
     assert update.num_generated_tokens == 2 and group.forked
     assert (parent.token_ids[-1], child.token_ids[-1]) == (7, 8)
     assert child.status is SequenceStatus.RUNNING and child.num_computed_tokens == 6
@@ -111,7 +124,7 @@ def test_n2_fork_shares_blocks_then_copy_on_write():
     batch = s.schedule()  # both write position 6, in the shared partial block 1: the parent copies it
     assert batch.block_copies.copy == [(1, 2)]
     assert kv.block_ids(parent) == [0, 2] and kv.block_ids(child) == [0, 1]
-    update = s.update_from_output(batch, result(batch, [9], [10]))
+    update = _Committing(s)(batch, result(batch, [9], [10]))
     assert update.groups == [(group, True)]
     assert parent.output_token_ids == [7, 9] and child.output_token_ids == [8, 10]
     assert kv.pool.num_free_blocks == 16 and kv.num_tables() == 0
@@ -122,10 +135,10 @@ def test_recompute_preemption_and_abort_share_the_reset_path():
     kv = s.kv
     old = add(s, "old", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
     batch = s.schedule()
-    s.update_from_output(batch, result(batch, [4]))
+    _Committing(s)(batch, result(batch, [4]))
     new = add(s, "new", [5, 6, 7, 11, 12], SamplingParams(max_tokens=10, ignore_eos=True))
     batch = s.schedule()
-    s.update_from_output(batch, result(batch, [8], [9]))
+    _Committing(s)(batch, result(batch, [8], [9]))
     a, b = old.seqs[0], new.seqs[0]
     assert (kv.block_ids(a), kv.block_ids(b), kv.pool.num_free_blocks) == ([0], [1, 2], 0)
     # a needs a second block at position 4: the newest running sequence (b) is preempted
@@ -134,7 +147,7 @@ def test_recompute_preemption_and_abort_share_the_reset_path():
     assert (b.status, b.num_computed_tokens, b.token_ids, b.num_preemptions) == (
         SequenceStatus.WAITING, 0, [5, 6, 7, 11, 12, 9], 1)
     assert kv.block_ids(b) == [] and kv.block_hashes(b) == [] and list(s.waiting) == [b]
-    s.update_from_output(batch, result(batch, [10]))
+    _Committing(s)(batch, result(batch, [10]))
     assert a.num_computed_tokens == 5
     # abort (same reset path): out of its queue, blocks back, tokens kept
     s.finish_group(new, "abort")
@@ -151,7 +164,7 @@ def test_abort_of_a_swapped_sequence_frees_host_blocks():
     old = add(s, "old", [1, 2, 3, 4], SamplingParams(max_tokens=10, ignore_eos=True))
     new = add(s, "new", [5, 6, 7, 8, 9], SamplingParams(max_tokens=10, ignore_eos=True))
     batch = s.schedule()
-    s.update_from_output(batch, result(batch, [4], [1]))
+    _Committing(s)(batch, result(batch, [4], [1]))
     batch = s.schedule()  # old needs a block at position 4: new (2 blocks) is swapped out
     assert batch.block_copies.swap_out == [(1, 0), (2, 1)] and list(s.swapped) == [new.seqs[0]]
     assert new.seqs[0].num_computed_tokens == 5 and kv.is_swapped(new.seqs[0])
@@ -160,13 +173,15 @@ def test_abort_of_a_swapped_sequence_frees_host_blocks():
     assert new.seqs[0].status is SequenceStatus.FINISHED and s._queued == {}
 
 
-def test_sequence_aborted_between_schedule_and_update_is_skipped():
+def test_sequence_aborted_between_launch_and_update_is_skipped():
     s = make()
     group = add(s, "r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     batch = s.schedule()
-    s.finish_group(group, "abort")
+    s.commit(batch)
+    s.finish_group(group, "abort")  # its placeholder goes with it
     update = s.update_from_output(batch, result(batch, [5]))
     seq = group.seqs[0]
     assert (update.groups, update.num_generated_tokens) == ([], 0)
-    assert seq.token_ids == [1, 2, 3] and seq.num_computed_tokens == 0 and seq.finish_reason == "abort"
+    assert seq.token_ids == [1, 2, 3] and seq.output_token_ids == [] and seq.num_pending_tokens == 0
+    assert seq.num_computed_tokens == 0 and seq.finish_reason == "abort"
     assert s.kv.pool.num_free_blocks == 16
