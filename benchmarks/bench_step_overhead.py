@@ -5,12 +5,12 @@ what remains of a decode step is the engine's Python/CPU work. Each step is
 split into stages by timers wrapped around the engine's methods:
 
 - ``schedule``: ``Scheduler.schedule`` (who runs, block allocation);
-- ``prepare``: the rest of ``ModelRunner.execute`` (input tensors / CUDA-graph
+- ``prepare``: the rest of ``ModelRunner.launch`` (input tensors / CUDA-graph
   buffer fill, block moves);
 - ``forward``: the model forward (``LlamaForCausalLM.forward``; zero in graph mode);
-- ``sample``: ``ModelRunner._sample`` (logits, sampling batch, sampler, results);
-- ``post``: the rest of ``LLMEngine.step`` (append tokens, stop checks,
-  detokenize, prefix-cache hashing, outputs);
+- ``sample``: ``ModelRunner._sample`` (logits, sampling batch, sampler);
+- ``post``: the rest of ``LLMEngine.step`` (samples read back, ``Scheduler.commit`` and
+  ``update_from_output``: tokens, stop checks, detokenize, prefix-cache hashing; outputs);
 - ``step``: the whole ``LLMEngine.step``.
 
 Two modes:
@@ -117,7 +117,7 @@ class StageTimers:
         self.steps: list[dict[str, float]] = []
         self._decode_only = False
         self._wrap(engine.scheduler, "schedule", "schedule", after=self._note_batch)
-        self._wrap(engine.runner, "execute", "execute")
+        self._wrap(engine.runner, "launch", "execute")
         self._wrap(engine.model, "forward", "forward")
         self._wrap(engine.runner, "_sample", "sample")
         self._wrap(engine, "step", "step", after=self._finish_step)

@@ -18,7 +18,7 @@ from loraplex.engine.cuda_graphs import CudaGraphRunner
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
-from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, _build_output, top_logprobs
+from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, _build_output, host_to_device, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from loraplex.engine.structured_output import GrammarMaskFiller, PendingMask
@@ -61,7 +61,8 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
         parts += [t, t.new_zeros(padded - t.numel())]
         starts.append(offset)
         offset += padded
-    packed = torch.cat(parts).to(device)
+    packed = torch.cat(parts)
+    packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
     return [packed[start:start + t.numel()] for start, t in zip(starts, tensors)]
 
 
@@ -113,10 +114,25 @@ class PendingStep:
         self.batch, self.owner = batch, owner
         self.token_ids, self.sampled_logprobs = token_ids, sampled_logprobs
         self._ready = ready
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._copied = None
+        if ready is None and token_ids.is_cuda:
+            # Copy the samples back now, behind this step only: reading them later with
+            # .tolist() would also wait for every step launched after this one.
+            ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            lps = torch.empty(sampled_logprobs.shape, dtype=sampled_logprobs.dtype, pin_memory=True)
+            ids.copy_(token_ids, non_blocking=True)
+            lps.copy_(sampled_logprobs, non_blocking=True)
+            self._host, self._copied = (ids, lps), torch.cuda.Event()
+            self._copied.record()
 
     def result(self) -> StepResult:
         if self._ready is None:
-            ids, lps = self.token_ids.tolist(), self.sampled_logprobs.tolist()
+            if self._copied is not None:
+                self._copied.synchronize()
+                ids, lps = self._host[0].tolist(), self._host[1].tolist()
+            else:
+                ids, lps = self.token_ids.tolist(), self.sampled_logprobs.tolist()
             samples: list[list[SampledToken]] = [[] for _ in self.batch.seqs]
             for i, token_id, logprob in zip(self.owner, ids, lps):
                 samples[i].append(SampledToken(token_id, logprob, None))
@@ -249,9 +265,10 @@ class ModelRunner:
         """(token indices on the device, their ids from the previous step's samples) or None."""
         if not index:
             return None
-        src_dev = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
-        return (torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True),
-                self._last_sampled.index_select(0, src_dev))
+        if index == src == list(range(len(index))):  # steady decode: the same rows, in the same order
+            return slice(0, len(index)), self._last_sampled[:len(index)]
+        return (host_to_device(index, torch.int64, self.device),
+                self._last_sampled.index_select(0, host_to_device(src, torch.int64, self.device)))
 
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.seqs) <= self.graphs.max_batch_size
@@ -302,7 +319,7 @@ class ModelRunner:
         rows = [self._sampling_row(seq) for _, seq in plan]
         row_index = [sample_index[i] for i in owner]
         if row_index != list(range(hidden.shape[0])):
-            hidden = hidden[torch.tensor(row_index, device=hidden.device)]
+            hidden = hidden[host_to_device(row_index, torch.int64, hidden.device)]
         logits = self.model.compute_logits(hidden)
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if mask is not None:

@@ -156,7 +156,7 @@ class SamplingBatch:
         return cls(
             vocab_size=vocab_size,
             temperature=_float_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=host_to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             min_p=_min_p_tensor(params, greedy, device),
             top_k=_top_k_tensor(params, greedy, vocab_size, device),
@@ -333,8 +333,18 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
             and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A 1-D tensor of ``values`` on ``device``. To a CUDA device through pinned memory with a
+    non-blocking copy: a copy from pageable memory would wait for the work queued on the
+    stream (and so for the step still running under async scheduling)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _float_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return host_to_device(values, torch.float32, device)
 
 
 def _min_p_tensor(params: list[SamplingParams], greedy: list[bool], device) -> torch.Tensor | None:
@@ -346,7 +356,7 @@ def _top_k_tensor(params: list[SamplingParams], greedy: list[bool], vocab_size: 
     values = [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
     if all(v == vocab_size for v in values):
         return None
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return host_to_device(values, torch.int64, device)
 
 
 def _top_p_tensor(params: list[SamplingParams], greedy: list[bool], device) -> torch.Tensor | None:

@@ -171,6 +171,8 @@ def test_abort_of_a_swapped_sequence_frees_host_blocks():
     s.finish_group(new, "abort")
     assert kv.swap_pool.num_free_blocks == 4 and not kv.is_swapped(new.seqs[0]) and list(s.swapped) == []
     assert new.seqs[0].status is SequenceStatus.FINISHED and s._queued == {}
+    # new's blocks were freed deepest first (2, then 1): old takes block 2
+    assert [i.seq for i in batch.seqs] == old.seqs and kv.block_ids(old.seqs[0]) == [0, 2]
 
 
 def test_sequence_aborted_between_launch_and_update_is_skipped():
