@@ -5,12 +5,12 @@ what remains of a decode step is the engine's Python/CPU work. Each step is
 split into stages by timers wrapped around the engine's methods:
 
 - ``schedule``: ``Scheduler.schedule`` (who runs, block allocation);
-- ``prepare``: the rest of ``ModelRunner.execute`` (input tensors / CUDA-graph
+- ``prepare``: the rest of ``ModelRunner.launch`` (input tensors / CUDA-graph
   buffer fill, block moves);
 - ``forward``: the model forward (``LlamaForCausalLM.forward``; zero in graph mode);
-- ``sample``: ``ModelRunner._sample`` (logits, sampling batch, sampler, results);
-- ``post``: the rest of ``LLMEngine.step`` (append tokens, stop checks,
-  detokenize, prefix-cache hashing, outputs);
+- ``sample``: ``ModelRunner._sample`` (logits, sampling batch, sampler);
+- ``post``: the rest of ``LLMEngine.step`` (samples read back, ``Scheduler.commit`` and
+  ``update_from_output``: tokens, stop checks, detokenize, prefix-cache hashing; outputs);
 - ``step``: the whole ``LLMEngine.step``.
 
 Two modes:
@@ -42,6 +42,18 @@ runs made alternately in the same time window. Usage::
     python benchmarks/bench_step_overhead.py --report after*.json --baseline before*.json
     python benchmarks/bench_step_overhead.py --ablate --batches 32 128 --repeats 5
     python benchmarks/bench_step_overhead.py --ablate-functions --batches 32 128
+
+GPU decode step, async scheduling off / on, against the full floor (issue 16; Llama-2-7B
+shapes, random bf16 weights, prompt 128, CUDA graphs on; ``base`` and ``lora`` = every
+row on one of ``min(batch, 32)`` distinct r=16 adapters on all 7 projections)::
+
+    python benchmarks/bench_step_overhead.py --gpu-decode --out step_async.json [--batches 1 32 128]
+
+Each (variant, async) engine runs in its own process. The step time is the wall time of
+the decode-only steps divided by their number, with no device sync between steps (a sync
+per step would undo the overlap). Full floor = (weight bytes + KV bytes read at the
+measured steps' mean context + the distinct adapters' A/B bytes) / measured device copy
+bandwidth. ``--quick`` (2 layers, hidden 256, CPU works) checks the logic.
 """
 
 from __future__ import annotations
@@ -105,7 +117,7 @@ class StageTimers:
         self.steps: list[dict[str, float]] = []
         self._decode_only = False
         self._wrap(engine.scheduler, "schedule", "schedule", after=self._note_batch)
-        self._wrap(engine.runner, "execute", "execute")
+        self._wrap(engine.runner, "launch", "execute")
         self._wrap(engine.model, "forward", "forward")
         self._wrap(engine.runner, "_sample", "sample")
         self._wrap(engine, "step", "step", after=self._finish_step)
@@ -164,7 +176,137 @@ def build_engine(model_dir: Path, mode: str) -> LLMEngine:
     return engine
 
 
+# -- GPU decode step: async scheduling off / on against the full floor -------------------------
+GPU_PROMPT, GPU_OUTPUT, GPU_MAX_ADAPTERS, GPU_RANK = 128, 64, 32, 16
+
+
+def _gpu_config(quick: bool) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import LLAMA2_7B
+
+    config = dict(LLAMA2_7B)
+    if quick:
+        config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4)
+    return config
+
+
+def gpu_decode_case(variant: str, async_scheduling: bool, batches: list[int], quick: bool) -> dict:
+    """One engine (this process): per batch, decode ms per step and the full floor's parts."""
+    from common import make_model_dir, make_random_adapter, measure_copy_bandwidth
+
+    from loraplex import LLM
+
+    cuda = torch.cuda.is_available()
+    config = _gpu_config(quick)
+    root = Path(tempfile.mkdtemp(prefix="loraplex-async-"))
+    folder = make_model_dir(root / "model", config)
+    num_adapters = min(max(batches), GPU_MAX_ADAPTERS) if variant == "lora" else 0
+    llm = LLM(model=str(folder), dummy_weights=True, dtype="bfloat16" if cuda else "float32",
+              max_model_len=GPU_PROMPT + GPU_OUTPUT + 16, max_num_seqs=max(batches), gpu_memory_utilization=0.85,
+              enable_lora=variant == "lora", max_loras=max(num_adapters, 1), max_lora_rank=GPU_RANK,
+              max_cpu_loras=max(num_adapters, 1), async_scheduling=async_scheduling,
+              max_num_batched_tokens=max(2048, max(batches) * GPU_PROMPT),
+              **({} if cuda else {"num_kv_blocks": 1024}))
+    engine = llm.engine
+    adapters = [LoRARequest(f"a{i}", i + 1, str(make_random_adapter(root / f"a{i}", config, GPU_RANK, seed=i)))
+                for i in range(num_adapters)]
+    for lora in adapters:
+        engine.preload_lora(lora)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    elem = torch.empty((), dtype=engine.dtype).element_size()
+    spec = engine.spec
+    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem
+    h, inter, d = config["hidden_size"], config["intermediate_size"], config["hidden_size"] // config["num_attention_heads"]
+    outs = [h, config["num_key_value_heads"] * d, config["num_key_value_heads"] * d, h, inter, inter, h]
+    ins = [h, h, h, h, h, h, inter]
+    adapter_bytes = config["num_hidden_layers"] * GPU_RANK * sum(i + o for i, o in zip(ins, outs)) * elem
+    bandwidth = measure_copy_bandwidth() if cuda else float("nan")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows = {}
+    gen = torch.Generator().manual_seed(0)
+    for warm, batch in [(True, min(batches)), *[(False, b) for b in batches]]:
+        output = 8 if warm else GPU_OUTPUT
+        params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True, output_kind="final_only")
+        for i in range(batch):
+            prompt = torch.randint(10, config["vocab_size"] - 10, (GPU_PROMPT,), generator=gen).tolist()
+            engine.add_request(f"b{batch}-{warm}-{i}", prompt, params, adapters[i % len(adapters)] if adapters else None)
+        step = 0
+        start = None
+        contexts = []
+        overlapped_before = engine.num_overlapped_steps
+        while engine.has_unfinished_requests():
+            engine.step()
+            step += 1
+            running = engine.scheduler.running
+            if step == 4:  # the prompts are in (one step, or a few chunks), decodes flow
+                sync()
+                start, first = time.perf_counter(), step
+            if start is not None and running:
+                contexts.append(sum(s.num_computed_tokens for s in running) / len(running))
+        sync()
+        if warm or start is None:
+            continue
+        steps = step - first
+        step_ms = 1e3 * (time.perf_counter() - start) / steps
+        mean_context = statistics.fmean(contexts) if contexts else float(GPU_PROMPT)
+        distinct = min(batch, num_adapters)
+        floor_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token + distinct * adapter_bytes
+        floor_ms = 1e3 * floor_bytes / bandwidth
+        rows[str(batch)] = {"step_ms": step_ms, "steps": steps, "mean_context_tokens": mean_context,
+                            "weight_bytes": weight_bytes, "kv_read_bytes": batch * mean_context * kv_bytes_per_token,
+                            "adapter_bytes": distinct * adapter_bytes, "distinct_adapters": distinct,
+                            "full_floor_ms": floor_ms, "floor_fraction": floor_ms / step_ms,
+                            "overlapped_steps": engine.num_overlapped_steps - overlapped_before}
+    return {"variant": variant, "async_scheduling": async_scheduling, "copy_bandwidth_TBps": bandwidth / 1e12,
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}
+
+
+def gpu_decode(out: Path, batches: list[int], quick: bool) -> None:
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import git_commit, print_table
+
+    cases = []
+    tmp = Path(tempfile.mkdtemp(prefix="loraplex-async-runs-"))
+    for variant in ("base", "lora"):
+        for on in (False, True):
+            part = tmp / f"{variant}-{on}.json"
+            subprocess.run([sys.executable, __file__, "--gpu-decode-case", variant, str(int(on)), "--out", str(part),
+                            "--batches", *map(str, batches)] + (["--quick"] if quick else []), check=True)
+            cases.append(json.loads(part.read_text()))
+    result = {"commit": git_commit(), "prompt_tokens": GPU_PROMPT, "output_tokens": GPU_OUTPUT, "cases": cases}
+    out.write_text(json.dumps(result, indent=2))
+    table = []
+    for variant in ("base", "lora"):
+        off, on = (next(c for c in cases if c["variant"] == variant and c["async_scheduling"] is a) for a in (False, True))
+        for b in map(str, batches):
+            r0, r1 = off["rows"][b], on["rows"][b]
+            table.append([variant, b, f"{r0['step_ms']:.2f}", f"{r1['step_ms']:.2f}", f"{r1['full_floor_ms']:.2f}",
+                          f"{r0['floor_fraction']:.2f}", f"{r1['floor_fraction']:.2f}",
+                          f"{r1['mean_context_tokens']:.0f}", r1["distinct_adapters"]])
+    print_table(f"Decode step, async scheduling off / on, vs the full floor (commit {result['commit']}, "
+                f"{cases[0]['device']}, copy {cases[0]['copy_bandwidth_TBps']:.2f} TB/s)",
+                ["variant", "batch", "sync ms", "async ms", "full floor ms", "floor/sync", "floor/async",
+                 "mean context", "adapters"], table)
+
+
 def main() -> None:
+    if "--gpu-decode" in sys.argv or "--gpu-decode-case" in sys.argv:
+        gpu = argparse.ArgumentParser()
+        gpu.add_argument("--gpu-decode", action="store_true")
+        gpu.add_argument("--gpu-decode-case", nargs=2, default=None)
+        gpu.add_argument("--out", type=Path, required=True)
+        gpu.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+        gpu.add_argument("--quick", action="store_true", help="2 layers, hidden 256 (logic check; CPU works)")
+        args = gpu.parse_args()
+        if args.gpu_decode_case:
+            variant, on = args.gpu_decode_case
+            args.out.write_text(json.dumps(gpu_decode_case(variant, bool(int(on)), args.batches, args.quick)))
+        else:
+            gpu_decode(args.out, args.batches, args.quick)
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])

@@ -144,6 +144,9 @@ class EngineConfig:
     tensor_parallel_all_reduce: Literal["auto", "symm_mem", "nccl"] = "auto"
     """The row-parallel layers' all-reduce on CUDA: auto = one-shot on symmetric memory (symm_mem; the engine
     refuses to start where it is unavailable), nccl = NCCL (decode steps then run eagerly). On CPU: gloo."""
+    async_scheduling: bool = False
+    """Schedule and launch step N+1 while step N runs on the device (LLMEngine.step); sampled tokens of N enter
+    N+1 on the device. Off by default (not yet measured on a GPU); not with tensor_parallel_size > 1."""
 
     def __post_init__(self) -> None:
         self.validate(dataclasses.asdict(self))
@@ -169,6 +172,8 @@ class EngineConfig:
              "the two token weights must not both be 0"),
             (merged["quantization"] is None or merged["tensor_parallel_size"] == 1, "quantization",
              "fp8 is not implemented with tensor_parallel_size > 1"),
+            (not merged["async_scheduling"] or merged["tensor_parallel_size"] == 1, "async_scheduling",
+             "is not implemented with tensor_parallel_size > 1 (the worker ranks read host token ids)"),
         ]
         for ok, name, rule in across:
             if not ok:

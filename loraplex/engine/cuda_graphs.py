@@ -196,11 +196,12 @@ class CudaGraphRunner:
 
     # -- replay -----------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], lora_slots: list[int] | None) -> torch.Tensor:
+            block_tables: list[list[int]], lora_slots: list[int] | None, input_fix=None) -> torch.Tensor:
         """Fill the static buffers for B decode tokens and replay; returns ``[B, hidden]``.
 
         ``lora_slots``: adapter slot per sequence (-1 = none), or None when no
-        sequence uses an adapter.
+        sequence uses an adapter. ``input_fix``: ``(rows, ids)`` device tensors, token ids
+        written over rows of ``token_ids`` after the upload (async scheduling), or None.
         """
         b = len(token_ids)
         size = self.padded_size(b)
@@ -212,6 +213,8 @@ class CudaGraphRunner:
             self._fill_lora(size, lora_slots)
         self._i64.upload(self._i64.host.numel())
         self._i32.upload(self._i32.offsets["block_tables"] + size * self.table_width)
+        if input_fix is not None:
+            self.input_ids[input_fix[0]] = input_fix[1]
         entry = self.graphs[(size, with_lora)]
         entry.graph.replay()
         return entry.hidden[:b]

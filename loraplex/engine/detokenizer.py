@@ -291,7 +291,14 @@ class SequenceTextState:
         """The prefix of :attr:`text` that can be shown now (all of it once finished)."""
         if self.finished:
             return self._text
-        return self._text[: len(self._text) - self._checker.hold_back_chars(self._text)]
+        return self._text[: self.stream_end]
+
+    @property
+    def stream_end(self) -> int:
+        """``len(stream_text)`` without building it (delta outputs slice ``text`` with it)."""
+        if self.finished:
+            return len(self._text)
+        return len(self._text) - self._checker.hold_back_chars(self._text)
 
     @property
     def token_text_ends(self) -> list[int] | None:

@@ -1,6 +1,12 @@
 """Block tables of sequences over a :class:`BlockPool`: allocation of slots
 for new tokens, prefix-cache lookup, forking with copy-on-write, swapping.
 
+The manager is the one owner of every sequence's block table and block hashes
+(keyed by ``seq_id``; a :class:`~loraplex.engine.sequence.Sequence` holds none).
+Others read a table through :meth:`KVCacheManager.block_ids` (the live list, to
+read only: the scheduler hands it to the model runner in ``ScheduledSeq.block_ids``)
+and change it only through the manager's methods.
+
 Prefix caching (vLLM automatic prefix caching): every *full* block gets a
 hash chained from its parent's hash, its token ids and the sequence's extra
 keys: the adapter's version id (the same tokens under another adapter give
@@ -86,6 +92,25 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self.pending = BlockCopies()
         self._swapped: dict[int, list[int]] = {}
+        self._tables: dict[int, list[int]] = {}  # seq_id -> device block ids, logical order
+        self._hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full computed blocks
+
+    # -- block tables -------------------------------------------------------
+    def block_ids(self, seq: Sequence) -> list[int]:
+        """``seq``'s device block table (physical block id per logical block): the live list,
+        read-only for callers ([] when it holds none)."""
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            table = self._tables[seq.seq_id] = []
+        return table
+
+    def block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of ``seq``'s full, computed blocks (prefix caching), read-only for callers."""
+        return self._hashes.get(seq.seq_id, [])
+
+    def num_tables(self) -> int:
+        """Sequences holding a device block table or swapped blocks (0 once all are freed)."""
+        return sum(1 for t in self._tables.values() if t) + len(self._swapped)
 
     # -- sizing -----------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -95,7 +120,7 @@ class KVCacheManager:
         """New device blocks for computing ``num_new_tokens`` more tokens of
         ``seq``, including a copy-on-write of a shared last block."""
         total = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        needed = max(0, total - len(seq.block_ids))
+        needed = max(0, total - len(self.block_ids(seq)))
         return needed + int(self._needs_cow(seq))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -103,7 +128,8 @@ class KVCacheManager:
 
     def _needs_cow(self, seq: Sequence) -> bool:
         first = seq.num_computed_tokens // self.block_size
-        return first < len(seq.block_ids) and self.pool.ref_cnt[seq.block_ids[first]] > 1
+        table = self.block_ids(seq)
+        return first < len(table) and self.pool.ref_cnt[table[first]] > 1
 
     # -- allocation -------------------------------------------------------
     def try_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -112,7 +138,7 @@ class KVCacheManager:
         O(1) when nothing is needed: the common decode step, whose token lands in
         an unshared block the sequence already holds.
         """
-        computed, block_ids = seq.num_computed_tokens, seq.block_ids
+        computed, block_ids = seq.num_computed_tokens, self.block_ids(seq)
         first = computed // self.block_size
         if (computed + num_new_tokens <= len(block_ids) * self.block_size and first < len(block_ids)
                 and self.pool.ref_cnt[block_ids[first]] == 1):
@@ -128,29 +154,32 @@ class KVCacheManager:
         Raises:
             NoFreeBlocksError: callers must check :meth:`can_allocate` first.
         """
+        table = self.block_ids(seq)
         if self._needs_cow(seq):
             idx = seq.num_computed_tokens // self.block_size
-            old = seq.block_ids[idx]
+            old = table[idx]
             new = self.pool.allocate()
             self.pending.copy.append((old, new))
             self.pool.free(old)
-            seq.block_ids[idx] = new
+            table[idx] = new
         total = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_ids) < total:
-            seq.block_ids.append(self.pool.allocate())
+        while len(table) < total:
+            table.append(self.pool.allocate())
 
     def free(self, seq: Sequence) -> None:
-        """Release all of ``seq``'s device blocks, deepest first (eviction order)."""
-        for block in reversed(seq.block_ids):
+        """Release all of ``seq``'s device blocks, deepest first (eviction order), and forget
+        its block hashes (a recomputed sequence hashes its blocks again)."""
+        for block in reversed(self._tables.pop(seq.seq_id, ())):
             self.pool.free(block)
-        seq.block_ids = []
+        self._hashes.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent`` (reference counts + 1)."""
-        for block in parent.block_ids:
+        """``child`` (holding no blocks) shares every block of ``parent`` (reference counts + 1)."""
+        table = self.block_ids(parent)
+        for block in table:
             self.pool.incref(block)
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes)
+        self._tables[child.seq_id] = list(table)
+        self._hashes[child.seq_id] = list(self.block_hashes(parent))
 
     # -- prefix caching ---------------------------------------------------
     def extra_key(self, seq: Sequence) -> str:
@@ -164,7 +193,7 @@ class KVCacheManager:
         compute so logits exist. The admission commits it with :meth:`allocate_new_computed`
         (vLLM v1 ``get_computed_blocks`` / ``allocate_slots``), so a request that waits many
         steps for blocks is looked up many times but counted once."""
-        if not self.enable_prefix_caching or seq.block_ids:
+        if not self.enable_prefix_caching or self._tables.get(seq.seq_id):
             return ComputedBlocks()
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent, extra = b"", self.extra_key(seq)
@@ -193,8 +222,8 @@ class KVCacheManager:
             return False
         for block in hit.block_ids:
             self.pool.incref(block)
-        seq.block_ids = list(hit.block_ids)
-        seq.block_hashes = list(hit.block_hashes)
+        self._tables[seq.seq_id] = list(hit.block_ids)
+        self._hashes[seq.seq_id] = list(hit.block_hashes)
         seq.num_computed_tokens = hit.num_tokens
         if computed is not None and self.enable_prefix_caching:
             self.prefix_stats.queries_tokens += seq.num_tokens
@@ -205,28 +234,36 @@ class KVCacheManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that became full and computed in the last step."""
         num_full = seq.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full <= len(seq.block_hashes):
+        if not self.enable_prefix_caching:
             return
-        extra = self.extra_key(seq)
-        for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+        hashes = self._hashes.get(seq.seq_id)
+        if hashes is None:
+            hashes = self._hashes[seq.seq_id] = []
+        if num_full <= len(hashes):
+            return
+        extra, table = self.extra_key(seq), self.block_ids(seq)
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else b""
             h = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], extra)
-            seq.block_hashes.append(h)
-            self.pool.set_hash(seq.block_ids[i], h)
+            hashes.append(h)
+            self.pool.set_hash(table[i], h)
 
     # -- swapping ---------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return self.swap_pool is not None and len(seq.block_ids) <= self.swap_pool.num_free_blocks
+        return self.swap_pool is not None and len(self.block_ids(seq)) <= self.swap_pool.num_free_blocks
 
     def swap_out(self, seq: Sequence) -> None:
         """Move ``seq``'s blocks to host swap blocks (copies recorded as pending)."""
         assert self.swap_pool is not None
         host = []
-        for block in seq.block_ids:
+        for block in self.block_ids(seq):
             dst = self.swap_pool.allocate()
             self.pending.swap_out.append((block, dst))
             host.append(dst)
+        hashes = self._hashes.get(seq.seq_id)
         self.free(seq)
+        if hashes is not None:  # still valid once swapped back in
+            self._hashes[seq.seq_id] = hashes
         self._swapped[seq.seq_id] = host
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -236,17 +273,23 @@ class KVCacheManager:
         return total <= self.pool.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> None:
+        table = self.block_ids(seq)
         for src in self._swapped.pop(seq.seq_id):
             dst = self.pool.allocate()
             self.pending.swap_in.append((src, dst))
             self.swap_pool.free(src)
-            seq.block_ids.append(dst)
+            table.append(dst)
         # Hashes stay valid only if re-registered on the new blocks.
-        for block, h in zip(seq.block_ids, seq.block_hashes):
+        for block, h in zip(table, self.block_hashes(seq)):
             self.pool.set_hash(block, h)
 
-    def drop_swapped(self, seq: Sequence) -> None:
-        """Forget the host blocks of a swapped sequence that was aborted."""
+    def is_swapped(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._swapped
+
+    def release(self, seq: Sequence) -> None:
+        """Give back everything ``seq`` holds: device blocks (:meth:`free`), host swap blocks
+        and block hashes. Idempotent (a sequence holding nothing is left as it is)."""
+        self.free(seq)
         for src in self._swapped.pop(seq.seq_id, []):
             self.swap_pool.free(src)
 

@@ -1,8 +1,10 @@
 """The synchronous engine: requests in, one scheduling step at a time, outputs out.
 
-``LLMEngine.step()`` = schedule -> model runner -> update sequences (append
-sampled tokens, fork ``n > 1`` groups, detokenize, stop checks) -> free the
-finished. The async server wrapper and the offline :class:`~loraplex.LLM`
+``LLMEngine.step()`` = ``Scheduler.schedule`` -> ``ModelRunner.execute`` ->
+``Scheduler.update_from_output`` (all post-step state: computed tokens, sampled
+tokens, ``n > 1`` forks, detokenization and stop checks, finishing and freeing)
+-> outputs of the requests that progressed. The engine writes no ``Sequence``
+field after building it. The async server wrapper and the offline :class:`~loraplex.LLM`
 both drive it.
 """
 
@@ -25,7 +27,7 @@ from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.adapters.lora_request import LoRARequest
-from loraplex.engine.model_runner import ModelRunner, SampledToken, StepResult
+from loraplex.engine.model_runner import ModelRunner, PendingStep
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.models.quantization import quantize_linears_fp8
 from loraplex.engine.input_processor import (  # noqa: F401 - the errors are re-exported
@@ -153,6 +155,9 @@ class LLMEngine:
         self._generated_total = 0
         self._prompt_total = 0
         self._preemptions = 0
+        self._inflight: tuple[ScheduledBatch, PendingStep] | None = None  # async scheduling: launched, not applied
+        self.num_overlapped_steps = 0  # steps launched while the previous one was not applied yet
+        self._sent: dict[str, dict[int, tuple[int, int]]] = {}  # delta outputs: request -> seq index -> (tokens, chars) sent
 
     # -- construction -----------------------------------------------------
     def _build_lora_pool(self):
@@ -309,31 +314,79 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks and adapter pin (no-op if unknown)."""
         group = self.groups.pop(request_id, None)
-        if group is None:
-            return
-        for seq in group.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+        if group is not None:
+            self.scheduler.finish_group(group, "abort")
+            self._sent.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the outputs of requests that progressed."""
+        """Run one scheduling step; returns the outputs of requests that progressed.
+
+        Sync (``async_scheduling=False``): schedule -> run -> apply the results -> outputs.
+
+        Async (``async_scheduling=True``): step N+1 is scheduled and launched while step N
+        still runs on the device; then N's samples are read back and applied, so a call
+        returns the outputs of the step launched by the previous call. A token sampled in
+        step N enters step N+1 on the device (a placeholder on the host until then), so a
+        sequence that stops at N's token has run one more step for nothing (its blocks are
+        freed then; that extra token is dropped). Step N is applied *before* N+1 is scheduled
+        (a sync step) when the host needs its tokens first: an ``n > 1`` fork, prompt
+        logprobs, or a sampled request with logprobs, structured output, penalties or
+        ``min_tokens``. Tokens are identical to the sync engine's.
+        """
+        if not self.config.async_scheduling:
+            batch = self._schedule()
+            outputs = self._fail_requests(batch) if batch.failures else []
+            if batch.is_empty:
+                self._idle(outputs)
+                return outputs
+            pending = self.runner.launch(batch)
+            self.scheduler.commit(batch)
+            return outputs + self._apply(batch, pending)
+        outputs: list[RequestOutput] = []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and not _overlappable(inflight[0]):
+            outputs += self._apply(*inflight)
+            inflight = None
+        batch = self._schedule()
+        if batch.failures:
+            outputs += self._fail_requests(batch)
+        if not batch.is_empty:
+            if inflight is not None:
+                self.num_overlapped_steps += 1
+            pending = self.runner.launch(batch)
+            self.scheduler.commit(batch)
+            self._inflight = (batch, pending)
+        if inflight is not None:
+            outputs += self._apply(*inflight)
+        elif batch.is_empty:
+            self._idle(outputs)
+        return outputs
+
+    def _schedule(self) -> ScheduledBatch:
         batch = self.scheduler.schedule()
         self._preemptions += batch.num_preempted
-        failed = self._fail_requests(batch) if batch.failures else []
-        if batch.is_empty:
-            if self.lora_pool is not None and not failed:
-                self.lora_pool.wait_for_loads(timeout_s=0.005)  # idle until an adapter read lands
-            return failed
-        result = self.runner.execute(batch)
-        touched = self._postprocess(batch, result)
+        return batch
+
+    def _idle(self, outputs: list[RequestOutput]) -> None:
+        if self.lora_pool is not None and not outputs:
+            self.lora_pool.wait_for_loads(timeout_s=0.005)  # idle until an adapter read lands
+
+    def _apply(self, batch: ScheduledBatch, pending: PendingStep) -> list[RequestOutput]:
+        """Read the step's samples back (waiting for the device) and apply them; the outputs."""
+        update = self.scheduler.update_from_output(batch, pending.result())
+        self._generated_total += update.num_generated_tokens
         self._throughput.add(batch.num_tokens)
-        return failed + [self._make_output(g, finished) for g, finished in touched
-                         if finished or g.params.output_kind == "cumulative"]
+        outputs = []
+        for group, finished in update.groups:
+            if finished:
+                self.groups.pop(group.request_id, None)
+            if finished or group.params.output_kind != "final_only":
+                outputs.append(self._make_output(group, finished))
+        return outputs
 
     def _fail_requests(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Final outputs (``finish_reason="error"``) of the requests whose adapter could not be read."""
@@ -346,86 +399,50 @@ class LLMEngine:
                 name = group.lora_request.lora_name if group.lora_request else None
                 error = f"adapter {name!r} (lora_int_id={failure.lora_int_id}) could not be loaded: {failure.error}"
                 logger.warning("request %s failed: %s", group.request_id, error)
-                for member in group.seqs:
-                    if not member.is_finished:
-                        self.scheduler.finish(member)
-                    member.finish_reason = "error"
+                self.scheduler.finish_group(group, "error")
                 outputs.append(self._make_output(group, True, error))
         return outputs
 
-    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[tuple[RequestGroup, bool]]:
-        """Apply the step's results; returns each touched group with whether it finished."""
-        touched: dict[str, RequestGroup] = {}
-        cache_full_blocks = self.kv_manager.cache_full_blocks
-        for item, samples, plp in zip(batch.seqs, result.samples, result.prompt_logprobs):
-            seq = item.seq
-            group = seq.group
-            seq.num_computed_tokens += item.num_new_tokens
-            cache_full_blocks(seq)
-            if plp is not None:  # plp[k] is for prompt token start + 1 + k; keep the missing ones
-                group.prompt_logprobs.extend(plp[len(group.prompt_logprobs) - 1 - item.start_position:])
-            if samples:
-                if len(samples) == 1 and group.forked:  # the common decode step
-                    self._append_token(seq, samples[0])
-                else:
-                    self._take_samples(seq, samples)
-                touched[group.request_id] = group
-            elif plp:
-                touched[group.request_id] = group
-        out = []
-        for group in touched.values():
-            finished = group.is_finished
-            if finished:
-                self.groups.pop(group.request_id, None)
-            out.append((group, finished))
-        return out
-
-    def _take_samples(self, seq: Sequence, samples: list[SampledToken]) -> None:
-        group = seq.group
-        if len(samples) > 1:
-            group.forked = True
-            for child, sample in zip(group.seqs[1:], samples[1:]):
-                child.num_computed_tokens = seq.num_computed_tokens
-                self.kv_manager.fork(seq, child)
-                self.scheduler.add_forked(child)
-                self._append_token(child, sample)
-        elif group.params.n == 1:
-            group.forked = True
-        self._append_token(seq, samples[0])
-
-    def _append_token(self, seq: Sequence, sample: SampledToken) -> None:
-        seq.append_token(sample.token_id)
-        if seq.grammar is not None and not seq.grammar.accept(sample.token_id):
-            # The mask allows only grammar tokens, so this means a bug: end the sequence, say so.
-            logger.error("request %s: token %d refused by its grammar after %d tokens; sequence aborted",
-                         seq.group.request_id, sample.token_id, seq.grammar.num_accepted_tokens)
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
-            return
-        seq.cumulative_logprob += sample.logprob
-        if seq.logprobs is not None:
-            seq.logprobs.append(sample.top_logprobs or {sample.token_id: sample.logprob})
-        self._generated_total += 1
-        state: SequenceTextState = seq.text_state
-        state.update(sample.token_id)
-        if state.finished:
-            seq.finish_reason, seq.stop_reason = state.finish_reason, state.stop_reason
-            self.scheduler.finish(seq)
-
     def _make_output(self, group: RequestGroup, finished: bool, error: str | None = None) -> RequestOutput:
-        outputs = []
-        for seq in group.seqs if group.forked else group.seqs[:1]:
-            ends = seq.text_state.token_text_ends
-            outputs.append(CompletionOutput(
-                index=seq.index, text=seq.text_state.stream_text, token_ids=list(seq.output_token_ids),
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, token_text_ends=list(ends) if ends is not None else None))
+        """The group's output: its whole state (``cumulative`` / ``final_only``) or what is new since
+        its previous output (``delta``: only the new tokens, text, logprobs and text ends are
+        sliced; nothing already sent is copied)."""
+        seqs = group.seqs if group.forked else group.seqs[:1]
+        if group.params.output_kind == "delta":
+            outputs = self._delta_outputs(group, seqs, finished)
+        else:
+            outputs = []
+            for seq in seqs:
+                ends = seq.text_state.token_text_ends
+                outputs.append(CompletionOutput(
+                    index=seq.index, text=seq.text_state.stream_text, token_ids=list(seq.output_token_ids),
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason, token_text_ends=list(ends) if ends is not None else None))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              group.prompt_logprobs, group.lora_request.lora_name if group.lora_request else None,
                              group.num_cached_tokens, error,
                              None if group.first_scheduled_time is None
                              else max(0.0, group.first_scheduled_time - group.arrival_time))
+
+    def _delta_outputs(self, group: RequestGroup, seqs: list[Sequence], finished: bool) -> list[CompletionOutput]:
+        sent = self._sent.setdefault(group.request_id, {})
+        outputs = []
+        for seq in seqs:
+            tokens_from, chars_from = sent.get(seq.index, (0, 0))
+            state = seq.text_state
+            tokens_to, chars_to = len(seq.output_token_ids), state.stream_end
+            ends = state.token_text_ends
+            outputs.append(CompletionOutput(
+                index=seq.index, text=state.text[chars_from:chars_to],
+                token_ids=seq.output_token_ids[tokens_from:tokens_to],
+                logprobs=seq.logprobs[tokens_from:tokens_to] if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, token_text_ends=ends[tokens_from:tokens_to] if ends is not None else None))
+            sent[seq.index] = (tokens_to, max(chars_from, chars_to))
+        if finished:
+            del self._sent[group.request_id]
+        return outputs
 
     # -- stats ------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -440,6 +457,21 @@ class LLMEngine:
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
             tokens_per_s=self._throughput.rate(), lora=self.lora_pool.stats() if self.lora_pool else None,
             scheduling_policy=self.config.scheduling_policy, tenants=self.scheduler.tenant_stats())
+
+
+def _overlappable(batch: ScheduledBatch) -> bool:
+    """Whether the next step may be scheduled before ``batch``'s samples are applied: no fork,
+    no prompt logprobs, no sampled row that needs its tokens on the host (top logprobs,
+    grammar, penalties or min_tokens read the output so far)."""
+    for item in batch.seqs:
+        if item.num_samples > 1 or item.prompt_logprobs:
+            return False
+        if item.num_samples:
+            p = item.seq.group.params
+            if (p.logprobs is not None or p.structured_outputs is not None or p.min_tokens > 0
+                    or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                return False
+    return True
 
 
 def _resolve_model(config: EngineConfig) -> Path:

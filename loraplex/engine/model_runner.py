@@ -19,9 +19,9 @@ from loraplex.engine.cuda_graphs import CudaGraphRunner
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
-from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, top_logprobs
+from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, _build_output, host_to_device, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch
-from loraplex.engine.sequence import Sequence
+from loraplex.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from loraplex.engine.step_plan import StepPlan
 from loraplex.engine.structured_output import GrammarMaskFiller, PendingMask
 from loraplex.kernels.attention_metadata import AttentionMetadata
@@ -63,7 +63,8 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
         parts += [t, t.new_zeros(padded - t.numel())]
         starts.append(offset)
         offset += padded
-    packed = torch.cat(parts).to(device)
+    packed = torch.cat(parts)
+    packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
     return [packed[start:start + t.numel()] for start, t in zip(starts, tensors)]
 
 
@@ -105,6 +106,42 @@ class StepResult:
     prompt_logprobs: list[list[TopLogprobs] | None]
 
 
+class PendingStep:
+    """A launched step: its sampled ids may still be on the device. :meth:`result` reads them
+    back (the host waits for the step there, not before) and returns the :class:`StepResult`.
+    ``token_ids`` ``[rows] int64`` device tensor (None: no row sampled)."""
+
+    def __init__(self, batch: ScheduledBatch, owner: list[int], token_ids: torch.Tensor | None,
+                 sampled_logprobs: torch.Tensor | None, ready: StepResult | None) -> None:
+        self.batch, self.owner = batch, owner
+        self.token_ids, self.sampled_logprobs = token_ids, sampled_logprobs
+        self._ready = ready
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._copied = None
+        if ready is None and token_ids.is_cuda:
+            # Copy the samples back now, behind this step only: reading them later with
+            # .tolist() would also wait for every step launched after this one.
+            ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            lps = torch.empty(sampled_logprobs.shape, dtype=sampled_logprobs.dtype, pin_memory=True)
+            ids.copy_(token_ids, non_blocking=True)
+            lps.copy_(sampled_logprobs, non_blocking=True)
+            self._host, self._copied = (ids, lps), torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> StepResult:
+        if self._ready is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+                ids, lps = self._host[0].tolist(), self._host[1].tolist()
+            else:
+                ids, lps = self.token_ids.tolist(), self.sampled_logprobs.tolist()
+            samples: list[list[SampledToken]] = [[] for _ in self.batch.seqs]
+            for i, token_id, logprob in zip(self.owner, ids, lps):
+                samples[i].append(SampledToken(token_id, logprob, None))
+            self._ready = StepResult(samples, [None] * len(self.batch.seqs))
+        return self._ready
+
+
 class ModelRunner:
     """Runs one :class:`ScheduledBatch` on the device: ``execute(batch)`` builds the step's input tensors
     (token ids, positions, :class:`AttentionMetadata`, the LoRA mapping from ``slot_of``), applies the batch's
@@ -124,6 +161,8 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = set(model.spec.eos_token_ids)
         self.graphs: CudaGraphRunner | None = None
+        self._last_sampled: torch.Tensor | None = None  # [rows] int64 device: the last launched step's samples
+        self._last_rows: dict[int, int] = {}  # seq_id -> its row in _last_sampled
         self.grammar_masks = GrammarMaskFiller(self.vocab_size, device)
         # Called with each step's plan before its forward (the tensor-parallel driver broadcasts it).
         self.on_step: Callable[[StepPlan], None] | None = None
@@ -149,7 +188,7 @@ class ModelRunner:
             token_ids += item.seq.token_ids[item.start_position:end]
             q_lens.append(item.num_new_tokens)
             seq_lens.append(end)
-            tables.append(item.seq.block_ids)
+            tables.append(item.block_ids)
         return StepPlan(token_ids, q_lens, seq_lens, tables, self._lora_slots(batch), batch.block_copies,
                         use_graph=self._graph_fits(batch))
 
@@ -191,6 +230,15 @@ class ModelRunner:
     # -- step -------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run the step and wait for its result (``launch(batch).result()``)."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> PendingStep:
+        """Queue the step on the device and return without reading its samples back when no
+        row needs top logprobs or prompt logprobs (else the result is read now). Input tokens
+        that are still placeholders (async scheduling: sampled by the previous launched step)
+        are taken from that step's device samples."""
         # Structured-output masks of this step's rows are filled on a worker thread while
         # the inputs are prepared and the forward pass runs; sampling waits for them.
         plan = self._sampling_plan(batch)
@@ -198,30 +246,57 @@ class ModelRunner:
         step = self.plan_step(batch)
         if self.on_step is not None:  # tensor parallelism: the other ranks run the same plan
             self.on_step(step)
-        hidden = self.forward(step)
-        samples = self._sample(batch, plan, step.sample_token_index, hidden, mask)
-        prompt_lps = [None] * len(batch.seqs) if step.use_graph else self._prompt_logprobs(batch, hidden)
-        return StepResult(samples, prompt_lps)
+        hidden = self.forward(step, self._placeholder_inputs(batch))
+        prompt_lps = None
+        if not step.use_graph and any(s.prompt_logprobs for s in batch.seqs):
+            prompt_lps = self._prompt_logprobs(batch, hidden)
+        return self._sample(batch, plan, step.sample_token_index, hidden, mask, prompt_lps)
+    def _placeholder_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+        """(batch rows whose last input token is a placeholder, the row of the previous launched
+        step that sampled it)."""
+        rows, src = [], []
+        for b, item in enumerate(batch.seqs):
+            seq = item.seq
+            if seq.num_pending_tokens and seq.token_ids[item.start_position + item.num_new_tokens - 1] == PLACEHOLDER_TOKEN:
+                rows.append(b)
+                src.append(self._last_rows[seq.seq_id])
+        return rows, src
+
+    def _fixed_inputs(self, index: list[int], src: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices on the device, their ids from the previous step's samples) or None."""
+        if not index:
+            return None
+        if index == src == list(range(len(index))):  # steady decode: the same rows, in the same order
+            return slice(0, len(index)), self._last_sampled[:len(index)]
+        return (host_to_device(index, torch.int64, self.device),
+                self._last_sampled.index_select(0, host_to_device(src, torch.int64, self.device)))
 
     @torch.inference_mode()
-    def forward(self, step: StepPlan) -> torch.Tensor:
+    def forward(self, step: StepPlan, placeholders: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
         """Block moves, then the forward pass of ``step``: ``[rows, hidden]`` (one row per token, or one per
-        sequence when a decode graph is replayed)."""
+        sequence when a decode graph is replayed). ``placeholders``: (batch rows whose last input token is a
+        placeholder, the previous launched step's sample row holding it) — async scheduling, driver only."""
         self.kv_cache.apply(step.block_copies)
+        rows, src = placeholders or ([], [])
         if step.use_graph:
-            return self._run_graph(step)
+            return self._run_graph(step, self._fixed_inputs(rows, src))
         inputs = self.prepare_inputs(step)
+        if rows:
+            ends = inputs.sample_token_index
+            index, values = self._fixed_inputs([ends[b] for b in rows], src)
+            inputs.input_ids[index] = values
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
 
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.seqs) <= self.graphs.max_batch_size
                 and all(s.num_new_tokens == 1 and not s.prompt_logprobs for s in batch.seqs))
 
-    def _run_graph(self, step: StepPlan) -> torch.Tensor:
+    def _run_graph(self, step: StepPlan, input_fix=None) -> torch.Tensor:
         bs = self.block_size
         positions = [n - 1 for n in step.seq_lens]
         slots = [table[pos // bs] * bs + pos % bs for table, pos in zip(step.block_tables, positions)]
-        return self.graphs.run(step.token_ids, positions, slots, step.seq_lens, step.block_tables, step.lora_slots)
+        return self.graphs.run(step.token_ids, positions, slots, step.seq_lens, step.block_tables, step.lora_slots,
+                               input_fix=input_fix)
 
     def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Adapter slot of each sequence (-1 = base model); None when no sequence uses an adapter."""
@@ -244,27 +319,32 @@ class ModelRunner:
                 plan += [(i, seqs[item.seq.index + c]) for c in range(item.num_samples)]
         return plan
 
-    def _sample(self, batch: ScheduledBatch, plan: list[tuple[int, Sequence]], sample_token_index: list[int],
-                hidden: torch.Tensor, mask: PendingMask | None) -> list[list[SampledToken]]:
-        if not plan:
-            return [[] for _ in batch.seqs]
-        rows = [self._sampling_row(seq) for _, seq in plan]
+    def _sample(self, batch: ScheduledBatch, plan: list[tuple[int, Sequence]], sample_index: list[int],
+                hidden: torch.Tensor, mask: PendingMask | None, prompt_lps) -> PendingStep:
         owner = [i for i, _ in plan]
-        row_index = [sample_token_index[i] for i in owner]
+        if prompt_lps is None:
+            prompt_lps = [None] * len(batch.seqs)
+        if not plan:
+            return PendingStep(batch, owner, None, None, StepResult([[] for _ in batch.seqs], prompt_lps))
+        rows = [self._sampling_row(seq) for _, seq in plan]
+        row_index = [sample_index[i] for i in owner]
         if row_index != list(range(hidden.shape[0])):
-            hidden = hidden[torch.tensor(row_index, device=hidden.device)]
+            hidden = hidden[host_to_device(row_index, torch.int64, hidden.device)]
         logits = self.model.compute_logits(hidden)
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if mask is not None:
             sampling.grammar_bitmask = mask.result()
-        out = self.sampler(logits, sampling)
-        samples = zip(out.token_ids, out.sampled_logprobs, out.logprobs)
-        if owner == list(range(len(batch.seqs))):  # one sample per sequence (the decode case)
-            return [[SampledToken(token_id, logprob, top)] for token_id, logprob, top in samples]
+        raw_logprobs, token_ids = self.sampler.sample_on_device(logits, sampling)
+        self._last_sampled = token_ids
+        self._last_rows = {seq.seq_id: r for r, (_, seq) in enumerate(plan)}
+        if all(n is None for n in sampling.num_logprobs) and not any(p is not None for p in prompt_lps):
+            sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            return PendingStep(batch, owner, token_ids, sampled, None)
+        out = _build_output(raw_logprobs, token_ids, sampling.num_logprobs)
         result: list[list[SampledToken]] = [[] for _ in batch.seqs]
-        for i, (token_id, logprob, top) in zip(owner, samples):
+        for i, token_id, logprob, top in zip(owner, out.token_ids, out.sampled_logprobs, out.logprobs):
             result[i].append(SampledToken(token_id, logprob, top))
-        return result
+        return PendingStep(batch, owner, token_ids, None, StepResult(result, prompt_lps))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampling input, built once (it holds the live output list)."""

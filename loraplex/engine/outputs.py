@@ -12,7 +12,11 @@ TopLogprobs = dict[int, float]
 class CompletionOutput:
     """One of the ``n`` completions of a request.
 
-    ``text`` and ``token_ids`` are cumulative (everything generated so far).
+    ``text`` and ``token_ids`` are cumulative (everything generated so far), or, with
+    ``SamplingParams.output_kind == "delta"``, what is new since the request's previous
+    output (then ``logprobs`` and ``token_text_ends`` are the new entries too, the ends
+    still counted in characters of the whole text; ``cumulative_logprob``,
+    ``finish_reason`` and ``stop_reason`` are the current values in every mode).
     ``logprobs[i]`` holds the top log-probabilities at generated position i,
     always including the sampled token. ``finish_reason`` is ``None`` while
     running, then ``"stop"`` (EOS, stop string or stop token) or ``"length"``
@@ -43,7 +47,8 @@ class RequestOutput:
     """The state of one request after an engine step.
 
     ``prompt_logprobs[i]`` is ``None`` for the first prompt token and the top
-    log-probabilities of prompt token i given tokens < i otherwise.
+    log-probabilities of prompt token i given tokens < i otherwise (in every output kind
+    the whole list so far, shared with the engine: read it, do not change it).
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
     ``error`` is set (and every completion's ``finish_reason`` is ``"error"``) when
     the request failed while queued, e.g. its adapter's files could not be read.

@@ -132,6 +132,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]
     grammar_bitmask: torch.Tensor | None = None
+    greedy_rows: tuple[bool, ...] = ()  # ``greedy`` on the host (no device read while sampling)
 
     @property
     def num_rows(self) -> int:
@@ -155,7 +156,7 @@ class SamplingBatch:
         return cls(
             vocab_size=vocab_size,
             temperature=_float_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=host_to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             min_p=_min_p_tensor(params, greedy, device),
             top_k=_top_k_tensor(params, greedy, vocab_size, device),
@@ -164,6 +165,7 @@ class SamplingBatch:
             penalties=_penalty_tensors(rows, vocab_size, device),
             generators=[row.generator for row in rows],
             num_logprobs=[p.logprobs for p in params],
+            greedy_rows=tuple(greedy),
         )
 
     @classmethod
@@ -183,6 +185,7 @@ class SamplingBatch:
             penalties=None,
             generators=[row.generator for row in rows],
             num_logprobs=[row.params.logprobs for row in rows],
+            greedy_rows=(True,) * num_rows,
         )
 
 
@@ -212,6 +215,12 @@ class Sampler:
         ``logits``: ``[B, V] float32`` model output for the last position of
         each row; not modified. Raises ``ValueError`` on a wrong dtype or shape.
         """
+        raw_logprobs, token_ids = self.sample_on_device(logits, batch)
+        return _build_output(raw_logprobs, token_ids, batch.num_logprobs)
+
+    def sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device half of :meth:`__call__`, reading nothing back to the host:
+        ``(raw logprobs [B, V] float32, sampled ids [B] int64)``."""
         _check_logits(logits, batch)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         # Only the grammar and banned masks work in place; every later stage returns a new tensor.
@@ -219,8 +228,7 @@ class Sampler:
         if batch.banned_mask is not None or batch.grammar_bitmask is not None:
             masked = apply_banned_mask(apply_token_bitmask_(logits.clone(), batch.grammar_bitmask), batch.banned_mask)
         processed = apply_penalties(masked, batch.penalties)
-        token_ids = _select_tokens(processed, batch)
-        return _build_output(raw_logprobs, token_ids, batch.num_logprobs)
+        return raw_logprobs, _select_tokens(processed, batch)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
@@ -325,8 +333,18 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
             and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A 1-D tensor of ``values`` on ``device``. To a CUDA device through pinned memory with a
+    non-blocking copy: a copy from pageable memory would wait for the work queued on the
+    stream (and so for the step still running under async scheduling)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _float_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return host_to_device(values, torch.float32, device)
 
 
 def _min_p_tensor(params: list[SamplingParams], greedy: list[bool], device) -> torch.Tensor | None:
@@ -338,7 +356,7 @@ def _top_k_tensor(params: list[SamplingParams], greedy: list[bool], vocab_size: 
     values = [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
     if all(v == vocab_size for v in values):
         return None
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return host_to_device(values, torch.int64, device)
 
 
 def _top_p_tensor(params: list[SamplingParams], greedy: list[bool], device) -> torch.Tensor | None:
@@ -432,7 +450,7 @@ def _select_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``[B, V] float32`` i.i.d. Exp(1) draws; a seeded row draws from its own generator only."""
     noise = torch.empty_like(probs)
-    greedy = batch.greedy.tolist()
+    greedy = batch.greedy_rows or batch.greedy.tolist()
     if any(g is None and not is_greedy for g, is_greedy in zip(batch.generators, greedy)):
         noise.exponential_()
     for b, (generator, is_greedy) in enumerate(zip(batch.generators, greedy)):

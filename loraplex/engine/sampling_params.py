@@ -48,8 +48,10 @@ class SamplingParams:
       logits matmul per prefill chunk; its blocks still feed the prefix cache.
     - ``skip_special_tokens``: leave special tokens out of the decoded text.
     - ``output_kind``: ``"cumulative"`` returns the request's state after every
-      step (streaming); ``"final_only"`` returns it once, when finished (the
-      offline :class:`~loraplex.LLM` uses it; text is then decoded once).
+      step; ``"delta"`` returns after every step only what is new since the
+      previous output (new token ids, text, logprobs, text ends; the server
+      streams these); ``"final_only"`` returns the whole state once, when
+      finished (the offline :class:`~loraplex.LLM` uses it; text is then decoded once).
     - ``structured_outputs``: a :class:`StructuredOutputsParams` (JSON schema,
       JSON object, regex, choice or EBNF grammar, as vLLM) the output must
       follow; ``None`` = unconstrained. Not combinable with ``ignore_eos`` or
@@ -103,8 +105,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              self.prompt_logprobs, "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
-            (self.output_kind in ("cumulative", "final_only"), "output_kind", self.output_kind,
-             "must be 'cumulative' or 'final_only'"),
+            (self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
+             "must be 'cumulative', 'delta' or 'final_only'"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or None"),
             (self.structured_outputs is None or not self.ignore_eos, "ignore_eos", self.ignore_eos,

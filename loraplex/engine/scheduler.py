@@ -72,22 +72,35 @@ at the token budget or ``max_num_seqs``) are asked too: their reads start
 ahead of need. The pins of one step write their device slots together at the
 end of admission (``AdapterPins.batched_installs``). An adapter whose read fails fails exactly its waiting and swapped
 requests (``ScheduledBatch.failures``); everyone else keeps running.
+
+Post-step state: :meth:`Scheduler.update_from_output` applies a step's
+:class:`~loraplex.engine.model_runner.StepResult` (computed tokens advance, blocks are
+hashed, prompt logprobs kept, sampled tokens appended, ``n > 1`` groups forked, sequences
+finished on EOS / stop token / stop string / length / grammar refusal). Nobody else writes
+a :class:`Sequence` after it was built. Recompute preemption, finish and abort share one
+reset path (``_reset``: leave the queue, give back every block, 0 computed tokens).
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import time
 from collections import deque
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from loraplex.adapters.errors import AdapterError
 from loraplex.engine.fairness import TenantServiceStats, VirtualTokenCounter
 from loraplex.engine.kv_cache_manager import BlockCopies, KVCacheManager
-from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.sequence import PLACEHOLDER_TOKEN, RequestGroup, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from loraplex.engine.model_runner import SampledToken, StepResult
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -95,15 +108,27 @@ class ScheduledSeq:
     """One sequence's work in a step: compute tokens
     ``[start_position, start_position + num_new_tokens)``; sample
     ``num_samples`` next tokens from the last one (0 while a prompt chunk
-    does not reach the end; ``n`` when a group forks). Read-only after the
-    scheduler builds it (not frozen: a frozen dataclass costs ~4x more to
-    build, once per running sequence per step)."""
+    does not reach the end; ``n`` when a group forks). ``block_ids`` is the
+    sequence's block table (the KV cache manager's live list; read it, never
+    change it). Read-only after the scheduler builds it (not frozen: a frozen
+    dataclass costs ~4x more to build, once per running sequence per step)."""
 
     seq: Sequence
     start_position: int
     num_new_tokens: int
     num_samples: int
     prompt_logprobs: bool
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What :meth:`Scheduler.update_from_output` changed: ``groups``, each request group that
+    got tokens or prompt logprobs this step (batch order) with whether it is finished now;
+    ``num_generated_tokens``, the tokens appended."""
+
+    groups: list[tuple[RequestGroup, bool]]
+    num_generated_tokens: int
 
 
 @dataclass(frozen=True)
@@ -262,8 +287,8 @@ class Scheduler:
     """Decides which sequences run each step and how many tokens each computes; owns the waiting, running and
     swapped queues. ``schedule()`` returns a :class:`ScheduledBatch` (running first, then swapped, then waiting
     FCFS, under ``max_num_batched_tokens`` and ``max_num_seqs``) and allocates, swaps and frees KV blocks through
-    ``kv`` (the :class:`KVCacheManager`) and adapter slots through ``pins``; ``finish`` removes a finished or
-    aborted sequence. It never touches tensors (see the module docstring for preemption and adapter admission)."""
+    ``kv`` (the :class:`KVCacheManager`) and adapter slots through ``pins``; ``update_from_output`` applies the
+    step's results (all post-step state); ``finish`` / ``finish_group`` end sequences. It never touches tensors (see the module docstring for preemption and adapter admission)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pins: AdapterPins | None = None) -> None:
         self.config = config
@@ -300,24 +325,122 @@ class Scheduler:
             del self._queued[tenant]
             self.vtc.left(tenant)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its blocks."""
-        if seq in self.running:
+    def finish(self, seq: Sequence, finish_reason: str, stop_reason: str | int | None = None) -> None:
+        """End ``seq`` (no-op when it ended already): it leaves its queue, gives back its blocks
+        and adapter pin (the reset path) and keeps its tokens, with ``finish_reason``
+        (``"stop"``, ``"length"``, ``"abort"``, ``"error"``) and ``stop_reason``."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        self._reset(seq, SequenceStatus.FINISHED)
+        seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        if seq.num_pending_tokens:  # tokens of steps launched after the one it stopped at
+            del seq.token_ids[-seq.num_pending_tokens:]
+            del seq.output_token_ids[-seq.num_pending_tokens:]
+            seq.num_pending_tokens = 0
+
+    def finish_group(self, group: RequestGroup, finish_reason: str) -> None:
+        """End every unfinished sequence of ``group`` (abort, failed adapter read)."""
+        for seq in group.seqs:
+            self.finish(seq, finish_reason)
+
+    def _detach(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queue it is in (a running one also drops its adapter pin)."""
+        if seq.status is SequenceStatus.RUNNING:
             self._stop_running(seq)
-            self.kv.free(seq)
-        elif seq in self.swapped:
+        elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self._dequeued(seq)
-            self.kv.drop_swapped(seq)
-        elif seq in self.waiting:
+        elif seq in self.waiting:  # an unforked sibling of an n > 1 group is in no queue
             self.waiting.remove(seq)
             self._dequeued(seq)
-            self.kv.free(seq)
-        seq.status = SequenceStatus.FINISHED
 
-    def add_forked(self, seq: Sequence) -> None:
-        """A child of a group fork; it already shares the parent's blocks."""
-        self._start_running(seq)
+    def _reset(self, seq: Sequence, status: SequenceStatus) -> None:
+        """The one reset path of recompute preemption, finish and abort: ``seq`` leaves its
+        queue, gives back every block (device, host swap, block hashes) and counts 0 computed
+        tokens; its tokens stay."""
+        self._detach(seq)
+        self.kv.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = status
+
+    # -- the return half of a step -----------------------------------------
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The step ``batch`` was launched: its tokens count as computed, and each sequence that
+        samples one token gets a placeholder for it (``PLACEHOLDER_TOKEN``, replaced by
+        :meth:`update_from_output`), so the next step can be scheduled before the host sees
+        the token (async scheduling; the sync engine calls it too, just before the update).
+        A group's first sample with ``n > 1`` (a fork) gets no placeholder."""
+        for item in batch.seqs:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.num_samples == 1:
+                seq.append_token(PLACEHOLDER_TOKEN)
+                seq.num_pending_tokens += 1
+
+    def update_from_output(self, batch: ScheduledBatch, result: StepResult) -> StepUpdate:
+        """Apply the results of committed step ``batch`` (:meth:`commit`) to its sequences
+        (those that finished since, e.g. aborted or stopped one step earlier, are skipped; a
+        sequence preempted since still gets its token): replace the placeholders by the
+        sampled tokens, hash the blocks that became full, keep the prompt logprobs, fork
+        ``n > 1`` groups at their first sample, finish sequences (EOS, stop token or string,
+        length, a token the grammar refuses). ``result.samples[i]`` /
+        ``result.prompt_logprobs[i]`` belong to ``batch.seqs[i]``."""
+        touched: dict[str, RequestGroup] = {}
+        cache_full_blocks, running, finished = self.kv.cache_full_blocks, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        generated = 0
+        for item, samples, plp in zip(batch.seqs, result.samples, result.prompt_logprobs):
+            seq = item.seq
+            if seq.status is finished:
+                continue
+            group = seq.group
+            if item.num_samples == 1:  # the placeholder of this step: the oldest pending one
+                index = len(seq.token_ids) - seq.num_pending_tokens
+                seq.token_ids[index] = seq.output_token_ids[index - seq.num_prompt_tokens] = samples[0].token_id
+                seq.num_pending_tokens -= 1
+            if seq.status is running:
+                cache_full_blocks(seq)
+            if plp is not None:  # plp[k] is for prompt token start + 1 + k; keep the missing ones
+                group.prompt_logprobs.extend(plp[len(group.prompt_logprobs) - 1 - item.start_position:])
+                if plp:
+                    touched[group.request_id] = group
+            if samples:
+                if len(samples) > 1:
+                    seq.append_token(samples[0].token_id)
+                    self._fork(seq, samples)
+                elif not group.forked:
+                    group.forked = True  # n == 1: its only sequence is the group's output
+                self._accept_token(seq, samples[0])
+                generated += len(samples)
+                touched[group.request_id] = group
+        return StepUpdate([(g, g.is_finished) for g in touched.values()], generated)
+
+    def _fork(self, parent: Sequence, samples: list[SampledToken]) -> None:
+        """The group's other ``n - 1`` sequences start running on the parent's blocks, each with
+        its own first sample."""
+        group = parent.group
+        group.forked = True
+        for child, sample in zip(group.seqs[1:], samples[1:]):
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.fork(parent, child)
+            self._start_running(child)
+            child.append_token(sample.token_id)
+            self._accept_token(child, sample)
+
+    def _accept_token(self, seq: Sequence, sample: SampledToken) -> None:
+        """The host's part of a token already in ``seq.token_ids``: grammar, logprobs, text, stop."""
+        if seq.grammar is not None and not seq.grammar.accept(sample.token_id):
+            # The mask allows only grammar tokens, so this means a bug: end the sequence, say so.
+            logger.error("request %s: token %d refused by its grammar after %d tokens; sequence aborted",
+                         seq.group.request_id, sample.token_id, seq.grammar.num_accepted_tokens)
+            self.finish(seq, "abort")
+            return
+        seq.cumulative_logprob += sample.logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(sample.top_logprobs or {sample.token_id: sample.logprob})
+        state = seq.text_state
+        state.update(sample.token_id)
+        if state.finished:
+            self.finish(seq, state.finish_reason, state.stop_reason)
 
     @property
     def num_unfinished(self) -> int:
@@ -379,7 +502,7 @@ class Scheduler:
             seq.num_charged_prompt_tokens = max(seq.num_charged_prompt_tokens, end)
         if fresh or samples:
             self.vtc.charge(group.tenant_id, fresh, samples)
-        return ScheduledSeq(seq, start, n, samples, wants_plp)
+        return ScheduledSeq(seq, start, n, samples, wants_plp, self.kv.block_ids(seq))
 
     def _schedule_running(self, planned: list[ScheduledSeq], budget: int) -> int:
         preempted = 0
@@ -460,18 +583,15 @@ class Scheduler:
             self.pins.unpin(seq.group.lora_int_id)
 
     def _preempt(self, seq: Sequence) -> None:
-        self._stop_running(seq)
         seq.num_preemptions += 1
         if self.kv.can_swap_out(seq):
+            self._detach(seq)
             self.kv.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             self._enqueued(seq)
             self.swapped.append(seq)
-        else:
-            self.kv.free(seq)
-            seq.num_computed_tokens = 0
-            seq.block_hashes = []
-            seq.status = SequenceStatus.WAITING
+        else:  # recompute: the reset path, then first in the waiting queue
+            self._reset(seq, SequenceStatus.WAITING)
             seq.wait_since_step = self.num_steps
             self._enqueued(seq)
             self.waiting.appendleft(seq)
@@ -593,6 +713,6 @@ class Scheduler:
         for lora, error in failed.items():
             seqs = tuple(s for queue in (self.waiting, self.swapped) for s in queue if s.group.lora_int_id == lora)
             for seq in seqs:
-                self.finish(seq)
+                self.finish(seq, "error")
             failures.append(AdapterLoadFailure(lora, error, seqs))
         return tuple(failures)

@@ -3,7 +3,7 @@
 A *request group* is what a user submitted (one prompt, ``n`` completions).
 A *sequence* is the scheduling unit: one stream of tokens with its own block
 table. A group starts with one sequence; when its prompt is computed and
-``n > 1``, the engine forks ``n - 1`` more that share the prompt's KV blocks.
+``n > 1``, the scheduler forks ``n - 1`` more that share the prompt's KV blocks.
 
 Token bookkeeping of one sequence (positions)::
 
@@ -30,6 +30,11 @@ from loraplex.engine.outputs import TopLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 
 
+# A sampled token the host has not seen yet (async scheduling): appended when its step is
+# launched, replaced by the real id when the step's result is applied.
+PLACEHOLDER_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -39,7 +44,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream with its block table (physical block ids per logical block).
+    """One token stream (its block table is the KV cache manager's, keyed by ``seq_id``).
+
+    After construction only the scheduler changes a sequence (``Scheduler.schedule`` and
+    ``Scheduler.update_from_output``; see docs/ARCHITECTURE.md, "Post-step state").
 
     ``token_ids`` is prompt + output; ``output_token_ids`` is the same output
     kept as its own list (no slicing per step). Generated tokens are added with
@@ -59,8 +67,6 @@ class Sequence:
     text_state: Any
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
     logprobs: list[TopLogprobs] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -69,6 +75,7 @@ class Sequence:
     grammar: Any = None
     wait_since_step: int = 0  # scheduler step at which it last entered the waiting queue
     num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant (fair policy)
+    num_pending_tokens: int = 0  # trailing PLACEHOLDER_TOKENs: sampled on the device, not yet seen by the host
     output_token_ids: list[int] = field(init=False)
     sampling_row: Any = field(default=None, init=False, repr=False)
 

@@ -5,7 +5,8 @@ The engine is not thread-safe, so one dedicated thread owns it: it runs
 commands queued by the event loop (add a request, abort one, retire an
 adapter, read stats). Outputs go back to per-request ``asyncio.Queue``s with
 ``loop.call_soon_threadsafe``; :meth:`AsyncEngine.generate` yields each
-request's cumulative :class:`RequestOutput`s. Closing the generator early
+request's :class:`RequestOutput`s as its ``SamplingParams.output_kind`` asks (the
+OpenAI server asks for ``"delta"``: each step's new tokens, text and logprobs). Closing the generator early
 (client disconnected, task cancelled) aborts the request, which frees its KV
 blocks and its adapter slot pin.
 
@@ -151,7 +152,8 @@ class AsyncEngine:
                           lora_request: LoRARequest | None = None, *, tenant: TenantShare | None = None,
                           queue_deadline: float | None = None, retry_after_s: int = 1,
                           on_done: Callable[[], None] | None = None) -> RequestStream:
-        """Queue a request and return the stream of its cumulative outputs.
+        """Queue a request and return the stream of its outputs (cumulative or delta, as
+        ``params.output_kind`` says).
 
         ``tenant``: whom it is served for (fair scheduling). ``queue_deadline``: ``clock`` time by
         which the engine must have scheduled it, else it is aborted and the stream raises
@@ -374,7 +376,7 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative outputs; ends after the finished one.
+    """Async iterator over one request's outputs (as its ``output_kind`` asks); ends after the finished one.
 
     Raises ``EngineStoppedError`` (or the exception ``engine.step()`` raised) if the
     engine fails meanwhile. :meth:`close` aborts the request unless it finished.

@@ -1,8 +1,10 @@
 """A counted-step driver for the scheduler with a fake model runner (no model, no clock).
 
 Each ``Sim.step()`` = arrivals due at this step are queued -> ``Scheduler.schedule()`` ->
-every planned sequence advances by its planned tokens (blocks hashed as the engine does),
-a planned sample appends one token, a sequence finishes after ``max_tokens`` outputs.
+a fake step result (token 7 for every planned sample) -> ``Scheduler.commit`` and
+``Scheduler.update_from_output``
+(as the engine does: tokens computed, blocks hashed, a sample appended, the sequence
+finished after ``max_tokens`` outputs through its text state, here the ``SimRequest``).
 Service is measured here from the batches themselves (independent of the scheduler's own
 counters): prompt tokens computed the first time, output tokens sampled.
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from loraplex.engine.kv_cache_manager import KVCacheManager
+from loraplex.engine.model_runner import SampledToken, StepResult
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
@@ -35,6 +38,17 @@ class SimRequest:
     first_token_step: int | None = None
     finish_step: int | None = None
     on_finish: Callable[["SimRequest"], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.num_outputs = 0
+        self.finished = False
+        self.finish_reason = self.stop_reason = None
+
+    def update(self, token_id: int) -> None:
+        """The text state's part: count the token, finish at ``max_tokens``."""
+        self.num_outputs += 1
+        if self.num_outputs >= self.max_tokens:
+            self.finished, self.finish_reason = True, "length"
 
     @property
     def ttft_steps(self) -> int:
@@ -94,19 +108,21 @@ class Sim:
             fresh = max(0, min(end, seq.num_prompt_tokens) - max(start, getattr(req, "_prompt_done", 0)))
             req._prompt_done = max(getattr(req, "_prompt_done", 0), min(end, seq.num_prompt_tokens))
             served[req.tenant][0] += fresh
-            seq.num_computed_tokens = end
-            self.scheduler.kv.cache_full_blocks(seq)
             if item.num_samples:
                 served[req.tenant][1] += 1
                 outputs[req.lora] += 1
-                seq.append_token(7)
                 if req.first_token_step is None:
                     req.first_token_step = self.now
-                if seq.num_output_tokens >= req.max_tokens:
-                    req.finish_step = self.now
-                    self.scheduler.finish(seq)
-                    if req.on_finish is not None:
-                        req.on_finish(req)
+        result = StepResult([[SampledToken(7, 0.0, None)] * item.num_samples for item in batch.seqs],
+                            [None] * len(batch.seqs))
+        self.scheduler.commit(batch)
+        update = self.scheduler.update_from_output(batch, result)
+        for group, finished in update.groups:
+            req = group.seqs[0].text_state
+            if finished:
+                req.finish_step = self.now
+                if req.on_finish is not None:
+                    req.on_finish(req)
         self.service.append(dict(served))
         self.lora_outputs.append(dict(outputs))
         return batch

@@ -55,13 +55,13 @@ def test_prefix_sharing_exact_blocks_and_eviction_order():
     kv.allocate_slots(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens
     kv.cache_full_blocks(a)
-    assert a.block_ids == [0, 1, 2, 3]
+    assert kv.block_ids(a) == [0, 1, 2, 3]
     b = make_seq(prefix + [7, 8, 9], seq_id=2)
     assert take_prefix(kv, b) == 12
-    assert b.block_ids == [0, 1, 2]
+    assert kv.block_ids(b) == [0, 1, 2]
     assert [kv.pool.ref_cnt[i] for i in range(4)] == [2, 2, 2, 1]
     kv.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
-    assert b.block_ids == [0, 1, 2, 4]
+    assert kv.block_ids(b) == [0, 1, 2, 4]
     kv.free(a)
     kv.free(b)
     # a frees only its private block 3 (0-2 are still held by b); b frees deepest first.
@@ -70,7 +70,7 @@ def test_prefix_sharing_exact_blocks_and_eviction_order():
     # New work takes never-used blocks first, then evicts oldest-freed, deepest first.
     c = make_seq(list(range(500, 524)), seq_id=3)
     kv.allocate_slots(c, c.num_tokens)
-    assert c.block_ids == [5, 6, 7, 8, 9, 3]
+    assert kv.block_ids(c) == [5, 6, 7, 8, 9, 3]
     assert kv.pool.lookup(kv.pool.block_hash(2)) == 2
 
 
@@ -94,16 +94,16 @@ def test_fork_then_copy_on_write():
     child = make_seq(list(range(6)), 2)
     child.num_computed_tokens = 6
     kv.fork(parent, child)
-    assert child.block_ids == parent.block_ids == [0, 1]
+    assert kv.block_ids(child) == kv.block_ids(parent) == [0, 1]
     assert kv.pool.ref_cnt[:2] == [2, 2]
     parent.token_ids.append(50)
     assert kv.num_blocks_needed(parent, 1) == 1  # the copy of shared block 1
     kv.allocate_slots(parent, 1)
-    assert parent.block_ids == [0, 2]
+    assert kv.block_ids(parent) == [0, 2]
     assert kv.take_pending().copy == [(1, 2)]
     child.token_ids.append(60)
     kv.allocate_slots(child, 1)  # now sole owner of block 1: writes in place
-    assert child.block_ids == [0, 1]
+    assert kv.block_ids(child) == [0, 1]
     assert not kv.take_pending()
 
 
@@ -126,7 +126,7 @@ def test_random_operations_never_leak(ops):
                 live.append(seq)
             else:  # a failed admission changes nothing (it is retried next step)
                 assert (list(kv.pool.ref_cnt), kv.pool.free_queue_order(), kv.prefix_stats.queries_tokens) == before
-                assert seq.block_ids == [] and seq.num_computed_tokens == 0
+                assert kv.block_ids(seq) == [] and seq.num_computed_tokens == 0
         elif op == "append":
             seq = live[pick % len(live)]
             seq.token_ids.extend([pick] * n)
@@ -156,8 +156,8 @@ def test_random_operations_never_leak(ops):
 def _check_invariants(kv: KVCacheManager, live: list[Sequence]) -> None:
     counts = [0] * kv.pool.num_blocks
     for seq in live:
-        assert len(seq.block_ids) == kv.blocks_for(seq.num_computed_tokens)
-        for b in seq.block_ids:
+        assert len(kv.block_ids(seq)) == kv.blocks_for(seq.num_computed_tokens)
+        for b in kv.block_ids(seq):
             counts[b] += 1
     assert counts == kv.pool.ref_cnt
     free = set(kv.pool.free_queue_order())

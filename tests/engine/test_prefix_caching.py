@@ -103,10 +103,11 @@ def test_n4_shares_prompt_blocks_copy_on_write_no_leak(tiny_llama_dir):
     engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
     engine.step()  # prefill + fork
     seqs = engine.groups["n4"].seqs
-    assert all(s.block_ids[:10] == seqs[0].block_ids[:10] for s in seqs)
-    assert engine.kv_manager.pool.ref_cnt[seqs[0].block_ids[0]] == 4
+    table = engine.kv_manager.block_ids
+    assert all(table(s)[:10] == table(seqs[0])[:10] for s in seqs)
+    assert engine.kv_manager.pool.ref_cnt[table(seqs[0])[0]] == 4
     engine.step()  # each child writes into the shared partial block: copy-on-write
-    last_blocks = {s.block_ids[10] for s in seqs}
+    last_blocks = {table(s)[10] for s in seqs}
     assert len(last_blocks) == 4
     final = None
     while engine.has_unfinished_requests():

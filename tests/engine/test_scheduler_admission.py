@@ -87,7 +87,7 @@ def scheduled(batch) -> list[str]:
 def finish(scheduler, *request_ids: str) -> None:
     for seq in list(scheduler.running):
         if seq.group.request_id in request_ids:
-            scheduler.finish(seq)
+            scheduler.finish(seq, "stop")
 
 
 def test_base_and_running_adapter_requests_pass_a_blocked_one():

@@ -98,6 +98,7 @@ class ChoiceProgress:
     """What of one choice was sent so far (streaming); a fresh one builds a whole response."""
 
     splitter: TokenTextSplitter = field(default_factory=TokenTextSplitter)
+    raws: list[bytes] = field(default_factory=list)  # bytes of the tokens seen so far (grows by the new ones)
     sent_chars: int = 0
     started: bool = False
     finish_sent: bool = False
@@ -159,8 +160,10 @@ class OpenAIFormatter:
 
     def _pieces(self, completion: CompletionOutput, progress: ChoiceProgress, finished: bool) -> list[TokenPiece]:
         ends = completion.token_text_ends or []
-        raws = self.tokens.raws(completion.token_ids[:len(ends)], self.prep.params.skip_special_tokens)
-        return progress.splitter.advance(completion.text, ends, raws, finished=finished)
+        have = len(progress.raws)
+        if len(ends) > have:  # only the new tokens' bytes
+            progress.raws += self.tokens.raws(completion.token_ids[have:len(ends)], self.prep.params.skip_special_tokens)
+        return progress.splitter.advance(completion.text, ends, progress.raws, finished=finished)
 
     def _completion_entries(self, completion: CompletionOutput, pieces: list[TokenPiece], start: int,
                             base: int) -> list[TokenEntry]:

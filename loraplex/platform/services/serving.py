@@ -7,10 +7,12 @@
 2. :func:`run_to_completion` (one typed response) or :func:`stream_chunks` (typed
    chunks; the route encodes them as server-sent events). Each prompt of a request is
    one engine request with ``n`` completions; choice index = ``prompt_index * n +
-   completion index``. Streaming turns cumulative outputs into deltas
-   (:class:`~loraplex.platform.services.openai_format.OpenAIFormatter.delta`): the
-   engine's text only grows (stop strings are held back), so the delta is the
-   text past what was sent; a choice's finish is sent once.
+   completion index``. The engine emits delta outputs (``output_kind="delta"``: each
+   step's new tokens, text, logprobs); ``_Tracker`` appends them to each choice's
+   state (no per-step copy of what came before) and the formatter
+   (:class:`~loraplex.platform.services.openai_format.OpenAIFormatter.delta`) sends
+   the text past what was sent (stop strings are held back by the engine); a
+   choice's finish is sent once.
 3. Rate limits are reserved at admission (``limits.RateLimiter.admit``: completions =
    prompts x n, tokens = prompts + max_tokens per completion) and settled with the tokens
    used; usage counters go to the background ``usage.UsageWriter`` (never on the response path).
@@ -170,7 +172,7 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tok
                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                   repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                  stop_token_ids=body.stop_token_ids)
+                  stop_token_ids=body.stop_token_ids, output_kind="delta")
     try:
         return SamplingParams(**{k: v for k, v in values.items() if v is not None or k == "max_tokens"})
     except ValueError as exc:
@@ -348,6 +350,7 @@ class _Tracker:
     ctx: PlatformContext
     prompt_tokens: int = 0
     finals: dict[int, CompletionOutput] = field(default_factory=dict)
+    choices: dict[int, CompletionOutput] = field(default_factory=dict)  # choice index -> engine deltas joined
     outputs: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> latest output
     progress: dict[int, ChoiceProgress] = field(default_factory=dict)  # choice index -> what was streamed
     token_counts: dict[int, int] = field(default_factory=dict)
@@ -358,16 +361,32 @@ class _Tracker:
         self.prompt_tokens = sum(len(p.token_ids) for p in self.prep.prompts)
 
     def observe(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
-        """Record an engine output; returns (choice index, completion) pairs in it."""
+        """Record an engine delta output; returns (choice index, the choice's state so far) pairs
+        of the choices in it (the delta appended: nothing sent before is copied)."""
         now = time.monotonic()
         self.outputs[prompt_index] = output
-        choices = [(prompt_index * self.prep.params.n + c.index, c) for c in output.outputs]
+        choices = []
         new_tokens = 0
-        for index, completion in choices:
-            new_tokens += len(completion.token_ids) - self.token_counts.get(index, 0)
+        for delta in output.outputs:
+            index = prompt_index * self.prep.params.n + delta.index
+            completion = self.choices.get(index)
+            if completion is None:
+                completion = self.choices[index] = CompletionOutput(
+                    delta.index, logprobs=None if delta.logprobs is None else [],
+                    token_text_ends=None if delta.token_text_ends is None else [])
+            completion.text += delta.text
+            completion.token_ids += delta.token_ids
+            if delta.logprobs is not None:
+                completion.logprobs += delta.logprobs
+            if delta.token_text_ends is not None:
+                completion.token_text_ends += delta.token_text_ends
+            completion.cumulative_logprob = delta.cumulative_logprob
+            completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+            new_tokens += len(delta.token_ids)
             self.token_counts[index] = len(completion.token_ids)
             if completion.finished:
                 self.finals[index] = completion
+            choices.append((index, completion))
         if new_tokens:
             if self.first_token_at is None:
                 self.first_token_at = now
