@@ -91,7 +91,7 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
     for module in (attention_decode, attention_prefill, lora_shrink, lora_expand):
-        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k"):
+        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
     attention_decode.num_sms = lambda device: 132
@@ -147,6 +147,13 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
     for batch, ctx in ((2, 4096), (64, 256)):  # split-K decode, plain decode
         meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [[0] * (ctx // bs)] * batch, bs, "cpu")
         attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta, d**-0.5)
+        # The tiles benchmarks/bench_attention.py sweeps, FMA and tl.dot tiles for MHA.
+        for block_n, warps, stages in ((16, 4, 3), (16, 4, 4), (32, 4, 2), (32, 4, 3), (32, 2, 3), (64, 8, 3), (64, 4, 2)):
+            for use_dot in {True, hq != hkv}:
+                config = attention_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
+                                                       num_splits=8, min_chunk=4 * block_n, use_dot=use_dot)
+                attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta,
+                                                        d**-0.5, config=config)
     meta = AttentionMetadata.build([512, 1], [3000, 17], [[0] * 188, [0, 0]], bs, "cpu")
     attention_prefill.paged_prefill_attention(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)
     kv = torch.zeros(513, hkv, d, dtype=dtype)

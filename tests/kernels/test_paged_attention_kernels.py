@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from kernel_test_utils import assert_close, make_paged_batch, naive_paged_attention, nan_like
 
 from loraplex.kernels.attention import paged_attention_ref
-from loraplex.kernels.attention_decode import choose_num_splits, paged_decode_attention
+from loraplex.kernels.attention_decode import DecodeConfig, choose_num_splits, paged_decode_attention
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.errors import KernelArgumentError
 
@@ -65,10 +65,35 @@ def test_decode_split_k_matches_naive(kernel_device, poison_allocations, num_spl
 
 
 def test_choose_num_splits_fills_small_batches():
-    cuda_like = torch.device("cpu")  # interpreter pretends to have 4 SMs
+    cuda_like = torch.device("cpu")  # interpreter pretends to have 4 SMs: 4 programs per SM = 16 programs
     assert choose_num_splits(num_programs=64, max_seq_len=32768, device=cuda_like) == 1
-    assert choose_num_splits(num_programs=1, max_seq_len=32768, device=cuda_like) == 8
+    assert choose_num_splits(num_programs=1, max_seq_len=32768, device=cuda_like) == 16
+    assert choose_num_splits(num_programs=3, max_seq_len=32768, device=cuda_like) == 8  # 6 rounded up to 2^k
+    assert choose_num_splits(num_programs=1, max_seq_len=600, device=cuda_like) == 4  # 256-position chunks
     assert choose_num_splits(num_programs=1, max_seq_len=100, device=cuda_like) == 1
+    assert choose_num_splits(num_programs=1, max_seq_len=1 << 20, device=cuda_like, programs_per_sm=64) == 64
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_fma_tiles_for_mha_match_naive(kernel_device, poison_allocations, num_splits):
+    """One-row FMA tiles (MHA), chunks re-cut per sequence: 4 splits of >= 16 positions over contexts 1..45."""
+    seq_lens = [1, 16, 17, 45, 33]
+    batch = make_paged_batch([1] * 5, seq_lens, 3, 1, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, num_splits=num_splits, min_chunk=16, use_dot=False)
+    out = paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                 out=nan_like(batch.query), config=config)
+    assert_close(out, naive_paged_attention(batch, _scale()), torch.float32)
+
+
+def test_decode_config_is_checked():
+    batch = make_paged_batch([1], [9], 1, 2, HEAD_DIM, 8, torch.float32, torch.device("cpu"))
+    for bad, fragment in [(DecodeConfig(use_dot=False), "FMA tiles are one row"),
+                          (DecodeConfig(block_n=24), "block_n=24"),
+                          (DecodeConfig(block_n=32, min_chunk=48), "min_chunk=48"),
+                          (DecodeConfig(num_splits=65), "num_splits=65")]:
+        with pytest.raises(KernelArgumentError, match=fragment):
+            paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), config=bad)
 
 
 @pytest.mark.interpreter
