@@ -74,7 +74,7 @@ SMOKE_CONTEXTS = (20, 70)
 SMOKE_BATCHES = (1, 3)
 
 # (block_n, num_warps, num_stages) tiles and programs-per-SM split targets of the sweep (0 = no split).
-SWEEP_TILES = ((16, 4, 3), (16, 4, 4), (32, 4, 2), (32, 4, 3), (32, 2, 3), (64, 8, 3), (64, 4, 2))
+SWEEP_TILES = ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))
 SWEEP_SPLIT_TARGETS = (0, 2, 4, 8)
 
 
