@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from loraplex.kernels import (  # noqa: E402
     activation,
+    attention,
     attention_decode,
     attention_prefill,
     lora_expand,
@@ -91,7 +92,8 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
     for module in (attention_decode, attention_prefill, lora_shrink, lora_expand):
-        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config"):
+        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config",
+                     "prefill_tiles"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
     attention_decode.num_sms = lambda device: 132
@@ -165,6 +167,7 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
                                                         d**-0.5, config=config)
     meta = AttentionMetadata.build([512, 1], [3000, 17], [[0] * 188, [0, 0]], bs, "cpu")
     attention_prefill.paged_prefill_attention(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)
+    attention.PAGED_ATTENTION.triton(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)  # mixed
     kv = torch.zeros(513, hkv, d, dtype=dtype)
     reshape_and_cache.RESHAPE_AND_CACHE.triton(kv, kv, *caches, meta.slot_mapping)
 
