@@ -22,6 +22,9 @@ For each case and config the benchmark:
   of a 1 GiB device-to-device copy, measured at the start), and for cases up to 1 GiB the time of a copy
   moving the same number of bytes, timed the same way.
 
+A last table times mixed steps (decode rows + one prompt chunk): the mixed launcher against the prefill
+kernel over every row.
+
 Output: a table of the default config (:func:`~loraplex.kernels.attention_decode.decode_config`) and the best
 swept config per grid point, then one ``fraction of copy bandwidth`` matrix per config (contexts x batches),
 printed and written to ``--out`` (markdown) and ``--out``.json (every measurement).
@@ -42,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loraplex.kernels.attention import paged_attention_ref  # noqa: E402
+from loraplex.kernels.attention import PAGED_ATTENTION, paged_attention_ref  # noqa: E402
 from loraplex.kernels.attention_decode import (  # noqa: E402
     DecodeConfig,
     choose_num_splits,
@@ -50,6 +53,7 @@ from loraplex.kernels.attention_decode import (  # noqa: E402
     paged_decode_attention,
 )
 from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from loraplex.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -276,6 +280,42 @@ def run_case(case: Case, configs: list[DecodeConfig], device: torch.device, time
     return rows
 
 
+MIXED_CASES = ((32, 1024, 512, 2048), (128, 1024, 512, 2048), (256, 128, 512, 512))  # decodes, ctx, chunk, ctx
+SMOKE_MIXED_CASES = ((3, 20, 9, 30),)
+
+
+def run_mixed(heads: HeadShape, num_decodes: int, decode_ctx: int, chunk: int, chunk_ctx: int, page: int,
+              device: torch.device, timer, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A mixed step (``num_decodes`` 1-token rows at ``decode_ctx`` + one prompt chunk of ``chunk`` tokens
+    ending at ``chunk_ctx``): the mixed launcher (decode kernel + prefill kernel) against the prefill kernel
+    over every row (1-token rows in 64-row tiles), both checked against the reference first."""
+    query_lens = [1] * num_decodes + [chunk]
+    seq_lens = [decode_ctx] * num_decodes + [chunk_ctx]
+    blocks = [-(-s // page) for s in seq_lens]
+    ids = list(range(sum(blocks)))
+    random.Random(1).shuffle(ids)
+    tables, i = [], 0
+    for n in blocks:
+        tables.append(ids[i:i + n])
+        i += n
+    shape = (sum(blocks), page, heads.num_kv_heads, heads.head_dim)
+    key_cache = torch.empty(shape, dtype=dtype, device=device).normal_()
+    value_cache = torch.empty(shape, dtype=dtype, device=device).normal_()
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, page, device)
+    query = torch.randn(sum(query_lens), heads.num_q_heads, heads.head_dim, device=device).to(dtype)
+    scale = heads.head_dim ** -0.5
+    expected = paged_attention_ref(query, key_cache, value_cache, meta, scale)
+    out = torch.empty_like(query)
+    result = {"model": heads.name, "decodes": num_decodes, "decode_ctx": decode_ctx, "chunk": chunk,
+              "chunk_ctx": chunk_ctx}
+    for name, fn in (("mixed_launcher", PAGED_ATTENTION.triton), ("prefill_kernel_only", paged_prefill_attention)):
+        out.fill_(float("nan"))
+        fn(query, key_cache, value_cache, meta, scale, out=out)
+        check_output(f"mixed {name}", out, expected)
+        result[name + "_us"] = timer([lambda fn=fn: fn(query, key_cache, value_cache, meta, scale, out=out)])
+    return result
+
+
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -346,6 +386,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens (engine default 16)")
     parser.add_argument("--max-kv-gib", type=float, default=66.0, help="skip cases whose K+V exceed this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
+    parser.add_argument("--no-mixed", action="store_true", help="skip the mixed decode + prefill-chunk table")
     args = parser.parse_args(argv)
     if torch.cuda.is_available():
         device, timer = torch.device("cuda"), GraphTimer()
@@ -377,12 +418,24 @@ def main(argv: list[str] | None = None) -> list[Row]:
                           f"frac={_fmt(r.frac_copy, '.2f')} {r.note}", flush=True)
                 rows += case_rows
     report = format_report(rows, copy_gbs, device_name, _commit())
+    mixed = []
+    if not args.no_mixed:
+        for key in args.models.split(","):
+            for case in (SMOKE_MIXED_CASES if args.smoke else MIXED_CASES):
+                mixed.append(run_mixed(models[key], *case, page, device, timer))
+                _free(device)
+        report += ("\n## Mixed step: decode rows + one prompt chunk (µs per call, CUDA-graph replay of one call)\n\n"
+                   "| model | decodes x context | chunk tokens @ context | mixed launcher | prefill kernel for all rows |\n"
+                   "|---|---|---|---|---|\n")
+        for m in mixed:
+            report += (f"| {m['model']} | {m['decodes']} x {m['decode_ctx']} | {m['chunk']} @ {m['chunk_ctx']} "
+                       f"| {m['mixed_launcher_us']:.1f} | {m['prefill_kernel_only_us']:.1f} |\n")
     print(report)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     Path(str(out) + ".json").write_text(json.dumps({"copy_gbs": copy_gbs, "device": device_name,
-                                                    "rows": [asdict(r) for r in rows]}, indent=1))
+                                                    "rows": [asdict(r) for r in rows], "mixed": mixed}, indent=1))
     return rows
 
 

@@ -61,15 +61,18 @@ def test_smoke_run_checks_every_config_and_writes_the_report(tmp_path):
     assert "| tiny-GQA | 70 | 3 |" in text and text.count("fraction of copy bandwidth") == 2
     raw = json.loads(Path(str(out) + ".json").read_text())
     assert len(raw["rows"]) == 4 and raw["copy_gbs"] > 0
+    assert [(m["decodes"], m["chunk"]) for m in raw["mixed"]] == [(3, 9), (3, 9)]
+    assert all(m["mixed_launcher_us"] > 0 and m["prefill_kernel_only_us"] > 0 for m in raw["mixed"])
+    assert "| tiny-GQA | 3 x 20 | 9 @ 30 |" in text
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 before triton loads")
 def test_over_budget_case_is_skipped_and_a_wrong_kernel_aborts(tmp_path, monkeypatch):
     rows = ba.main(["--smoke", "--configs", "default", "--contexts", "20", "--batches", "3", "--models", "llama3",
-                    "--max-kv-gib", str(1000 / GIB), "--out", str(tmp_path / "a.md")])
+                    "--max-kv-gib", str(1000 / GIB), "--no-mixed", "--out", str(tmp_path / "a.md")])
     assert rows[0].us is None and rows[0].note.startswith("skipped")
     real = ba.paged_decode_attention
     monkeypatch.setattr(ba, "paged_decode_attention", lambda *a, **k: real(*a, **k).mul_(1.5))
     with pytest.raises(SystemExit, match="disagrees with the reference"):
         ba.main(["--smoke", "--configs", "default", "--contexts", "20", "--batches", "1", "--models", "llama3",
-                 "--out", str(tmp_path / "b.md")])
+                 "--no-mixed", "--out", str(tmp_path / "b.md")])
