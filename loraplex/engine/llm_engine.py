@@ -125,7 +125,7 @@ class LLMEngine:
         self.runner.eos_token_ids = self.eos_token_ids
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_cuda_graphs(self.max_model_len, config.max_num_seqs,
-                                           config.max_loras if self.lora_pool else 0)
+                                           config.max_loras if self.lora_pool else 0, config.max_num_batched_tokens)
         self.groups: dict[str, RequestGroup] = {}
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()

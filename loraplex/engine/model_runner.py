@@ -85,6 +85,23 @@ class StepInputs:
     sample_token_index: list[int]
 
 
+@dataclass(frozen=True)
+class _HostStep:
+    """One step's inputs on the host: per-token ``token_ids``, ``seq_index``, ``positions`` and
+    ``slot_mapping`` (int64 tensors but the ids), per-sequence ``q_lens``, ``seq_lens``, ``tables`` (block-id
+    lists; ``block_tables`` padded ``[B, W] int32``) and ``query_start`` (B + 1 offsets)."""
+
+    token_ids: list[int]
+    q_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    query_start: list[int]
+    seq_index: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 @dataclass(slots=True)
 class SampledToken:
     token_id: int
@@ -124,10 +141,12 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.grammar_masks = GrammarMaskFiller(self.vocab_size, device)
 
-    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int) -> None:
-        """Capture decode graphs (CUDA only); decode-only steps then replay them."""
+    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int,
+                           max_num_batched_tokens: int | None = None) -> None:
+        """Capture decode graphs (CUDA only), and mixed-step graphs up to ``max_num_batched_tokens`` tokens
+        when given; decode-only and mixed steps then replay them."""
         graphs = CudaGraphRunner(self.model, self.kv_cache.layers, self.block_size, max_model_len,
-                                 max_num_seqs, num_lora_slots, self.device)
+                                 max_num_seqs, num_lora_slots, self.device, max_num_batched_tokens)
         try:
             graphs.capture()
         except RuntimeError as exc:  # keep serving, eagerly, and say so
@@ -136,8 +155,8 @@ class ModelRunner:
         self.graphs = graphs
 
     # -- inputs -----------------------------------------------------------
-    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """Host lists -> vectorised host tensors -> two packed copies to the device."""
+    def _host_step(self, batch: ScheduledBatch) -> _HostStep:
+        """The step's per-token and per-sequence inputs on the host (vectorised torch ops, no device copy)."""
         bs = self.block_size
         token_ids: list[int] = []
         q_lens, seq_lens, tables = [], [], []
@@ -156,6 +175,15 @@ class ModelRunner:
         positions = torch.arange(num_tokens) + _host_ints(offsets, torch.int64)[seq_index]
         block_tables = _padded_rows(tables)
         slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
+        return _HostStep(token_ids, q_lens, seq_lens, tables, query_start, seq_index, positions, block_tables,
+                         slot_mapping)
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """Host lists -> vectorised host tensors -> two packed copies to the device."""
+        host = self._host_step(batch)
+        token_ids, q_lens, seq_lens, query_start = host.token_ids, host.q_lens, host.seq_lens, host.query_start
+        seq_index, positions, block_tables, slot_mapping = (host.seq_index, host.positions, host.block_tables,
+                                                            host.slot_mapping)
         lora_slots = self._lora_slots(batch)
         host_i32 = [_host_ints(query_start, torch.int32), _host_ints(seq_lens, torch.int32), block_tables.view(-1)]
         plan = None
@@ -190,6 +218,9 @@ class ModelRunner:
             hidden = self._run_graph(batch)
             sample_index = list(range(len(batch.seqs)))
             return StepResult(self._sample(batch, plan, sample_index, hidden, mask), [None] * len(batch.seqs))
+        if self._mixed_graph_fits(batch):
+            hidden, sample_index = self._run_mixed_graph(batch)
+            return StepResult(self._sample(batch, plan, sample_index, hidden, mask), [None] * len(batch.seqs))
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
         samples = self._sample(batch, plan, inputs.sample_token_index, hidden, mask)
@@ -199,6 +230,25 @@ class ModelRunner:
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.seqs) <= self.graphs.max_batch_size
                 and all(s.num_new_tokens == 1 and not s.prompt_logprobs for s in batch.seqs))
+
+    def _mixed_graph_fits(self, batch: ScheduledBatch) -> bool:
+        """A step with prompt tokens replays a mixed graph when one holds it and no row asks for prompt
+        logprobs (those read every position's logits, outside the graph)."""
+        if self.graphs is None or not self.graphs.mixed_sizes or any(s.prompt_logprobs for s in batch.seqs):
+            return False
+        num_tokens = sum(s.num_new_tokens for s in batch.seqs)
+        return self.graphs.mixed_padded_size(num_tokens, len(batch.seqs)) is not None
+
+    def _run_mixed_graph(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Replay the mixed graph for the step; returns (``[T, hidden]``, index in T of each sequence's last token)."""
+        host = self._host_step(batch)
+        lora_slots = self._lora_slots(batch)
+        token_slots = None
+        if lora_slots is not None:
+            token_slots = _host_ints(lora_slots, torch.int32)[host.seq_index].tolist()
+        hidden = self.graphs.run_mixed(host.token_ids, host.positions.numpy(), host.slot_mapping.numpy(), host.q_lens,
+                                       host.seq_lens, host.tables, token_slots)
+        return hidden, [q - 1 for q in host.query_start[1:]]
 
     def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         bs = self.block_size
