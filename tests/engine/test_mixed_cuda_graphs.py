@@ -129,3 +129,27 @@ def test_mixed_graph_steps_equal_eager_steps(tiny_llama_dir, adapters):
                 for e_pos, g_pos in zip(e_lp, g_lp):
                     assert list(g_pos) == list(e_pos)
                     assert list(g_pos.values()) == pytest.approx(list(e_pos.values()), abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_mixed_graphs_equal_eager_on_gpu(tiny_llama_dir, adapters):
+    """On a GPU, float32: captured decode and mixed-step graphs (Triton kernels, empty padding sequences
+    read by the real attention kernels) give the eager engine's tokens and logprobs."""
+    kw = {"model": str(tiny_llama_dir), "device": "cuda", "dtype": "float32", "max_model_len": 64,
+          "block_size": 4, "num_kv_blocks": 256, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+          "max_num_seqs": 8, "max_num_batched_tokens": 20}
+    prompts, params, loras = _requests(tiny_llama_dir, adapters)
+    expected = _run(LLM(**kw, enforce_eager=True), prompts, params, loras)
+    llm = LLM(**kw)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and set(graphs.mixed_graphs) == {(16, False), (16, True), (20, False), (20, True)}
+    calls = []
+    run_mixed = graphs.run_mixed
+    graphs.run_mixed = lambda *a: calls.append(len(a[0])) or run_mixed(*a)
+    got = _run(llm, prompts, params, loras)
+    assert len(calls) >= 3
+    for exp_req, got_req in zip(expected, got):
+        for (e_ids, e_cum, _, e_fin), (g_ids, g_cum, _, g_fin) in zip(exp_req, got_req):
+            assert g_ids == e_ids and g_fin == e_fin
+            assert g_cum == pytest.approx(e_cum, abs=1e-3)
