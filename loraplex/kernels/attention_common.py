@@ -71,8 +71,8 @@ def attend_kv_range(
         k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
-        else:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
+        else:  # one row: [1, D] * [N, D] summed over D, as a [1, N] row
+            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1)[None, :] * qk_scale
         if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 2 sigmoid(2z) - 1; then to base 2
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
         valid = p_mask[None, :]
@@ -93,7 +93,7 @@ def attend_kv_range(
         if USE_DOT:
             pv = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
         else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            pv = tl.sum(tl.trans(p) * v.to(tl.float32), 0)[None, :]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return m_i, l_i, acc

@@ -116,13 +116,13 @@ def check_decode_config(config: DecodeConfig, group: int, page: int) -> None:
 
 
 @triton.jit
-def _decode_chunk(span, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+def _decode_chunk(span, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
     """Positions per split of a sequence whose (windowed) context has ``span`` positions."""
-    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(chunk, MIN_CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -136,6 +136,7 @@ def _paged_decode_kernel(
     qk_scale,
     window,
     softcap,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -153,7 +154,6 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -174,7 +174,7 @@ def _paged_decode_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(seq_len - window, 0)
-    chunk = _decode_chunk(seq_len - lo, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    chunk = _decode_chunk(seq_len - lo, num_splits, BLOCK_N, MIN_CHUNK)
     num_active = tl.cdiv(seq_len - lo, chunk)
     if split >= num_active:
         return
@@ -201,12 +201,12 @@ def _paged_decode_kernel(
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        row = (b * num_q_heads + heads) * NUM_SPLITS + split
+        row = (b * num_q_heads + heads) * num_splits + split
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < GROUP)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -214,9 +214,9 @@ def _paged_decode_reduce_kernel(
     query_start_loc_ptr,
     out_ptr,
     window,
+    num_splits,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -234,12 +234,12 @@ def _paged_decode_reduce_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(seq_len - window, 0)
-    num_active = tl.cdiv(seq_len - lo, _decode_chunk(seq_len - lo, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
+    num_active = tl.cdiv(seq_len - lo, _decode_chunk(seq_len - lo, num_splits, BLOCK_N, MIN_CHUNK))
     if num_active == 1:  # the split program wrote the output itself
         return
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + s
+    row = (b * tl.num_programs(1) + h) * num_splits + s
     active = s < num_active
     lse = tl.load(part_lse_ptr + row, mask=active, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
@@ -286,6 +286,7 @@ def launch_decode(
         scale if softcap is not None else scale * _LOG2E,  # with a cap the kernel converts to base 2 after tanh
         sliding_window or 0,
         softcap or 0.0,
+        splits,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -303,7 +304,6 @@ def launch_decode(
         BLOCK_D=max(16, next_pow2(head_dim)),
         PAGE=page,
         BLOCK_N=config.block_n,
-        NUM_SPLITS=splits,
         MIN_CHUNK=config.min_chunk,
         NUM_STAGES=config.num_stages,
         DOT_DTYPE=dot_dtype(query.dtype, query.device),
@@ -321,12 +321,12 @@ def launch_decode(
             meta.query_start_loc,
             out,
             sliding_window or 0,
+            splits,
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=splits,
             BLOCK_N=config.block_n,
             MIN_CHUNK=config.min_chunk,
-            BLOCK_S=max(2, next_pow2(splits)),
+            BLOCK_S=16 if splits <= 16 else next_pow2(splits),  # few variants of this small kernel
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, next_pow2(head_dim)),
             SLIDING=sliding_window is not None,

@@ -28,13 +28,13 @@ def test_grid_and_kv_bytes_match_the_issue():
 
 
 def test_rotation_layers_cover_l2_and_respect_the_budget():
-    assert ba.rotation_layers(512 * 1024, 512 * MIB, 1024, 66 * GIB) == 1024  # 0.5 MiB calls: 512 MiB read
-    assert ba.rotation_layers(64 * MIB, 512 * MIB, 1024, 66 * GIB) == 8
-    assert ba.rotation_layers(32 * GIB, 512 * MIB, 1024, 66 * GIB) == 1
-    assert ba.rotation_layers(40 * GIB, 512 * MIB, 1024, 66 * GIB) == 1
-    assert ba.rotation_layers(40 * GIB, 512 * MIB, 1024, 80 * GIB) == 1
-    assert ba.rotation_layers(128 * GIB, 512 * MIB, 1024, 66 * GIB) == 0  # Llama-2 heads, 32k x 256: skipped
-    assert ba.rotation_layers(10 * MIB, 512 * MIB, 1024, 30 * MIB) == 3  # budget caps the rotation
+    assert ba.rotation_layers(2 * MIB, 256 * MIB, 256, 66 * GIB) == 128  # 2 MiB calls: 256 MiB read per replay
+    assert ba.rotation_layers(512 * 1024, 256 * MIB, 256, 66 * GIB) == 256  # call cap: 128 MiB, still > L2
+    assert ba.rotation_layers(64 * MIB, 256 * MIB, 256, 66 * GIB) == 4
+    assert ba.rotation_layers(32 * GIB, 256 * MIB, 256, 66 * GIB) == 1
+    assert ba.rotation_layers(64 * GIB, 256 * MIB, 256, 66 * GIB) == 1  # Llama-2 heads, 32k x 128
+    assert ba.rotation_layers(128 * GIB, 256 * MIB, 256, 66 * GIB) == 0  # Llama-2 heads, 32k x 256: skipped
+    assert ba.rotation_layers(10 * MIB, 256 * MIB, 256, 30 * MIB) == 3  # budget caps the rotation
 
 
 def test_sweep_lists_default_first_without_duplicates():
