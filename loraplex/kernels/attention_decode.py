@@ -18,7 +18,21 @@ Design (after FlashDecoding, Dao et al. 2023, and vLLM's Triton decode attention
   programs. A sequence whose context fits one chunk writes its output directly; otherwise each chunk writes
   a normalised partial and its log-sum-exp and a reduce kernel merges them.
 - Configs (``block_n``, warps, pipeline stages, splits) come from :func:`decode_config`, a small shape-keyed
-  heuristic; ``benchmarks/bench_attention.py`` sweeps the alternatives on a GPU.
+  heuristic; ``benchmarks/bench_attention.py --configs sweep`` times the alternatives on a GPU.
+
+Configs on CUDA (chosen by reasoning, not yet measured: vLLM's and SGLang's Triton decode kernels use 32-position
+tiles of 16 query-head rows, 4 warps, 2 stages for GQA; sm_90 compiles of these tiles take 72-78 registers and
+17-21 KB of shared memory per program, so 6+ programs share an SM and keep enough K/V loads in flight):
+
+=====================  =======  =====  ======  ====================  ==============================================
+shape                  block_n  warps  stages  tile                  splits
+=====================  =======  =====  ======  ====================  ==============================================
+G >= 2, bf16 D <= 128  32       4      2       max(16, G) rows, dot  power of 2 reaching 4 programs / SM (B x Hkv x
+G == 1 (MHA)           32       4      2       1 row, FMA            splits >= 4 x SMs), >= 128 positions each, <= 64
+D > 128 (bf16)         16*      4      2       as above              as above
+=====================  =======  =====  ======  ====================  ==============================================
+
+(* or the KV block size, if larger, up to 64.) On the CPU interpreter tiles are 16 positions, one stage.
 """
 
 from __future__ import annotations
