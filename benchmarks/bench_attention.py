@@ -276,7 +276,7 @@ def run_case(case: Case, configs: list[DecodeConfig], device: torch.device, time
         gbs = case.kv_bytes / (us * 1e-6) / 1e9
         rows.append(Row(**base, config=config.label(), is_default=i == 0, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
                         copy_same_us=copy_us, layers=layers))
-    del key_cache, value_cache
+    key_cache = value_cache = None  # the closures above hold them until here
     _free(device)
     return rows
 
@@ -427,7 +427,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 mixed.append(run_mixed(models[key], *case, page, device, timer))
                 _free(device)
         report += ("\n## Mixed step: decode rows + one prompt chunk (µs per call, CUDA-graph replay of one call)\n\n"
-                   "| model | decodes x context | chunk tokens @ context | mixed launcher | prefill kernel for all rows |\n"
+                   "| model | decodes x context | chunk tokens @ context | mixed launcher "
+                   "| prefill kernel for all rows |\n"
                    "|---|---|---|---|---|\n")
         for m in mixed:
             report += (f"| {m['model']} | {m['decodes']} x {m['decode_ctx']} | {m['chunk']} @ {m['chunk_ctx']} "
