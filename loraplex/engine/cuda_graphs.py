@@ -1,15 +1,25 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps and for mixed steps (decode rows + prompt chunks).
 
 A decode step of B sequences launches hundreds of small kernels; replaying a
 captured graph removes their launch gaps. Graphs are captured once, at
 start, for a set of batch sizes; a decode step of B sequences is padded to
 the next captured size (padding tokens: slot mapping -1 so nothing is
-written, context length 1, no adapter). Batches with prompt tokens, or
-larger than the largest size, run eagerly.
+written, context length 1, no adapter).
+
+Mixed steps (some sequences compute prompt tokens) replay full graphs over
+padded token counts: one graph per token bucket T (powers of two from 16 up to
+``max_num_batched_tokens``, and that budget itself), each for up to
+``min(T - 1, max decode size)`` sequences. A step of t tokens in b sequences
+replays the smallest bucket with ``t <= T`` and ``b`` within its sequences;
+the padding tokens belong to no sequence (slot -1, position 0, no adapter)
+and the padding sequences are empty (``q_len 0``: ``query_start_loc`` repeats
+t), so the attention kernels skip them (their grids depend only on T and the
+sequence count, see :mod:`loraplex.kernels.attention`). Steps that ask for
+prompt logprobs, or do not fit a bucket, run eagerly.
 
 Everything that varies between steps lives in static device buffers that
-the graph reads: input ids, positions, slot mapping, context lengths, block
-tables and the SGMV segment arrays. They are views of two packed buffers
+the graph reads: input ids, positions, slot mapping, query start offsets,
+context lengths, block tables and the SGMV segment arrays. They are views of two packed buffers
 (int64 and int32) with host mirrors (pinned on CUDA), so a step writes the
 host side from Python lists and moves everything with two copies. Block-table
 rows are rewritten only when they changed since the last step (a decode step
@@ -17,16 +27,17 @@ adds a block to a sequence once every ``block_size`` tokens). For LoRA the
 graph always has one segment per adapter slot (unused slots have length 0,
 so they get no work item: the kernels' work-item list holds one item per
 16 tokens of each used slot, padded with idle items to its bound
-``ceil(B / 16) + min(B, slots)``); two graphs per size are kept, with and
+``ceil(T / 16) + min(T, slots)``); two graphs per size are kept, with and
 without LoRA.
 The launch grids are fixed at capture: attention is sized for
-``max_model_len``, LoRA for B tokens in ``max_loras`` segments.
+``max_model_len``, LoRA for T tokens in ``max_loras`` segments.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -43,6 +54,26 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
     top = min(max_num_seqs, 256)
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
     return sizes if sizes[-1] == top else sizes + [top]
+
+
+def default_mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token buckets of the mixed-step graphs: 16, 32, 64, ... below ``max_num_batched_tokens``, then it."""
+    sizes = [1 << k for k in range(4, 16) if 1 << k < max_num_batched_tokens]
+    return sizes + [max_num_batched_tokens] if max_num_batched_tokens >= 3 else []
+
+
+def capture_query_lens(num_tokens: int, num_seqs: int, max_len: int) -> list[int] | None:
+    """Query lengths of a batch shape that launches both attention kernels, for capturing a mixed graph:
+    ``num_seqs`` sequences holding ``num_tokens`` tokens, the last one a decode row, none longer than
+    ``max_len``; None when no such shape exists (``num_seqs < 2``, too few or too many tokens)."""
+    if num_seqs < 2 or num_tokens <= num_seqs:
+        return None
+    lens, remaining = [1] * num_seqs, num_tokens - num_seqs
+    for i in range(num_seqs - 1):
+        extra = min(remaining, max_len - 1)
+        lens[i] += extra
+        remaining -= extra
+    return lens if remaining == 0 else None
 
 
 @dataclass
@@ -95,28 +126,35 @@ class CudaGraphRunner:
     """Captures and replays the model forward of decode-only steps."""
 
     def __init__(self, model: LlamaForCausalLM, kv_layers, block_size: int, max_model_len: int,
-                 max_num_seqs: int, num_lora_slots: int, device: torch.device) -> None:
+                 max_num_seqs: int, num_lora_slots: int, device: torch.device,
+                 max_num_batched_tokens: int | None = None) -> None:
+        """``max_num_batched_tokens``: the step token budget; None captures no mixed-step graphs."""
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_lora_slots = num_lora_slots
         self.sizes = default_batch_sizes(max_num_seqs)
-        n = self.sizes[-1]
+        n = self.sizes[-1]  # sequences (and decode tokens) a graph can hold
+        self.mixed_sizes = [t for t in default_mixed_sizes(max_num_batched_tokens or 0)
+                            if capture_query_lens(t, self.mixed_num_seqs(t), max_model_len)]
+        nt = max([n] + self.mixed_sizes)  # tokens a graph can hold
         s = max(num_lora_slots, 1)
         self.table_width = -(-max_model_len // block_size)
-        self._i64 = _StagedInts({"input_ids": n, "positions": n, "slot_mapping": n}, torch.int64, device)
-        self._i32 = _StagedInts({"seq_lens": n, "token_slots": n, "sorted_token_ids": n, "segment_starts": s,
-                                 "segment_lens": s, "lora_tiles": 2 * self._max_tiles(n, s),
-                                 "block_tables": n * self.table_width}, torch.int32, device)
-        self.input_ids, self._host_input_ids = self._i64.region("input_ids", n)
-        self.positions, self._host_positions = self._i64.region("positions", n)
-        self.slot_mapping, self._host_slot_mapping = self._i64.region("slot_mapping", n)
+        self._i64 = _StagedInts({"input_ids": nt, "positions": nt, "slot_mapping": nt}, torch.int64, device)
+        self._i32 = _StagedInts({"seq_lens": n, "token_slots": nt, "sorted_token_ids": nt, "segment_starts": s,
+                                 "segment_lens": s, "lora_tiles": 2 * self._max_tiles(nt, s),
+                                 "query_start_loc": n + 1, "block_tables": n * self.table_width},
+                                torch.int32, device)
+        self.input_ids, self._host_input_ids = self._i64.region("input_ids", nt)
+        self.positions, self._host_positions = self._i64.region("positions", nt)
+        self.slot_mapping, self._host_slot_mapping = self._i64.region("slot_mapping", nt)
         self.seq_lens, self._host_seq_lens = self._i32.region("seq_lens", n)
-        self.token_slots, self._host_token_slots = self._i32.region("token_slots", n)
-        self.sorted_token_ids, self._host_sorted_token_ids = self._i32.region("sorted_token_ids", n)
+        self.token_slots, self._host_token_slots = self._i32.region("token_slots", nt)
+        self.sorted_token_ids, self._host_sorted_token_ids = self._i32.region("sorted_token_ids", nt)
         self.segment_starts, self._host_segment_starts = self._i32.region("segment_starts", s)
         self.segment_lens, self._host_segment_lens = self._i32.region("segment_lens", s)
+        self.mixed_query_start_loc, self._host_mixed_qsl = self._i32.region("query_start_loc", n + 1)
         tables, host_tables = self._i32.region("block_tables", n * self.table_width)
         self.block_tables = tables.view(n, self.table_width)
         self._host_block_tables = host_tables.reshape(n, self.table_width)
@@ -125,12 +163,23 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.segment_slots = torch.arange(s, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.mixed_graphs: dict[tuple[int, bool], _Graph] = {}
         self.pool = None
+
+    def mixed_num_seqs(self, num_tokens: int) -> int:
+        """Sequences the mixed graph of ``num_tokens`` tokens holds: ``min(num_tokens - 1, max decode size)``
+        (a mixed step has a sequence with at least two tokens)."""
+        return min(num_tokens - 1, self.sizes[-1])
+
+    def mixed_padded_size(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest mixed bucket holding ``num_tokens`` tokens in ``num_seqs`` sequences, or None."""
+        return next((t for t in self.mixed_sizes if t >= num_tokens and self.mixed_num_seqs(t) >= num_seqs), None)
 
     def _reset_host(self) -> None:
         """Idle values: slot -1 (write nothing), context 1, no adapter; then upload them."""
         self._host_slot_mapping[:] = -1
         self._host_seq_lens[:] = 1
+        self._host_mixed_qsl[:] = 0
         self._host_token_slots[:] = -1
         self._host_sorted_token_ids[:] = range(len(self._host_sorted_token_ids))
         self._i64.upload(self._i64.host.numel())
@@ -172,27 +221,42 @@ class CudaGraphRunner:
         device, host = self._i32.region("lora_tiles", 2 * w)
         return device.view(2, w), host.reshape(2, w)
 
-    def _forward(self, size: int, with_lora: bool) -> torch.Tensor:
+    def _mixed_meta(self, size: int) -> AttentionMetadata:
+        """Capture metadata of the mixed graph of ``size`` tokens: the static buffers, and host lists of a
+        shape with decode and prefill rows (so both attention kernels are captured, at grids sized by
+        ``size`` tokens and :meth:`mixed_num_seqs` sequences)."""
+        b = self.mixed_num_seqs(size)
+        q_lens = capture_query_lens(size, b, self.max_model_len)
+        return AttentionMetadata(
+            query_start_loc=self.mixed_query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:size], max_query_len=max(q_lens),
+            max_seq_len=self.max_model_len, query_start_loc_host=list(accumulate(q_lens, initial=0)),
+            seq_lens_host=[self.max_model_len] * b)
+
+    def _forward(self, size: int, with_lora: bool, mixed: bool = False) -> torch.Tensor:
         lora = self._lora(size) if with_lora else None
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_layers, self._meta(size), lora)
+        meta = self._mixed_meta(size) if mixed else self._meta(size)
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_layers, meta, lora)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (size, lora) graph, largest first, sharing one memory pool."""
+        """Capture every (size, lora) graph, mixed-step ones (largest) first, sharing one memory pool."""
         variants = [False, True] if self.num_lora_slots else [False]
-        for size in reversed(self.sizes):
+        plan = [(size, True) for size in reversed(self.mixed_sizes)] + [(size, False) for size in reversed(self.sizes)]
+        for size, mixed in plan:
             for with_lora in variants:
                 for _ in range(2):  # warm up: compile kernels, fill launch caches
-                    self._forward(size, with_lora)
+                    self._forward(size, with_lora, mixed)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    hidden = self._forward(size, with_lora)
+                    hidden = self._forward(size, with_lora, mixed)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[(size, with_lora)] = _Graph(graph, hidden)
+                (self.mixed_graphs if mixed else self.graphs)[(size, with_lora)] = _Graph(graph, hidden)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batch sizes %s", len(self.graphs), self.sizes)
+        logger.info("captured %d CUDA graphs for decode batch sizes %s and %d for mixed-step token counts %s",
+                    len(self.graphs), self.sizes, len(self.mixed_graphs), self.mixed_sizes)
 
     # -- replay -----------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
@@ -221,21 +285,64 @@ class CudaGraphRunner:
 
     def _fill(self, size, b, token_ids, positions, slot_mapping, seq_lens, block_tables) -> None:
         """Host side of the step's inputs; rows ``b..size`` are padding."""
-        self._host_input_ids[:b] = token_ids
-        self._host_input_ids[b:size] = 0
-        self._host_positions[:b] = positions
-        self._host_positions[b:size] = 0
-        self._host_slot_mapping[:b] = slot_mapping
-        self._host_slot_mapping[b:size] = -1
+        self._fill_tokens(size, token_ids, positions, slot_mapping)
+        self._fill_seqs(size, seq_lens, block_tables)
+
+    def _fill_tokens(self, size, token_ids, positions, slot_mapping) -> None:
+        """Per-token inputs of ``len(token_ids)`` tokens; tokens up to ``size`` are padding (slot -1)."""
+        t = len(token_ids)
+        self._host_input_ids[:t] = token_ids
+        self._host_input_ids[t:size] = 0
+        self._host_positions[:t] = positions
+        self._host_positions[t:size] = 0
+        self._host_slot_mapping[:t] = slot_mapping
+        self._host_slot_mapping[t:size] = -1
+
+    def _fill_seqs(self, num_seqs, seq_lens, block_tables) -> None:
+        """Context lengths and block-table rows of ``len(seq_lens)`` sequences; up to ``num_seqs`` padding."""
+        b = len(seq_lens)
         self._host_seq_lens[:b] = seq_lens
-        self._host_seq_lens[b:size] = 1
-        # Entries past a row's blocks (and padding rows, which read one position)
+        self._host_seq_lens[b:num_seqs] = 1
+        # Entries past a row's blocks (and padding rows, which read one position or none)
         # may hold stale but valid block ids: the kernels never use them.
         rows, host_tables = self._table_rows, self._host_block_tables
         for i, table in enumerate(block_tables):
             if rows[i] != table:
                 host_tables[i, :len(table)] = table
                 rows[i] = list(table)
+
+    def run_mixed(self, token_ids: list[int], positions, slot_mapping, query_lens: list[int], seq_lens: list[int],
+                  block_tables: list[list[int]], token_lora_slots: list[int] | None) -> torch.Tensor:
+        """Fill the static buffers for a mixed step of T tokens in B sequences and replay the smallest mixed
+        graph that holds it; returns ``[T, hidden]``.
+
+        ``positions`` / ``slot_mapping``: T ints each (lists or 1-D int64 host tensors / arrays);
+        ``query_lens`` / ``seq_lens`` / ``block_tables``: per sequence; ``token_lora_slots``: adapter slot per
+        token (-1 = none), or None when no token uses an adapter. Raises ``ValueError`` when no bucket
+        holds the step (check :meth:`mixed_padded_size` first).
+        """
+        t, b = len(token_ids), len(seq_lens)
+        size = self.mixed_padded_size(t, b)
+        if size is None:
+            raise ValueError(f"no mixed-step graph holds {t} tokens in {b} sequences (buckets {self.mixed_sizes})")
+        num_seqs = self.mixed_num_seqs(size)
+        with_lora = (self.num_lora_slots > 0 and token_lora_slots is not None
+                     and any(s >= 0 for s in token_lora_slots))
+        self._i64.wait_for_copy()
+        self._i32.wait_for_copy()
+        self._fill_tokens(size, token_ids, positions, slot_mapping)
+        self._fill_seqs(num_seqs, seq_lens, block_tables)
+        qsl = self._host_mixed_qsl
+        qsl[0] = 0
+        qsl[1:b + 1] = list(accumulate(query_lens))
+        qsl[b + 1:num_seqs + 1] = t  # empty padding sequences
+        if with_lora:
+            self._fill_lora(size, token_lora_slots)
+        self._i64.upload(self._i64.host.numel())
+        self._i32.upload(self._i32.offsets["block_tables"] + num_seqs * self.table_width)
+        entry = self.mixed_graphs[(size, with_lora)]
+        entry.graph.replay()
+        return entry.hidden[:t]
 
     def _fill_lora(self, size: int, lora_slots: list[int]) -> None:
         """SGMV segments over all slots (one per slot, empty ones too), from the eager path's builder."""

@@ -141,7 +141,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
                                   slot_of=self.lora_pool.slot_of if self.lora_pool else None)
         self.runner.eos_token_ids = self.eos_token_ids
-        graphs = ((self.max_model_len, config.max_num_seqs, config.max_loras if self.lora_pool else 0)
+        graphs = ((self.max_model_len, config.max_num_seqs, config.max_loras if self.lora_pool else 0,
+                   config.max_num_batched_tokens)
                   if self.device.type == "cuda" and not config.enforce_eager else None)
         if self.tp is not None:
             self.tp.start_workers(self.runner, self.kv_sizing, self.kv_cache.num_swap_blocks, graphs)

@@ -88,6 +88,23 @@ class StepInputs:
     sample_token_index: list[int]
 
 
+@dataclass(frozen=True)
+class _HostStep:
+    """One step's inputs on the host: per-token ``token_ids``, ``seq_index``, ``positions`` and
+    ``slot_mapping`` (int64 tensors but the ids), per-sequence ``q_lens``, ``seq_lens``, ``tables`` (block-id
+    lists; ``block_tables`` padded ``[B, W] int32``) and ``query_start`` (B + 1 offsets)."""
+
+    token_ids: list[int]
+    q_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    query_start: list[int]
+    seq_index: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 @dataclass(slots=True)
 class SampledToken:
     token_id: int
@@ -167,10 +184,12 @@ class ModelRunner:
         # Called with each step's plan before its forward (the tensor-parallel driver broadcasts it).
         self.on_step: Callable[[StepPlan], None] | None = None
 
-    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int) -> None:
-        """Capture decode graphs (CUDA only); decode-only steps then replay them."""
+    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int,
+                           max_num_batched_tokens: int | None = None) -> None:
+        """Capture decode graphs (CUDA only), and mixed-step graphs up to ``max_num_batched_tokens`` tokens
+        when given; decode-only and mixed steps then replay them."""
         graphs = CudaGraphRunner(self.model, self.kv_cache.layers, self.block_size, max_model_len,
-                                 max_num_seqs, num_lora_slots, self.device)
+                                 max_num_seqs, num_lora_slots, self.device, max_num_batched_tokens)
         try:
             graphs.capture()
         except RuntimeError as exc:  # keep serving, eagerly, and say so
@@ -180,7 +199,8 @@ class ModelRunner:
 
     # -- inputs -----------------------------------------------------------
     def plan_step(self, batch: ScheduledBatch) -> StepPlan:
-        """The forward inputs of ``batch`` as host lists (what tensor-parallel ranks receive)."""
+        """The forward inputs of ``batch`` as host lists (what tensor-parallel ranks receive), with the
+        graph decision: a decode graph, a mixed-step graph over a padded token bucket, or eager."""
         token_ids: list[int] = []
         q_lens, seq_lens, tables = [], [], []
         for item in batch.seqs:
@@ -189,11 +209,13 @@ class ModelRunner:
             q_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             tables.append(item.block_ids)
+        use_graph = self._graph_fits(batch)
+        use_mixed = not use_graph and self._mixed_graph_fits(batch)
         return StepPlan(token_ids, q_lens, seq_lens, tables, self._lora_slots(batch), batch.block_copies,
-                        use_graph=self._graph_fits(batch))
+                        use_graph=use_graph, use_mixed_graph=use_mixed)
 
-    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
-        """Host lists -> vectorised host tensors -> two packed copies to the device."""
+    def _host_step(self, plan: StepPlan) -> _HostStep:
+        """The step's per-token and per-sequence inputs on the host (vectorised torch ops, no device copy)."""
         bs = self.block_size
         token_ids, q_lens, seq_lens, tables = plan.token_ids, plan.q_lens, plan.seq_lens, plan.block_tables
         num_seqs, num_tokens = len(q_lens), len(token_ids)
@@ -205,6 +227,15 @@ class ModelRunner:
         positions = torch.arange(num_tokens) + _host_ints(offsets, torch.int64)[seq_index]
         block_tables = _padded_rows(tables)
         slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
+        return _HostStep(token_ids, q_lens, seq_lens, tables, query_start, seq_index, positions, block_tables,
+                         slot_mapping)
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        """Host lists -> vectorised host tensors -> two packed copies to the device."""
+        host = self._host_step(plan)
+        token_ids, q_lens, seq_lens, query_start = host.token_ids, host.q_lens, host.seq_lens, host.query_start
+        seq_index, positions, block_tables, slot_mapping = (host.seq_index, host.positions, host.block_tables,
+                                                            host.slot_mapping)
         lora_slots = plan.lora_slots
         host_i32 = [_host_ints(query_start, torch.int32), _host_ints(seq_lens, torch.int32), block_tables.view(-1)]
         segments = None
@@ -251,6 +282,7 @@ class ModelRunner:
         if not step.use_graph and any(s.prompt_logprobs for s in batch.seqs):
             prompt_lps = self._prompt_logprobs(batch, hidden)
         return self._sample(batch, plan, step.sample_token_index, hidden, mask, prompt_lps)
+
     def _placeholder_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
         """(batch rows whose last input token is a placeholder, the row of the previous launched
         step that sampled it)."""
@@ -280,6 +312,8 @@ class ModelRunner:
         rows, src = placeholders or ([], [])
         if step.use_graph:
             return self._run_graph(step, self._fixed_inputs(rows, src))
+        if step.use_mixed_graph:
+            return self._run_mixed_graph(step)
         inputs = self.prepare_inputs(step)
         if rows:
             ends = inputs.sample_token_index
@@ -290,6 +324,26 @@ class ModelRunner:
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.seqs) <= self.graphs.max_batch_size
                 and all(s.num_new_tokens == 1 and not s.prompt_logprobs for s in batch.seqs))
+
+    def _mixed_graph_fits(self, batch: ScheduledBatch) -> bool:
+        """A step with prompt tokens replays a mixed graph when one holds it, no row asks for prompt
+        logprobs (those read every position's logits, outside the graph) and no input token is an
+        async-scheduling placeholder (the mixed graph takes host token ids)."""
+        if self.graphs is None or not self.graphs.mixed_sizes or any(s.prompt_logprobs for s in batch.seqs):
+            return False
+        if any(item.seq.num_pending_tokens for item in batch.seqs):
+            return False
+        num_tokens = sum(s.num_new_tokens for s in batch.seqs)
+        return self.graphs.mixed_padded_size(num_tokens, len(batch.seqs)) is not None
+
+    def _run_mixed_graph(self, step: StepPlan) -> torch.Tensor:
+        """Replay the mixed graph for the step; returns ``[T, hidden]``."""
+        host = self._host_step(step)
+        token_slots = None
+        if step.lora_slots is not None:
+            token_slots = _host_ints(step.lora_slots, torch.int32)[host.seq_index].tolist()
+        return self.graphs.run_mixed(host.token_ids, host.positions.numpy(), host.slot_mapping.numpy(), host.q_lens,
+                                     host.seq_lens, host.tables, token_slots)
 
     def _run_graph(self, step: StepPlan, input_fix=None) -> torch.Tensor:
         bs = self.block_size

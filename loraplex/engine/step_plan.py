@@ -33,6 +33,8 @@ class StepPlan:
     - ``block_copies``: KV block moves to do before the forward.
     - ``use_graph``: replay a captured decode CUDA graph (every ``q_lens[b] == 1``); decided
       once, by the driver, so that every rank takes the same path.
+    - ``use_mixed_graph``: replay a captured mixed-step graph (prompt chunks and decodes over a
+      padded token bucket, ``engine/cuda_graphs.py``); decided likewise.
     """
 
     token_ids: list[int]
@@ -42,6 +44,7 @@ class StepPlan:
     lora_slots: list[int] | None
     block_copies: BlockCopies = field(default_factory=BlockCopies)
     use_graph: bool = False
+    use_mixed_graph: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -5,19 +5,24 @@ Semantics: :data:`PAGED_ATTENTION`, where token t is query i of sequence b, ``G 
 (full causal) or ``max(0, p - W + 1)`` with a sliding window of W tokens (Mistral; HF's ``kv_idx > q_idx - W``);
 with a soft-cap c the scores s become ``c * tanh(s / c)`` before the mask (Gemma 2).
 
-The Triton path uses the decode kernel (:mod:`loraplex.kernels.attention_decode`)
-when ``meta.max_query_len == 1`` and the prefill/extend kernel
-(:mod:`loraplex.kernels.attention_prefill`) otherwise.
+The Triton path is one launcher for any mix of rows: sequences with one query token go to the decode kernel
+(:mod:`loraplex.kernels.attention_decode`: one program per sequence x KV head x split, one-token tiles of the
+KV head's query heads), the others to the prefill/extend kernel (:mod:`loraplex.kernels.attention_prefill`:
+64-row tiles of tokens x query heads); both skip the other's rows on the device and share the paged K/V
+gather + online-softmax loop (:mod:`loraplex.kernels.attention_common`). Grids depend only on the token and
+sequence counts (and the decode config), so a CUDA graph captured for a (T, B) shape replays any batch
+of at most T tokens and B sequences.
 """
 
 from __future__ import annotations
 
 import torch
 
-from loraplex.kernels._attention_checks import check_attention_args, prepare_out
-from loraplex.kernels.attention_decode import paged_decode_attention
+from loraplex.kernels._attention_checks import check_attention_args, check_attention_layout, prepare_out
+from loraplex.kernels._triton import require_triton
+from loraplex.kernels.attention_decode import DecodeConfig, launch_decode, resolve_decode_config
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.attention_prefill import paged_prefill_attention
+from loraplex.kernels.attention_prefill import launch_prefill
 from loraplex.kernels.op import Op
 
 _OP = "paged_attention"
@@ -33,13 +38,25 @@ def _launch_paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    decode_config: DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """Triton launch of :func:`paged_attention_ref`: the decode kernel if ``meta.max_query_len == 1``, else prefill."""
-    if meta.max_query_len == 1:
-        return paged_decode_attention(query, key_cache, value_cache, meta, scale, out=out,
-                                      sliding_window=sliding_window, softcap=softcap)
-    return paged_prefill_attention(query, key_cache, value_cache, meta, scale, out=out, sliding_window=sliding_window,
-                                   softcap=softcap)
+    """Triton launch of :func:`paged_attention_ref`: the decode kernel over the 1-token rows, the prefill kernel
+    over the others (each launched only when the step has such rows). ``decode_config`` overrides
+    :func:`~loraplex.kernels.attention_decode.decode_config`'s pick."""
+    require_triton(_OP)
+    check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
+    out = prepare_out(query, meta, out)
+    check_attention_layout(_OP, query, key_cache, value_cache, out)
+    if meta.num_seqs == 0:
+        return out
+    has_decode, has_prefill = meta.has_decode_rows, meta.max_query_len > 1
+    if has_decode:
+        config = resolve_decode_config(query, key_cache, meta, None, decode_config)
+        launch_decode(query, key_cache, value_cache, meta, scale, out, sliding_window, softcap, config)
+    if has_prefill:
+        launch_prefill(query, key_cache, value_cache, meta, scale, out, sliding_window, softcap,
+                       skip_decode=has_decode)
+    return out
 
 
 def paged_attention_ref(

@@ -1,38 +1,142 @@
-"""Paged decode attention: one query token per sequence (``max_query_len == 1``).
+"""Paged decode attention: the sequences of a batch that have one query token this step.
 
-Semantics: :data:`~loraplex.kernels.attention.PAGED_ATTENTION` with ``p = seq_lens[b] - 1`` (with a sliding
-window of W tokens, positions before ``seq_lens[b] - W`` are skipped).
+Semantics: :data:`~loraplex.kernels.attention.PAGED_ATTENTION` with ``p = seq_lens[b] - 1`` for every sequence b
+with ``q_len[b] == 1`` (with a sliding window of W tokens, positions before ``seq_lens[b] - W`` are skipped);
+rows of the other sequences are left untouched (the prefill kernel writes them in a mixed batch).
 
-Design (after vLLM's Triton decode attention and FlashDecoding, Dao et al. 2023
-"Flash-Decoding for long-context inference"):
+Design (after FlashDecoding, Dao et al. 2023, and vLLM's Triton decode attention):
 
-- One program per (sequence, KV head, split). All ``G`` query heads that share
-  a KV head are processed together as a ``[G, D]`` tile, so each K/V block is
-  read once per KV head (GQA).
-- Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022)
-  in float32 with base-2 exponentials.
-- Split-K: when ``B * Hkv`` programs cannot fill the GPU, the context is cut
-  into ``num_splits`` chunks; each program writes a normalised partial output
-  and its log-sum-exp, and a reduce kernel merges them.
+- One program per (sequence, KV head, split). All ``G`` query heads that share a KV head are one tile of
+  ``max(16, G)`` rows, so each K/V position is read once per KV head (GQA); with ``G == 1`` (MHA) the tile
+  is one row and the products are FMA reductions instead of a 16-row ``tl.dot``.
+- The K/V gather and online softmax are :func:`~loraplex.kernels.attention_common.attend_kv_range`, shared
+  with the prefill kernel; a tile of ``block_n`` positions spans whole KV blocks (``block_n`` is a multiple of
+  the block size, or divides it).
+- Split-K: ``num_splits`` programs share a sequence's context. Each sequence cuts *its own* context into
+  chunks of ``max(min_chunk, cdiv(seq_len, num_splits))`` positions (rounded up to ``block_n``), so the grid
+  is fixed by the batch size alone (CUDA graphs capture it once) while short contexts use fewer, fuller
+  programs. A sequence whose context fits one chunk writes its output directly; otherwise each chunk writes
+  a normalised partial and its log-sum-exp and a reduce kernel merges them.
+- Configs (``block_n``, warps, pipeline stages, splits) come from :func:`decode_config`, a small shape-keyed
+  heuristic; ``benchmarks/bench_attention.py --configs sweep`` times the alternatives on a GPU.
+
+Configs on CUDA (chosen by reasoning, not yet measured: vLLM's and SGLang's Triton decode kernels use 32-position
+tiles of 16 query-head rows, 4 warps, 2 stages for GQA; sm_90 compiles of these tiles take 72-78 registers and
+17-21 KB of shared memory per program, so 6+ programs share an SM and keep enough K/V loads in flight):
+
+=====================  =======  =====  ======  ====================  ==============================================
+shape                  block_n  warps  stages  tile                  splits
+=====================  =======  =====  ======  ====================  ==============================================
+G >= 2, bf16 D <= 128  32       4      2       max(16, G) rows, dot  power of 2 reaching 4 programs / SM (B x Hkv x
+G == 1 (MHA)           32       4      2       1 row, FMA            splits >= 4 x SMs), >= 128 positions each, <= 64
+D > 128 (bf16)         16*      4      2       as above              as above
+=====================  =======  =====  ======  ====================  ==============================================
+
+(* or the KV block size, if larger, up to 64.) On the CPU interpreter tiles are 16 positions, one stage.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 
 from loraplex.kernels._attention_checks import check_attention_args, check_attention_layout, prepare_out
 from loraplex.kernels._triton import cdiv, dot_dtype, dot_precision, next_pow2, num_sms, require_triton, tl, triton
+from loraplex.kernels.attention_common import attend_kv_range
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.errors import KernelArgumentError
 
 _OP = "paged_decode_attention"
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 64
-# Smallest chunk of context worth a split of its own.
-_MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch configuration of the decode kernel.
+
+    ``block_n``: KV positions per inner-loop tile; ``num_warps``; ``num_stages``: software-pipeline depth of
+    the K/V loads; ``num_splits``: split-K programs per (sequence, KV head), 1..64; ``min_chunk``: fewest
+    positions of context a split gets (a multiple of ``block_n``); ``use_dot``: ``tl.dot`` (16-row tiles)
+    or FMA reductions (one-row tiles, MHA only).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int = 1
+    min_chunk: int = 256
+    use_dot: bool = True
+
+    def label(self) -> str:
+        """Short name for benchmark tables, e.g. ``n64 w4 s2 k8 c256 dot``."""
+        return (f"n{self.block_n} w{self.num_warps} s{self.num_stages} k{self.num_splits} c{self.min_chunk} "
+                f"{'dot' if self.use_dot else 'fma'}")
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device, *,
+                      programs_per_sm: int = 4, min_chunk: int = 256) -> int:
+    """Split-K factor, a power of two: enough splits that ``num_programs * splits`` reaches
+    ``programs_per_sm`` programs per SM, no more than ``cdiv(max_seq_len, min_chunk)`` (rounded up to a power
+    of two) and at most :data:`MAX_SPLITS`; 1 when the batch alone fills the device."""
+    target = programs_per_sm * num_sms(device)
+    if num_programs >= target or max_seq_len <= min_chunk:
+        return 1
+    wanted = next_pow2(cdiv(target, num_programs))
+    return max(1, min(wanted, next_pow2(cdiv(max_seq_len, min_chunk)), MAX_SPLITS))
+
+
+def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, page: int, max_seq_len: int,
+                  dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+    """The decode kernel's config for a batch shape (shape-keyed heuristic, H100/H200-sized on CUDA).
+
+    ``max_seq_len`` sizes the split count only; under a CUDA graph it is the longest context the graph may
+    see (the kernel re-chunks each sequence's real context at run time).
+    """
+    if device.type != "cuda":  # the CPU interpreter: small tiles so tests cover several tiles and splits
+        block_n = max(16, page) if page <= 16 else page
+        return DecodeConfig(block_n=block_n, num_warps=4, num_stages=1, min_chunk=block_n, use_dot=group > 1,
+                            num_splits=choose_num_splits(num_seqs * num_kv_heads, max_seq_len, device,
+                                                         programs_per_sm=1, min_chunk=block_n))
+    # 32-position tiles of 128 bf16 channels: ~72 registers and ~21 KB of pipelined shared memory per 4-warp
+    # program on sm_90, so ~8 programs (and their K/V loads) fit on an SM; a tile never splits a KV block of
+    # up to 64 positions.
+    block_n = 32 if head_dim * torch.finfo(dtype).bits // 8 <= 256 else 16
+    block_n = max(block_n, min(page, 64))
+    min_chunk = max(128, block_n)
+    splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, device, programs_per_sm=4, min_chunk=min_chunk)
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, num_splits=splits, min_chunk=min_chunk,
+                        use_dot=group > 1)
+
+
+def check_decode_config(config: DecodeConfig, group: int, page: int) -> None:
+    """Raise :class:`KernelArgumentError` for a config the kernel cannot run."""
+    problems = []
+    if config.block_n < 16 or config.block_n & (config.block_n - 1):
+        problems.append(f"block_n={config.block_n} (a power of two >= 16)")
+    if config.block_n % page and page % config.block_n:
+        problems.append(f"block_n={config.block_n} (a multiple or divisor of the block size {page})")
+    if not 1 <= config.num_splits <= MAX_SPLITS:
+        problems.append(f"num_splits={config.num_splits} (1..{MAX_SPLITS})")
+    if config.min_chunk < config.block_n or config.min_chunk % config.block_n:
+        problems.append(f"min_chunk={config.min_chunk} (a multiple of block_n)")
+    if not config.use_dot and group != 1:
+        problems.append(f"use_dot=False with {group} query heads per KV head (FMA tiles are one row)")
+    if config.num_warps not in (1, 2, 4, 8, 16) or not 1 <= config.num_stages <= 6:
+        problems.append(f"num_warps={config.num_warps}, num_stages={config.num_stages}")
+    if problems:
+        raise KernelArgumentError(f"{_OP}: bad config: " + "; ".join(problems))
 
 
 @triton.jit
+def _decode_chunk(span, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Positions per split of a sequence whose (windowed) context has ``span`` positions."""
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(chunk, MIN_CHUNK)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -44,10 +148,9 @@ def _paged_decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
-    block_size,
-    tokens_per_split,
     window,
     softcap,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -63,10 +166,13 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
@@ -74,111 +180,186 @@ def _paged_decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
+    tok = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - tok
+    if q_len != 1:  # a prefill row of a mixed batch (or an empty padding sequence): not ours
+        return
     seq_len = tl.load(seq_lens_ptr + b)
-    tok = tl.load(query_start_loc_ptr + b).to(tl.int64)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
-    if SLIDING:  # positions before the window are skipped (a split wholly before it stays empty)
-        start = tl.maximum(start, seq_len - window)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    chunk = _decode_chunk(seq_len - lo, num_splits, BLOCK_N, MIN_CHUNK)
+    num_active = tl.cdiv(seq_len - lo, chunk)
+    if split >= num_active:
+        return
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
 
+    tok = tok.to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + g
     d = tl.arange(0, BLOCK_D)
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + b * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        p_mask = pos < end
-        blk = tl.load(bt_row + pos // block_size, mask=p_mask, other=0).to(tl.int64)
-        off = pos % block_size
-        kv_mask = p_mask[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:  # cap * tanh(s / cap), tanh(z) = 2 sigmoid(2z) - 1; then to base 2
-            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
-        s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        m_i = m_new
-
-    if not SPLIT:
+    m_i, l_i, acc = attend_kv_range(
+        q.to(DOT_DTYPE), g, m_i, l_i, acc,
+        k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh, block_tables_ptr + b * stride_bt,
+        start, end, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, softcap, window,
+        PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_DTYPE, PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
+    )
+    if num_active == 1:
         out = acc / l_i[:, None]
-        o_ptrs = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        # An empty split (start >= seq_len) stores lse = -inf and a zero partial.
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        row = (b * num_q_heads + heads) * tl.num_programs(2) + split
-        tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=q_mask)
+        row = (b * num_q_heads + heads) * num_splits + split
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < GROUP)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
+    seq_lens_ptr,
     query_start_loc_ptr,
     out_ptr,
+    window,
+    num_splits,
     stride_ot,
     stride_oh,
-    num_splits,
+    BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
-    # Merge split partials: out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
+    # out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max) over the sequence's active splits.
     b = tl.program_id(0)
     h = tl.program_id(1)
-    tok = tl.load(query_start_loc_ptr + b).to(tl.int64)
+    tok = tl.load(query_start_loc_ptr + b)
+    if tl.load(query_start_loc_ptr + b + 1) - tok != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    num_active = tl.cdiv(seq_len - lo, _decode_chunk(seq_len - lo, num_splits, BLOCK_N, MIN_CHUNK))
+    if num_active == 1:  # the split program wrote the output itself
+        return
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     row = (b * tl.num_programs(1) + h) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
+    active = s < num_active
+    lse = tl.load(part_lse_ptr + row, mask=active, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
-    parts = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-        mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                    mask=active[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)
+    tok = tok.to(tl.int64)
     tl.store(out_ptr + tok * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _block_n(head_dim: int, device: torch.device) -> int:
-    """KV positions per loop iteration: GPU-sized on CUDA, small under the CPU interpreter."""
-    if device.type != "cuda":
-        return 16
-    return 64 if head_dim <= 128 else 32
+def launch_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
+    config: DecodeConfig,
+) -> None:
+    """Launch the decode kernel (and its reduce) over all ``meta.num_seqs`` sequences; those whose ``q_len``
+    is not 1 are skipped on the device. Arguments are checked by the caller."""
+    num_seqs = meta.num_seqs
+    _, num_q_heads, head_dim = query.shape
+    page, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    splits = config.num_splits
+    if splits > 1:
+        part_out = torch.empty((num_seqs, num_q_heads, splits, head_dim), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_seqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # never written: every sequence has one active split
+    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        query,
+        key_cache,
+        value_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        scale if softcap is not None else scale * _LOG2E,  # with a cap the kernel converts to base 2 after tanh
+        sliding_window or 0,
+        softcap or 0.0,
+        splits,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        meta.block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_G=max(16, next_pow2(group)) if config.use_dot else 1,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        PAGE=page,
+        BLOCK_N=config.block_n,
+        MIN_CHUNK=config.min_chunk,
+        NUM_STAGES=config.num_stages,
+        DOT_DTYPE=dot_dtype(query.dtype, query.device),
+        PRECISION=dot_precision(query.dtype, query.device),
+        USE_DOT=config.use_dot,
+        SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
+        num_warps=config.num_warps,
+    )
+    if splits > 1:
+        _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
+            part_out,
+            part_lse,
+            meta.seq_lens,
+            meta.query_start_loc,
+            out,
+            sliding_window or 0,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_N=config.block_n,
+            MIN_CHUNK=config.min_chunk,
+            BLOCK_S=16 if splits <= 16 else next_pow2(splits),  # few variants of this small kernel
+            HEAD_DIM=head_dim,
+            BLOCK_D=max(16, next_pow2(head_dim)),
+            SLIDING=sliding_window is not None,
+            num_warps=4 if head_dim >= 128 else 1,
+        )
 
 
-def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
-    """Split-K factor: 1 when ``B * Hkv`` programs fill the device, else enough splits for ~2 waves.
-
-    Each split keeps at least ``_MIN_TOKENS_PER_SPLIT`` positions of context.
-    """
-    sms = num_sms(device)
-    if num_programs >= sms:
-        return 1
-    wanted = cdiv(2 * sms, num_programs)
-    return max(1, min(wanted, cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
+def resolve_decode_config(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata,
+                          num_splits: int | None, config: DecodeConfig | None) -> DecodeConfig:
+    """``config`` (or :func:`decode_config`'s pick), with ``num_splits`` overriding its split count; checked."""
+    num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    if config is None:
+        config = decode_config(meta.num_seqs, num_kv_heads, group, query.shape[2], page, meta.max_seq_len,
+                               query.dtype, query.device)
+    if num_splits is not None:
+        config = replace(config, num_splits=num_splits)
+    check_decode_config(config, group, page)
+    return config
 
 
 def paged_decode_attention(
@@ -192,88 +373,26 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Triton launch of :func:`~loraplex.kernels.attention.paged_attention_ref` for ``meta.max_query_len == 1``.
 
-    ``num_splits``: split-K factor (1..64); ``None`` picks one from the batch and GPU size.
+    ``config``: launch config (default :func:`decode_config`); ``num_splits`` (1..64) overrides its split-K
+    factor.
 
     Raises:
-        KernelArgumentError: as the reference, or ``meta.max_query_len != 1``.
+        KernelArgumentError: as the reference, ``meta.max_query_len != 1``, or a bad config.
         TritonUnavailableError: triton is not installed.
     """
     require_triton(_OP)
     check_attention_args(_OP, query, key_cache, value_cache, meta, scale, out, sliding_window, softcap)
     if meta.max_query_len != 1:
         raise KernelArgumentError(f"{_OP}: meta.max_query_len={meta.max_query_len}, the decode kernel needs 1")
-    if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
-        raise KernelArgumentError(f"{_OP}: num_splits={num_splits}, expected 1..{_MAX_SPLITS}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise KernelArgumentError(f"{_OP}: num_splits={num_splits}, expected 1..{MAX_SPLITS}")
+    config = resolve_decode_config(query, key_cache, meta, num_splits, config)
     out = prepare_out(query, meta, out)
     check_attention_layout(_OP, query, key_cache, value_cache, out)
-    num_seqs = meta.num_seqs
-    if num_seqs == 0:
-        return out
-    _, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    block_n = _block_n(head_dim, query.device)
-    splits = num_splits or choose_num_splits(num_seqs * num_kv_heads, meta.max_seq_len, query.device)
-    tokens_per_split = cdiv(cdiv(meta.max_seq_len, splits), block_n) * block_n
-    splits = cdiv(meta.max_seq_len, tokens_per_split)
-    if splits > 1:
-        part_out = torch.empty((num_seqs, num_q_heads, splits, head_dim), dtype=torch.float32, device=query.device)
-        part_lse = torch.empty((num_seqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
-    else:
-        part_out = part_lse = out  # unused by the kernel when SPLIT is False
-    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query,
-        key_cache,
-        value_cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        out,
-        part_out,
-        part_lse,
-        scale if softcap is not None else scale * _LOG2E,  # with a cap the kernel converts to base 2 after tanh
-        key_cache.shape[1],
-        tokens_per_split,
-        sliding_window or 0,
-        softcap or 0.0,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        meta.block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        BLOCK_G=max(16, next_pow2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_N=block_n,
-        SPLIT=splits > 1,
-        DOT_DTYPE=dot_dtype(query.dtype, query.device),
-        PRECISION=dot_precision(query.dtype, query.device),
-        SLIDING=sliding_window is not None,
-        SOFTCAP=softcap is not None,
-        num_warps=4,
-    )
-    if splits > 1:
-        _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
-            part_out,
-            part_lse,
-            meta.query_start_loc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            splits,
-            BLOCK_S=next_pow2(splits),
-            HEAD_DIM=head_dim,
-            BLOCK_D=next_pow2(head_dim),
-            num_warps=4 if head_dim >= 128 else 1,
-        )
+    if meta.num_seqs:
+        launch_decode(query, key_cache, value_cache, meta, scale, out, sliding_window, softcap, config)
     return out

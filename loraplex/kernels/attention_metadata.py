@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -69,6 +70,12 @@ class AttentionMetadata:
     def num_actual_tokens(self) -> int:
         """Query tokens that belong to a sequence (``query_start_loc[B]``); the rest are padding."""
         return self.query_start_loc_host[-1]
+
+    @cached_property
+    def has_decode_rows(self) -> bool:
+        """Whether some sequence has exactly one query token (computed once per metadata, from host lists)."""
+        qsl = self.query_start_loc_host
+        return any(qsl[b + 1] - qsl[b] == 1 for b in range(self.num_seqs))
 
     @property
     def query_lens_host(self) -> list[int]:

@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from loraplex.kernels import (  # noqa: E402
     activation,
+    attention,
     attention_decode,
     attention_prefill,
     lora_expand,
@@ -91,7 +92,8 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
     for module in (attention_decode, attention_prefill, lora_shrink, lora_expand):
-        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k"):
+        for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config",
+                     "prefill_tiles"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
     attention_decode.num_sms = lambda device: 132
@@ -127,9 +129,18 @@ def compile_launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         raise TypeError(f"{fn.__name__}: arguments not passed: {missing}")
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
     jit_fn = triton.JITFunction(fn)
+    # As a real launch specialises: 16-byte aligned pointers and ints divisible by 16 get tt.divisibility
+    # (without it the compiler cannot prove alignment and emits scalar loads, unlike on the GPU).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, value in enumerate(args) if _divisible_by_16(value)}
     return triton.compile(
-        ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs), target=TARGET, options=options
+        ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET, options=options
     )
+
+
+def _divisible_by_16(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def drive_launchers() -> None:
@@ -147,8 +158,16 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
     for batch, ctx in ((2, 4096), (64, 256)):  # split-K decode, plain decode
         meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [[0] * (ctx // bs)] * batch, bs, "cpu")
         attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta, d**-0.5)
+        # The tiles benchmarks/bench_attention.py sweeps, FMA and tl.dot tiles for MHA.
+        for block_n, warps, stages in ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2)):
+            for use_dot in {True, hq != hkv}:
+                config = attention_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
+                                                       num_splits=8, min_chunk=4 * block_n, use_dot=use_dot)
+                attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta,
+                                                        d**-0.5, config=config)
     meta = AttentionMetadata.build([512, 1], [3000, 17], [[0] * 188, [0, 0]], bs, "cpu")
     attention_prefill.paged_prefill_attention(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)
+    attention.PAGED_ATTENTION.triton(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)  # mixed
     kv = torch.zeros(513, hkv, d, dtype=dtype)
     reshape_and_cache.RESHAPE_AND_CACHE.triton(kv, kv, *caches, meta.slot_mapping)
 

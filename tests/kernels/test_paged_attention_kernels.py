@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import assert_close, make_paged_batch, naive_paged_attention, nan_like
 
-from loraplex.kernels.attention import paged_attention_ref
-from loraplex.kernels.attention_decode import choose_num_splits, paged_decode_attention
+from loraplex.kernels.attention import PAGED_ATTENTION, paged_attention_ref
+from loraplex.kernels.attention_decode import DecodeConfig, choose_num_splits, paged_decode_attention
 from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.attention_prefill import paged_prefill_attention
 from loraplex.kernels.errors import KernelArgumentError
 
 BLOCK_SIZE = 8
@@ -65,10 +66,35 @@ def test_decode_split_k_matches_naive(kernel_device, poison_allocations, num_spl
 
 
 def test_choose_num_splits_fills_small_batches():
-    cuda_like = torch.device("cpu")  # interpreter pretends to have 4 SMs
+    cuda_like = torch.device("cpu")  # interpreter pretends to have 4 SMs: 4 programs per SM = 16 programs
     assert choose_num_splits(num_programs=64, max_seq_len=32768, device=cuda_like) == 1
-    assert choose_num_splits(num_programs=1, max_seq_len=32768, device=cuda_like) == 8
+    assert choose_num_splits(num_programs=1, max_seq_len=32768, device=cuda_like) == 16
+    assert choose_num_splits(num_programs=3, max_seq_len=32768, device=cuda_like) == 8  # 6 rounded up to 2^k
+    assert choose_num_splits(num_programs=1, max_seq_len=600, device=cuda_like) == 4  # 256-position chunks
     assert choose_num_splits(num_programs=1, max_seq_len=100, device=cuda_like) == 1
+    assert choose_num_splits(num_programs=1, max_seq_len=1 << 20, device=cuda_like, programs_per_sm=64) == 64
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_fma_tiles_for_mha_match_naive(kernel_device, poison_allocations, num_splits):
+    """One-row FMA tiles (MHA), chunks re-cut per sequence: 4 splits of >= 16 positions over contexts 1..45."""
+    seq_lens = [1, 16, 17, 45, 33]
+    batch = make_paged_batch([1] * 5, seq_lens, 3, 1, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, num_splits=num_splits, min_chunk=16, use_dot=False)
+    out = paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                 out=nan_like(batch.query), config=config)
+    assert_close(out, naive_paged_attention(batch, _scale()), torch.float32)
+
+
+def test_decode_config_is_checked():
+    batch = make_paged_batch([1], [9], 1, 2, HEAD_DIM, 8, torch.float32, torch.device("cpu"))
+    for bad, fragment in [(DecodeConfig(use_dot=False), "FMA tiles are one row"),
+                          (DecodeConfig(block_n=24), "block_n=24"),
+                          (DecodeConfig(block_n=32, min_chunk=48), "min_chunk=48"),
+                          (DecodeConfig(num_splits=65), "num_splits=65")]:
+        with pytest.raises(KernelArgumentError, match=fragment):
+            paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), config=bad)
 
 
 @pytest.mark.interpreter
@@ -260,3 +286,41 @@ def test_short_block_table_is_rejected():
     )
     with pytest.raises(KernelArgumentError, match="max_seq_len=9 exceeds"):
         paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, narrow, _scale())
+
+
+@pytest.mark.interpreter
+def test_prefill_kernel_alone_handles_decode_rows_too(kernel_device):
+    """paged_prefill_attention (no decode kernel) over a mixed batch: 1-token rows go through prefill tiles."""
+    query_lens, seq_lens = [q for q, _ in MIXED], [s for _, s in MIXED]
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    out = paged_prefill_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                  out=nan_like(batch.query))
+    assert_close(out, naive_paged_attention(batch, _scale()), torch.float32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_graph_shaped_metadata_with_padding_sequences(kernel_device, num_splits):
+    """As a CUDA graph captured for (T=40 tokens, B=8 sequences) replays a smaller mixed batch: the launch is
+    sized by host lists of the capture shape (decode and prefill rows, max_seq_len 64) while the device
+    tensors hold 5 real sequences (two prompt chunks, three decodes) plus 3 empty padding sequences
+    (q_len 0) and padding tokens. Real rows match the float32 loop; the kernels touch nothing else."""
+    query_lens, seq_lens = [1, 9, 1, 13, 1], [30, 9, 5, 20, 17]
+    batch = make_paged_batch(query_lens, seq_lens, 2, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device,
+                             num_padded_tokens=40)
+    real = batch.meta
+    n = real.num_actual_tokens
+    pad = 3
+    qsl = torch.cat([real.query_start_loc, real.query_start_loc[-1:].repeat(pad)])
+    seq_lens_dev = torch.cat([real.seq_lens, torch.ones(pad, dtype=torch.int32, device=kernel_device)])
+    tables = torch.zeros(8, 8, dtype=torch.int32, device=kernel_device)  # 8 blocks x 8 = max_seq_len 64
+    tables[:5, :real.block_tables.shape[1]] = real.block_tables
+    capture_qsl = [0, 33] + list(range(34, 41))  # one 33-token chunk and 7 decodes: both kernels launched
+    meta = AttentionMetadata(qsl, seq_lens_dev, tables, real.slot_mapping, max_query_len=33, max_seq_len=64,
+                             query_start_loc_host=capture_qsl, seq_lens_host=[64] * 8)
+    out = nan_like(batch.query)
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, num_splits=num_splits, min_chunk=16)
+    PAGED_ATTENTION.triton(batch.query, batch.key_cache, batch.value_cache, meta, _scale(), out=out,
+                           decode_config=config)
+    assert_close(out[:n], naive_paged_attention(batch, _scale())[:n], torch.float32)
+    assert torch.isnan(out[n:]).all(), "padding tokens belong to no sequence: no kernel writes them"

@@ -1,0 +1,155 @@
+"""CUDA graphs for mixed steps (decode rows + prompt chunks), emulated on the CPU (issue 16).
+
+The graph runner's static buffers are filled as on a GPU and a stand-in "replay" runs the model on exactly
+what a replay reads: the padded token rows, and the query offsets of the graph's sequence count, whose
+padding sequences must be empty. Every request then equals the eager engine (tokens, logprobs) with chunked
+prompts next to running decodes, LoRA and base rows mixed, a fork and seeded sampling; plus the bucket
+arithmetic (token buckets, sequences per bucket, capture shapes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_step_fastpaths import _EagerReplay, _requests, _run
+from tiny_models import make_peft_adapter
+
+from loraplex import LLM, LoRARequest
+from loraplex.engine.cuda_graphs import CudaGraphRunner, _Graph, capture_query_lens, default_mixed_sizes
+from loraplex.engine.models.llama import LoRABatch
+from loraplex.kernels.attention_metadata import AttentionMetadata
+
+
+def test_token_buckets_and_capture_shapes():
+    assert default_mixed_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert default_mixed_sizes(24) == [16, 24]
+    assert default_mixed_sizes(600) == [16, 32, 64, 128, 256, 512, 600]
+    assert default_mixed_sizes(2) == []
+    # Both kernels captured: some prefill rows (no longer than max_len), the last row a decode.
+    assert capture_query_lens(16, 8, 64) == [9, 1, 1, 1, 1, 1, 1, 1]
+    assert capture_query_lens(2048, 255, 1024) == [1024, 1024 - 255 + 2] + [1] * 253
+    assert sum(capture_query_lens(2048, 255, 1024)) == 2048
+    assert capture_query_lens(40, 3, 16) is None  # 3 sequences of at most 16 tokens cannot hold 40
+    assert capture_query_lens(8, 8, 64) is None and capture_query_lens(8, 1, 64) is None
+
+
+def test_mixed_bucket_choice(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=64, max_num_seqs=8)
+    engine = llm.engine
+    graphs = CudaGraphRunner(engine.model, engine.kv_cache.layers, 4, 64, 8, 0, engine.device,
+                             max_num_batched_tokens=40)
+    assert graphs.sizes == [1, 2, 4, 8] and graphs.mixed_sizes == [16, 32, 40]
+    assert [graphs.mixed_num_seqs(t) for t in graphs.mixed_sizes] == [8, 8, 8]
+    assert graphs.mixed_padded_size(16, 8) == 16 and graphs.mixed_padded_size(17, 2) == 32
+    assert graphs.mixed_padded_size(40, 1) == 40 and graphs.mixed_padded_size(41, 1) is None
+    assert graphs.mixed_padded_size(9, 9) is None  # more sequences than a graph holds
+    assert graphs.input_ids.shape == (40,) and graphs.block_tables.shape == (8, 16)
+    no_mixed = CudaGraphRunner(engine.model, engine.kv_cache.layers, 4, 64, 8, 0, engine.device)
+    assert no_mixed.mixed_sizes == [] and no_mixed.mixed_padded_size(5, 2) is None
+
+
+class _EagerMixedReplay(_EagerReplay):
+    """A mixed graph's stand-in: checks the padding the runner wrote (empty trailing sequences, padding
+    tokens with slot -1, id 0, position 0, no adapter), then runs the model over all ``size`` token rows
+    with the real sequences' metadata (the reference attention needs host lists of real sequences; the
+    Triton kernels' handling of empty sequences is tested in tests/kernels)."""
+
+    def replay(self) -> None:
+        g, n = self.graphs, self.size
+        num_seqs = g.mixed_num_seqs(n)
+        qsl = g.mixed_query_start_loc[:num_seqs + 1].tolist()
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
+        b = sum(1 for q in q_lens if q > 0)
+        t = qsl[-1]
+        assert all(q > 0 for q in q_lens[:b]) and all(q == 0 for q in q_lens[b:]), "padding sequences trail"
+        assert g.slot_mapping[t:n].eq(-1).all() and g.input_ids[t:n].eq(0).all() and g.positions[t:n].eq(0).all()
+        if self.with_lora:
+            assert g.token_slots[t:n].eq(-1).all()
+        seq_lens = g.seq_lens[:b].tolist()
+        meta = AttentionMetadata(query_start_loc=g.mixed_query_start_loc[:b + 1], seq_lens=g.seq_lens[:b],
+                                 block_tables=g.block_tables[:b], slot_mapping=g.slot_mapping[:n],
+                                 max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                                 query_start_loc_host=qsl[:b + 1], seq_lens_host=seq_lens)
+        lora = LoRABatch(self._checked_mapping()) if self.with_lora else None
+        with torch.inference_mode():
+            self.hidden.copy_(g.model(g.input_ids[:n], g.positions[:n], g.kv_layers, meta, lora))
+        self.replays += 1
+        self.shapes.append((t, b, n))
+
+
+def _emulate(llm: LLM) -> tuple[list[_EagerReplay], list[_EagerMixedReplay]]:
+    engine = llm.engine
+    graphs = CudaGraphRunner(engine.model, engine.kv_cache.layers, engine.config.block_size, engine.max_model_len,
+                             engine.config.max_num_seqs, engine.config.max_loras, engine.device,
+                             engine.config.max_num_batched_tokens)
+    decode, mixed = [], []
+    for sizes, table, cls, out in ((graphs.sizes, graphs.graphs, _EagerReplay, decode),
+                                   (graphs.mixed_sizes, graphs.mixed_graphs, _EagerMixedReplay, mixed)):
+        for size in sizes:
+            for with_lora in (False, True):
+                hidden = torch.full((size, engine.spec.hidden_size), float("nan"), dtype=engine.dtype)
+                replay = cls(graphs, size, with_lora, hidden)
+                replay.shapes = []
+                table[(size, with_lora)] = _Graph(replay, hidden)
+                out.append(replay)
+    engine.runner.graphs = graphs
+    return decode, mixed
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory) -> list[LoRARequest]:
+    root = tmp_path_factory.mktemp("mixed-graph-adapters")
+    return [LoRARequest(name, i + 1, str(make_peft_adapter(tiny_llama_dir, root / name, r=8, seed=40 + i,
+                                                            targets=("q_proj", "v_proj", "down_proj"))))
+            for i, name in enumerate(("x", "y"))]
+
+
+def test_mixed_graph_steps_equal_eager_steps(tiny_llama_dir, adapters):
+    # A 20-token step budget (mixed buckets 16 and 20): the 7 prompts (1..14 tokens, one n=2 fork) are
+    # chunked and admitted next to running decodes, so the early steps mix prompt chunks with decode rows.
+    kw = {"model": str(tiny_llama_dir), "max_model_len": 64, "block_size": 4, "num_kv_blocks": 256,
+          "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_num_seqs": 8,
+          "max_num_batched_tokens": 20}
+    prompts, params, loras = _requests(tiny_llama_dir, adapters)
+    expected = _run(LLM(**kw), prompts, params, loras)
+    graph_llm = LLM(**kw)
+    decode, mixed = _emulate(graph_llm)
+    got = _run(graph_llm, prompts, params, loras)
+    shapes = [s for r in mixed for s in r.shapes]
+    assert len(shapes) >= 3, "steps with prompt tokens replayed mixed graphs"
+    assert any(t > b > 1 for t, b, _ in shapes), "a replay mixed a prompt chunk with other rows"
+    assert any(t < size for t, _, size in shapes), "a replay padded tokens (and sequences) to its bucket"
+    assert sum(r.replays for r in mixed if r.with_lora) > 0 and sum(r.replays for r in decode) > 10
+    assert {r.size for r in mixed if r.replays} <= {16, 20}
+    for exp_req, got_req in zip(expected, got):
+        for (e_ids, e_cum, e_lp, e_fin), (g_ids, g_cum, g_lp, g_fin) in zip(exp_req, got_req):
+            assert g_ids == e_ids and g_fin == e_fin
+            assert g_cum == pytest.approx(e_cum, abs=1e-4)
+            if e_lp is not None:
+                for e_pos, g_pos in zip(e_lp, g_lp):
+                    assert list(g_pos) == list(e_pos)
+                    assert list(g_pos.values()) == pytest.approx(list(e_pos.values()), abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_mixed_graphs_equal_eager_on_gpu(tiny_llama_dir, adapters):
+    """On a GPU, float32: captured decode and mixed-step graphs (Triton kernels, empty padding sequences
+    read by the real attention kernels) give the eager engine's tokens and logprobs."""
+    kw = {"model": str(tiny_llama_dir), "device": "cuda", "dtype": "float32", "max_model_len": 64,
+          "block_size": 4, "num_kv_blocks": 256, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+          "max_num_seqs": 8, "max_num_batched_tokens": 20}
+    prompts, params, loras = _requests(tiny_llama_dir, adapters)
+    expected = _run(LLM(**kw, enforce_eager=True), prompts, params, loras)
+    llm = LLM(**kw)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and set(graphs.mixed_graphs) == {(16, False), (16, True), (20, False), (20, True)}
+    calls = []
+    run_mixed = graphs.run_mixed
+    graphs.run_mixed = lambda *a: calls.append(len(a[0])) or run_mixed(*a)
+    got = _run(llm, prompts, params, loras)
+    assert len(calls) >= 3
+    for exp_req, got_req in zip(expected, got):
+        for (e_ids, e_cum, _, e_fin), (g_ids, g_cum, _, g_fin) in zip(exp_req, got_req):
+            assert g_ids == e_ids and g_fin == e_fin
+            assert g_cum == pytest.approx(e_cum, abs=1e-3)
