@@ -100,7 +100,7 @@ def attach_engine(ctx: PlatformContext, engine: AsyncEngine) -> None:
     ctx.max_lora_rank = engine.max_lora_rank
     ctx.admission = TenantAdmission(clock=engine.clock)  # one timeline for gate and engine deadlines
     ctx.serving_dtype = engine.engine.lora_pool.dtype if engine.lora_enabled else None
-    ctx.metrics.bind_engine(engine)
+    ctx.metrics.bind_engine(engine, model_name=ctx.model_id)
     ctx.metrics.bind_admission(ctx.admission)
 
 

@@ -52,6 +52,7 @@ from loraplex.platform.errors import (
     PlatformError,
     ServiceUnavailable,
 )
+from loraplex.platform.lora_names import engine_lora_name
 from loraplex.platform.models import AdapterVersion
 from loraplex.platform.schemas import NAME_PATTERN, AdapterPublic, AdapterRoute, TenantContext
 from loraplex.platform.services.uploads import PEFT_FILES, UploadLimits, UploadPart, remove_tree
@@ -260,7 +261,7 @@ def resolve_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> Adapt
                 return None
             return AdapterRoute(
                 name=name, version=version.version, lora_int_id=version.id,
-                lora_name=f"{tenant_id}/{name}@{version.version}",
+                lora_name=engine_lora_name(tenant_id, name, version.version),
                 lora_path=str((ctx.settings.adapters_dir / version.content_hash).resolve()),
                 created_at=version.created_at, status=version.status).model_dump(mode="json")
 
