@@ -1,7 +1,7 @@
 """Platform commands of the ``loraplex`` CLI, added by ``loraplex.cli`` through
 :func:`add_commands`:
 
-    loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags]
+    loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags] [--replicas N]
     loraplex tenant create NAME [--requests-per-minute N --tokens-per-minute N --max-adapters N --max-upload-mb X]
     loraplex tenant list
     loraplex key create TENANT
@@ -119,6 +119,13 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
     serve.add_argument("--fair-prompt-token-weight", type=float, default=_S)
     serve.add_argument("--fair-output-token-weight", type=float, default=_S)
     serve.add_argument("--tensor-parallel-size", type=int, default=_S, help="only 1 is supported")
+    serve.add_argument("--replicas", type=int, default=_S,
+                       help="N engine replicas on Ray Serve with adapter-aware routing (needs loraplex[cluster])")
+    serve.add_argument("--ray-address", default=_S, help="Ray cluster to join (default: start a local one)")
+    serve.add_argument("--replica-num-gpus", type=float, default=_S, help="GPUs per replica (default 1 on CUDA)")
+    serve.add_argument("--replica-num-cpus", type=float, default=_S)
+    serve.add_argument("--replica-max-ongoing-requests", type=int, default=_S)
+    serve.add_argument("--routing-max-imbalance", type=int, default=_S)
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_S)
     serve.add_argument("--device", choices=["auto", "cuda", "cpu"], default=_S)
     serve.add_argument("--seed", type=int, default=_S)

@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from loraplex.platform.lora_names import model_name_of
 
 if TYPE_CHECKING:
-    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.engine_client import EngineClient
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -66,7 +66,7 @@ class PlatformMetrics:
         self._engine_collector = _EngineCollector(wall_clock)
         r.register(self._engine_collector)
 
-    def bind_engine(self, engine: AsyncEngine, *, model_name: str | None = None) -> None:
+    def bind_engine(self, engine: EngineClient, *, model_name: str | None = None) -> None:
         """Export ``engine``'s stats snapshot at scrape time (``model_name``: the served model's
         id, the ``model_name`` label of the vLLM-named metrics)."""
         self._engine_collector.engine = engine
@@ -110,7 +110,7 @@ class _EngineCollector(Collector):
     """Engine and adapter-slot values from the engine's latest stats snapshot."""
 
     def __init__(self, wall_clock: Callable[[], float] = time.time) -> None:
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineClient | None = None
         self.admission = None
         self.model_name = ""
         self.wall_clock = wall_clock

@@ -6,9 +6,7 @@ here only until the platform adopts them:
 
 - :func:`preview_upload` -> ``services/adapters.py`` (the checks of
   ``upload_adapter`` without storing: name, staging, validation);
-- :func:`preload_adapter` -> ``services/adapters.py`` (needs a public
-  ``AsyncEngine.add_lora`` that also refreshes the stats snapshot; uses the
-  private ``_submit`` / ``_take_snapshot`` meanwhile);
+- :func:`preload_adapter` -> ``services/adapters.py``;
 - :func:`usage_since` -> ``crud.py`` + ``services/stats.py``;
 - :func:`disable_tenant` -> ``services/tenants.py``.
 """
@@ -71,13 +69,7 @@ def preload_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> bool:
     route = adapter_service.resolve_adapter(ctx=ctx, tenant_id=tenant_id, name=name)
     if engine is None or not engine.is_running or not engine.lora_enabled:
         return False
-    request = adapter_service.lora_request(route)
-
-    def load() -> None:  # on the engine thread; the stats snapshot then shows the adapter
-        engine.engine.preload_lora(request)
-        engine._take_snapshot()
-
-    engine._submit(load).result(PRELOAD_TIMEOUT_S)
+    engine.preload_lora(adapter_service.lora_request(route)).result(PRELOAD_TIMEOUT_S)  # stats show it then
     return True
 
 

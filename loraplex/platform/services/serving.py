@@ -112,7 +112,7 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
     echo_logprobs = body.logprobs if body.echo else None
     params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                               prompt_logprobs=_max_or_none(body.prompt_logprobs, echo_logprobs))
-    params = structured.constrain(engine.engine, params, *structured.requested_constraint(body))  # hook
+    params = structured.constrain(engine, params, *structured.requested_constraint(body))  # hook
     prompts = _completion_prompts(engine, body.prompt, ctx.settings.max_prompts_per_request)
     _check_lengths(ctx.max_model_len, prompts, body.max_tokens, "prompt")
     return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
@@ -131,7 +131,7 @@ def prepare_chat(*, ctx: PlatformContext, tenant: TenantContext, body: ChatCompl
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs)
     tools = tool_calls.ToolPlan.from_request(body)  # tool calling hook
-    params = structured.constrain(engine.engine, params, *structured.chat_constraint(body, tools))  # hook
+    params = structured.constrain(engine, params, *structured.chat_constraint(body, tools))  # hook
     prompt = _chat_prompt(engine, body, literal_content=not ctx.settings.chat_content_special_tokens)
     _check_lengths(ctx.max_model_len, [prompt], max_tokens, "messages")
     return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
@@ -200,7 +200,7 @@ def _tokens(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
     if not ids:
         raise InvalidRequest("prompt: is empty after tokenization", param="prompt")
     vocab = len(engine.tokenizer)
-    bad = [t for t in ids if not 0 <= t < max(vocab, engine.engine.spec.vocab_size)]
+    bad = [t for t in ids if not 0 <= t < max(vocab, engine.vocab_size)]
     if bad:
         raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
     return ids
