@@ -124,7 +124,7 @@ def test_a_burst_for_one_adapter_spreads_over_both_replicas(cluster):
 
 
 def _stream_until_error(live, key: str, first_chunk: threading.Event, result: dict) -> None:
-    body = {"model": "alpha", "prompt": "Paris is", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    body = {"model": "beta", "prompt": "Paris is", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             result["status"] = response.status_code
@@ -137,7 +137,7 @@ def _stream_until_error(live, key: str, first_chunk: threading.Event, result: di
 
 
 def _complete_in_flight(live, key: str, result: dict) -> None:
-    body = {"model": "alpha", "prompt": "Paris is", "max_tokens": 480, "ignore_eos": True}
+    body = {"model": "beta", "prompt": "Paris is", "max_tokens": 480, "ignore_eos": True}
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as client:
         response = client.post("/v1/completions", json=body)
         result["status"], result["body"] = response.status_code, response.json()
@@ -145,16 +145,19 @@ def _complete_in_flight(live, key: str, result: dict) -> None:
 
 def test_killing_a_replica_mid_request_fails_its_requests_with_503_and_the_rest_keeps_serving(cluster):
     live, key = cluster
-    k = routing_key(live, "alpha")
+    # beta sits in a slot of one replica only (the burst above was alpha's): both requests go there.
+    k = routing_key(live, "beta")
     before = routed(live, k)
     streamed, completed, first_chunk = {}, {}, threading.Event()
     stream_thread = threading.Thread(target=_stream_until_error, args=(live, key, first_chunk, streamed))
     stream_thread.start()
     assert first_chunk.wait(60)
-    victim = next(replica for replica, n in routed(live, k).items() if n > before.get(replica, 0))
     blocking = threading.Thread(target=_complete_in_flight, args=(live, key, completed))
     blocking.start()
-    wait_for(lambda: routed(live, k).get(victim, 0) >= before.get(victim, 0) + 2, "the second request to start")
+    wait_for(lambda: sum(routed(live, k).values()) == sum(before.values()) + 2, "the second request to start")
+    new = {replica: n - before.get(replica, 0) for replica, n in routed(live, k).items() if n > before.get(replica, 0)}
+    assert list(new.values()) == [2], f"both requests should run on beta's replica: {new}"
+    victim = next(iter(new))
 
     ray.kill(ray.get_actor(f"SERVE_REPLICA::loraplex#engine#{victim}", namespace="serve"), no_restart=True)
     stream_thread.join(60)
@@ -168,7 +171,7 @@ def test_killing_a_replica_mid_request_fails_its_requests_with_503_and_the_rest_
 
     # New requests go to the live replica; the registry still has both adapters.
     client = openai.OpenAI(api_key=key, base_url=live.url + "/v1", max_retries=0)
-    for name in ("alpha", "beta", "tiny"):
+    for name in ("beta", "alpha", "tiny"):
         complete(client, name)
     assert sorted(m.id for m in client.models.list().data) == ["alpha", "beta", "tiny"]
     with live.admin() as admin:
