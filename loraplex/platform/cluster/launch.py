@@ -14,6 +14,8 @@ adapter store (``data_dir``) and model folders at the same paths.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray import serve
@@ -48,8 +50,10 @@ def replica_gpus(settings: Settings) -> float:
     return 1.0 if device == "cuda" else 0.0
 
 
-def start_replicas(settings: Settings, *, app_name: str = APP_NAME) -> ReplicaEngineClient:
-    """See the module docstring. Raises ``ValueError`` without ``settings.model`` or
+def start_replicas(settings: Settings, *, app_name: str = APP_NAME,
+                   engine_factory: Callable[[Settings], Any] | None = None) -> ReplicaEngineClient:
+    """See the module docstring. ``engine_factory(settings) -> LLMEngine`` builds each replica's
+    engine (default ``main.build_engine``). Raises ``ValueError`` without ``settings.model`` or
     ``settings.replicas``, and what Ray raises when the cluster cannot place the replicas."""
     if not settings.model or not settings.replicas:
         raise ValueError("start_replicas needs Settings.model and Settings.replicas")
@@ -68,7 +72,7 @@ def start_replicas(settings: Settings, *, app_name: str = APP_NAME) -> ReplicaEn
         ray_actor_options={"num_gpus": replica_gpus(settings), "num_cpus": settings.replica_num_cpus},
         request_router_config=router, health_check_period_s=max(1.0, settings.stats_interval_s))
     logger.info("deploying %d engine replica(s) of %s on Ray Serve", settings.replicas, settings.model)
-    handle = serve.run(deployment.bind(replica_settings(settings)), name=app_name, route_prefix=None)
+    handle = serve.run(deployment.bind(replica_settings(settings), engine_factory), name=app_name, route_prefix=None)
     info = handle.describe.remote().result()
 
     def undeploy() -> None:

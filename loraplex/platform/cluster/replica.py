@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,13 +73,15 @@ class ReplicaInfo:
 
 class EngineReplica:
     """The deployment body; see the module docstring. ``settings``: the gateway's settings
-    without secrets (``launch.replica_settings``)."""
+    without secrets (``launch.replica_settings``); ``engine_factory(settings) -> LLMEngine``
+    (default ``main.build_engine``; benchmarks pass one that builds random weights)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, engine_factory: Callable[[Settings], Any] | None = None) -> None:
         from loraplex.platform.main import build_engine
 
         self.replica_id = _replica_id()
-        self.engine = AsyncEngine(build_engine(settings), stats_interval_s=settings.stats_interval_s)
+        engine = (engine_factory or build_engine)(settings)
+        self.engine = AsyncEngine(engine, stats_interval_s=settings.stats_interval_s)
         self.engine.start()
         self._keys: dict[str, str] = {}  # lora_name -> routing key, of every adapter this replica was given
         logger.info("engine replica %s ready (%s)", self.replica_id, self.engine.model_name)
