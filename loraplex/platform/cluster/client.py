@@ -140,16 +140,15 @@ class ReplicaEngineClient:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        if self._poller is None or self._poller.done():
+        if self._poller is None or self._poller.done() or self._poller.get_loop() is not loop:
             self._poller = loop.create_task(self._poll_stats())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop accepting requests and polling; undeploy (``on_shutdown``)."""
         self._running = False
-        poller = self._poller
-        if poller is not None:
+        poller, self._poller = self._poller, None
+        if poller is not None and not poller.get_loop().is_closed():
             poller.get_loop().call_soon_threadsafe(poller.cancel)
-        self._poller = None
         if self._on_shutdown is not None:
             self._on_shutdown()
             self._on_shutdown = None
