@@ -3,8 +3,9 @@ adapter-aware routing, chatbot scenario (128 prompt tokens, 64 output tokens, gr
 ``ignore_eos``), 100 adapters r=16 on all 7 projections with Zipf(1.1) popularity plus 20%
 base-model requests, Llama-2-7B shapes with random bf16 weights (``bench_serving``'s setup).
 
-Closed loop: ``--concurrency`` requests in flight over all replicas (a new one is routed as
-soon as one finishes), ``--requests`` in all; a warm-up round (every adapter once, not
+Closed loop: ``--concurrency`` requests in flight per replica (N x that over N replicas, so
+the offered load scales with the replicas; a new request is routed as soon as one finishes),
+``--requests`` in all; a warm-up round (every adapter once, not
 measured) first. Two variants, say which with ``--variant``:
 
 - ``processes`` (no Ray; what the H200 machine can run): one engine process per GPU
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variant", choices=["processes", "ray"], default="processes")
     ap.add_argument("--replicas", default="1,2", help="replica counts to run, e.g. 1,2")
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--concurrency", type=int, default=256, help="requests in flight over all replicas")
+    ap.add_argument("--concurrency", type=int, default=256, help="requests in flight per replica")
     ap.add_argument("--policy", choices=["adapter-aware", "least-loaded", "random"], default="adapter-aware")
     ap.add_argument("--max-imbalance", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny random Llama on CPU")
@@ -262,10 +263,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[replicas={n}] {args.variant}", flush=True)
         if args.variant == "processes":
             gpus = [None] * n if args.quick else list(range(n))
-            run = run_processes(n, model_dir, kwargs, requests, loras, args.concurrency, args.policy, gpus,
+            run = run_processes(n, model_dir, kwargs, requests, loras, n * args.concurrency, args.policy, gpus,
                                 args.max_imbalance)
         else:
-            run = run_ray(n, model_dir, kwargs, requests, loras, args.concurrency, args.max_imbalance,
+            run = run_ray(n, model_dir, kwargs, requests, loras, n * args.concurrency, args.max_imbalance,
                           root / f"data{n}", args.quick)
         results["runs"][str(n)] = run
         args.out.parent.mkdir(parents=True, exist_ok=True)
