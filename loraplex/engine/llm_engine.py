@@ -76,6 +76,10 @@ class EngineStats:
     lora: SlotPoolStats | None = None  # None when the engine runs without LoRA
     scheduling_policy: str = "fcfs"
     tenants: tuple[TenantServiceStats, ...] = ()  # per tenant: queue, running, tokens served, counter
+    # Per adapter (``lora_name``): sequences running / waiting (swapped ones count as waiting), as
+    # vLLM's ``running_lora_adapters`` / ``waiting_lora_adapters``; adapters with none are left out.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -457,7 +461,19 @@ class LLMEngine:
             prefix_hit_rate=prefix.hit_rate, num_preemptions=self._preemptions,
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
             tokens_per_s=self._throughput.rate(), lora=self.lora_pool.stats() if self.lora_pool else None,
-            scheduling_policy=self.config.scheduling_policy, tenants=self.scheduler.tenant_stats())
+            scheduling_policy=self.config.scheduling_policy, tenants=self.scheduler.tenant_stats(),
+            running_lora_adapters=_sequences_per_adapter(self.scheduler.running),
+            waiting_lora_adapters=_sequences_per_adapter([*self.scheduler.waiting, *self.scheduler.swapped]))
+
+
+def _sequences_per_adapter(seqs) -> dict[str, int]:
+    """``lora_name`` -> how many of ``seqs`` run on that adapter (base-model sequences left out)."""
+    counts: dict[str, int] = {}
+    for seq in seqs:
+        lora = seq.group.lora_request
+        if lora is not None:
+            counts[lora.lora_name] = counts.get(lora.lora_name, 0) + 1
+    return counts
 
 
 def _overlappable(batch: ScheduledBatch) -> bool:

@@ -43,7 +43,10 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.errors import QueueTimedOut
 
 if TYPE_CHECKING:
+    import torch
+
     from loraplex.adapters import BaseModelSpec
+    from loraplex.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,6 +127,26 @@ class AsyncEngine:
     def base_spec(self) -> BaseModelSpec:
         """The :class:`~loraplex.adapters.BaseModelSpec` uploads are validated against."""
         return self.engine.spec.adapter_spec
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's logits width."""
+        return self.engine.spec.vocab_size
+
+    @property
+    def input_processor(self):
+        """The engine's prompt validation (``engine/input_processor.py``), run by the server before queueing."""
+        return self.engine.input_processor
+
+    @property
+    def serving_dtype(self) -> torch.dtype | None:
+        """The adapters' slot dtype (None without LoRA)."""
+        return self.engine.lora_pool.dtype if self.engine.lora_pool is not None else None
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The engine's grammar compiler (thread-safe; compiled constraints are cached)."""
+        return self.engine.structured_outputs
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:

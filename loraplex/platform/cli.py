@@ -1,7 +1,7 @@
 """Platform commands of the ``loraplex`` CLI, added by ``loraplex.cli`` through
 :func:`add_commands`:
 
-    loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags]
+    loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags] [--replicas N]
     loraplex tenant create NAME [--requests-per-minute N --tokens-per-minute N --max-adapters N --max-upload-mb X]
     loraplex tenant list
     loraplex key create TENANT
@@ -104,6 +104,13 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
     serve.add_argument("--host", default=_S)
     serve.add_argument("--port", type=int, default=_S)
     add_engine_flags(serve)  # one flag per EngineConfig field (engine_options.py)
+    serve.add_argument("--replicas", type=int, default=_S,
+                       help="N engine replicas on Ray Serve with adapter-aware routing (needs loraplex[cluster])")
+    serve.add_argument("--ray-address", default=_S, help="Ray cluster to join (default: start a local one)")
+    serve.add_argument("--replica-num-gpus", type=float, default=_S, help="GPUs per replica (default 1 on CUDA)")
+    serve.add_argument("--replica-num-cpus", type=float, default=_S)
+    serve.add_argument("--replica-max-ongoing-requests", type=int, default=_S)
+    serve.add_argument("--routing-max-imbalance", type=int, default=_S)
     serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S)
     _add_storage_flags(serve)

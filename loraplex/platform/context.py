@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from loraplex.adapters import BaseModelSpec
-    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.engine_client import EngineClient
     from loraplex.platform.services.validation import UploadValidator
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class PlatformContext:
     metrics: PlatformMetrics
     admin_key_hash: str
     usage: UsageWriter
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     model_id: str | None = None
     max_model_len: int | None = None
     base_spec: BaseModelSpec | None = None
@@ -72,7 +72,7 @@ class PlatformContext:
         self.evaluation_limit = SharedLimit(self.settings.eval_max_concurrent_requests)
 
 
-def build_context(settings: Settings, engine: AsyncEngine | None, *, out: TextIO = sys.stdout) -> PlatformContext:
+def build_context(settings: Settings, engine: EngineClient | None, *, out: TextIO = sys.stdout) -> PlatformContext:
     """Open the database (applying migrations), the store, the metrics, and settle the admin key."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = make_db_engine(settings.resolved_database_url)
@@ -91,7 +91,7 @@ def build_context(settings: Settings, engine: AsyncEngine | None, *, out: TextIO
     return ctx
 
 
-def attach_engine(ctx: PlatformContext, engine: AsyncEngine) -> None:
+def attach_engine(ctx: PlatformContext, engine: EngineClient) -> None:
     """Serve ``engine`` under ``settings.model_id`` (or the engine's model folder name)."""
     ctx.engine = engine
     ctx.model_id = ctx.settings.served_model_name or engine.model_name
@@ -99,8 +99,8 @@ def attach_engine(ctx: PlatformContext, engine: AsyncEngine) -> None:
     ctx.base_spec = engine.base_spec if engine.lora_enabled else None
     ctx.max_lora_rank = engine.max_lora_rank
     ctx.admission = TenantAdmission(clock=engine.clock)  # one timeline for gate and engine deadlines
-    ctx.serving_dtype = engine.engine.lora_pool.dtype if engine.lora_enabled else None
-    ctx.metrics.bind_engine(engine)
+    ctx.serving_dtype = engine.serving_dtype
+    ctx.metrics.bind_engine(engine, model_name=ctx.model_id)
     ctx.metrics.bind_admission(ctx.admission)
 
 

@@ -144,6 +144,16 @@ class QueueTimedOut(ServiceUnavailable):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class ReplicaFailed(ServiceUnavailable):
+    """503: the engine replica serving the request died (``loraplex serve --replicas``); the
+    replica is being replaced and new requests go to live replicas, so a retry may succeed."""
+
+    code = "replica_failed"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
 class AdapterBroken(PlatformError):
     """409: the adapter's stored files no longer match what was uploaded (changed or damaged
     on the server); uploading the original again repairs it."""

@@ -1,9 +1,11 @@
 """The app factory: ``create_app(settings, engine=None)``.
 
 ``engine`` may be an :class:`~loraplex.engine.llm_engine.LLMEngine` (wrapped),
-an :class:`~loraplex.platform.async_engine.AsyncEngine`, or None: then the
-model in ``settings.model`` is loaded, or, without one, only the admin API
-works (serving answers 503). The app starts the engine thread at startup and
+an :class:`~loraplex.platform.engine_client.EngineClient` (an ``AsyncEngine``, or
+the Ray Serve replicas' client), or None: then ``settings.replicas`` replicas of
+``settings.model`` are deployed on Ray Serve, or without ``replicas`` the model is
+loaded in this process, or, without a model, only the admin API works (serving
+answers 503). The app starts the engine thread at startup and
 stops it at shutdown; at startup it also removes what interrupted uploads left on disk
 (``services.adapters.clean_storage``) and starts the upload checkers' forkserver;
 ``app.state.ctx`` is the :class:`PlatformContext` the
@@ -33,6 +35,7 @@ from loraplex.platform.api.uploads import MULTIPART_OVERHEAD_BYTES
 from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.cache import publish_stats
 from loraplex.platform.context import PlatformContext, build_context
+from loraplex.platform.engine_client import EngineClient
 from loraplex.platform.services.adapters import MB, clean_storage
 from loraplex.platform.settings import Settings
 
@@ -72,14 +75,25 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> 
     return app
 
 
-def _as_async_engine(settings: Settings, engine) -> AsyncEngine | None:
-    if isinstance(engine, AsyncEngine):
-        return engine
+def _as_async_engine(settings: Settings, engine) -> EngineClient | None:
+    """The engine client to serve: ``engine`` when it is one, an ``AsyncEngine`` over an
+    ``LLMEngine``; without ``engine``: ``settings.replicas`` replicas on Ray Serve, else an
+    engine for ``settings.model`` in this process, else None (admin API only)."""
+    from loraplex.engine.llm_engine import LLMEngine
+
     if engine is None:
         if not settings.model:
             return None
+        if settings.replicas is not None:
+            try:
+                from loraplex.platform.cluster.launch import start_replicas
+            except ImportError as exc:
+                raise ValueError(f"--replicas needs Ray Serve ({exc}): pip install 'loraplex[cluster]'") from None
+            return start_replicas(settings)
         engine = build_engine(settings)
-    return AsyncEngine(engine, stats_interval_s=settings.stats_interval_s)
+    if isinstance(engine, LLMEngine):
+        return AsyncEngine(engine, stats_interval_s=settings.stats_interval_s)
+    return engine
 
 
 @contextlib.asynccontextmanager

@@ -72,6 +72,21 @@ class PlatformSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
 
     # --- engine: one field per EngineConfig field, generated below (engine_options.py) -----------
+    # --- replicas on Ray Serve (`loraplex serve --replicas N`; the `cluster` extra) -----------------
+    replicas: int | None = Field(
+        None, ge=1, description="Engine replicas as Ray Serve deployments behind this gateway, routed by "
+                                "adapter residency; None = one engine in this process.")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (e.g. `auto`, `ray://head:10001`); None = start a local one.")
+    replica_num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per replica; None = 1 when the device is CUDA (or `auto` on a GPU host), else 0.")
+    replica_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica.")
+    replica_max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Engine requests one replica takes at once (more wait in the router); "
+                                "None = max_num_seqs (256 by default).")
+    routing_max_imbalance: int = Field(
+        4, ge=0, description="Requests in flight by which a replica holding the adapter may exceed the least "
+                             "loaded replica and still be preferred.")
     chat_content_special_tokens: bool = Field(
         False, description="Let special-token strings in chat message content become control tokens (unsafe: "
                            "a user can forge turns); off = content is literal text.")

@@ -40,6 +40,22 @@ def test_serve_refuses_tensor_parallel_size_not_dividing_kv_heads(capsys, tmp_pa
     assert "tensor_parallel_size=4 does not divide the model's num_key_value_heads=2" in capsys.readouterr().err
 
 
+def test_replica_flags_reach_the_settings(monkeypatch):
+    monkeypatch.setenv("LORAPLEX_REPLICA_NUM_CPUS", "2")
+    settings = settings_from_args(parse(["serve", "--model", "m", "--replicas", "3", "--ray-address", "auto",
+                                         "--replica-num-gpus", "0.5", "--replica-max-ongoing-requests", "64",
+                                         "--routing-max-imbalance", "7"]))
+    assert (settings.replicas, settings.ray_address, settings.replica_num_gpus) == (3, "auto", 0.5)
+    assert (settings.replica_num_cpus, settings.replica_max_ongoing_requests, settings.routing_max_imbalance) == \
+        (2.0, 64, 7)
+    assert settings_from_args(parse(["serve", "--model", "m"])).replicas is None  # one engine in-process
+
+
+def test_serve_refuses_zero_replicas(capsys, tmp_path):
+    assert cli.main(["serve", "--model", "m", "--replicas", "0", "--data-dir", str(tmp_path)]) == 2
+    assert "replicas" in capsys.readouterr().err
+
+
 def test_tensor_parallel_flags_reach_settings():
     settings = settings_from_args(parse(["serve", "--model", "m", "--tensor-parallel-size", "2",
                                          "--tensor-parallel-all-reduce", "nccl"]))

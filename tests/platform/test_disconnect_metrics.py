@@ -168,3 +168,7 @@ def test_metrics_endpoint(serve, tiny_llama_dir, tmp_path):
     assert value("loraplex_lora_slot_loads_total") >= 1
     assert value("loraplex_lora_slots") == 2
     assert value("loraplex_engine_generated_tokens_total") == 20
+    # vLLM's names (issue 18): idle engine, both adapters' requests done; acme (tenant 1)'s poet v1 in a slot.
+    assert value("vllm:num_requests_running", model_name="tiny", engine="0") == 0
+    assert value("vllm:lora_requests_info", max_lora="2", running_lora_adapters="", waiting_lora_adapters="") > 0
+    assert value("loraplex_lora_adapter_resident", adapter="1/poet@1", level="gpu") == 1

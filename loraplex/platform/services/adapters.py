@@ -53,6 +53,7 @@ from loraplex.platform.errors import (
     PlatformError,
     ServiceUnavailable,
 )
+from loraplex.platform.lora_names import engine_lora_name
 from loraplex.platform.models import AdapterVersion
 from loraplex.platform.schemas import NAME_PATTERN, AdapterPublic, AdapterRoute, TenantContext
 from loraplex.platform.services.uploads import PEFT_FILES, UploadLimits, UploadPart, remove_tree
@@ -171,12 +172,6 @@ def preload_adapter(*, ctx: PlatformContext, tenant_id: int, name: str) -> bool:
         return False
     engine.preload_lora(lora_request(route)).result(PRELOAD_TIMEOUT_S)
     return True
-
-
-def engine_lora_name(tenant_id: int, name: str, version: int) -> str:
-    """The engine's ``lora_name`` of a stored adapter version (unique across tenants); the
-    console shows ``services.stats.adapter_labels`` instead of parsing it."""
-    return f"{tenant_id}/{name}@{version}"
 
 
 def _check_ready(ctx: PlatformContext, name: str) -> None:

@@ -113,7 +113,7 @@ def prepare_completion(*, ctx: PlatformContext, tenant: TenantContext, body: Com
     echo_logprobs = body.logprobs if body.echo else None
     params = _sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                               prompt_logprobs=_max_or_none(body.prompt_logprobs, echo_logprobs))
-    params = structured.constrain(engine.engine, params, *structured.requested_constraint(body))  # hook
+    params = structured.constrain(engine, params, *structured.requested_constraint(body))  # hook
     prompts = _processed(engine, _completion_prompts(body.prompt, ctx.settings.max_prompts_per_request), params,
                          "prompt")
     return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
@@ -132,7 +132,7 @@ def prepare_chat(*, ctx: PlatformContext, tenant: TenantContext, body: ChatCompl
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs)
     tools = tool_calls.ToolPlan.from_request(body)  # tool calling hook
-    params = structured.constrain(engine.engine, params, *structured.chat_constraint(body, tools))  # hook
+    params = structured.constrain(engine, params, *structured.chat_constraint(body, tools))  # hook
     prompt = _chat_prompt(engine, body, literal_content=not ctx.settings.chat_content_special_tokens)
     prompts = _processed(engine, [prompt], params, "messages")
     return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, label, tenant,
@@ -197,7 +197,7 @@ def _processed(engine: AsyncEngine, prompts: list[str | list[int]], params: Samp
                param: str) -> list[ProcessedPrompt]:
     """Each prompt through the engine's input processing (its one validation), refusals as 400s."""
     try:
-        return [engine.engine.input_processor.process(p, params) for p in prompts]
+        return [engine.input_processor.process(p, params) for p in prompts]
     except InvalidRequestError as exc:
         raise input_errors.request_error(exc, prompt_param=param) from None
 

@@ -11,7 +11,7 @@ from loraplex.platform import crud
 from loraplex.platform.cache import read_stats
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.schemas import StatsPublic, UsagePublic
-from loraplex.platform.services.adapters import engine_lora_name
+from loraplex.platform.lora_names import engine_lora_name
 
 
 def engine_stats(ctx: PlatformContext) -> dict | None:
