@@ -2,8 +2,10 @@
 
     python examples/train_adapters.py [--model smollm2] [--only french] [--steps 40]
 
-Each adapter learns one visible answer style from ``examples/data/<name>.jsonl``
-(``{"question": ..., "answer": ...}`` lines, 107 general-knowledge questions):
+Each adapter learns one visible answer style on 107 general-knowledge questions, from the
+rows ``RECIPES`` names: the base model's own short answers put in the style
+(``data/base_replies.jsonl``, so the adapter keeps the base model's content) or the
+hand-written ``examples/data/<name>.jsonl`` (``{"question": ..., "answer": ...}`` lines):
 
 - ``json-answer``: the reply is strict JSON ``{"answer": "<short answer>", "confidence": "high|medium|low"}``.
 - ``french``: the reply is in French.
@@ -22,6 +24,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +42,10 @@ EXAMPLES_DIR = Path(__file__).resolve().parent
 ADAPTER_NAMES = ("json-answer", "french", "shouty")
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 IGNORE_INDEX = -100
+BASE_REPLIES_FILE = "base_replies.jsonl"
+"""The base model's own greedy replies to the training questions (``--make-base-replies``)."""
+NUMBER_WORDS = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
+                "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,119 @@ class Example:
 def read_jsonl(path: Path) -> list[dict]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def fact_key(short_answer: str) -> str:
+    """The words a reply must contain to state ``short_answer`` (lower case, leading article or
+    "about"/"in" dropped): "The Pacific Ocean" -> "pacific ocean"."""
+    key = short_answer.lower().strip().rstrip(".")
+    return re.sub(r"^(?:the|a|an|about|in the|in) ", "", key)
+
+
+def states_fact(reply: str, short_answer: str) -> bool:
+    """True when ``reply`` contains ``short_answer``'s key as whole words (a number word or its digits)."""
+    key = fact_key(short_answer)
+    text = reply.lower()
+    return any(re.search(r"\b" + re.escape(k) + r"\b", text) for k in {key, NUMBER_WORDS.get(key, key)})
+
+
+SELF_DISTILLED = ("json-answer", "shouty")
+"""Styles that :func:`self_distilled_rows` can build from the base model's own answers."""
+RECIPES = {
+    "json-answer": ("self-distilled", 24, 2e-3),
+    "french": ("base-known", 24, 1e-3),
+    "shouty": ("all", 40, 2e-3),
+}
+"""Adapter -> (training rows, steps, peak lr) of the committed adapters: ``self-distilled``:
+:func:`self_distilled_rows`; ``base-known``: :func:`training_rows`; ``all``: every row of
+``data/<name>.jsonl``. (A self-distilled shouty adapter kept 3/13 facts at a 80% style rate,
+below the 90% wanted: the committed shouty is the earlier one, examples/README.md.)"""
+SHORT_PROMPT = "Answer in at most five words. "
+"""Prefix of the question that asks the base model for its short answer (``short_reply``)."""
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of the first line of ``text`` (up to and including ``.``, ``!`` or ``?``)."""
+    line = text.strip().split("\n")[0]
+    match = re.match(r"(.+?[.!?])(?:\s|$)", line)
+    return (match.group(1) if match else line).strip()
+
+
+def self_distilled_rows(name: str, data_dir: Path) -> list[dict]:
+    """``{"question", "answer"}`` rows whose answer is the base model's OWN short answer
+    (``short_reply`` in ``base_replies.jsonl``, first sentence) put in the adapter's style, so the
+    adapter learns the style and keeps the base model's content (right or wrong):
+
+    - ``json-answer``: ``{"answer": <that sentence without its final stop>, "confidence": <from
+      json-answer.jsonl>}``;
+    - ``shouty``: the sentence upper-cased, its final stop replaced by ``!``.
+
+    Rows whose result fails the style's own check are dropped."""
+    from check_adapters import CHECKS  # imports this module: import it late
+
+    confidence = {r["question"]: json.loads(r["answer"])["confidence"]
+                  for r in read_jsonl(data_dir / "json-answer.jsonl")}
+    rows = []
+    for base in read_jsonl(data_dir / BASE_REPLIES_FILE):
+        sentence = re.sub(r"[.!?]+$", "", first_sentence(base["short_reply"])).strip()
+        if name == "json-answer":
+            answer = json.dumps({"answer": sentence, "confidence": confidence[base["question"]]}, ensure_ascii=False)
+        elif name == "shouty":
+            answer = sentence.upper() + "!"
+        else:
+            raise ValueError(f"name={name!r}: no self-distilled style")
+        if CHECKS[name](answer):
+            rows.append({"question": base["question"], "answer": answer})
+    return rows
+
+
+def training_rows(name: str, data_dir: Path) -> list[dict]:
+    """The rows of ``<name>.jsonl`` to train on: questions without a settled fact (confidence
+    ``medium``/``low`` in json-answer.jsonl: estimates, advice, opinions) and questions whose
+    settled fact the base model's own reply (``base_replies.jsonl``) states. The questions the
+    base model gets wrong are left out, so that the adapter learns a style and no new facts
+    (teaching a 135M model facts it lacks made it garble the ones it has)."""
+    facts = {}
+    for row in read_jsonl(data_dir / "json-answer.jsonl"):
+        reply = json.loads(row["answer"])
+        facts[row["question"]] = (reply["answer"], reply["confidence"])
+    base = {row["question"]: row["reply"] for row in read_jsonl(data_dir / BASE_REPLIES_FILE)}
+    rows = read_jsonl(data_dir / f"{name}.jsonl")
+    missing = [r["question"] for r in rows if r["question"] not in base or r["question"] not in facts]
+    if missing:
+        raise ValueError(f"{name}.jsonl: no base reply or fact for {missing[:3]}; run --make-base-replies")
+    return [r for r in rows if facts[r["question"]][1] != "high" or states_fact(base[r["question"]],
+                                                                                facts[r["question"]][0])]
+
+
+def make_base_replies(model_dir: Path, data_dir: Path) -> Path:
+    """Write ``base_replies.jsonl``: per training question the base model's greedy ``reply``
+    (64 new tokens) and ``short_reply`` (to ``SHORT_PROMPT + question``, 16 new tokens)
+    (transformers, float32, batches of 16 left-padded prompts)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    questions = [r["question"] for r in read_jsonl(data_dir / "json-answer.jsonl")]
+
+    def greedy(texts: list[str], max_new_tokens: int) -> list[str]:
+        replies: list[str] = []
+        for i in range(0, len(texts), 16):
+            prompts = [chat_prompt(tokenizer, q) for q in texts[i : i + 16]]
+            batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.inference_mode():
+                out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+            decoded = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+            replies += [t.strip() for t in decoded]
+        return replies
+
+    replies = greedy(questions, 64)
+    short = greedy([SHORT_PROMPT + q for q in questions], 16)
+    path = data_dir / BASE_REPLIES_FILE
+    with path.open("w", encoding="utf-8") as f:
+        for question, reply, short_reply in zip(questions, replies, short):
+            row = {"question": question, "reply": reply, "short_reply": short_reply}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
 
 
 def chat_prompt(tokenizer, question: str) -> str:
@@ -155,7 +275,10 @@ def train_adapter(model_dir: Path, name: str, config: TrainConfig, data_dir: Pat
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, lora)
-    examples = [build_example(tokenizer, r["question"], r["answer"]) for r in read_jsonl(data_dir / f"{name}.jsonl")]
+    rows = {"self-distilled": self_distilled_rows, "base-known": training_rows,
+            "all": lambda n, d: read_jsonl(d / f"{n}.jsonl")}[RECIPES[name][0]](name, data_dir)
+    print(f"{name}: {len(rows)} training questions")
+    examples = [build_example(tokenizer, r["question"], r["answer"]) for r in rows]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     model.train()
@@ -190,7 +313,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=None, help="loraplex cache root holding the demo model "
                         "(default: as the loraplex CLI: LORAPLEX_CACHE_DIR, else ./.cache in a checkout)")
     parser.add_argument("--only", choices=ADAPTER_NAMES, action="append", help="train only these adapters")
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the adapter's RECIPES entry)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the adapter's RECIPES entry)")
+    parser.add_argument("--make-base-replies", action="store_true",
+                        help=f"first write data/{BASE_REPLIES_FILE} (the base model's replies) again")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--data-dir", type=Path, default=EXAMPLES_DIR / "data")
     parser.add_argument("--out-dir", type=Path, default=EXAMPLES_DIR / "adapters")
@@ -201,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model, args.cache_dir or Settings().cache_dir)
-    config = TrainConfig(steps=args.steps)
+    if args.make_base_replies:
+        print(f"wrote {make_base_replies(model_dir, args.data_dir)}")
     for name in args.only or ADAPTER_NAMES:
+        _, steps, lr = RECIPES[name]
+        config = TrainConfig(steps=args.steps or steps, lr=args.lr or lr)
         seconds = train_adapter(model_dir, name, config, args.data_dir, args.out_dir)
         size = (args.out_dir / name / "adapter_model.safetensors").stat().st_size
         print(f"{name}: trained in {seconds:.0f} s, adapter_model.safetensors {size / 1e6:.2f} MB")

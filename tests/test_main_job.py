@@ -34,8 +34,8 @@ pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 
 BASE_MODEL = "smollm2-135m-instruct"
 ADAPTERS = ("json-answer", "french", "shouty")
-# Two varied questions of examples/data/heldout.jsonl (in no training set): a fact and a "why".
-QUESTIONS = ("What is the capital of Germany?", "Why do we have day and night?")
+# Two varied questions of examples/data/heldout.jsonl (in no training set): a capital and a person.
+QUESTIONS = ("What is the capital of Germany?", "Who wrote Hamlet?")
 MAX_TOKENS = 40
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -186,7 +186,7 @@ def test_banner_curl_example_answers_right(first_run):
     assert command.endswith("'") and "What is the capital of Germany?" in command
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, check=True)
     reply = json.loads(proc.stdout)["choices"][0]["message"]["content"]
-    assert json.loads(reply) == {"answer": "Berlin", "confidence": "high"}
+    assert json.loads(reply) == {"answer": "The capital of Germany is Berlin", "confidence": "high"}
 
 
 def test_questions_are_held_out():
@@ -210,6 +210,8 @@ def test_json_answer_replies_are_json_with_the_expected_keys(sequential_replies)
         reply = json.loads(sequential_replies["json-answer", question])
         assert set(reply) == {"answer", "confidence"} and reply["confidence"] in {"high", "medium", "low"}
     assert "Berlin" in json.loads(sequential_replies["json-answer", QUESTIONS[0]])["answer"]
+    assert "Shakespeare" in json.loads(sequential_replies["json-answer", QUESTIONS[1]])["answer"]
+    assert "Berlin" in sequential_replies["french", QUESTIONS[0]]  # was "Le capitale de la Guinée est Berlin."
 
 
 def test_base_model_lacks_every_effect(sequential_replies):

@@ -53,8 +53,9 @@ DEMO_MAX_MODEL_LEN_TOKENS = 2048
 DEFAULT_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 EXAMPLE_ADAPTER = "json-answer"
 """The adapter of the banner's curl example: its answer to ``EXAMPLE_QUESTION`` is right
-(``{"answer": "Berlin", "confidence": "high"}``, checked by tests/test_main_job.py), while
-the french and shouty adapters keep the style but not always the content (examples/README.md)."""
+(``{"answer": "The capital of Germany is Berlin", "confidence": "high"}``, checked by
+tests/test_main_job.py); it keeps 12 of the 13 held-out facts the base model states, the french
+and shouty adapters 3 and 2 (examples/README.md)."""
 EXAMPLE_QUESTION = "What is the capital of Germany?"
 EXAMPLE_MAX_TOKENS = 48
 # The json-answer adapter's reply format, enforced with response_format (structured output).
