@@ -43,6 +43,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.errors import QueueTimedOut
 
 if TYPE_CHECKING:
+    from loraplex.engine.input_processor import ProcessedPrompt
     import torch
 
     from loraplex.adapters import BaseModelSpec
@@ -171,7 +172,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- requests ---------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, prompt_token_ids: list[int] | ProcessedPrompt, params: SamplingParams,
                           lora_request: LoRARequest | None = None, *, tenant: TenantShare | None = None,
                           queue_deadline: float | None = None, retry_after_s: int = 1,
                           on_done: Callable[[], None] | None = None) -> RequestStream:

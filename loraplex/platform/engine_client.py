@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from loraplex.engine.input_processor import ProcessedPrompt
     import torch
 
     from loraplex.adapters import BaseModelSpec
@@ -94,7 +95,7 @@ class EngineClient(Protocol):
 
     def shutdown(self, timeout_s: float = 10.0) -> None: ...
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, prompt_token_ids: list[int] | ProcessedPrompt, params: SamplingParams,
                           lora_request: LoRARequest | None = None, *, tenant: TenantShare | None = None,
                           queue_deadline: float | None = None, retry_after_s: int = 1,
                           on_done: Callable[[], None] | None = None) -> EngineRequestStream: ...

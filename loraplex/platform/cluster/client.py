@@ -36,6 +36,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.fairness import TenantShare
+from loraplex.engine.input_processor import ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.async_engine import EngineStoppedError
@@ -169,7 +170,7 @@ class ReplicaEngineClient:
         return self._running
 
     # -- requests ---------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, prompt_token_ids: list[int] | ProcessedPrompt, params: SamplingParams,
                           lora_request: LoRARequest | None = None, *, tenant: TenantShare | None = None,
                           queue_deadline: float | None = None, retry_after_s: int = 1,
                           on_done: Callable[[], None] | None = None) -> ReplicaRequestStream:
@@ -178,7 +179,9 @@ class ReplicaEngineClient:
         if not self._running:
             raise EngineStoppedError("the engine replicas are shut down")
         timeout_s = None if queue_deadline is None else max(0.0, queue_deadline - self.clock())
-        call = EngineCall(request_id, list(prompt_token_ids), params, lora_request, tenant, timeout_s, retry_after_s)
+        # a ProcessedPrompt (validated here by input_processor) travels as is; the replica's engine takes it
+        prompt = prompt_token_ids if isinstance(prompt_token_ids, ProcessedPrompt) else list(prompt_token_ids)
+        call = EngineCall(request_id, prompt, params, lora_request, tenant, timeout_s, retry_after_s)
         key = adapter_routing_key(lora_request)
         handle = self.handle.options(stream=True, multiplexed_model_id=key)
         stream = ReplicaRequestStream(self, request_id, handle.generate.remote(call), key,

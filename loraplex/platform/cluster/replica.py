@@ -26,6 +26,7 @@ from typing import Any
 
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.fairness import TenantShare
+from loraplex.engine.input_processor import ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError
@@ -43,7 +44,7 @@ class EngineCall:
     between hosts."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | ProcessedPrompt  # token ids, or the gateway's validated prompt
     params: SamplingParams
     lora_request: LoRARequest | None = None
     tenant: TenantShare | None = None
