@@ -23,7 +23,7 @@ from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.structured_output import GrammarMaskFiller, PendingMask
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
+from loraplex.kernels.lora_mapping import plan_segments
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +158,8 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
         lora_slots = self._lora_slots(batch)
         host_i32 = [_host_ints(query_start, torch.int32), _host_ints(seq_lens, torch.int32), block_tables.view(-1)]
-        plan = None
         if lora_slots is not None:
-            plan = plan_segments(_host_ints(lora_slots, torch.int32)[seq_index])
-            host_i32 += plan.host_tensors()
+            host_i32.append(_host_ints(lora_slots, torch.int32)[seq_index])  # token_slots; grouped on the device
         input_ids, positions_dev, slot_mapping_dev = _to_device(
             [_host_ints(token_ids, torch.int64), positions, slot_mapping], self.device)
         query_start_dev, seq_lens_dev, block_tables_dev, *lora_tensors = _to_device(host_i32, self.device)
@@ -175,7 +173,9 @@ class ModelRunner:
             query_start_loc_host=query_start,
             seq_lens_host=seq_lens,
         )
-        lora = LoRABatch(LoRAMapping.from_plan(plan, lora_tensors)) if plan is not None else None
+        lora = None
+        if lora_slots is not None:
+            lora = LoRABatch(plan_segments(lora_tensors[0], self.model.num_lora_slots(), has_lora=True))
         return StepInputs(input_ids, positions_dev, meta, lora, [q - 1 for q in query_start[1:]])
 
     # -- step -------------------------------------------------------------

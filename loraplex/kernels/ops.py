@@ -24,6 +24,7 @@ from loraplex.kernels.activation import GELU_TANH_AND_MUL, SILU_AND_MUL
 from loraplex.kernels.attention import PAGED_ATTENTION
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import LORA_EXPAND
+from loraplex.kernels.lora_fused import FUSED_LORA
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_shrink import LORA_SHRINK
 from loraplex.kernels.op import BACKENDS, Backend, Op
@@ -43,6 +44,7 @@ OPS: tuple[Op, ...] = (
     LORA_SHRINK,
     LORA_EXPAND,
     ADD_LORA,
+    FUSED_LORA,
 )
 
 
@@ -74,6 +76,7 @@ class Kernels:
         self.lora_shrink = LORA_SHRINK.select(backend)
         self.lora_expand = LORA_EXPAND.select(backend)
         self.add_lora = ADD_LORA.select(backend)
+        self.fused_lora = FUSED_LORA.select(backend)
 
     def __repr__(self) -> str:
         return f"Kernels({self.backend!r})"
