@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import DECODE_MAX_TOKENS, _launch_lora_expand, lora_expand_ref
 from loraplex.kernels.lora_fused import _launch_fused_lora
 from loraplex.kernels.lora_mapping import LoRAMapping
@@ -41,10 +42,15 @@ def _launch_add_lora(
     """Triton launch of :func:`add_lora_ref`: the fused kernel (``fused``; default: at most
     ``DECODE_MAX_TOKENS`` tokens), else split-K shrink partials summed by the expand as it loads them.
 
-    ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides of the two-kernel path (benchmarks).
+    ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides of the two-kernel path (benchmarks);
+    giving one selects that path by default, and with ``fused=True`` raises ``KernelArgumentError``.
     """
+    two_kernel_overrides = (split_k, shrink_blocks, expand_blocks) != (None, None, None)
     if fused is None:
-        fused = mapping.num_tokens <= DECODE_MAX_TOKENS
+        fused = mapping.num_tokens <= DECODE_MAX_TOKENS and not two_kernel_overrides
+    if fused and two_kernel_overrides:
+        raise KernelArgumentError("add_lora: split_k / shrink_blocks / expand_blocks apply to the two-kernel path "
+                                  "(fused=False), not to the fused kernel")
     if fused:
         _launch_fused_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
         return

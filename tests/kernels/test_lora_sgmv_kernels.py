@@ -373,3 +373,12 @@ def test_fused_mixed_adapter_batch_matches_peft(kernel_device, backend):
     Kernels(backend).fused_lora(x.to(device), [a.to(device) for a in lora_a], [b.to(device) for b in lora_b],
                                 [s.to(device) for s in scaling], y, mapping, ranks=ranks)
     assert_close(y, expected, torch.float32, scale=5.0)
+
+
+def test_add_lora_refuses_two_kernel_overrides_for_the_fused_path():
+    token_slots = _slots("zipf")
+    mapping = LoRAMapping.from_token_slots(token_slots, num_slots=SLOTS)
+    lora_a, lora_b, scaling, _ = _weights(torch.float32, torch.device("cpu"), mixed_ranks=False)
+    x, y = torch.randn(token_slots.shape[0], HIDDEN), torch.randn(token_slots.shape[0], sum(WIDTHS))
+    with pytest.raises(KernelArgumentError, match="not to the fused kernel"):
+        ADD_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, split_k=2, fused=True)
