@@ -13,8 +13,8 @@ y read and written for the LoRA tokens, at the copy bandwidth measured in the sa
 ``old`` = split-K shrink + expand (two launches per projection), ``new`` = ``add_lora``
 as the model calls it (fused shrink+expand up to 256 tokens), ``fused`` = the fused kernel
 at every size; ``vllm`` when ``vllm`` imports (its Triton ``lora_shrink``/``lora_expand``,
-default configs), else left out. ``--sweep`` also times fused-kernel tile shapes per
-projection at 32 adapters and reports the best.
+default configs), else left out. ``--sweep`` instead times fused-kernel tile shapes per
+projection at 32 adapters (1, 32 and 128 tokens) and reports the best.
 
 Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--sweep]`` (CUDA);
 ``--smoke`` runs tiny shapes (on CPU under ``TRITON_INTERPRET=1``, wall-clock timer).
@@ -261,7 +261,12 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool) -> dict:
+    """The side-by-side rows, or (``sweep``) only the fused-kernel tile sweep at the largest adapter count."""
     copy_bps = copy_bandwidth(device)
+    if sweep:
+        return {"copy_TBps": copy_bps / 1e12, "rank": rank, "rows": [],
+                "sweep": {str(t): sweep_fused(layer, t, max(adapters), rank, dtype, device, timer)
+                          for t in tokens if t <= 256}}
     impls: dict[str, Callable] = {"old": _old, "new": _new, "fused": _fused}
     vllm_fn, why = vllm_impl() if device.type == "cuda" else (None, "CPU run")
     if vllm_fn is not None:
@@ -279,16 +284,14 @@ def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool)
             print(json.dumps(asdict(rows[-1])), flush=True)
     result = {"copy_TBps": copy_bps / 1e12, "rank": rank, "rows": [asdict(r) for r in rows],
               "vllm": "timed" if vllm_fn is not None else why, "sglang": "not wired in this benchmark"}
-    if sweep:
-        result["sweep"] = {str(t): sweep_fused(layer, t, max(adapters), rank, dtype, device, timer)
-                           for t in tokens if t <= 256}
     return result
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", type=Path, help="JSON results file")
-    parser.add_argument("--sweep", action="store_true", help="also time fused-kernel tile shapes at 32 adapters")
+    parser.add_argument("--sweep", action="store_true", help="instead of the table, time fused-kernel tile shapes "
+                        "at 32 adapters")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -304,14 +307,18 @@ def main(argv: list[str] | None = None) -> dict:
     result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["device"] = name
+    if args.sweep:
+        for t, per in result["sweep"].items():
+            for lin, s in per.items():
+                print(f"sweep T={t} {lin}: default {s['default_us']:.1f} µs, best {s['best']} {s['best_us']:.1f} µs")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+        return result
     note = (f"LoRA deltas of one layer's four projections, r={rank}, {BASE_FRACTION:.0%} base tokens, "
             f"CUDA-graph replay, cold L2 ({name}, copy {result['copy_TBps']:.2f} TB/s; vllm: {result['vllm']})")
     result["table"] = format_table([Row(**r) for r in result["rows"]], note)
     print(result["table"])
-    if "sweep" in result:
-        for t, per in result["sweep"].items():
-            for lin, s in per.items():
-                print(f"sweep T={t} {lin}: default {s['default_us']:.1f} µs, best {s['best']} {s['best_us']:.1f} µs")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -60,3 +60,21 @@ def test_smoke_run_times_every_implementation_and_prints_the_table(tmp_path, cap
     assert result["vllm"] == "CPU run"
     table = capsys.readouterr().out
     assert "| 5 × 3 | 4 |" in table and "| tokens × adapters | LoRA tokens | bytes floor µs | old µs" in table
+
+
+@pytest.mark.interpreter
+def test_sweep_times_every_tile_shape_and_names_the_best(monkeypatch):
+    from loraplex.kernels._triton import HAS_TRITON
+
+    if not HAS_TRITON or torch.cuda.is_available():
+        pytest.skip("CPU interpreter run")
+    calls = []
+
+    def counting_timer(fn):
+        calls.append(fn)
+        return float(len(calls))  # later configs look slower: the default (timed first) is the best
+
+    result = bl.sweep_fused(bl.SMOKE_LAYER[:1], 5, 3, 4, torch.float32, torch.device("cpu"), counting_timer)
+    qkv = result["qkv"]
+    assert len(qkv["all"]) == 2 + 3 * 3 * 3 == len(calls)  # default, default with 8 warps, K x N x stages
+    assert qkv["best"] == "default" and qkv["best_us"] == qkv["default_us"] == 1e3
