@@ -12,11 +12,12 @@ layer): the bytes floor (the distinct adapters' A and B of the four projections,
 y read and written for the LoRA tokens, at the copy bandwidth measured in the same run),
 ``old`` = split-K shrink + expand (two launches per projection), ``new`` = ``add_lora``
 as the model calls it (fused shrink+expand up to 256 tokens), ``fused`` = the fused kernel
-at every size; ``vllm`` when ``vllm`` imports (its Triton ``lora_shrink``/``lora_expand``,
-default configs), else left out. ``--sweep`` instead times fused-kernel tile shapes per
+at every size; with ``--vllm``, vLLM's Triton ``lora_shrink``/``lora_expand`` (default configs) when
+``vllm`` imports and its call checks out, else the reason. ``--sweep`` instead times fused-kernel tile shapes per
 projection at 32 adapters (1, 32 and 128 tokens) and reports the best.
 
-Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--sweep]`` (CUDA);
+Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--vllm] [--sweep]`` (CUDA; the table alone
+compiles a dozen kernel variants and takes well under a minute on an H200);
 ``--smoke`` runs tiny shapes (on CPU under ``TRITON_INTERPRET=1``, wall-clock timer).
 """
 
@@ -173,7 +174,7 @@ def sweep_fused(layer, num_tokens: int, adapters: int, rank: int, dtype, device,
     results = {}
     for lin in make_linears(layer, num_tokens, adapters, rank, dtype, device):
         widths = [b.shape[1] for b in lin.lora_b]
-        block_m, block_k, block_n = _block_sizes(device)
+        block_m, block_k, block_n = _block_sizes(lin.x.shape[1], device)
         n_iters, _ = fused_launch_shape(mapping, widths, device, block_m, block_n)
         configs = {"default": {}, f"default-n{block_n}x{n_iters}-w8": dict(num_warps=8)}
         for bk in (128, 256, 512):
@@ -219,7 +220,7 @@ def graph_timer(flush_bytes: int = 256 << 20) -> Timer:
             for _ in range(CALLS):
                 body()
         times = []
-        for _ in range(15):
+        for _ in range(10):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graph.replay()
@@ -260,7 +261,7 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 5 / (start.elapsed_time(end) * 1e-3)
 
 
-def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool) -> dict:
+def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool, with_vllm: bool = False) -> dict:
     """The side-by-side rows, or (``sweep``) only the fused-kernel tile sweep at the largest adapter count."""
     copy_bps = copy_bandwidth(device)
     if sweep:
@@ -268,7 +269,10 @@ def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool)
                 "sweep": {str(t): sweep_fused(layer, t, max(adapters), rank, dtype, device, timer)
                           for t in tokens if t <= 256}}
     impls: dict[str, Callable] = {"old": _old, "new": _new, "fused": _fused}
-    vllm_fn, why = vllm_impl() if device.type == "cuda" else (None, "CPU run")
+    if not with_vllm:
+        vllm_fn, why = None, "not asked (--vllm)"
+    else:
+        vllm_fn, why = vllm_impl() if device.type == "cuda" else (None, "CPU run")
     if vllm_fn is not None:
         try:  # its API moves between releases: one small checked call decides whether the column is kept
             probe = plan_segments(token_slots(8, 2).to(device), 2)
@@ -292,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, help="JSON results file")
     parser.add_argument("--sweep", action="store_true", help="instead of the table, time fused-kernel tile shapes "
                         "at 32 adapters")
+    parser.add_argument("--vllm", action="store_true", help="add vLLM's kernels as a column when vllm imports")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         layer, tokens, adapters, rank, dtype = SMOKE_LAYER, (1, 5), (1, 3), 4, torch.float32
     else:
         raise SystemExit("bench_lora_kernels: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
-    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep)
+    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["device"] = name
     if args.sweep:

@@ -41,8 +41,21 @@ from loraplex.kernels.lora_shrink import lora_shrink_ref
 from loraplex.kernels.op import Op
 
 _OP = "fused_lora"
-# Programs per SM the launcher aims for when it splits output columns over programs.
+# Launch shapes on CUDA, chosen by reasoning for H100/H200 (no tuning run yet; benchmarks/bench_lora_kernels.py
+# --sweep times the alternatives):
+#
+# | H (reduction) | BLOCK_M | BLOCK_K | BLOCK_N | warps | stages | programs aimed at |
+# |---|---|---|---|---|---|---|
+# | <= 4096       | 16      | 256     | 64      | 4     | 3      | 4 per SM          |
+# | > 4096        | 16      | 512     | 64      | 4     | 3      | 4 per SM          |
+#
+# BLOCK_M 16 is the smallest tensor-core tile (decode segments hold 1-2 tokens); BLOCK_K 256 is vLLM's
+# shrink default, doubled for long reductions (down_proj, H = 11008) because the fused kernel cannot
+# split K: each program walks all of H, so fewer, larger loads shorten its serial chain; 3 stages keep
+# 2 tile loads in flight at ~32 KB of shared memory per stage at most. At decode the kernel is latency-
+# bound, so columns are split over programs until ~4 per SM run (the redundant shrinks read A from L2).
 _PROGRAMS_PER_SM = 4
+_NUM_STAGES = 3
 
 
 @triton.jit(do_not_specialize=["num_tiles", "n_col_blocks"])
@@ -150,11 +163,11 @@ def fused_launch_shape(
     return n_iters, cdiv(max(widths), block_n * n_iters)
 
 
-def _block_sizes(device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, BLOCK_N): GPU-sized on CUDA, small under the CPU interpreter."""
+def _block_sizes(hidden_size: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, BLOCK_N) from the table above on CUDA; small under the CPU interpreter."""
     if device.type != "cuda":
         return 16, 32, 16
-    return DECODE_BLOCK_M, 256, 64
+    return DECODE_BLOCK_M, (256 if hidden_size <= 4096 else 512), 64
 
 
 def _launch_fused_lora(
@@ -168,7 +181,7 @@ def _launch_fused_lora(
     ranks: torch.Tensor | None = None,
     blocks: tuple[int, int, int, int] | None = None,
     num_warps: int = 4,
-    num_stages: int | None = None,
+    num_stages: int = _NUM_STAGES,
 ) -> None:
     """Triton launch of :func:`fused_lora_ref` (one kernel).
 
@@ -186,13 +199,12 @@ def _launch_fused_lora(
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
     if blocks is None:
-        block_m, block_k, block_n = _block_sizes(x.device)
+        block_m, block_k, block_n = _block_sizes(x.shape[1], x.device)
         n_iters, n_col_blocks = fused_launch_shape(mapping, widths, x.device, block_m, block_n)
     else:
         block_m, block_k, block_n, n_iters = blocks
         n_col_blocks = cdiv(max(widths), block_n * n_iters)
     tiles = mapping.tiles(block_m)
-    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     _fused_lora_kernel[(tiles.shape[1], len(lora_a) * n_col_blocks)](
         x,
         pointer_table(lora_a),
@@ -222,7 +234,8 @@ def _launch_fused_lora(
         BLOCK_R=max(16, next_pow2(max_rank)),
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
-        **options,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 

@@ -57,7 +57,7 @@ def test_smoke_run_times_every_implementation_and_prints_the_table(tmp_path, cap
     rows = result["rows"]
     assert [(r["tokens"], r["adapters"]) for r in rows] == [(1, 1), (1, 3), (5, 1), (5, 3)]
     assert all(set(r["times_us"]) == {"old", "new", "fused"} for r in rows)
-    assert result["vllm"] == "CPU run"
+    assert result["vllm"] == "not asked (--vllm)"
     table = capsys.readouterr().out
     assert "| 5 × 3 | 4 |" in table and "| tokens × adapters | LoRA tokens | bytes floor µs | old µs" in table
 

@@ -187,6 +187,10 @@ def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 3
         y = torch.zeros(num_tokens, 6144, dtype=dtype)
         lora_fused.FUSED_LORA.triton(x, lora_a, lora_b, scaling, y, mapping)
         lora_fused.FUSED_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
+    down_a = [torch.zeros(slots, rank, 11008, dtype=dtype)]  # a long reduction: BLOCK_K 512
+    mapping = LoRAMapping.from_token_slots((torch.arange(32) % slots).to(torch.int32), slots)
+    lora_fused.FUSED_LORA.triton(torch.zeros(32, 11008, dtype=dtype), down_a, lora_b[:1], scaling[:1],
+                                 torch.zeros(32, 4096, dtype=dtype), mapping)
 
 
 def main() -> int:
