@@ -19,16 +19,16 @@ prompt logprobs, or do not fit a bucket, run eagerly.
 
 Everything that varies between steps lives in static device buffers that
 the graph reads: input ids, positions, slot mapping, query start offsets,
-context lengths, block tables and the SGMV segment arrays. They are views of two packed buffers
+context lengths, block tables and the tokens' adapter slots. They are views of two packed buffers
 (int64 and int32) with host mirrors (pinned on CUDA), so a step writes the
 host side from Python lists and moves everything with two copies. Block-table
 rows are rewritten only when they changed since the last step (a decode step
 adds a block to a sequence once every ``block_size`` tokens). For LoRA the
-graph always has one segment per adapter slot (unused slots have length 0,
-so they get no work item: the kernels' work-item list holds one item per
-16 tokens of each used slot, padded with idle items to its bound
-``ceil(T / 16) + min(T, slots)``); two graphs per size are kept, with and
-without LoRA.
+host writes only each token's adapter slot: the graph itself groups the tokens
+by slot (:func:`~loraplex.kernels.lora_mapping.plan_segments`, the eager path's
+builder, captured: one segment per adapter slot, a work-item list padded with
+idle items to its bound ``ceil(T / 16) + min(B, slots)``); two graphs per size
+are kept, with and without LoRA.
 The launch grids are fixed at capture: attention is sized for
 ``max_model_len``, LoRA for T tokens in ``max_loras`` segments.
 """
@@ -43,8 +43,7 @@ import torch
 
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_expand import DECODE_BLOCK_M
-from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments, tile_lists
+from loraplex.kernels.lora_mapping import plan_segments
 
 logger = logging.getLogger(__name__)
 
@@ -139,21 +138,15 @@ class CudaGraphRunner:
         self.mixed_sizes = [t for t in default_mixed_sizes(max_num_batched_tokens or 0)
                             if capture_query_lens(t, self.mixed_num_seqs(t), max_model_len)]
         nt = max([n] + self.mixed_sizes)  # tokens a graph can hold
-        s = max(num_lora_slots, 1)
         self.table_width = -(-max_model_len // block_size)
         self._i64 = _StagedInts({"input_ids": nt, "positions": nt, "slot_mapping": nt}, torch.int64, device)
-        self._i32 = _StagedInts({"seq_lens": n, "token_slots": nt, "sorted_token_ids": nt, "segment_starts": s,
-                                 "segment_lens": s, "lora_tiles": 2 * self._max_tiles(nt, s),
-                                 "query_start_loc": n + 1, "block_tables": n * self.table_width},
-                                torch.int32, device)
+        self._i32 = _StagedInts({"seq_lens": n, "token_slots": nt, "query_start_loc": n + 1,
+                                 "block_tables": n * self.table_width}, torch.int32, device)
         self.input_ids, self._host_input_ids = self._i64.region("input_ids", nt)
         self.positions, self._host_positions = self._i64.region("positions", nt)
         self.slot_mapping, self._host_slot_mapping = self._i64.region("slot_mapping", nt)
         self.seq_lens, self._host_seq_lens = self._i32.region("seq_lens", n)
         self.token_slots, self._host_token_slots = self._i32.region("token_slots", nt)
-        self.sorted_token_ids, self._host_sorted_token_ids = self._i32.region("sorted_token_ids", nt)
-        self.segment_starts, self._host_segment_starts = self._i32.region("segment_starts", s)
-        self.segment_lens, self._host_segment_lens = self._i32.region("segment_lens", s)
         self.mixed_query_start_loc, self._host_mixed_qsl = self._i32.region("query_start_loc", n + 1)
         tables, host_tables = self._i32.region("block_tables", n * self.table_width)
         self.block_tables = tables.view(n, self.table_width)
@@ -161,7 +154,6 @@ class CudaGraphRunner:
         self._table_rows: list[list[int]] = [[] for _ in range(n)]  # what each host row holds
         self._reset_host()
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.segment_slots = torch.arange(s, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self.mixed_graphs: dict[tuple[int, bool], _Graph] = {}
         self.pool = None
@@ -181,14 +173,8 @@ class CudaGraphRunner:
         self._host_seq_lens[:] = 1
         self._host_mixed_qsl[:] = 0
         self._host_token_slots[:] = -1
-        self._host_sorted_token_ids[:] = range(len(self._host_sorted_token_ids))
         self._i64.upload(self._i64.host.numel())
         self._i32.upload(self._i32.host.numel())
-
-    @staticmethod
-    def _max_tiles(size: int, num_slots: int) -> int:
-        """Bound on (segment, 16-token tile) work items of ``size`` tokens over ``num_slots`` segments."""
-        return -(-size // DECODE_BLOCK_M) + min(size, num_slots)
 
     @property
     def max_batch_size(self) -> int:
@@ -206,20 +192,8 @@ class CudaGraphRunner:
             seq_lens_host=[self.max_model_len] * size)
 
     def _lora(self, size: int) -> LoRABatch:
-        s = self.num_lora_slots
-        mapping = LoRAMapping(
-            token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_token_ids[:size],
-            segment_starts=self.segment_starts, segment_lens=self.segment_lens, segment_slots=self.segment_slots,
-            num_tokens=size, num_segments=s, max_segment_len=size, has_lora=True,
-            segment_starts_host=[0] * s, segment_lens_host=[size] * s, segment_slots_host=list(range(s)),
-            static_tiles=self._tiles(size)[0], static_tiles_block_m=DECODE_BLOCK_M)
-        return LoRABatch(mapping)
-
-    def _tiles(self, size: int):
-        """(device ``[2, W]`` view, host NumPy view) of the work-item list for ``size`` tokens."""
-        w = self._max_tiles(size, self.num_lora_slots)
-        device, host = self._i32.region("lora_tiles", 2 * w)
-        return device.view(2, w), host.reshape(2, w)
+        """The step's LoRA grouping, built on the device from the static ``token_slots`` (captured)."""
+        return LoRABatch(plan_segments(self.token_slots[:size], self.num_lora_slots, has_lora=True))
 
     def _mixed_meta(self, size: int) -> AttentionMetadata:
         """Capture metadata of the mixed graph of ``size`` tokens: the static buffers, and host lists of a
@@ -345,17 +319,6 @@ class CudaGraphRunner:
         return entry.hidden[:t]
 
     def _fill_lora(self, size: int, lora_slots: list[int]) -> None:
-        """SGMV segments over all slots (one per slot, empty ones too), from the eager path's builder."""
-        slots = torch.tensor(lora_slots + [-1] * (size - len(lora_slots)), dtype=torch.int32)
-        plan = plan_segments(slots, num_slots=self.num_lora_slots)
-        counts = plan.segment_lens
-        self._host_token_slots[:size] = slots.numpy()
-        self._host_sorted_token_ids[:size] = plan.sorted_token_ids.numpy()
-        self._host_segment_starts[:self.num_lora_slots] = plan.segment_starts
-        self._host_segment_lens[:self.num_lora_slots] = counts
-        _, host_tiles = self._tiles(size)
-        segments, tiles = tile_lists(counts, DECODE_BLOCK_M)
-        host_tiles[0, :len(segments)] = segments
-        host_tiles[1, :len(tiles)] = tiles
-        host_tiles[0, len(segments):] = 0
-        host_tiles[1, len(tiles):] = 1 << 20  # idle: past every segment's end
+        """Each token's adapter slot (-1 for padding rows); the graph groups them (no host sort)."""
+        self._host_token_slots[:len(lora_slots)] = lora_slots
+        self._host_token_slots[len(lora_slots):size] = -1

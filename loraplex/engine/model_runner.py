@@ -25,7 +25,7 @@ from loraplex.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from loraplex.engine.step_plan import StepPlan
 from loraplex.engine.structured_output import GrammarMaskFiller, PendingMask
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
+from loraplex.kernels.lora_mapping import plan_segments
 
 logger = logging.getLogger(__name__)
 
@@ -238,10 +238,8 @@ class ModelRunner:
                                                             host.slot_mapping)
         lora_slots = plan.lora_slots
         host_i32 = [_host_ints(query_start, torch.int32), _host_ints(seq_lens, torch.int32), block_tables.view(-1)]
-        segments = None
         if lora_slots is not None:
-            segments = plan_segments(_host_ints(lora_slots, torch.int32)[seq_index])
-            host_i32 += segments.host_tensors()
+            host_i32.append(_host_ints(lora_slots, torch.int32)[seq_index])  # token_slots; grouped on the device
         input_ids, positions_dev, slot_mapping_dev = _to_device(
             [_host_ints(token_ids, torch.int64), positions, slot_mapping], self.device)
         query_start_dev, seq_lens_dev, block_tables_dev, *lora_tensors = _to_device(host_i32, self.device)
@@ -255,7 +253,9 @@ class ModelRunner:
             query_start_loc_host=query_start,
             seq_lens_host=seq_lens,
         )
-        lora = LoRABatch(LoRAMapping.from_plan(segments, lora_tensors)) if segments is not None else None
+        lora = None
+        if lora_slots is not None:
+            lora = LoRABatch(plan_segments(lora_tensors[0], self.model.num_lora_slots(), has_lora=True))
         return StepInputs(input_ids, positions_dev, meta, lora, [q - 1 for q in query_start[1:]])
 
     # -- step -------------------------------------------------------------

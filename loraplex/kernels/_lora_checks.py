@@ -10,14 +10,14 @@ from loraplex.kernels.lora_mapping import LoRAMapping
 
 
 def check_mapping(op: str, mapping: LoRAMapping, num_tokens: int, num_slots: int, device: torch.device) -> None:
-    """``mapping`` covers ``num_tokens`` tokens on ``device`` and uses slots < ``num_slots``."""
+    """``mapping`` covers ``num_tokens`` tokens on ``device`` and has at most ``num_slots`` slots."""
     if not isinstance(mapping, LoRAMapping):
         raise KernelArgumentError(f"{op}: mapping has type {type(mapping).__name__}, expected LoRAMapping")
     if mapping.num_tokens != num_tokens:
         raise KernelArgumentError(f"{op}: mapping.num_tokens={mapping.num_tokens}, expected {num_tokens}")
-    if mapping.segment_slots_host and mapping.segment_slots_host[-1] >= num_slots:
+    if mapping.num_slots > num_slots:
         raise KernelArgumentError(
-            f"{op}: mapping uses slot {mapping.segment_slots_host[-1]}, but the weights have {num_slots} slots"
+            f"{op}: mapping has {mapping.num_slots} slots, but the weights have {num_slots} slots"
         )
     check_device(op, "mapping.sorted_token_ids", mapping.sorted_token_ids, device)
 

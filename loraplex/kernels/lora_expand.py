@@ -161,7 +161,7 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int, 
     """
     if device.type != "cuda":
         return 16, 16, 2
-    if mapping.num_tokens <= DECODE_MAX_TOKENS or mapping.max_segment_len <= 16:
+    if mapping.num_tokens <= DECODE_MAX_TOKENS:
         # Tuned on an H200 (benchmarks/bench_lora_decode.py --sweep): one 128-column tile per
         # program for a handful of tokens, four beyond.
         return DECODE_BLOCK_M, 128, (1 if mapping.num_tokens <= 8 else 4)
@@ -260,7 +260,7 @@ def lora_expand_ref(
     _check_args(v, lora_b, scaling, y, mapping, ranks)
     rank_host = ranks.tolist() if ranks is not None else None
     scaling_host = [s.tolist() for s in scaling]
-    for start, length, slot in zip(mapping.segment_starts_host, mapping.segment_lens_host, mapping.segment_slots_host):
+    for slot, start, length in mapping.segments_host():
         tokens = mapping.sorted_token_ids[start : start + length].long()
         offset = 0
         for i, b in enumerate(lora_b):

@@ -1,8 +1,10 @@
-"""The LoRA delta of one (fused) linear layer for a mixed-adapter batch: SGMV shrink, then expand.
+"""The LoRA delta of one (fused) linear layer for a mixed-adapter batch.
 
 Semantics: :data:`ADD_LORA`.
 
-Two launches and no other kernel: the shrink writes split-K partial sums
+Decode-sized batches (at most ``DECODE_MAX_TOKENS`` tokens) take one launch of the fused
+shrink+expand kernel (:mod:`loraplex.kernels.lora_fused`). Larger batches take the SGMV pair,
+two launches and no other kernel: the shrink writes split-K partial sums
 (:func:`~loraplex.kernels.lora_shrink.shrink_partials`) into an uninitialised
 buffer and the expand adds them up, in a fixed order, as it loads ``v``. At
 decode (one token per adapter segment) the H reduction is what limits the
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.kernels.lora_expand import _launch_lora_expand, lora_expand_ref
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_expand import DECODE_MAX_TOKENS, _launch_lora_expand, lora_expand_ref
+from loraplex.kernels.lora_fused import _launch_fused_lora
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import lora_shrink_ref, shrink_partials
 from loraplex.kernels.op import Op
@@ -33,11 +37,23 @@ def _launch_add_lora(
     split_k: int | None = None,
     shrink_blocks: tuple[int, int] | None = None,
     expand_blocks: tuple[int, int, int] | None = None,
+    fused: bool | None = None,
 ) -> None:
-    """Triton launch of :func:`add_lora_ref`: split-K shrink partials, summed by the expand as it loads them.
+    """Triton launch of :func:`add_lora_ref`: the fused kernel (``fused``; default: at most
+    ``DECODE_MAX_TOKENS`` tokens), else split-K shrink partials summed by the expand as it loads them.
 
-    ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides (benchmarks); defaults by batch size.
+    ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides of the two-kernel path (benchmarks);
+    giving one selects that path by default, and with ``fused=True`` raises ``KernelArgumentError``.
     """
+    two_kernel_overrides = (split_k, shrink_blocks, expand_blocks) != (None, None, None)
+    if fused is None:
+        fused = mapping.num_tokens <= DECODE_MAX_TOKENS and not two_kernel_overrides
+    if fused and two_kernel_overrides:
+        raise KernelArgumentError("add_lora: split_k / shrink_blocks / expand_blocks apply to the two-kernel path "
+                                  "(fused=False), not to the fused kernel")
+    if fused:
+        _launch_fused_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
+        return
     if not mapping.has_lora:
         return
     partials = shrink_partials(x, lora_a, mapping, ranks, split_k, shrink_blocks)

@@ -33,7 +33,7 @@ from loraplex.kernels._triton import (
 )
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import DECODE_BLOCK_M, DECODE_MAX_TOKENS
-from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_mapping import LoRAMapping, max_tiles
 from loraplex.kernels.op import Op
 
 _OP = "lora_shrink"
@@ -130,7 +130,7 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K): GPU-sized on CUDA, small under the CPU interpreter."""
     if device.type != "cuda":
         return 16, 32
-    if mapping.num_tokens <= DECODE_MAX_TOKENS or mapping.max_segment_len <= 16:
+    if mapping.num_tokens <= DECODE_MAX_TOKENS:
         return DECODE_BLOCK_M, 128
     return 64, 128
 
@@ -177,7 +177,7 @@ def _launch_lora_shrink(
     if not mapping.has_lora or max_rank == 0:
         return out
     block_m, block_k = _block_sizes(mapping, x.device)
-    programs = mapping.num_segments * cdiv(mapping.max_segment_len, block_m) * len(lora_a)
+    programs = max_tiles(mapping.num_tokens, mapping.num_slots, block_m) * len(lora_a)
     split = split_k or choose_split_k(programs, hidden_size, block_k, x.device)
     k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
     split = cdiv(hidden_size, k_per_split)
@@ -238,7 +238,7 @@ def partial_split_k(mapping: LoRAMapping, hidden_size: int, n_slices: int, devic
     block_m, block_k = _block_sizes(mapping, device)
     if device.type == "cuda" and mapping.num_tokens <= DECODE_MAX_TOKENS:
         return min(cdiv(hidden_size, decode_k_per_split(mapping.num_tokens)), _MAX_PARTIAL_SPLIT_K)
-    programs = mapping.num_segments * cdiv(mapping.max_segment_len, block_m) * n_slices
+    programs = max_tiles(mapping.num_tokens, mapping.num_slots, block_m) * n_slices
     return choose_split_k(programs, hidden_size, block_k, device)
 
 
@@ -311,7 +311,7 @@ def lora_shrink_ref(
     _check_args(x, lora_a, mapping, ranks)
     out = torch.zeros((len(lora_a), x.shape[0], lora_a[0].shape[1]), dtype=torch.float32, device=x.device)
     rank_host = ranks.tolist() if ranks is not None else None
-    for start, length, slot in zip(mapping.segment_starts_host, mapping.segment_lens_host, mapping.segment_slots_host):
+    for slot, start, length in mapping.segments_host():
         tokens = mapping.sorted_token_ids[start : start + length].long()
         xs = x[tokens].float()
         for i, a in enumerate(lora_a):

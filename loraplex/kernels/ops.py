@@ -25,6 +25,7 @@ from loraplex.kernels.attention import PAGED_ATTENTION
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.fp8_linear import FP8_LINEAR
 from loraplex.kernels.lora_expand import LORA_EXPAND
+from loraplex.kernels.lora_fused import FUSED_LORA
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_shrink import LORA_SHRINK
 from loraplex.kernels.op import BACKENDS, Backend, Op
@@ -44,6 +45,7 @@ OPS: tuple[Op, ...] = (
     LORA_SHRINK,
     LORA_EXPAND,
     ADD_LORA,
+    FUSED_LORA,
     FP8_LINEAR,
 )
 
@@ -76,6 +78,7 @@ class Kernels:
         self.lora_shrink = LORA_SHRINK.select(backend)
         self.lora_expand = LORA_EXPAND.select(backend)
         self.add_lora = ADD_LORA.select(backend)
+        self.fused_lora = FUSED_LORA.select(backend)
         self.fp8_linear = FP8_LINEAR.select(backend)
 
     def __repr__(self) -> str:

@@ -1,5 +1,6 @@
-"""``LinearWithLoRA`` with the Triton LoRA path (split-K shrink partials, work-item list)
-equals the float32 reference, eagerly and replayed from a CUDA graph. GPU only.
+"""``LinearWithLoRA`` with the Triton LoRA path (fused shrink+expand up to 256 tokens, else split-K
+shrink partials; work-item list) equals the float32 reference, eagerly and replayed from a CUDA
+graph, also when the graph itself groups the tokens by slot (as the engine's graphs do). GPU only.
 
 (An overlapped variant, the delta on a side stream next to the base GEMM, measured slower
 on an H200 and was removed: benchmarks/RESULTS.md.)"""
@@ -11,7 +12,7 @@ import torch
 
 from loraplex.engine.models.llama import LinearWithLoRA, LoRABatch
 from loraplex.kernels.lora_linear import add_lora_ref
-from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 from loraplex.kernels.ops import Kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -59,3 +60,33 @@ def test_lora_linear_equals_reference_eager_and_in_graph(num_tokens):
         graph.replay()
         torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), _expected(layer, x2, mapping), atol=6e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_grouping_built_inside_the_graph_follows_new_token_slots(num_tokens):
+    """plan_segments captured with the layer: each replay regroups whatever token slots the buffer holds."""
+    torch.manual_seed(num_tokens)
+    layer = _layer()
+    static_slots = torch.randint(-1, SLOTS, (num_tokens,), dtype=torch.int32, device="cuda")
+    static_x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def forward():
+        return layer(static_x, LoRABatch(plan_segments(static_slots, SLOTS, has_lora=True)))
+
+    with torch.inference_mode():
+        forward()  # warm-up outside capture (compile, pointer tables)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward()
+        for case in range(3):
+            slots = torch.randint(-1, SLOTS, (num_tokens,), dtype=torch.int32)
+            if case == 1:
+                slots[:] = 4  # one adapter for every token
+            slots[0] = 2  # at least one LoRA token
+            static_slots.copy_(slots.cuda())
+            static_x.copy_(torch.randn_like(static_x))
+            graph.replay()
+            torch.cuda.synchronize()
+            expected = _expected(layer, static_x, LoRAMapping.from_token_slots(slots.cuda(), SLOTS))
+            torch.testing.assert_close(out.float(), expected, atol=6e-2, rtol=3e-2)

@@ -26,14 +26,13 @@ from loraplex.engine.models.llama import LoRABatch
 from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from loraplex.engine.sequence import RequestGroup, Sequence
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_expand import DECODE_BLOCK_M
-from loraplex.kernels.lora_mapping import LoRAMapping, tile_lists
+from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 
 
 class _EagerReplay:
     """Stands in for a captured graph on the CPU: runs the model on the graph runner's
     static buffers (exactly what a replay reads) and writes the graph's output tensor.
-    Also checks the SGMV segments the runner wrote against ``LoRAMapping.from_token_slots``."""
+    Also checks the SGMV segments the graph builds against a host grouping of its token slots."""
 
     def __init__(self, graphs: CudaGraphRunner, size: int, with_lora: bool, hidden: torch.Tensor) -> None:
         self.graphs, self.size, self.with_lora, self.hidden = graphs, size, with_lora, hidden
@@ -52,22 +51,14 @@ class _EagerReplay:
         self.replays += 1
 
     def _checked_mapping(self) -> LoRAMapping:
+        """What the captured graph builds from the static buffers (the runner's own ``_lora``), checked
+        against the grouping of the same token slots on the host."""
         g, n = self.graphs, self.size
-        lens, starts = g.segment_lens.tolist(), g.segment_starts.tolist()
-        expected = LoRAMapping.from_token_slots(g.token_slots[:n].clone())
-        used = [(s, st, ln) for s, (st, ln) in enumerate(zip(starts, lens)) if ln > 0]
-        assert used == list(zip(expected.segment_slots_host, expected.segment_starts_host, expected.segment_lens_host))
-        assert g.sorted_token_ids[:n].tolist() == expected.sorted_token_ids.tolist()
-        tiles = g._tiles(n)[0].tolist()
-        want = tile_lists(lens, DECODE_BLOCK_M)
-        k = len(want[0])
-        assert [tiles[0][:k], tiles[1][:k]] == want, "work items: one per 16 tokens of each used slot"
-        assert all(m * DECODE_BLOCK_M >= lens[s] for s, m in zip(tiles[0][k:], tiles[1][k:])), "padding is idle"
-        return LoRAMapping(token_slots=g.token_slots[:n], sorted_token_ids=g.sorted_token_ids[:n],
-                           segment_starts=g.segment_starts, segment_lens=g.segment_lens,
-                           segment_slots=g.segment_slots, num_tokens=n, num_segments=len(lens),
-                           max_segment_len=max(lens), has_lora=True, segment_starts_host=starts,
-                           segment_lens_host=lens, segment_slots_host=g.segment_slots.tolist())
+        mapping = g._lora(n).mapping
+        host = plan_segments(g.token_slots[:n].cpu().clone(), g.num_lora_slots)
+        assert mapping.segments_host() == host.segments_host() != []
+        assert mapping.sorted_token_ids.tolist() == host.sorted_token_ids.tolist()
+        return mapping
 
 
 def _emulate_graphs(llm: LLM) -> list[_EagerReplay]:

@@ -35,6 +35,7 @@ from loraplex.kernels import (  # noqa: E402
     attention_decode,
     attention_prefill,
     lora_expand,
+    lora_fused,
     lora_shrink,
     reshape_and_cache,
     rms_norm,
@@ -63,6 +64,7 @@ _KERNELS = {
     activation: ["_silu_and_mul_kernel"],
     lora_shrink: ["_lora_shrink_kernel"],
     lora_expand: ["_lora_expand_kernel"],
+    lora_fused: ["_fused_lora_kernel"],
 }
 
 
@@ -91,13 +93,14 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
-    for module in (attention_decode, attention_prefill, lora_shrink, lora_expand):
+    for module in (attention_decode, attention_prefill, lora_shrink, lora_expand, lora_fused):
         for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config",
                      "prefill_tiles"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
     attention_decode.num_sms = lambda device: 132
     lora_shrink.num_sms = lambda device: 132
+    lora_fused.num_sms = lambda device: 132
     recorders = {}
     for module, names in _KERNELS.items():
         for name in names:
@@ -197,6 +200,16 @@ def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 3
         # The model path: split-K partials summed inside the expand (SPLIT_K > 1, N_ITERS 4 at decode).
         partials = lora_shrink.shrink_partials(x, lora_a, mapping)
         lora_expand.LORA_EXPAND.triton(partials, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
+    for num_tokens in (1, 32, 256):  # the fused shrink+expand (decode sizes), default shapes and mixed ranks
+        mapping = LoRAMapping.from_token_slots((torch.arange(num_tokens) % slots).to(torch.int32), slots)
+        x = torch.zeros(num_tokens, hidden, dtype=dtype)
+        y = torch.zeros(num_tokens, 6144, dtype=dtype)
+        lora_fused.FUSED_LORA.triton(x, lora_a, lora_b, scaling, y, mapping)
+        lora_fused.FUSED_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
+    down_a = [torch.zeros(slots, rank, 11008, dtype=dtype)]  # a long reduction: BLOCK_K 512
+    mapping = LoRAMapping.from_token_slots((torch.arange(32) % slots).to(torch.int32), slots)
+    lora_fused.FUSED_LORA.triton(torch.zeros(32, 11008, dtype=dtype), down_a, lora_b[:1], scaling[:1],
+                                 torch.zeros(32, 4096, dtype=dtype), mapping)
 
 
 def main() -> int:

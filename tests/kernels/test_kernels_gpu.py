@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from loraplex.kernels.attention import paged_attention_ref
 from loraplex.kernels.attention_decode import paged_decode_attention
 from loraplex.kernels.lora_expand import lora_expand_ref
+from loraplex.kernels.lora_fused import fused_lora_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import lora_shrink_ref
 from loraplex.kernels.ops import Kernels, default_backend
@@ -179,4 +180,23 @@ def test_lora_sgmv_llama_shapes(num_tokens, slices):
     y_ref = y.clone()
     ops.lora_expand(v, lora_b, scaling, y, mapping, ranks=ranks)
     lora_expand_ref(v, lora_b, scaling, y_ref, mapping)
+    assert_close(y, y_ref, BF16, scale=2.0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
+@pytest.mark.parametrize("slices", [[4096, 4096, 4096], [4096, 1024, 1024], [11008, 11008]], ids=str)
+def test_fused_lora_llama_shapes(num_tokens, slices):
+    """The one-launch shrink+expand at decode sizes against the float32 reference (v rounded to bf16, as PEFT)."""
+    hidden, rank, slots = 4096, 16, 32
+    lora_a = [(torch.randn(slots, rank, hidden, device=CUDA) / hidden**0.5).to(BF16) for _ in slices]
+    lora_b = [(torch.randn(slots, w, rank, device=CUDA) / rank**0.5).to(BF16) for w in slices]
+    scaling = [torch.rand(slots, device=CUDA) + 0.5 for _ in slices]
+    token_slots = torch.randint(0, slots, (num_tokens,), device=CUDA, dtype=torch.int32)
+    token_slots[1::5] = -1
+    mapping = LoRAMapping.from_token_slots(token_slots, slots)
+    x = torch.randn(num_tokens, hidden, device=CUDA).to(BF16)
+    y = torch.randn(num_tokens, sum(slices), device=CUDA).to(BF16)
+    y_ref = y.float()
+    ops.fused_lora(x, lora_a, lora_b, scaling, y, mapping)
+    fused_lora_ref(x.float(), [a.float() for a in lora_a], [b.float() for b in lora_b], scaling, y_ref, mapping)
     assert_close(y, y_ref, BF16, scale=2.0)

@@ -9,6 +9,7 @@ from kernel_test_utils import assert_close, naive_lora_expand, naive_lora_shrink
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import lora_expand_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_fused import FUSED_LORA, fused_launch_shape
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_shrink import _launch_lora_shrink, lora_shrink_ref
 from loraplex.kernels.ops import Kernels
@@ -218,7 +219,7 @@ def test_mixed_adapter_batch_matches_peft(kernel_device, backend):
     ("mutate", "fragment"),
     [
         ("x_dtype", "differs from the activations"),
-        ("slot_too_big", "uses slot 4"),
+        ("slot_too_big", "mapping has 5 slots"),
         ("width_sum", "y.shape"),
         ("ranks_dtype", "ranks.dtype"),
         ("tokens", "mapping.num_tokens"),
@@ -267,7 +268,7 @@ def test_add_lora_split_partials_match_naive(kernel_device, case, split_k, expan
     for _ in range(2):
         out = y.clone()
         ADD_LORA.triton(x, lora_a, lora_b, scaling, out, mapping, ranks=ranks, split_k=split_k,
-                        expand_blocks=expand_blocks)
+                        expand_blocks=expand_blocks, fused=False)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), "split-K partial sums must be added in a fixed order"
     assert_close(outs[0], expected, torch.float32, scale=2.0)
@@ -303,3 +304,81 @@ def test_add_lora_into_float32_delta_buffer(kernel_device, backend):
     Kernels(backend).add_lora(x, lora_a, lora_b, scaling, delta, mapping)
     assert delta.dtype == torch.float32
     assert_close(delta, expected, torch.bfloat16, scale=2.0)
+
+
+# -- fused shrink+expand (one launch) ---------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_fused_kernel_matches_naive(kernel_device, triton_kernels, case, dtype):
+    """y[t, off_i:] += scaling_i[s] * round_B(x[t] @ A_i[s].T) @ B_i[s].T against a per-token fp32 loop."""
+    device = kernel_device
+    token_slots = _slots(case).to(device)
+    mapping = LoRAMapping.from_token_slots(token_slots, num_slots=SLOTS)
+    x = torch.randn(token_slots.shape[0], HIDDEN).to(device=device, dtype=dtype)
+    lora_a, lora_b, scaling, ranks = _weights(dtype, device, mixed_ranks=case == "zipf")
+    y = torch.randn(x.shape[0], sum(WIDTHS)).to(device=device, dtype=dtype)
+    v = naive_lora_shrink(x, lora_a, token_slots).to(dtype).float()  # rounded to B's dtype, as PEFT
+    expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    y_before = y.clone()
+    triton_kernels.fused_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
+    assert_close(y, expected, dtype, scale=2.0)
+    none = (token_slots < 0).cpu()
+    assert torch.equal(y.cpu()[none], y_before.cpu()[none]), "rows without adapter must be untouched"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("blocks", [(16, 32, 16, 1), (16, 16, 8, 2), (16, 64, 16, 4), (32, 32, 16, 1)])
+def test_fused_kernel_launch_overrides(kernel_device, blocks):
+    """Every tile shape (columns split over programs or looped in one, K in one or several chunks) agrees."""
+    token_slots = _slots("some_none").to(kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots, num_slots=SLOTS)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=kernel_device)
+    lora_a, lora_b, scaling, _ = _weights(torch.float32, kernel_device, mixed_ranks=False)
+    y = torch.randn(x.shape[0], sum(WIDTHS), device=kernel_device)
+    expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, y, token_slots)
+    FUSED_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, blocks=blocks)
+    assert_close(y, expected, torch.float32, scale=2.0)
+
+
+def test_fused_launch_shape_fills_the_device():
+    """Columns per program: the fewest (a power of two of 16-column tiles) that give ~4 programs per SM
+    (the CPU stands in for 4 SMs: 16 programs)."""
+    cpu = torch.device("cpu")
+    one = LoRAMapping.from_token_slots(torch.zeros(1, dtype=torch.int32), num_slots=4)  # W = 1 + 1 = 2
+    assert fused_launch_shape(one, [24, 8, 8], cpu, 16, 16) == (1, 2)  # 6 rows x 2 column blocks
+    assert fused_launch_shape(one, [256], cpu, 16, 16) == (2, 8)  # 2 rows: 8 blocks of 32 columns
+    many = LoRAMapping.from_token_slots(torch.arange(32, dtype=torch.int32) % 8, num_slots=8)  # W = 2 + 8
+    assert fused_launch_shape(many, [256, 256], cpu, 16, 16) == (16, 1)  # 20 rows fill it: one block
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fused_mixed_adapter_batch_matches_peft(kernel_device, backend):
+    widths = [24, 8]
+    model, slot_of, lora_a, lora_b, scaling = _peft_model_and_pool(HIDDEN, widths)
+    names = ["a0", "__base__", "a1", "a0", "a1", "a1", "__base__", "a0"]
+    x = torch.randn(len(names), HIDDEN)
+    with torch.no_grad():
+        expected = model(x, adapter_names=names)
+        with model.disable_adapter():
+            y = model.get_base_model()(x)
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    token_slots = torch.tensor([slot_of.get(n, -1) for n in names], dtype=torch.int32, device=device)
+    mapping = LoRAMapping.from_token_slots(token_slots, num_slots=3)
+    ranks = torch.tensor([0, 8, 4], dtype=torch.int32, device=device)
+    y = y.to(device)
+    Kernels(backend).fused_lora(x.to(device), [a.to(device) for a in lora_a], [b.to(device) for b in lora_b],
+                                [s.to(device) for s in scaling], y, mapping, ranks=ranks)
+    assert_close(y, expected, torch.float32, scale=5.0)
+
+
+def test_add_lora_refuses_two_kernel_overrides_for_the_fused_path():
+    token_slots = _slots("zipf")
+    mapping = LoRAMapping.from_token_slots(token_slots, num_slots=SLOTS)
+    lora_a, lora_b, scaling, _ = _weights(torch.float32, torch.device("cpu"), mixed_ranks=False)
+    x, y = torch.randn(token_slots.shape[0], HIDDEN), torch.randn(token_slots.shape[0], sum(WIDTHS))
+    with pytest.raises(KernelArgumentError, match="not to the fused kernel"):
+        ADD_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, split_k=2, fused=True)

@@ -271,6 +271,10 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def num_lora_slots(self) -> int:
+        """Adapter slots of the bound LoRA weights (S of ``[S, R, in]``), 0 when none are bound."""
+        return next((lin.lora_a[0].shape[0] for _, lin in self.lora_linears() if lin.lora_a), 0)
+
     def lora_linears(self) -> list[tuple[int, LinearWithLoRA]]:
         """Every LoRA-capable linear with its layer index."""
         out = []

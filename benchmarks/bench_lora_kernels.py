@@ -1,0 +1,334 @@
+"""LoRA kernels side by side: one layer's four LoRA'd projections, old (two-kernel SGMV) vs new (fused).
+
+For every (tokens T, distinct adapters) in {1, 32, 128, 512} x {1, 8, 32}: 20% of the tokens
+use no adapter (slot -1), the rest take the adapters round-robin (positions shuffled once,
+seeded), r=16, Llama-2-7B shapes (qkv 4096 -> 3x4096, o 4096 -> 4096, gate_up 4096 ->
+2x11008, down 11008 -> 4096), bf16. Each call is checked against the float32 reference first.
+
+Timing: a CUDA graph of ``CALLS`` x (L2 flush, the layer's four LoRA deltas) minus a graph of
+``CALLS`` x (L2 flush) alone, so every call starts with a cold L2 (the engine replays decode
+steps from graphs, and a layer's adapter weights are not in L2 when it starts). Columns (µs per
+layer): the bytes floor (the distinct adapters' A and B of the four projections, x read,
+y read and written for the LoRA tokens, at the copy bandwidth measured in the same run),
+``old`` = split-K shrink + expand (two launches per projection), ``new`` = ``add_lora``
+as the model calls it (fused shrink+expand up to 256 tokens), ``fused`` = the fused kernel
+at every size; with ``--vllm``, vLLM's Triton ``lora_shrink``/``lora_expand`` (default configs) when
+``vllm`` imports and its call checks out, else the reason. ``--sweep`` instead times fused-kernel tile shapes per
+projection at 32 adapters (1, 32 and 128 tokens) and reports the best.
+
+Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--vllm] [--sweep]`` (CUDA; the table alone
+compiles a dozen kernel variants and takes well under a minute on an H200);
+``--smoke`` runs tiny shapes (on CPU under ``TRITON_INTERPRET=1``, wall-clock timer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loraplex.kernels.lora_fused import FUSED_LORA, _block_sizes, fused_launch_shape  # noqa: E402
+from loraplex.kernels.lora_linear import ADD_LORA, add_lora_ref  # noqa: E402
+from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments  # noqa: E402
+
+TOKENS = (1, 32, 128, 512)
+ADAPTERS = (1, 8, 32)
+BASE_FRACTION = 0.2
+CALLS = 10
+SCALING = 2.0  # every slot's alpha / r (vLLM's shrink takes one scaling for all slots)
+# (name, H, slice widths): the four LoRA'd linears of a Llama-2-7B layer.
+LLAMA2_7B_LAYER = (("qkv", 4096, (4096, 4096, 4096)), ("o", 4096, (4096,)), ("gate_up", 4096, (11008, 11008)),
+                   ("down", 11008, (4096,)))
+SMOKE_LAYER = (("qkv", 40, (24, 8, 8)), ("down", 56, (40,)))
+Timer = Callable[[Callable[[], object]], float]  # ms per call of a function, L2 cold
+
+
+@dataclass
+class Linear:
+    """One LoRA'd projection's slot tensors and activations."""
+
+    name: str
+    x: torch.Tensor
+    y: torch.Tensor
+    lora_a: list[torch.Tensor]
+    lora_b: list[torch.Tensor]
+    scaling: list[torch.Tensor]
+
+
+@dataclass
+class Row:
+    tokens: int
+    adapters: int
+    lora_tokens: int
+    floor_us: float
+    times_us: dict[str, float] = field(default_factory=dict)
+
+
+def token_slots(num_tokens: int, adapters: int, seed: int = 0) -> torch.Tensor:
+    """``[T] int32``: ``round(0.2 T)`` tokens (at most T - 1) with slot -1, the rest round-robin over
+    ``adapters`` slots, positions shuffled with ``seed``."""
+    base = min(round(BASE_FRACTION * num_tokens), num_tokens - 1)
+    slots = [-1] * base + [i % adapters for i in range(num_tokens - base)]
+    order = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(slots, dtype=torch.int32)[order]
+
+
+def floor_bytes(layer, num_tokens_lora: int, distinct: int, rank: int, itemsize: int = 2) -> int:
+    """Compulsory bytes of the layer's LoRA deltas: distinct adapters' A and B, x of the LoRA tokens,
+    y of the LoRA tokens read and written."""
+    total = 0
+    for _, hidden, widths in layer:
+        total += distinct * rank * (hidden * len(widths) + sum(widths)) * itemsize
+        total += num_tokens_lora * (hidden + 2 * sum(widths)) * itemsize
+    return total
+
+
+def make_linears(layer, num_tokens: int, slots: int, rank: int, dtype, device) -> list[Linear]:
+    out = []
+    for name, hidden, widths in layer:
+        out.append(Linear(
+            name,
+            torch.randn(num_tokens, hidden, device=device).to(dtype),
+            torch.randn(num_tokens, sum(widths), device=device).to(dtype),
+            [(torch.randn(slots, rank, hidden, device=device) / hidden**0.5).to(dtype) for _ in widths],
+            [(torch.randn(slots, w, rank, device=device) / rank**0.5).to(dtype) for w in widths],
+            [torch.full((slots,), SCALING, device=device) for _ in widths],
+        ))
+    return out
+
+
+def check(lin: Linear, mapping: LoRAMapping, fn: Callable) -> None:
+    """``fn(x, a, b, scaling, y, mapping)`` agrees with the float32 reference on this projection."""
+    ours, ref = lin.y.clone(), lin.y.float()
+    fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping)
+    add_lora_ref(lin.x.float(), [a.float() for a in lin.lora_a], [b.float() for b in lin.lora_b], lin.scaling, ref,
+                 mapping)
+    err = (ours.float() - ref).abs().max().item()
+    scale = (ref - lin.y.float()).abs().max().item()
+    if not err <= 0.03 * scale + 0.05:
+        raise SystemExit(f"{lin.name}: max error {err} against the float32 reference (delta scale {scale})")
+
+
+def _old(x, a, b, s, y, m):
+    ADD_LORA.triton(x, a, b, s, y, m, fused=False)
+
+
+def _new(x, a, b, s, y, m):
+    ADD_LORA.triton(x, a, b, s, y, m)
+
+
+def _fused(x, a, b, s, y, m):
+    FUSED_LORA.triton(x, a, b, s, y, m)
+
+
+def vllm_impl() -> tuple[Callable | None, str]:
+    """vLLM's Triton shrink/expand as ``fn(x, a, b, scaling, y, mapping)``, or (None, why not)."""
+    try:
+        from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no column
+        return None, f"vllm not importable: {type(exc).__name__}: {exc}"
+    metas: dict[int, object] = {}
+
+    def run(x, a, b, scaling, y, mapping):
+        key = id(mapping)
+        meta = metas.get(key)
+        if meta is None:
+            meta = LoRAKernelMeta.make(a[0].shape[0], x.shape[0], x.device)
+            meta.prepare_tensors(mapping.token_slots.long())
+            metas[key] = meta
+        v = torch.zeros((len(a), x.shape[0], a[0].shape[1]), dtype=torch.float32, device=x.device)
+        lora_shrink(x, a, v, *meta.meta_args(x.shape[0]), SCALING)  # one scaling for all slots
+        lora_expand(v, b, y, *meta.meta_args(x.shape[0]), offset_start=0, add_inputs=True)
+
+    return run, ""
+
+
+def bench_row(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer, copy_bps: float,
+              impls: dict[str, Callable]) -> Row:
+    slots_host = token_slots(num_tokens, adapters)
+    mapping = plan_segments(slots_host.to(device), adapters)
+    linears = make_linears(layer, num_tokens, adapters, rank, dtype, device)
+    lora_tokens = int((slots_host >= 0).sum())
+    distinct = len(set(slots_host.tolist()) - {-1})
+    row = Row(num_tokens, adapters, lora_tokens, floor_bytes(layer, lora_tokens, distinct, rank) / copy_bps * 1e6)
+    for name, fn in impls.items():
+        for lin in linears:
+            check(lin, mapping, fn)
+        row.times_us[name] = timer(lambda fn=fn: [fn(l.x, l.lora_a, l.lora_b, l.scaling, l.y, mapping)
+                                                  for l in linears]) * 1e3
+    return row
+
+
+def sweep_fused(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer) -> dict:
+    """µs per projection of the fused kernel for each tile shape; the default shape first."""
+    slots_host = token_slots(num_tokens, adapters)
+    mapping = plan_segments(slots_host.to(device), adapters)
+    results = {}
+    for lin in make_linears(layer, num_tokens, adapters, rank, dtype, device):
+        widths = [b.shape[1] for b in lin.lora_b]
+        block_m, block_k, block_n = _block_sizes(lin.x.shape[1], device)
+        n_iters, _ = fused_launch_shape(mapping, widths, device, block_m, block_n)
+        configs = {"default": {}, f"default-n{block_n}x{n_iters}-w8": dict(num_warps=8)}
+        for bk in (128, 256, 512):
+            for bn in (32, 64, 128):
+                auto_iters, _ = fused_launch_shape(mapping, widths, device, block_m, bn)
+                for stages in (2, 3, 4):
+                    configs[f"k{bk}-n{bn}x{auto_iters}-s{stages}"] = dict(blocks=(block_m, bk, bn, auto_iters),
+                                                                           num_stages=stages)
+        times = {}
+        for name, kw in configs.items():
+            def fn(x, a, b, s, y, m, kw=kw):
+                FUSED_LORA.triton(x, a, b, s, y, m, **kw)
+            check(lin, mapping, fn)
+            times[name] = timer(lambda fn=fn: fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, lin.y, mapping)) * 1e3
+        best = min(times, key=times.get)
+        results[lin.name] = {"default_us": times["default"], "best": best, "best_us": times[best], "all": times}
+    return results
+
+
+def format_table(rows: list[Row], header_note: str) -> str:
+    names = sorted({k for r in rows for k in r.times_us}, key=["old", "new", "fused", "vllm"].index)
+    lines = [header_note, "",
+             "| tokens × adapters | LoRA tokens | bytes floor µs | " + " | ".join(f"{n} µs" for n in names)
+             + " | new / floor |",
+             "|---" * (4 + len(names)) + "|"]
+    for r in rows:
+        cells = [f"{r.times_us[n]:.1f}" if n in r.times_us else "–" for n in names]
+        ratio = r.times_us.get("new", float("nan")) / r.floor_us if r.floor_us else float("nan")
+        lines.append(f"| {r.tokens} × {r.adapters} | {r.lora_tokens} | {r.floor_us:.1f} | " + " | ".join(cells)
+                     + f" | {ratio:.1f} |")
+    return "\n".join(lines)
+
+
+def graph_timer(flush_bytes: int = 256 << 20) -> Timer:
+    """ms per call from CUDA-graph replays of CALLS x (L2 flush, fn) minus CALLS x (L2 flush)."""
+    flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+
+    def replay_ms(body: Callable[[], None]) -> float:
+        body()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(CALLS):
+                body()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    def timer(fn: Callable[[], object]) -> float:
+        both = replay_ms(lambda: (flush.zero_(), fn()))
+        alone = replay_ms(lambda: flush.zero_())
+        return max(both - alone, 0.0) / CALLS
+
+    return timer
+
+
+def wall_timer(fn: Callable[[], object]) -> float:
+    """ms of one call by the wall clock (smoke runs on CPU)."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write); a nominal 4.2e12 off CUDA."""
+    if device.type != "cuda":
+        return 4.2e12
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 5 / (start.elapsed_time(end) * 1e-3)
+
+
+def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool, with_vllm: bool = False) -> dict:
+    """The side-by-side rows, or (``sweep``) only the fused-kernel tile sweep at the largest adapter count."""
+    copy_bps = copy_bandwidth(device)
+    if sweep:
+        return {"copy_TBps": copy_bps / 1e12, "rank": rank, "rows": [],
+                "sweep": {str(t): sweep_fused(layer, t, max(adapters), rank, dtype, device, timer)
+                          for t in tokens if t <= 256}}
+    impls: dict[str, Callable] = {"old": _old, "new": _new, "fused": _fused}
+    if not with_vllm:
+        vllm_fn, why = None, "not asked (--vllm)"
+    else:
+        vllm_fn, why = vllm_impl() if device.type == "cuda" else (None, "CPU run")
+    if vllm_fn is not None:
+        try:  # its API moves between releases: one small checked call decides whether the column is kept
+            probe = plan_segments(token_slots(8, 2).to(device), 2)
+            for lin in make_linears(layer, 8, 2, rank, dtype, device):
+                check(lin, probe, vllm_fn)
+            impls["vllm"] = vllm_fn
+        except (Exception, SystemExit) as exc:  # noqa: BLE001
+            vllm_fn, why = None, f"vllm call failed: {type(exc).__name__}: {exc}"
+    rows = []
+    for t in tokens:
+        for n in adapters:
+            rows.append(bench_row(layer, t, n, rank, dtype, device, timer, copy_bps, impls))
+            print(json.dumps(asdict(rows[-1])), flush=True)
+    result = {"copy_TBps": copy_bps / 1e12, "rank": rank, "rows": [asdict(r) for r in rows],
+              "vllm": "timed" if vllm_fn is not None else why, "sglang": "not wired in this benchmark"}
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", type=Path, help="JSON results file")
+    parser.add_argument("--sweep", action="store_true", help="instead of the table, time fused-kernel tile shapes "
+                        "at 32 adapters")
+    parser.add_argument("--vllm", action="store_true", help="add vLLM's kernels as a column when vllm imports")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    if torch.cuda.is_available() and not args.smoke:
+        device, timer, layer, tokens, adapters, rank, dtype = (torch.device("cuda"), graph_timer(), LLAMA2_7B_LAYER,
+                                                               TOKENS, ADAPTERS, 16, torch.bfloat16)
+    elif args.smoke:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        timer = graph_timer() if device.type == "cuda" else wall_timer
+        layer, tokens, adapters, rank, dtype = SMOKE_LAYER, (1, 5), (1, 3), 4, torch.float32
+    else:
+        raise SystemExit("bench_lora_kernels: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    result["device"] = name
+    if args.sweep:
+        for t, per in result["sweep"].items():
+            for lin, s in per.items():
+                print(f"sweep T={t} {lin}: default {s['default_us']:.1f} µs, best {s['best']} {s['best_us']:.1f} µs")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+        return result
+    note = (f"LoRA deltas of one layer's four projections, r={rank}, {BASE_FRACTION:.0%} base tokens, "
+            f"CUDA-graph replay, cold L2 ({name}, copy {result['copy_TBps']:.2f} TB/s; vllm: {result['vllm']})")
+    result["table"] = format_table([Row(**r) for r in result["rows"]], note)
+    print(result["table"])
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

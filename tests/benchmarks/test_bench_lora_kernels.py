@@ -1,0 +1,80 @@
+"""benchmarks/bench_lora_kernels.py on the CPU: its workload, bytes floor, correctness gate and table
+(Triton kernels under the interpreter, a call-counting timer instead of CUDA graphs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_lora_kernels as bl  # noqa: E402
+
+
+def test_workload_has_20_percent_base_tokens_and_round_robin_adapters():
+    slots = bl.token_slots(32, 8).tolist()
+    assert slots.count(-1) == 6  # round(0.2 * 32)
+    assert sorted(s for s in slots if s >= 0) == sorted(i % 8 for i in range(26))
+    assert slots != sorted(slots), "positions are shuffled"
+    assert bl.token_slots(1, 1).tolist() == [0], "a one-token batch keeps its LoRA token"
+    assert bl.token_slots(512, 32).tolist().count(-1) == 102
+
+
+def test_bytes_floor_of_a_llama2_7b_layer_at_32_tokens_and_32_adapters():
+    # per adapter: A 16 x (3*4096 + 4096 + 2*4096 + 11008) + B 16 x (3*4096 + 4096 + 2*11008 + 4096), bf16
+    adapter = 2 * 16 * (35584 + 42496)
+    # per LoRA token: x of each projection, y read and written
+    token = 2 * (23296 + 2 * 42496)
+    assert bl.floor_bytes(bl.LLAMA2_7B_LAYER, 26, 32, 16) == 32 * adapter + 26 * token == 85_584_896
+
+
+def test_check_rejects_a_wrong_kernel():
+    mapping = bl.plan_segments(bl.token_slots(5, 3), 3)
+    (lin,) = bl.make_linears(bl.SMOKE_LAYER[:1], 5, 3, 4, torch.float32, torch.device("cpu"))
+    bl.check(lin, mapping, bl.add_lora_ref)
+
+    def forgets_scaling(x, a, b, s, y, m):
+        bl.add_lora_ref(x, a, b, [t * 0.5 for t in s], y, m)
+
+    with pytest.raises(SystemExit, match="max error"):
+        bl.check(lin, mapping, forgets_scaling)
+
+
+@pytest.mark.interpreter
+def test_smoke_run_times_every_implementation_and_prints_the_table(tmp_path, capsys):
+    from loraplex.kernels._triton import HAS_TRITON
+
+    if not HAS_TRITON or torch.cuda.is_available():
+        pytest.skip("CPU interpreter run")
+    out = tmp_path / "lora.json"
+    result = bl.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = result["rows"]
+    assert [(r["tokens"], r["adapters"]) for r in rows] == [(1, 1), (1, 3), (5, 1), (5, 3)]
+    assert all(set(r["times_us"]) == {"old", "new", "fused"} for r in rows)
+    assert result["vllm"] == "not asked (--vllm)"
+    table = capsys.readouterr().out
+    assert "| 5 × 3 | 4 |" in table and "| tokens × adapters | LoRA tokens | bytes floor µs | old µs" in table
+
+
+@pytest.mark.interpreter
+def test_sweep_times_every_tile_shape_and_names_the_best(monkeypatch):
+    from loraplex.kernels._triton import HAS_TRITON
+
+    if not HAS_TRITON or torch.cuda.is_available():
+        pytest.skip("CPU interpreter run")
+    calls = []
+
+    def counting_timer(fn):
+        calls.append(fn)
+        return float(len(calls))  # later configs look slower: the default (timed first) is the best
+
+    result = bl.sweep_fused(bl.SMOKE_LAYER[:1], 5, 3, 4, torch.float32, torch.device("cpu"), counting_timer)
+    qkv = result["qkv"]
+    assert len(qkv["all"]) == 2 + 3 * 3 * 3 == len(calls)  # default, default with 8 warps, K x N x stages
+    assert qkv["best"] == "default" and qkv["best_us"] == qkv["default_us"] == 1e3
