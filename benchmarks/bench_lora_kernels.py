@@ -174,7 +174,7 @@ def sweep_fused(layer, num_tokens: int, adapters: int, rank: int, dtype, device,
     results = {}
     for lin in make_linears(layer, num_tokens, adapters, rank, dtype, device):
         widths = [b.shape[1] for b in lin.lora_b]
-        block_m, block_k, block_n = _block_sizes(lin.x.shape[1], device)
+        block_m, block_k, block_n = _block_sizes(lin.x.shape[1], rank, device)
         n_iters, _ = fused_launch_shape(mapping, widths, device, block_m, block_n)
         configs = {"default": {}, f"default-n{block_n}x{n_iters}-w8": dict(num_warps=8)}
         for bk in (128, 256, 512):

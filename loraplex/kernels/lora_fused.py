@@ -48,6 +48,7 @@ _OP = "fused_lora"
 # |---|---|---|---|---|---|---|
 # | <= 4096       | 16      | 256     | 64      | 4     | 3      | 4 per SM          |
 # | > 4096        | 16      | 512     | 64      | 4     | 3      | 4 per SM          |
+# (BLOCK_K shrinks for ranks above 32 so an A tile stays at 16K elements: 128 at r=128, 64 at r=256.)
 #
 # BLOCK_M 16 is the smallest tensor-core tile (decode segments hold 1-2 tokens); BLOCK_K 256 is vLLM's
 # shrink default, doubled for long reductions (down_proj, H = 11008) because the fused kernel cannot
@@ -163,11 +164,18 @@ def fused_launch_shape(
     return n_iters, cdiv(max(widths), block_n * n_iters)
 
 
-def _block_sizes(hidden_size: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, BLOCK_N) from the table above on CUDA; small under the CPU interpreter."""
+# Elements of one A tile ([BLOCK_R, BLOCK_K]) at most: high ranks (up to 256) take shorter K tiles so
+# that the pipelined tiles stay within shared memory.
+_MAX_A_TILE = 16384
+
+
+def _block_sizes(hidden_size: int, max_rank: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, BLOCK_N) from the table above on CUDA, BLOCK_K capped so that
+    ``BLOCK_R * BLOCK_K <= 16384``; small under the CPU interpreter."""
     if device.type != "cuda":
         return 16, 32, 16
-    return DECODE_BLOCK_M, (256 if hidden_size <= 4096 else 512), 64
+    block_k = 256 if hidden_size <= 4096 else 512
+    return DECODE_BLOCK_M, min(block_k, _MAX_A_TILE // max(16, next_pow2(max_rank))), 64
 
 
 def _launch_fused_lora(
@@ -199,7 +207,7 @@ def _launch_fused_lora(
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
     if blocks is None:
-        block_m, block_k, block_n = _block_sizes(x.shape[1], x.device)
+        block_m, block_k, block_n = _block_sizes(x.shape[1], max_rank, x.device)
         n_iters, n_col_blocks = fused_launch_shape(mapping, widths, x.device, block_m, block_n)
     else:
         block_m, block_k, block_n, n_iters = blocks

@@ -135,6 +135,17 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int]:
     return 64, 128
 
 
+# Bytes of one A tile ([BLOCK_R, BLOCK_K]) at most: ranks up to 256 (and fp32) take shorter K tiles so
+# that the pipelined x and A tiles fit in shared memory (sm_90: 227 KiB per block).
+_MAX_A_TILE_BYTES = 32768
+
+
+def cap_block_k(block_k: int, max_rank: int, itemsize: int) -> int:
+    """``block_k`` shortened (a power of two, >= 16) until ``BLOCK_R * BLOCK_K * itemsize <= 32 KiB``."""
+    block_r = max(16, next_pow2(max_rank))
+    return max(16, min(block_k, _MAX_A_TILE_BYTES // (block_r * itemsize)))
+
+
 def choose_split_k(num_programs: int, hidden_size: int, block_k: int, device: torch.device) -> int:
     """Split the H reduction when segments x tiles x slices cannot fill the device (decode batches)."""
     sms = num_sms(device)
@@ -177,6 +188,7 @@ def _launch_lora_shrink(
     if not mapping.has_lora or max_rank == 0:
         return out
     block_m, block_k = _block_sizes(mapping, x.device)
+    block_k = cap_block_k(block_k, max_rank, x.element_size())
     programs = max_tiles(mapping.num_tokens, mapping.num_slots, block_m) * len(lora_a)
     split = split_k or choose_split_k(programs, hidden_size, block_k, x.device)
     k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
@@ -276,6 +288,8 @@ def shrink_partials(
     if not 1 <= split <= _MAX_PARTIAL_SPLIT_K:
         raise KernelArgumentError(f"{_OP}: split_k={split}, expected 1..{_MAX_PARTIAL_SPLIT_K}")
     block_m, block_k = blocks or _block_sizes(mapping, x.device)
+    if blocks is None:
+        block_k = cap_block_k(block_k, lora_a[0].shape[1], x.element_size())
     k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
     split = cdiv(hidden_size, k_per_split)
     out = torch.empty((split, len(lora_a), num_tokens, lora_a[0].shape[1]), dtype=torch.float32, device=x.device)

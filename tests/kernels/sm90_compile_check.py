@@ -206,6 +206,16 @@ def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 3
         y = torch.zeros(num_tokens, 6144, dtype=dtype)
         lora_fused.FUSED_LORA.triton(x, lora_a, lora_b, scaling, y, mapping)
         lora_fused.FUSED_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
+    for high_rank in (64, 128, 256):  # max_lora_rank up to 256: shorter K tiles, same kernel
+        mapping = LoRAMapping.from_token_slots((torch.arange(8) % 4).to(torch.int32), 4)
+        a_high = [torch.zeros(4, high_rank, hidden, dtype=dtype)]
+        b_high = [torch.zeros(4, 4096, high_rank, dtype=dtype)]
+        lora_fused.FUSED_LORA.triton(torch.zeros(8, hidden, dtype=dtype), a_high, b_high, [torch.ones(4)],
+                                     torch.zeros(8, 4096, dtype=dtype), mapping,
+                                     ranks=torch.full((4,), high_rank, dtype=torch.int32))
+        big = LoRAMapping.from_token_slots((torch.arange(300) % 4).to(torch.int32), 4)  # the two-kernel path
+        partials = lora_shrink.shrink_partials(torch.zeros(300, hidden, dtype=dtype), a_high, big)
+        lora_expand.LORA_EXPAND.triton(partials, b_high, [torch.ones(4)], torch.zeros(300, 4096, dtype=dtype), big)
     down_a = [torch.zeros(slots, rank, 11008, dtype=dtype)]  # a long reduction: BLOCK_K 512
     mapping = LoRAMapping.from_token_slots((torch.arange(32) % slots).to(torch.int32), slots)
     lora_fused.FUSED_LORA.triton(torch.zeros(32, 11008, dtype=dtype), down_a, lora_b[:1], scaling[:1],
