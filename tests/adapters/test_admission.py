@@ -177,7 +177,7 @@ def serve(requests, pool, *, prompt_tokens=128):
             if item.num_samples:
                 seq.append_token(1)
                 if seq.num_output_tokens == OUTPUT_TOKENS:
-                    scheduler.finish(seq)
+                    scheduler.finish(seq, "length")
     return steps
 
 
