@@ -28,11 +28,13 @@ tiles of 16 query-head rows, 4 warps, 2 stages for GQA; sm_90 compiles of these 
 shape                  block_n  warps  stages  tile                  splits
 =====================  =======  =====  ======  ====================  ==============================================
 G >= 2, bf16 D <= 128  32       4      2       max(16, G) rows, dot  power of 2 reaching 4 programs / SM (B x Hkv x
-G == 1 (MHA)           32       4      2       1 row, FMA            splits >= 4 x SMs), >= 128 positions each, <= 64
+G == 1 (MHA)           32       4      2       16 rows, dot (*)      splits >= 4 x SMs), >= 128 positions each, <= 64
 D > 128 (bf16)         16*      4      2       as above              as above
 =====================  =======  =====  ======  ====================  ==============================================
 
-(* or the KV block size, if larger, up to 64.) On the CPU interpreter tiles are 16 positions, one stage.
+(* or the KV block size, if larger, up to 64.) On the CPU interpreter tiles are 16 positions, one stage, and
+MHA uses one-row FMA tiles (kept for that: on an H200 they read Llama-2-7B's KV at only ~1.3 TB/s, half of
+what the dot tiles reach, so CUDA uses dot tiles for MHA too).
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
     block_n = max(block_n, min(page, 64))
     min_chunk = max(128, block_n)
     splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, device, programs_per_sm=4, min_chunk=min_chunk)
+    # MHA too takes 16-row tl.dot tiles on CUDA: measured on an H200 (benchmarks/RESULTS.md, session 5), the
+    # one-row FMA tiles read Llama-2-7B's KV at ~1.3 TB/s, the dot tiles of GQA at 3.3-3.9 TB/s.
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, num_splits=splits, min_chunk=min_chunk,
-                        use_dot=group > 1)
+                        use_dot=True)
 
 
 def check_decode_config(config: DecodeConfig, group: int, page: int) -> None:
