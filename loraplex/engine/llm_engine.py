@@ -174,6 +174,11 @@ class LLMEngine:
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
                           [pool.scaling[layer][m] for m in lin.module_names])
+        if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
+            from loraplex.kernels.self_check import check_add_lora
+
+            shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for _, lin in self.model.lora_linears()}
+            check_add_lora(sorted(shapes), self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device)
         return pool
 
     def _build_kv_cache(self) -> None:

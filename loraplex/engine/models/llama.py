@@ -72,6 +72,7 @@ class LinearWithLoRA(nn.Module):
                  dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         self.kernels = kernels
+        self.weight_in_features = in_features
         self.out_sizes = out_sizes
         self.module_names = module_names
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features, dtype=dtype, device=device),
