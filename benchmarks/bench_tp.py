@@ -65,7 +65,9 @@ def token_run(llm: LLM, prompts: list[list[int]], loras) -> list[tuple[list[int]
 def step_ms(llm: LLM, prompts: list[list[int]], loras, steps: int) -> float:
     """Median wall ms of one engine step with every request decoding."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, output_kind="final_only")
+    # as many tokens as the context allows: requests keep decoding through every timed step
+    params = SamplingParams(temperature=0.0, max_tokens=llm.engine.max_model_len - PROMPT_TOKENS, ignore_eos=True,
+                            output_kind="final_only")
     ids = [f"step-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, p, lora in zip(ids, prompts, loras):
         engine.add_request(rid, p, params, lora)
