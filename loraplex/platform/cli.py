@@ -99,20 +99,25 @@ def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConsole | None) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
-    serve.add_argument("--model", default=_S, help="HF model folder or demo model name")
-    serve.add_argument("--served-model-name", default=_S)
-    serve.add_argument("--host", default=_S)
-    serve.add_argument("--port", type=int, default=_S)
+    serve.add_argument("--model", default=_S, help="HF model folder or demo model name (env LORAPLEX_MODEL)")
+    serve.add_argument("--served-model-name", default=_S,
+                       help="the base model's id in the API (env LORAPLEX_SERVED_MODEL_NAME; default: the model's)")
+    serve.add_argument("--host", default=_S, help="address to listen on (env LORAPLEX_HOST; default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=_S, help="port to listen on (env LORAPLEX_PORT; default 8000)")
     add_engine_flags(serve)  # one flag per EngineConfig field (engine_options.py)
     serve.add_argument("--replicas", type=int, default=_S,
                        help="N engine replicas on Ray Serve with adapter-aware routing (needs loraplex[cluster])")
     serve.add_argument("--ray-address", default=_S, help="Ray cluster to join (default: start a local one)")
     serve.add_argument("--replica-num-gpus", type=float, default=_S, help="GPUs per replica (default 1 on CUDA)")
-    serve.add_argument("--replica-num-cpus", type=float, default=_S)
-    serve.add_argument("--replica-max-ongoing-requests", type=int, default=_S)
-    serve.add_argument("--routing-max-imbalance", type=int, default=_S)
+    serve.add_argument("--replica-num-cpus", type=float, default=_S, help="CPUs Ray reserves per replica (default 1)")
+    serve.add_argument("--replica-max-ongoing-requests", type=int, default=_S,
+                       help="engine requests one replica takes at once; more wait in the router (default: max-num-seqs)")
+    serve.add_argument("--routing-max-imbalance", type=int, default=_S,
+                       help="requests in flight by which a replica holding the adapter may exceed the least loaded "
+                            "one and still be preferred (default 4)")
     serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S)
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S,
+                       help="server log level (env LORAPLEX_LOG_LEVEL; default info)")
     _add_storage_flags(serve)
     serve.set_defaults(handler=functools.partial(_serve, mount_console=mount_console))
 
@@ -164,16 +169,21 @@ def _with_context(args: argparse.Namespace, action) -> int:
 
     from loraplex.platform.context import build_context
     from loraplex.platform.errors import PlatformError
+    from loraplex.platform.settings import validation_error_text
 
     try:
         ctx = build_context(settings_from_args(args), None, out=sys.stderr)
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:
+        return _fail(validation_error_text(exc))
+    except ValueError as exc:
         return _fail(str(exc))
     try:
         with ctx.sessions() as session:
             result = action(ctx, session)
     except PlatformError as exc:
         return _fail(exc.message)
+    except ValidationError as exc:  # a bad field value: one line naming it, not pydantic's report
+        return _fail(validation_error_text(exc))
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
     finally:
