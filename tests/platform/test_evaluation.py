@@ -101,7 +101,13 @@ def test_multiple_choice_matches_hf_peft_and_is_stored_per_version_and_tenant(se
     finally:
         del ctx.engine.generate
     assert peak == 2
-    assert [s.items for s in again.models] == [s.items for s in report.models]
+    # Two runs batched together see different batch compositions: same answers, logliks equal
+    # to float32 summation order (the batch-invariance tests pin tokens, not last bits).
+    for first, second in zip(report.models, again.models):
+        assert [(i.correct, i.output) for i in second.items] == [(i.correct, i.output) for i in first.items]
+        for i, j in zip(first.items, second.items):
+            assert j.loglik == pytest.approx(i.loglik, abs=1e-4)
+            assert j.choice_logliks == pytest.approx(i.choice_logliks, abs=1e-4)
     assert [m.model for m in report.models] == ["tiny", "sharp"]
     for score, label in ((report.base, "base"), (report.adapters[0], "v1")):
         for item_score, ref_logliks in zip(score.items, ref[label]):
