@@ -40,6 +40,30 @@ class LoRAWeight:
 
 
 @dataclass(frozen=True)
+class VocabWeights:
+    """What an adapter changes on the vocabulary-sized modules (V = vocab_size, H = hidden_size).
+
+    - ``embed``: LoRA on ``embed_tokens`` (PEFT ``lora.Embedding``): ``a = lora_embedding_A [r, V]``,
+      ``b = lora_embedding_B [H, r]`` fp32. Semantics: ``e[t] += scaling * A.T[ids[t]] @ B.T``.
+    - ``head``: LoRA on ``lm_head`` (a linear LoRA): ``a [r, H]``, ``b [V, r]`` fp32.
+      Semantics: ``logits[t] += scaling * (h[t] @ A.T) @ B.T``.
+    - ``full``: ``modules_to_save`` copies, module name -> ``[V, H] fp32``: the adapter's rows use it
+      instead of the base's ``embed_tokens`` / ``lm_head`` (and not its LoRA, which PEFT never combines).
+
+    With tied embeddings each part changes only its own module, as PEFT does.
+    """
+
+    embed: LoRAWeight | None = None
+    head: LoRAWeight | None = None
+    full: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """``"embed_tokens"`` / ``"lm_head"`` with a LoRA part, in that order."""
+        return tuple(m for m, part in (("embed_tokens", self.embed), ("lm_head", self.head)) if part is not None)
+
+
+@dataclass(frozen=True)
 class LoRAAdapter:
     """A validated PEFT LoRA adapter held in host memory.
 
@@ -54,6 +78,7 @@ class LoRAAdapter:
     - ``size_bytes``: bytes of the tensors as stored in ``adapter_model.safetensors``.
     - ``warnings``: human-readable warnings (e.g. all-zero lora_B matrices).
     - ``path``: the folder it was read from (not part of its identity).
+    - ``vocab``: LoRA or full copies on ``embed_tokens`` / ``lm_head``, or None (see ``VocabWeights``).
     """
 
     version_id: str
@@ -65,6 +90,7 @@ class LoRAAdapter:
     size_bytes: int
     warnings: tuple[str, ...] = ()
     path: str = ""
+    vocab: VocabWeights | None = None
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -82,6 +108,7 @@ class LoRAAdapter:
             num_layers_targeted=len(self.layers),
             size_bytes=self.size_bytes,
             warnings=self.warnings,
+            modules_to_save=tuple(self.vocab.full) if self.vocab is not None else (),
         )
 
 
@@ -89,7 +116,9 @@ class LoRAAdapter:
 class AdapterInfo:
     """What the platform records about an uploaded adapter (no tensors).
 
-    Fields as in ``LoRAAdapter``; ``num_layers_targeted`` counts layers with at least one LoRA module.
+    Fields as in ``LoRAAdapter``; ``num_layers_targeted`` counts layers with at least one LoRA module;
+    ``target_modules`` lists ``embed_tokens`` / ``lm_head`` after the projections when they carry LoRA;
+    ``modules_to_save``: the modules the adapter replaces by a full copy.
     """
 
     version_id: str
@@ -100,3 +129,4 @@ class AdapterInfo:
     num_layers_targeted: int
     size_bytes: int
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    modules_to_save: tuple[str, ...] = ()

@@ -33,6 +33,9 @@ class LoRAConfig:
     host_arena_chunk_bytes: int = 256 << 20
     """Host-cache memory is taken in chunks of this size (or one adapter, if larger), each allocated
     (and page-locked) once and reused by later images (``loraplex.adapters.host_arena``)."""
+    max_full_module_slots: int = 0
+    """Device slots for ``modules_to_save`` copies of ``embed_tokens`` / ``lm_head``, one
+    ``[vocab_size, hidden_size]`` matrix each (0: such adapters are refused)."""
     pin_host_cache: bool = True
     """Host images in page-locked memory when slots live on CUDA (installs are asynchronous copies; a first
     read pays the page locking) or pageable (installs block the caller while the driver stages the copy)."""
@@ -49,6 +52,9 @@ class LoRAConfig:
             "install_staging_bytes": self.install_staging_bytes,
             "host_arena_chunk_bytes": self.host_arena_chunk_bytes,
         }
+        if isinstance(self.max_full_module_slots, bool) or not isinstance(self.max_full_module_slots, int) \
+                or self.max_full_module_slots < 0:
+            raise ValueError(f"LoRAConfig.max_full_module_slots={self.max_full_module_slots!r}: must be an integer >= 0")
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LoRAConfig.{name}={value!r}: must be an integer >= 1")

@@ -9,6 +9,15 @@ Per layer ``l`` and module ``m`` (S = max_loras, R = max_lora_rank):
 
 Semantics: ``y[t] += scaling[l][m][s] * (x[t] @ a[l][m][s].T) @ b[l][m][s].T`` for ``s = slot(t)``,
 nothing when ``s == -1``. Zero padding makes the rank-R product equal the rank-r one.
+
+Vocabulary-sized modules (when ``spec.vocab_size`` is set; V = vocab, H = hidden, K = full-module slots):
+
+- ``embed_a_t [S, V, R]``, ``embed_b [S, H, R]``: LoRA on ``embed_tokens``,
+  ``e[t] += vocab_scaling[0, s] * embed_a_t[s, ids[t]] @ embed_b[s].T``;
+- ``head_a [S, R, H]``, ``head_b [S, V, R]``: LoRA on ``lm_head``,
+  ``logits[t] += vocab_scaling[1, s] * (h[t] @ head_a[s].T) @ head_b[s].T``;
+- ``full [K, V, H]``: ``modules_to_save`` copies; ``full_index [2, S] int64`` (embedding, head) names the
+  copy an adapter slot uses (-1: the base module), mirrored on the host in ``full_index_host``.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from loraplex.adapters.spec import BaseModelSpec
 
 SLOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PerLayer = list[dict[str, torch.Tensor]]  # [layer][module] -> tensor
+_FULL_ROWS = {"embed_tokens": 0, "lm_head": 1}  # row of full_index
 
 
 class LoRADeviceWeights:
@@ -29,7 +39,7 @@ class LoRADeviceWeights:
     """
 
     def __init__(self, spec: BaseModelSpec, num_slots: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, max_full_module_slots: int = 0) -> None:
         if dtype not in SLOT_DTYPES:
             raise ValueError(f"LoRASlotPool.dtype={dtype!r}: must be one of {list(SLOT_DTYPES)}")
         self.spec = spec
@@ -45,6 +55,55 @@ class LoRADeviceWeights:
         self.scaling: _PerLayer = [{m: self._scaling_table[layer, i] for i, m in enumerate(shapes)}
                                    for layer in range(spec.num_layers)]
         self._written: list[frozenset[ModuleKey]] = [frozenset()] * S  # (layer, module)s non-zero per slot
+        self._init_vocab(max_full_module_slots)
+
+    def _init_vocab(self, max_full_module_slots: int) -> None:
+        """The vocabulary-sized slot tensors (module docstring); None when ``spec.vocab_size`` is None."""
+        S, R, V, H = self.num_slots, self.max_lora_rank, self.spec.vocab_size, self.spec.hidden_size
+        if V is None and max_full_module_slots:
+            raise ValueError("LoRADeviceWeights: max_full_module_slots needs a spec with vocab_size")
+        self.has_vocab = V is not None
+        self.embed_a_t = self._zeros(S, V, R) if V else None
+        self.embed_b = self._zeros(S, H, R) if V else None
+        self.head_a = self._zeros(S, R, H) if V else None
+        self.head_b = self._zeros(S, V, R) if V else None
+        self.vocab_scaling = self._zeros(2, S, dtype=torch.float32) if V else None
+        self.max_full_module_slots = max_full_module_slots
+        self.full = self._zeros(max_full_module_slots, V, H) if max_full_module_slots else None
+        self.full_index = torch.full((2, S), -1, dtype=torch.int64, device=self.device)
+        self.full_index_host = [[-1] * S, [-1] * S]
+
+    def write_full(self, slot: int, module: str, index: int, weight: torch.Tensor) -> None:
+        """Copy a ``modules_to_save`` matrix ``weight [V, H]`` into full-module slot ``index`` and make
+        adapter slot ``slot`` use it for ``module`` (``"embed_tokens"`` or ``"lm_head"``); enqueued without
+        waiting."""
+        row = _FULL_ROWS[module]
+        self.full[index].copy_(weight, non_blocking=True)
+        self.full_index[row, slot] = index
+        self.full_index_host[row][slot] = index
+
+    def clear_full(self, slot: int) -> None:
+        """Adapter slot ``slot`` uses the base ``embed_tokens`` / ``lm_head`` again."""
+        self.full_index[:, slot] = -1
+        for row in self.full_index_host:
+            row[slot] = -1
+
+    def _write_vocab(self, slot: int, image: SlotImage) -> None:
+        """The image's LoRA on ``embed_tokens`` / ``lm_head`` into ``slot`` (scalings 0 for parts it lacks).
+        Raises ``ValueError`` for LoRA there when these slots hold none (the pool refuses such adapters)."""
+        vocab = image.vocab
+        if not self.has_vocab:
+            if vocab is not None and (vocab.embed_a_t is not None or vocab.head_a is not None):
+                raise ValueError("LoRADeviceWeights: these slots hold no embed_tokens/lm_head LoRA")
+            return
+        if vocab is None:
+            self.vocab_scaling[:, slot] = 0.0
+            return
+        for dest, source in ((self.embed_a_t, vocab.embed_a_t), (self.embed_b, vocab.embed_b),
+                             (self.head_a, vocab.head_a), (self.head_b, vocab.head_b)):
+            if source is not None:
+                dest[slot].copy_(source, non_blocking=True)
+        self.vocab_scaling[:, slot].copy_(vocab.scaling, non_blocking=True)
 
     def write(self, slot: int, image: SlotImage) -> None:
         """Overwrite ``slot`` with ``image``: two contiguous copies per targeted module (already
@@ -60,6 +119,7 @@ class LoRADeviceWeights:
             sources = [image.a(key) for key in keys] + [image.b(key) for key in keys]
             torch._foreach_copy_(destinations, sources, non_blocking=True)  # one call, not 2 per module
             self._scaling_table[:, :, slot].copy_(image.scaling, non_blocking=True)
+            self._write_vocab(slot, image)
         except Exception:
             self.invalidate(slot)
             raise
@@ -86,6 +146,8 @@ class LoRADeviceWeights:
                 per_chunk = max(1, staging_bytes // max(1, members[0][1].nbytes))
                 for start in range(0, len(members), per_chunk):
                     self._scatter(members[start : start + per_chunk])
+            for slot, image in writes:
+                self._write_vocab(slot, image)
         except Exception:
             for slot, _ in writes:
                 self.invalidate(slot)
@@ -117,8 +179,12 @@ class LoRADeviceWeights:
         return host.to(self.device, non_blocking=True)
 
     def disable(self, slot: int) -> None:
-        """Zero ``slot``'s scalings: tokens mapped to it get no LoRA delta (A/B left as they are)."""
+        """Zero ``slot``'s scalings: tokens mapped to it get no LoRA delta (A/B left as they are), and its
+        rows use the base ``embed_tokens`` / ``lm_head``."""
         self._scaling_table[:, :, slot] = 0.0
+        if self.vocab_scaling is not None:
+            self.vocab_scaling[:, slot] = 0.0
+        self.clear_full(slot)
 
     def invalidate(self, slot: int) -> None:
         """``slot``'s contents are unknown (a write failed): scalings zero, every module re-zeroed at the next write."""
@@ -129,6 +195,8 @@ class LoRADeviceWeights:
     def memory_bytes(self) -> int:
         """Device memory of the slot tensors, in bytes."""
         tensors = [t for group in (self.a, self.b, self.scaling) for per_layer in group for t in per_layer.values()]
+        tensors += [t for t in (self.embed_a_t, self.embed_b, self.head_a, self.head_b, self.vocab_scaling, self.full,
+                                self.full_index) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:

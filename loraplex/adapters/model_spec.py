@@ -220,7 +220,8 @@ class ModelSpec:
     def adapter_spec(self) -> BaseModelSpec:
         """What an adapter must fit (layer count and LoRA-able module shapes)."""
         return BaseModelSpec(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                             module_shapes=self.module_shapes, architecture=self.architecture)
+                             module_shapes=self.module_shapes, architecture=self.architecture,
+                             vocab_size=self.vocab_size)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""

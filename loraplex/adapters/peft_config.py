@@ -48,7 +48,9 @@ MAX_CONFIG_DEPTH = 32  # nesting of JSON objects / arrays; PEFT writes 3
 MAX_PATTERN_CHARS = 1024
 REGEX_MATCH_TIMEOUT_S = 0.05
 REGEX_BUDGET_S = 0.5
-_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+# The vocabulary-sized modules an adapter may change (LoRA, or a full copy in ``modules_to_save``),
+# with their module keys as PEFT sees them in a ``*ForCausalLM`` (``model.embed_tokens``, ``lm_head``).
+VOCAB_MODULES: dict[str, str] = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 
 # LoraConfig fields that select a LoRA variant whose forward pass (or saved tensors)
 # differ from plain LoRA (PEFT marks them ``is_lora_variant``, plus QALoRA).
@@ -65,7 +67,6 @@ _VARIANT_FIELDS: dict[str, str] = {
 
 # Other LoraConfig fields that must be falsy, with the reason shown to the uploader.
 _MUST_BE_OFF: dict[str, str] = {
-    "modules_to_save": "full copies of base-model modules are not served, only LoRA A/B weights",
     "lora_bias": "a bias on lora_B is not served",
     "fan_in_fan_out": "transposed (Conv1D-style) LoRA weights are not served",
     "layer_replication": "layer replication is not served",
@@ -109,6 +110,8 @@ class PeftLoraConfig:
     exclude_modules: tuple[str, ...] | str | None
     raw: dict[str, Any]
     patterns: PatternMatcher = field(default_factory=lambda: PatternMatcher(), compare=False, repr=False)
+    modules_to_save: tuple[str, ...] = ()
+    """Modules of ``VOCAB_MODULES`` the adapter replaces by a full copy (PEFT ``modules_to_save``)."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PeftLoraConfig:
@@ -130,6 +133,7 @@ class PeftLoraConfig:
             exclude_modules=_exclude_modules(raw, patterns),
             raw=raw,
             patterns=patterns,
+            modules_to_save=_modules_to_save(raw),
         )
 
     def targets(self, module_key: str, layer: int) -> bool:
@@ -144,6 +148,19 @@ class PeftLoraConfig:
         if found and self.layers_to_transform is not None:
             return layer in self.layers_to_transform
         return found
+
+    def targets_vocab(self, module: str) -> bool:
+        """Whether PEFT would put LoRA on the vocabulary module ``module`` (a key of ``VOCAB_MODULES``):
+        ``target_modules`` names it (``"all-linear"`` never does: PEFT leaves the output head out), it is
+        not excluded, and no ``layers_to_transform`` is set (PEFT then targets layer modules only)."""
+        module_key = VOCAB_MODULES[module]
+        if self._excluded(module_key):
+            return False
+        if isinstance(self.target_modules, str):
+            if self.target_modules == ALL_LINEAR:
+                return False
+            return self.patterns.fullmatch(self.target_modules, module_key, "target_modules")
+        return self.layers_to_transform is None and _matches_list(self.target_modules, module_key)
 
     def hyperparams(self, module_key: str) -> ModuleHyperparams:
         """Rank, alpha and scaling PEFT uses for ``module_key``."""
@@ -294,9 +311,34 @@ def _max_depth(data: bytes) -> int:
     return deepest
 
 
-def is_unsupported_target(module_key: str) -> bool:
-    """Whether ``module_key`` is an embedding / output head (LoRA there is refused)."""
-    return module_key.rsplit(".", 1)[-1] in _UNSUPPORTED_TARGETS
+def vocab_module(module_key: str) -> str | None:
+    """``"embed_tokens"`` / ``"lm_head"`` when ``module_key`` names that module (``model.embed_tokens``,
+    ``embed_tokens``, ``lm_head``), else None."""
+    for module, key in VOCAB_MODULES.items():
+        if module_key in (module, key):
+            return module
+    return None
+
+
+def _modules_to_save(raw: dict[str, Any]) -> tuple[str, ...]:
+    """``modules_to_save`` as module names of ``VOCAB_MODULES`` (PEFT matches its entries as suffixes
+    of module keys); any other module is refused."""
+    value = raw.get("modules_to_save")
+    if not value:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise AdapterFormatError(f"{CONFIG_NAME}: modules_to_save={_short(value)} must be a list of module names")
+    modules = []
+    for entry in value:
+        module = vocab_module(entry)
+        if module is None:
+            raise AdapterUnsupportedError(
+                f"{CONFIG_NAME}: modules_to_save={_short(value)} names {_short(entry)}: only full copies of "
+                f"{' and '.join(VOCAB_MODULES)} are served"
+            )
+        if module not in modules:
+            modules.append(module)
+    return tuple(module for module in VOCAB_MODULES if module in modules)
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
@@ -365,22 +407,11 @@ def _target_modules(raw: dict[str, Any], patterns: PatternMatcher) -> tuple[str,
         return value
     if isinstance(value, str):
         patterns.compile(value, f"target_modules={_short(value)}")
-        for name in ("lm_head", "embed_tokens", "model.embed_tokens"):
-            if patterns.fullmatch(value, name, "target_modules"):
-                raise AdapterUnsupportedError(
-                    f"{CONFIG_NAME}: target_modules={_short(value)} matches {name!r}: "
-                    "LoRA on embed_tokens/lm_head is not supported"
-                )
         return value
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
         raise AdapterFormatError(
             f"{CONFIG_NAME}: target_modules={_short(value)} must be a regex string or a non-empty list of module names"
         )
-    for name in value:
-        if is_unsupported_target(name):
-            raise AdapterUnsupportedError(
-                f"{CONFIG_NAME}: target_modules contains {_short(name)}: LoRA on embed_tokens/lm_head is not supported"
-            )
     return tuple(value)
 
 

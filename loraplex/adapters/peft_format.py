@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight
+from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight, VocabWeights
 from loraplex.adapters.errors import (
     AdapterFormatError,
     AdapterIncompatibleError,
@@ -49,9 +49,10 @@ from loraplex.adapters.identity import compute_version_id
 from loraplex.adapters.peft_config import (
     CONFIG_NAME,
     ModuleHyperparams,
+    VOCAB_MODULES,
     PeftLoraConfig,
-    is_unsupported_target,
     read_adapter_config,
+    vocab_module,
 )
 from loraplex.adapters.spec import LORA_MODULE_NAMES, MODULE_PARENT, BaseModelSpec
 
@@ -67,6 +68,14 @@ _LORA_TENSOR = re.compile(
 _LAYER_MODULE = re.compile(r"(?:model\.)?layers\.(?P<layer>[0-9]+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)")
 _LAYER_INDEX = re.compile(r"0|[1-9][0-9]{0,5}")  # a layer index as PEFT writes it: <= 6 digits, no leading zero
 MAX_TENSOR_NAME_CHARS = 256
+# Tensors of embed_tokens / lm_head as PEFT saves them: LoRA (lora_embedding_A/B on the embedding, lora_A/B on
+# the head), the copy of the base module it saves beside LoRA there (``base_layer.weight``), or a
+# ``modules_to_save`` copy (``<module>.weight``; ``.modules_to_save.<adapter>.weight`` unstripped).
+_VOCAB_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(?P<module>(?:model\.)?embed_tokens|lm_head)\."
+    r"(?:(?P<lora>lora_embedding_A|lora_embedding_B|lora_A|lora_B)(?:\.(?P<adapter>[^.]+))??(?P<suffix>\.weight)?"
+    r"|(?P<copy>base_layer\.weight|weight|modules_to_save\.[^.]+\.weight))"
+)
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,11 @@ class AdapterLayout:
     num_layers_targeted: int
     size_bytes: int
     modules: tuple[_ModulePlan, ...]
+    vocab_lora: tuple[_ModulePlan, ...] = ()
+    """LoRA on ``embed_tokens`` / ``lm_head`` (``layer`` -1; ``a_name``/``b_name``: lora_embedding_A/B of the
+    embedding, lora_A/B of the head)."""
+    full_modules: tuple[tuple[str, str], ...] = ()
+    """``modules_to_save`` copies: (module, tensor name), each ``[vocab_size, hidden_size]``."""
 
 
 def inspect_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterLayout:
@@ -267,17 +281,137 @@ def _layout(
     spec: BaseModelSpec,
     max_lora_rank: int,
 ) -> AdapterLayout:
-    plans = _plan_modules(header, config, spec, max_lora_rank)
+    _check_tensor_count(header, spec)
+    layer_header = {name: entry for name, entry in header.items() if _VOCAB_TENSOR.fullmatch(name) is None}
+    vocab_lora, full_modules = _plan_vocab(header, config, spec, max_lora_rank)
+    plans = _plan_modules(layer_header, config, spec, max_lora_rank) if layer_header or not header.keys() - layer_header.keys() else []
     present = {plan.module for plan in plans}
+    ranks = [plan.hyper.rank for plan in plans + vocab_lora]
+    if not ranks and not full_modules:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: holds no LoRA weight and no modules_to_save copy")
     return AdapterLayout(
         path=str(folder),
         config=config,
-        rank=max(plan.hyper.rank for plan in plans),
-        target_modules=tuple(module for module in LORA_MODULE_NAMES if module in present),
+        rank=max(ranks, default=0),
+        target_modules=tuple(module for module in LORA_MODULE_NAMES if module in present)
+        + tuple(plan.module for plan in vocab_lora),
         num_layers_targeted=len({plan.layer for plan in plans}),
         size_bytes=sum(_DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in header.values()),
         modules=tuple(plans),
+        vocab_lora=tuple(vocab_lora),
+        full_modules=tuple(full_modules),
     )
+
+
+def _plan_vocab(
+    header: dict[str, tuple[str, tuple[int, ...]]],
+    config: PeftLoraConfig,
+    spec: BaseModelSpec,
+    max_lora_rank: int,
+) -> tuple[list[_ModulePlan], list[tuple[str, str]]]:
+    """Check the ``embed_tokens`` / ``lm_head`` tensors of the header against the config and the model:
+    (LoRA plans in ``VOCAB_MODULES`` order, ``modules_to_save`` copies as (module, tensor name)).
+
+    PEFT's embedding LoRA stores ``lora_embedding_A [r, V]`` and ``lora_embedding_B [H, r]``
+    (Semantics: ``e[t] += scaling * A.T[ids[t]] @ B.T``); the head's is a linear LoRA, ``lora_A [r, H]``,
+    ``lora_B [V, r]``. The copy of the base module PEFT saves beside that LoRA (``base_layer.weight``,
+    for resized vocabularies) must be ``[V, H]`` and is not served: the adapter runs on the server's base
+    weights. A ``modules_to_save`` copy is ``[V, H]`` and replaces the module for the adapter's rows.
+    """
+    parts: dict[str, dict[str, _TensorRef]] = {module: {} for module in VOCAB_MODULES}
+    for name, (dtype, shape) in sorted(header.items()):
+        match = _VOCAB_TENSOR.fullmatch(name)
+        if match is None:
+            continue
+        module = vocab_module(match["module"])
+        assert module is not None  # the regex names only these
+        if spec.vocab_size is None:
+            raise AdapterIncompatibleError(
+                f"tensor {name!r}: the base model spec has no vocab_size, so {module} cannot be checked or served"
+            )
+        if match["copy"] is not None:
+            kind = "base_layer" if match["copy"] == "base_layer.weight" else "full"
+        else:
+            kind = match["lora"].removeprefix("lora_").removeprefix("embedding_")
+            embedding_form = match["lora"].startswith("lora_embedding_") and match["suffix"] is None
+            head_form = not match["lora"].startswith("lora_embedding_") and match["suffix"] is not None
+            if not (embedding_form if module == "embed_tokens" else head_form):
+                expected = ("lora_embedding_A / lora_embedding_B" if module == "embed_tokens"
+                            else "lora_A.weight / lora_B.weight")
+                raise AdapterFormatError(f"tensor {name!r} is not a LoRA weight of {module} as PEFT saves it "
+                                         f"(expected {expected})")
+        if kind in parts[module]:
+            raise AdapterFormatError(f"tensors {parts[module][kind].name!r} and {name!r} both hold {kind} of {module}")
+        parts[module][kind] = _TensorRef(name=name, module_key=VOCAB_MODULES[module], kind=kind, adapter_name=None,
+                                         dtype=dtype, shape=shape, layer=-1, module=module)
+    full_shape = (spec.vocab_size, spec.hidden_size)
+    lora_plans: list[_ModulePlan] = []
+    full: list[tuple[str, str]] = []
+    for module, found in parts.items():
+        saved = module in config.modules_to_save
+        lora = "A" in found or "B" in found
+        if saved and config.targets_vocab(module):
+            raise AdapterUnsupportedError(
+                f"{CONFIG_NAME}: {module} is both in modules_to_save and targeted by LoRA "
+                f"({config.describe_targets()}); only one of the two is served"
+            )
+        for kind in ("base_layer", "full"):
+            if kind in found:
+                _check_full(found[kind], full_shape)
+        if saved != ("full" in found):
+            raise AdapterFormatError(
+                f"{module}: adapter_config.json modules_to_save={list(config.modules_to_save)!r} but "
+                + (f"{SAFETENSORS_NAME} holds no copy of it ('base_model.model.{VOCAB_MODULES[module]}.weight')"
+                   if saved else f"{SAFETENSORS_NAME} holds a copy of it ({found['full'].name!r})")
+            )
+        if saved:
+            full.append((module, found["full"].name))
+        if "base_layer" in found and not lora:
+            raise AdapterFormatError(f"tensor {found['base_layer'].name!r}: a base-layer copy of {module} without "
+                                     f"LoRA on it")
+        if not lora:
+            continue
+        for kind, other in (("A", "B"), ("B", "A")):
+            if kind in found and other not in found:
+                raise AdapterFormatError(f"tensor {found[kind].name!r} (lora_{kind}) has no matching lora_{other}")
+        lora_plans.append(_plan_vocab_lora(found["A"], found["B"], config, spec, max_lora_rank))
+    return lora_plans, full
+
+
+def _plan_vocab_lora(
+    a: _TensorRef, b: _TensorRef, config: PeftLoraConfig, spec: BaseModelSpec, max_lora_rank: int
+) -> _ModulePlan:
+    """A LoRA plan for ``embed_tokens`` (A ``[r, V]``, B ``[H, r]``) or ``lm_head`` (A ``[r, H]``, B ``[V, r]``)."""
+    module = a.module
+    assert module is not None and spec.vocab_size is not None
+    if not config.targets_vocab(module):
+        raise AdapterFormatError(
+            f"tensor {a.name!r}: module {a.module_key!r} is not targeted by {CONFIG_NAME} {config.describe_targets()}"
+        )
+    hyper = config.hyperparams(a.module_key)
+    if hyper.rank > max_lora_rank:
+        raise AdapterIncompatibleError(
+            f"{CONFIG_NAME}: {hyper.rank_field}={hyper.rank} exceeds max_lora_rank={max_lora_rank} "
+            f"(module {a.module_key!r})"
+        )
+    in_features, out_features = ((spec.vocab_size, spec.hidden_size) if module == "embed_tokens"
+                                 else (spec.hidden_size, spec.vocab_size))
+    _check_tensor(a, (hyper.rank, in_features), rank_dim=0, hyper=hyper, spec=spec)
+    _check_tensor(b, (out_features, hyper.rank), rank_dim=1, hyper=hyper, spec=spec)
+    return _ModulePlan(layer=-1, module=module, a_name=a.name, b_name=b.name, hyper=hyper)
+
+
+def _check_full(ref: _TensorRef, shape: tuple[int, int]) -> None:
+    """A full copy of ``embed_tokens`` / ``lm_head``: floating point, ``[vocab_size, hidden_size]``."""
+    if ref.dtype not in _FLOAT_DTYPES:
+        raise AdapterFormatError(
+            f"tensor {ref.name!r}: dtype {ref.dtype} is not a floating-point type ({', '.join(_FLOAT_DTYPES)})"
+        )
+    if ref.shape != shape:
+        raise AdapterIncompatibleError(
+            f"tensor {ref.name!r} has shape {list(ref.shape)}; the base model's {ref.module} is {list(shape)} "
+            "(vocab_size, hidden_size)"
+        )
 
 
 def _adapter_folder(path: str | os.PathLike[str]) -> Path:
@@ -314,6 +448,8 @@ def _check_target_modules_exist(config: PeftLoraConfig, spec: BaseModelSpec) -> 
         for module in spec.module_shapes:
             parts = ["model", "layers", str(layer), MODULE_PARENT[module], module]
             names.update(".".join(parts[i:]) for i in range(len(parts)))
+    if spec.vocab_size is not None:
+        names.update(("embed_tokens", "model.embed_tokens", "lm_head"))
     for entry in config.target_modules:
         if entry not in names:
             raise AdapterIncompatibleError(
@@ -362,12 +498,7 @@ def _plan_modules(
     """Check every tensor of the header against the config and the model; one plan per module."""
     if not header:
         raise AdapterFormatError(f"{SAFETENSORS_NAME}: holds no tensors")
-    most = 2 * spec.num_layers * len(spec.module_shapes)
-    if len(header) > 2 * most + 64:  # bounds the work; a few extra tensors get the precise refusal below
-        raise AdapterIncompatibleError(
-            f"{SAFETENSORS_NAME}: holds {len(header)} tensors; an adapter of this base model has at most {most} "
-            f"(lora_A and lora_B of {len(spec.module_shapes)} modules in {spec.num_layers} layers)"
-        )
+    _check_tensor_count(header, spec)
     refs = [_parse_name(name, dtype, shape, spec) for name, (dtype, shape) in sorted(header.items())]
     _check_adapter_names(refs)
     _check_mapped(refs, spec)
@@ -377,13 +508,26 @@ def _plan_modules(
     return [_plan_module(pairs[key]["A"], pairs[key]["B"], config, spec, max_lora_rank) for key in keys]
 
 
+def _check_tensor_count(header: dict[str, Any], spec: BaseModelSpec) -> None:
+    """Bounds the work before any name is parsed; a few extra tensors get the precise refusal later."""
+    most = 2 * spec.num_layers * len(spec.module_shapes)
+    if len(header) > 2 * most + 64 + 3 * len(VOCAB_MODULES):
+        raise AdapterIncompatibleError(
+            f"{SAFETENSORS_NAME}: holds {len(header)} tensors; an adapter of this base model has at most {most} "
+            f"(lora_A and lora_B of {len(spec.module_shapes)} modules in {spec.num_layers} layers)"
+        )
+
+
 def _parse_name(name: str, dtype: str, shape: tuple[int, ...], spec: BaseModelSpec) -> _TensorRef:
     if len(name) > MAX_TENSOR_NAME_CHARS:
         raise AdapterFormatError(
             f"tensor name {name[:60]!r}... is {len(name)} characters long; at most {MAX_TENSOR_NAME_CHARS}"
         )
-    if any(is_unsupported_target(part) for part in name.split(".")):
-        raise AdapterUnsupportedError(f"tensor {name!r}: LoRA on embed_tokens/lm_head is not supported")
+    if any(vocab_module(part) for part in name.split(".")):
+        raise AdapterFormatError(
+            f"tensor {name!r}: not a tensor of embed_tokens/lm_head as PEFT saves it (lora_embedding_A/B of "
+            "embed_tokens, lora_A/B.weight of lm_head, base_layer.weight, or a modules_to_save copy '<module>.weight')"
+        )
     match = _LORA_TENSOR.fullmatch(name)
     if match is None:
         raise AdapterFormatError(
@@ -535,7 +679,18 @@ def _build_adapter(
         size_bytes=layout.size_bytes,
         warnings=warnings,
         path=layout.path,
+        vocab=_vocab_weights(layout, tensors),
     )
+
+
+def _vocab_weights(layout: AdapterLayout, tensors: dict[str, torch.Tensor]) -> VocabWeights | None:
+    """The ``embed_tokens`` / ``lm_head`` parts of a checked adapter (fp32), or None when it has none."""
+    if not layout.vocab_lora and not layout.full_modules:
+        return None
+    lora = {plan.module: LoRAWeight(a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(),
+                                    scaling=plan.hyper.scaling) for plan in layout.vocab_lora}
+    return VocabWeights(embed=lora.get("embed_tokens"), head=lora.get("lm_head"),
+                        full={module: tensors[name].float() for module, name in layout.full_modules})
 
 
 def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
@@ -550,8 +705,8 @@ def _check_scaled_finite(layout: AdapterLayout, tensors: dict[str, torch.Tensor]
     ``scaling * B @ A``, computed in float64) at most the largest finite value of ``dtype``."""
     fp32_max = torch.finfo(torch.float32).max
     limit = torch.finfo(dtype).max
-    for plan in layout.modules:
-        where = f"layer {plan.layer} {plan.module}"
+    for plan in layout.modules + layout.vocab_lora:
+        where = f"layer {plan.layer} {plan.module}" if plan.layer >= 0 else plan.module
         scaling = plan.hyper.scaling
         if not abs(scaling) <= fp32_max:
             raise AdapterIncompatibleError(
@@ -567,6 +722,13 @@ def _check_scaled_finite(layout: AdapterLayout, tensors: dict[str, torch.Tensor]
                 f"{where}: scaling * lora_B @ lora_A is not finite in {str(dtype).removeprefix('torch.')} "
                 f"(scaling {scaling:.4g}, |lora_A| and |lora_B| up to {largest:.4g}: entries up to {bound:.4g}, "
                 f"largest finite value {limit:.4g})"
+            )
+    for module, name in layout.full_modules:
+        largest = float(tensors[name].double().abs().max())
+        if not largest <= limit:
+            raise AdapterIncompatibleError(
+                f"tensor {name!r} ({module} copy of modules_to_save) has values up to {largest:.4g}, not finite in "
+                f"{str(dtype).removeprefix('torch.')} (largest finite value {limit:.4g})"
             )
 
 

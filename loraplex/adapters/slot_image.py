@@ -12,18 +12,22 @@ in (layer, ``LORA_MODULE_NAMES``) order, ``A`` padded to ``[R, in_features]`` (r
 
 Semantics (per module): ``delta(x) = scaling * (x @ A.T) @ B.T``; the zero padding
 makes the rank-R product equal the rank-r one.
+
+An adapter with LoRA or ``modules_to_save`` copies on ``embed_tokens`` / ``lm_head`` also carries a
+``VocabImage`` (separate host tensors, in the slot dtype, rank-padded like the rest).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from loraplex.adapters.adapter import LoRAAdapter
+from loraplex.adapters.adapter import LoRAAdapter, LoRAWeight
 from loraplex.adapters.errors import AdapterFormatError
 from loraplex.adapters.peft_format import SAFETENSORS_NAME, AdapterLayout, StoredTensor, stored_tensors
 from loraplex.adapters.spec import BaseModelSpec
@@ -31,6 +35,66 @@ from loraplex.adapters.spec import BaseModelSpec
 ModuleKey = tuple[int, str]  # (layer index, module name)
 Allocate = Callable[[int, torch.dtype], torch.Tensor]  # (numel, dtype) -> uninitialised [numel] host tensor
 _STORED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+@dataclass(frozen=True)
+class VocabImage:
+    """An adapter's ``embed_tokens`` / ``lm_head`` parts in the slot dtype (V = vocab, H = hidden, R = pool rank).
+
+    - ``embed_a_t``: ``[V, R]`` (``lora_embedding_A`` transposed, columns ``r..R`` zero: row ``v`` is what
+      token id ``v`` gathers); ``embed_b``: ``[H, R]``. None when the embedding has no LoRA.
+    - ``head_a``: ``[R, H]``; ``head_b``: ``[V, R]``. None when the head has no LoRA.
+    - ``scaling``: ``[2] fp32``, (embedding, head); 0 for a part without LoRA.
+    - ``full``: ``modules_to_save`` copies, module -> ``[V, H]``.
+
+    Semantics: ``e[t] += scaling[0] * embed_a_t[ids[t]] @ embed_b.T``;
+    ``logits[t] += scaling[1] * (h[t] @ head_a.T) @ head_b.T``.
+    """
+
+    embed_a_t: torch.Tensor | None
+    embed_b: torch.Tensor | None
+    head_a: torch.Tensor | None
+    head_b: torch.Tensor | None
+    scaling: torch.Tensor
+    full: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.embed_a_t, self.embed_b, self.head_a, self.head_b, *self.full.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def vocab_image(embed: LoRAWeight | None, head: LoRAWeight | None, full: dict[str, torch.Tensor], max_rank: int,
+                dtype: torch.dtype, *, pin_memory: bool) -> VocabImage:
+    """The ``VocabImage`` of an adapter's vocabulary parts (``LoRAWeight`` factors as PEFT stores them:
+    embedding ``a [r, V]``, ``b [H, r]``; head ``a [r, H]``, ``b [V, r]``), converted to ``dtype``.
+
+    Raises ``AdapterFormatError`` if a value is NaN/Inf in ``dtype``.
+    """
+    def padded(source: torch.Tensor, rank_dim: int) -> torch.Tensor:
+        shape = list(source.shape)
+        shape[rank_dim] = max_rank
+        out = torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
+        out.narrow(rank_dim, 0, source.shape[rank_dim]).copy_(source)
+        return out
+
+    def copied(source: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(source.shape, dtype=dtype, pin_memory=pin_memory)
+        return out.copy_(source)
+
+    scaling = torch.zeros(2, dtype=torch.float32)
+    parts: dict[str, torch.Tensor | None] = {"embed_a_t": None, "embed_b": None, "head_a": None, "head_b": None}
+    if embed is not None:
+        parts["embed_a_t"], parts["embed_b"] = padded(embed.a.T, 1), padded(embed.b, 1)
+        scaling[0] = embed.scaling
+    if head is not None:
+        parts["head_a"], parts["head_b"] = padded(head.a, 0), padded(head.b, 1)
+        scaling[1] = head.scaling
+    image = VocabImage(**parts, scaling=scaling, full={m: copied(t) for m, t in full.items()})
+    for name, tensor in list(parts.items()) + [(f"{m} (modules_to_save)", t) for m, t in image.full.items()]:
+        if tensor is not None and not bool(torch.isfinite(tensor).all()):
+            raise AdapterFormatError(f"{name} of the adapter contains NaN or Inf values (as {dtype})")
+    return image
 
 
 @dataclass(frozen=True)
@@ -45,6 +109,7 @@ class SlotImage:
     - ``scaling``: ``[num_layers, len(spec.module_shapes)] fp32``, module columns in
       ``spec.module_shapes`` order; 0 where the adapter does not target ``(layer, module)``.
     - ``module_shapes``: ``spec.module_shapes`` (``module -> (in_features, out_features)``).
+    - ``vocab``: the ``embed_tokens`` / ``lm_head`` parts, or None.
     """
 
     version_id: str
@@ -53,11 +118,12 @@ class SlotImage:
     offsets: dict[ModuleKey, tuple[int, int]]
     scaling: torch.Tensor
     module_shapes: dict[str, tuple[int, int]]
+    vocab: VocabImage | None = None
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of ``data`` (the scaling table is negligible)."""
-        return self.data.numel() * self.data.element_size()
+        """Host bytes of ``data`` and ``vocab`` (the scaling table is negligible)."""
+        return self.data.numel() * self.data.element_size() + (self.vocab.nbytes if self.vocab is not None else 0)
 
     def a(self, key: ModuleKey) -> torch.Tensor:
         """``A`` of ``key`` padded to ``[R, in_features]`` (a view of ``data``). Raises ``KeyError`` if untargeted."""
@@ -109,7 +175,23 @@ def read_slot_image(
         os.close(fd)
     _set_scalings(image, layout, spec)
     _check_finite(image, names, dtype)
+    if layout.vocab_lora or layout.full_modules:
+        image = dataclasses.replace(image, vocab=_read_vocab(path, layout, max_rank, dtype, pin_memory))
     return image
+
+
+def _read_vocab(path: Path, layout: AdapterLayout, max_rank: int, dtype: torch.dtype, pin_memory: bool) -> VocabImage:
+    """The ``embed_tokens`` / ``lm_head`` tensors of ``layout`` (checked) as a ``VocabImage``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            lora = {plan.module: LoRAWeight(a=handle.get_tensor(plan.a_name), b=handle.get_tensor(plan.b_name),
+                                            scaling=plan.hyper.scaling) for plan in layout.vocab_lora}
+            full = {module: handle.get_tensor(name) for module, name in layout.full_modules}
+    except (SafetensorError, OSError) as exc:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: unreadable embed_tokens/lm_head tensors ({exc})") from exc
+    return vocab_image(lora.get("embed_tokens"), lora.get("lm_head"), full, max_rank, dtype, pin_memory=pin_memory)
 
 
 def slot_image_from_adapter(
@@ -127,11 +209,18 @@ def slot_image_from_adapter(
         _fill(image, key, weight.a, weight.b, weight.scaling, spec)
     _check_finite(image, {key: (f"layer {key[0]} {key[1]} lora_A", f"layer {key[0]} {key[1]} lora_B")
                           for key in adapter.weights}, dtype)
+    if adapter.vocab is not None:
+        vocab = adapter.vocab
+        image = dataclasses.replace(image, vocab=vocab_image(vocab.embed, vocab.head, vocab.full, max_rank, dtype,
+                                                             pin_memory=pin_memory))
     return image
 
 
 def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_rank: int, dtype: torch.dtype) -> bool:
-    """Every module has rank R and every tensor is stored in ``dtype`` at an aligned offset."""
+    """Every module has rank R and every tensor is stored in ``dtype`` at an aligned offset (and no
+    ``embed_tokens`` / ``lm_head`` tensor lies in the file's data, which the one read would copy)."""
+    if layout.vocab_lora or layout.full_modules:
+        return False
     if any(plan.hyper.rank != max_rank for plan in layout.modules):
         return False
     names = [name for plan in layout.modules for name in (plan.a_name, plan.b_name)]

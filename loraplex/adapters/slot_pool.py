@@ -60,7 +60,7 @@ import torch
 
 from loraplex.adapters.config import LoRAConfig
 from loraplex.adapters.device_weights import LoRADeviceWeights
-from loraplex.adapters.errors import NoFreeSlotError, SlotPoolError
+from loraplex.adapters.errors import AdapterUnsupportedError, NoFreeSlotError, SlotPoolError
 from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import adapter_files_signature
@@ -152,7 +152,7 @@ class LoRASlotPool:
         self.max_cpu_loras = config.max_cpu_loras
         # ``weights``: slot tensors built by the caller (a tensor-parallel rank's slices); else full-size ones.
         self.weights = weights if weights is not None else LoRADeviceWeights(spec, config.max_loras, config.max_lora_rank,
-                                                                             dtype, device)
+                                                                             dtype, device, config.max_full_module_slots)
         self.dtype = dtype
         self.device = self.weights.device
         self.a, self.b, self.scaling = self.weights.a, self.weights.b, self.weights.scaling
@@ -168,6 +168,10 @@ class LoRASlotPool:
         self.install_batches = 0  # device write batches issued (one per ``batched_installs`` with installs)
         self._slot_loads = 0
         self._slot_evictions = 0
+        # modules_to_save: full-module slots, each owned by the adapter slot using it (None: free), and the
+        # modules each registered adapter replaces (absent: none).
+        self._full_owner: list[int | None] = [None] * self.weights.max_full_module_slots
+        self._full_needs: dict[int, tuple[str, ...]] = {}
 
     # Policies that may be switched on a running pool (they apply to new reads).
     @property
@@ -214,12 +218,41 @@ class LoRASlotPool:
         signature = adapter_files_signature(request.lora_path)
         if request.version_id is not None:
             layout = self.loader.inspect(request.lora_path)
+            self._check_vocab(request, bool(layout.vocab_lora), tuple(m for m, _ in layout.full_modules))
             self.registry.add(Registration(request, request.version_id, signature, layout))
+            self._set_full_needs(request.lora_int_id, tuple(m for m, _ in layout.full_modules))
             return True
         image = self.loader.load_new(request.lora_path)
+        vocab = image.vocab
+        full = tuple(vocab.full) if vocab is not None else ()
+        self._check_vocab(request, vocab is not None and vocab.scaling.any().item(), full)
         self.registry.add(Registration(request, image.version_id, signature, verified=True))
+        self._set_full_needs(request.lora_int_id, full)
         self.loader.cache.put_if_room(request.lora_int_id, image)
         return True
+
+    def _check_vocab(self, request: LoRARequest, has_lora: bool, full: tuple[str, ...]) -> None:
+        """Refuse LoRA on ``embed_tokens`` / ``lm_head`` when the slots hold none, and ``modules_to_save``
+        copies beyond ``max_full_module_slots`` (``AdapterUnsupportedError`` naming the setting)."""
+        weights = self.weights
+        if (has_lora or full) and not weights.has_vocab:
+            raise AdapterUnsupportedError(
+                f"adapter {request.lora_name!r}: LoRA or modules_to_save on embed_tokens/lm_head is not served by "
+                "this engine (not implemented with tensor_parallel_size > 1)"
+            )
+        if len(full) > weights.max_full_module_slots:
+            spec = self.spec
+            each = spec.vocab_size * spec.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+            raise AdapterUnsupportedError(
+                f"adapter {request.lora_name!r}: modules_to_save={list(full)!r} needs {len(full)} full-module "
+                f"slot(s) but max_full_module_slots={weights.max_full_module_slots}; each slot holds one "
+                f"[vocab_size={spec.vocab_size}, hidden_size={spec.hidden_size}] matrix ({each / 2**20:.1f} MiB "
+                "of device memory, taken from the KV cache): raise --max-full-module-slots"
+            )
+
+    def _set_full_needs(self, int_id: int, full: tuple[str, ...]) -> None:
+        if full:
+            self._full_needs[int_id] = full
 
     def remove_lora(self, int_id: int) -> bool:
         """Unregister ``int_id``. If running requests pin it, it stops accepting new pins and is
@@ -333,9 +366,51 @@ class LoRASlotPool:
                     f"{self.slots.pinned_ids()}); adapter {request.lora_name!r} (lora_int_id={int_id}) "
                     f"must wait for an unpin"
                 )
+            needs = self._full_needs.get(int_id, ())
+            if len(needs) > self._freeable_full():
+                request = registration.request
+                raise NoFreeSlotError(
+                    f"adapter {request.lora_name!r} (lora_int_id={int_id}) needs {len(needs)} of the "
+                    f"max_full_module_slots={len(self._full_owner)} full-module slots (modules_to_save="
+                    f"{list(needs)!r}) and adapters in use hold them; it must wait for an unpin"
+                )
             image = self.loader.host_copy(registration)
             self._install(slot, int_id, image)
+            self._install_full(slot, needs, image)
         return self.slots.pin(int_id)
+
+    def _freeable_full(self) -> int:
+        """Full-module slots free or held by an adapter slot that is empty or unpinned."""
+        return sum(owner is None or (self.slots.occupant(owner) or (0, 0))[1] == 0 for owner in self._full_owner)
+
+    def _release_full(self, slot: int) -> None:
+        """Free the full-module slots adapter slot ``slot`` holds; its rows use the base modules again."""
+        self._full_owner = [None if owner == slot else owner for owner in self._full_owner]
+        self.weights.clear_full(slot)
+
+    def _install_full(self, slot: int, needs: tuple[str, ...], image: SlotImage) -> None:
+        """Give adapter slot ``slot`` (just installed) full-module slots for ``needs`` and copy the matrices;
+        when too few are free, unpinned adapters holding some are evicted, in full-slot order
+        (``pin`` checked that enough can be freed)."""
+        self._release_full(slot)
+        if not needs:
+            return
+        free = [k for k, owner in enumerate(self._full_owner) if owner is None]
+        holders = [owner for owner in dict.fromkeys(self._full_owner) if owner is not None]
+        for victim in holders:
+            if len(free) >= len(needs):
+                break
+            if (self.slots.occupant(victim) or (0, 0))[1] == 0:
+                if self.slots.clear(victim) is not None:
+                    self._slot_evictions += 1
+                if self._pending_writes is not None:
+                    self._pending_writes.pop(victim, None)
+                self.weights.disable(victim)
+                self._release_full(victim)
+                free = [k for k, owner in enumerate(self._full_owner) if owner is None]
+        for module, index in zip(needs, free, strict=False):
+            self._full_owner[index] = slot
+            self.weights.write_full(slot, module, index, image.vocab.full[module])
 
     @contextlib.contextmanager
     def batched_installs(self) -> Iterator[None]:
@@ -382,13 +457,20 @@ class LoRASlotPool:
             raise KeyError(f"lora_int_id={int_id!r} is not in a slot")
         return slot
 
+    def full_modules_fit(self, int_id: int) -> bool:
+        """Whether ``int_id``'s ``modules_to_save`` copies would get full-module slots now (resident, needing
+        none, or enough slots free or held by unpinned adapters). Raises nothing."""
+        if self.slots.slot_of(int_id) is not None:
+            return True
+        return len(self._full_needs.get(int_id, ())) <= self._freeable_full()
+
     def can_pin(self, int_id: int) -> bool:
         """Whether ``pin(int_id)`` would find a slot now (resident, a free slot, or an unpinned one).
 
         Raises ``UnknownAdapterError`` like ``pin``.
         """
         self.registry.accepting(int_id)
-        return self.slots.slot_of(int_id) is not None or self.slots.has_room()
+        return self.slots.slot_of(int_id) is not None or (self.slots.has_room() and self.full_modules_fit(int_id))
 
     def stats(self) -> SlotPoolStats:
         """A snapshot of slots, host cache and counters."""
@@ -426,12 +508,14 @@ class LoRASlotPool:
         """Forget ``int_id``: registry, host cache, its read, and its slot (whose scaling is zeroed)."""
         self.registry.remove(int_id)
         self.loader.drop(int_id)
+        self._full_needs.pop(int_id, None)
         slot = self.slots.slot_of(int_id)
         if slot is not None:
             self.slots.clear(slot)
             if self._pending_writes is not None:
                 self._pending_writes.pop(slot, None)
             self.weights.disable(slot)
+            self._release_full(slot)
 
     def _slot_info(self, slot: int) -> SlotInfo:
         occupant = self.slots.occupant(slot)

@@ -38,6 +38,8 @@ class BaseModelSpec:
       ``(in_features, out_features)`` of that linear layer, the same in every layer.
       An adapter targeting a module not listed here is refused.
     - ``architecture``: e.g. ``"LlamaForCausalLM"`` (informational).
+    - ``vocab_size``: rows of ``embed_tokens`` / ``lm_head`` (both ``[vocab_size, hidden_size]``);
+      None: adapters on those modules (LoRA or ``modules_to_save``) are refused.
 
     Raises ``ValueError`` naming the field for non-positive sizes or unknown module names.
     """
@@ -46,12 +48,15 @@ class BaseModelSpec:
     hidden_size: int
     module_shapes: dict[str, tuple[int, int]]
     architecture: str
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"BaseModelSpec.num_layers={self.num_layers!r}: must be >= 1")
         if self.hidden_size < 1:
             raise ValueError(f"BaseModelSpec.hidden_size={self.hidden_size!r}: must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"BaseModelSpec.vocab_size={self.vocab_size!r}: must be >= 1")
         if not self.module_shapes:
             raise ValueError("BaseModelSpec.module_shapes: must name at least one module")
         for name, shape in self.module_shapes.items():

@@ -121,6 +121,10 @@ class EngineConfig:
     """Largest adapter rank accepted; slots are padded to it."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
+    max_full_module_slots: int = knob(0, at_least(0))
+    """Device slots for adapters' modules_to_save copies of embed_tokens / lm_head, one [vocab_size, hidden_size]
+    matrix each (an adapter replacing both takes two); their memory is taken before the KV cache is sized. 0:
+    such adapters are refused. A waiting adapter whose copies find no free slot waits; base requests never do."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
     max_adapter_wait_steps: int = knob(32, at_least(0))
@@ -174,6 +178,10 @@ class EngineConfig:
              "fp8 is not implemented with tensor_parallel_size > 1"),
             (not merged["async_scheduling"] or merged["tensor_parallel_size"] == 1, "async_scheduling",
              "is not implemented with tensor_parallel_size > 1 (the worker ranks read host token ids)"),
+            (merged["max_full_module_slots"] == 0 or merged["tensor_parallel_size"] == 1, "max_full_module_slots",
+             "is not implemented with tensor_parallel_size > 1 (embed_tokens / lm_head adapters are not sharded)"),
+            (merged["max_full_module_slots"] == 0 or merged["enable_lora"], "max_full_module_slots",
+             "needs enable_lora (the slots hold adapters' modules_to_save copies)"),
         ]
         for ok, name, rule in across:
             if not ok:
@@ -199,7 +207,8 @@ class EngineConfig:
         from loraplex.adapters.config import LoRAConfig
 
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras, background_loads=device.type == "cuda")
+                          max_cpu_loras=self.max_cpu_loras, background_loads=device.type == "cuda",
+                          max_full_module_slots=self.max_full_module_slots)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The compute dtype: ``dtype``, or bfloat16 on CUDA / float32 on CPU for ``"auto"``."""

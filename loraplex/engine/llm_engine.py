@@ -28,6 +28,7 @@ from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, PendingStep
+from loraplex.engine.models.llama import VocabLoRA
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.models.quantization import quantize_linears_fp8
 from loraplex.engine.input_processor import (  # noqa: F401 - the errors are re-exported
@@ -174,6 +175,11 @@ class LLMEngine:
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
                           [pool.scaling[layer][m] for m in lin.module_names])
+        weights = pool.weights
+        if weights.has_vocab:  # adapters on embed_tokens / lm_head (not with tensor parallelism)
+            self.model.bind_vocab_lora(VocabLoRA(weights.embed_a_t, weights.embed_b, weights.head_a, weights.head_b,
+                                                 weights.vocab_scaling, weights.full, weights.full_index,
+                                                 weights.full_index_host))
         if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
             from loraplex.kernels.self_check import check_add_lora
 

@@ -384,7 +384,8 @@ class ModelRunner:
         row_index = [sample_index[i] for i in owner]
         if row_index != list(range(hidden.shape[0])):
             hidden = hidden[host_to_device(row_index, torch.int64, hidden.device)]
-        logits = self.model.compute_logits(hidden)
+        seq_slots = self._lora_slots(batch) if self.model.vocab_lora is not None else None
+        logits = self.model.compute_logits(hidden, None if seq_slots is None else [seq_slots[i] for i in owner])
         sampling = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if mask is not None:
             sampling.grammar_bitmask = mask.result()
@@ -412,7 +413,8 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor):
         result: list[list[TopLogprobs] | None] = []
         offset = 0
-        for item in batch.seqs:
+        seq_slots = self._lora_slots(batch) if self.model.vocab_lora is not None else None
+        for b, item in enumerate(batch.seqs):
             lo, n = offset, item.num_new_tokens
             offset += n
             if not item.prompt_logprobs:
@@ -424,7 +426,7 @@ class ModelRunner:
             if count <= 0:
                 result.append([])
                 continue
-            logits = self.model.compute_logits(hidden[lo:lo + count])
+            logits = self.model.compute_logits(hidden[lo:lo + count], None if seq_slots is None else [seq_slots[b]] * count)
             targets = prompt[item.start_position + 1:item.start_position + 1 + count]
             logp = torch.log_softmax(logits, dim=-1)
             ids = torch.tensor(targets, device=logp.device)

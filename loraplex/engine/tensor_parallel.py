@@ -137,7 +137,10 @@ class ShardedLoRADeviceWeights(LoRADeviceWeights):
 
     def __init__(self, shard: TensorShard, local_spec: ModelSpec, num_slots: int, max_lora_rank: int,
                  dtype: torch.dtype, device: torch.device | str, forward_write=None, forward_disable=None) -> None:
-        super().__init__(local_spec.adapter_spec, num_slots, max_lora_rank, dtype, device)
+        # No embed_tokens / lm_head LoRA or full-module slots: not implemented with tensor parallelism (the
+        # pool refuses such adapters, naming it).
+        super().__init__(dataclasses.replace(local_spec.adapter_spec, vocab_size=None), num_slots, max_lora_rank,
+                         dtype, device)
         self.shard = shard
         self.forward_write = forward_write
         self.forward_disable = forward_disable

@@ -46,6 +46,9 @@ class FakePins:
     def batched_installs(self):
         return contextlib.nullcontext()
 
+    def full_modules_fit(self, lora_int_id: int) -> bool:
+        return True
+
     def is_ready(self, lora_int_id: int) -> bool:
         return lora_int_id in self.ready and lora_int_id not in self.broken
 

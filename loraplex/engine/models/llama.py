@@ -24,7 +24,7 @@ from torch import nn
 
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 from loraplex.kernels.ops import Kernels
 from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq
 
@@ -59,6 +59,27 @@ class LoRABatch:
     adapter slots (built once per step)."""
 
     mapping: LoRAMapping
+
+
+@dataclass(frozen=True)
+class VocabLoRA:
+    """The adapter slots' parts on ``embed_tokens`` / ``lm_head`` (the pool's tensors; S slots, R rank,
+    V vocab, H hidden, K full-module slots; see :mod:`loraplex.adapters.device_weights`).
+
+    ``embed_a_t [S, V, R]``, ``embed_b [S, H, R]``, ``head_a [S, R, H]``, ``head_b [S, V, R]`` in the model
+    dtype; ``scaling [2, S] fp32`` (embedding, head); ``full [K, V, H]`` or None; ``full_index [2, S] int64``
+    (the copy slot s uses for the embedding / the head, -1 = the base module) and its host mirror
+    ``full_index_host`` (live lists, updated by the pool).
+    """
+
+    embed_a_t: torch.Tensor
+    embed_b: torch.Tensor
+    head_a: torch.Tensor
+    head_b: torch.Tensor
+    scaling: torch.Tensor
+    full: torch.Tensor | None
+    full_index: torch.Tensor
+    full_index_host: list[list[int]]
 
 
 class LinearWithLoRA(nn.Module):
@@ -250,11 +271,19 @@ class LlamaForCausalLM(nn.Module):
         # HF Gemma: embeddings * tensor(sqrt(hidden_size)) cast to the weight dtype
         self.embed_scale = (None if spec.embed_scale is None else
                             torch.tensor(spec.embed_scale).to(dtype=dtype, device=device))
+        self.kernels = kernels
+        self.vocab_lora: VocabLoRA | None = None  # bound by bind_vocab_lora (adapters on embed_tokens / lm_head)
+
+    def bind_vocab_lora(self, vocab_lora: VocabLoRA) -> None:
+        """Point at the adapter slot pool's ``embed_tokens`` / ``lm_head`` tensors."""
+        self.vocab_lora = vocab_lora
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 lora: LoRABatch | None = None) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if lora is not None and self.vocab_lora is not None:
+            hidden = self._adapter_embeddings(input_ids, hidden, lora)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         residual = None
@@ -263,14 +292,55 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, caches[rope], kv, meta, lora)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head (tied or not), then ``cap * tanh(logits / cap)`` with a final soft-cap (Gemma 2)."""
+    def _adapter_embeddings(self, input_ids: torch.Tensor, hidden: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+        """The adapters' embedding rows, before Gemma's scale (PEFT scales the LoRA delta and the copies too).
+
+        Semantics, ``s = slot[t]``: ``e[t] = full[k][ids[t]]`` when ``k = full_index[0, s] >= 0`` (modules_to_save),
+        then ``e[t] += scaling[0, s] * embed_a_t[s, ids[t]] @ embed_b[s].T``; nothing for ``s == -1``.
+        Device ops only (a gather per token and one SGMV expand), so CUDA graphs capture it.
+        """
+        v = self.vocab_lora
+        slots = lora.mapping.token_slots.long()
+        safe = slots.clamp(min=0)
+        if v.full is not None:
+            index = torch.where(slots >= 0, v.full_index[0][safe], -1)  # [T]
+            rows = v.full[index.clamp(min=0), input_ids]  # [T, H]
+            hidden = torch.where((index >= 0)[:, None], rows, hidden)
+        if lora.mapping.has_lora:
+            a_rows = v.embed_a_t[safe, input_ids].float().unsqueeze(0).contiguous()  # [1, T, R]
+            self.kernels.lora_expand(a_rows, [v.embed_b], [v.scaling[0]], hidden, lora.mapping)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, lora_slots: list[int] | None = None) -> torch.Tensor:
+        """LM head (tied or not), then ``cap * tanh(logits / cap)`` with a final soft-cap (Gemma 2).
+
+        ``lora_slots``: the adapter slot of each row of ``hidden`` (-1 = base model), or None (all base):
+        rows of adapters with LoRA on ``lm_head`` get ``logits[t] += scaling[1, s] * (h[t] @ head_a[s].T) @
+        head_b[s].T`` (batched SGMV shrink/expand), rows of adapters with a ``modules_to_save`` copy
+        ``k = full_index[1, s] >= 0`` get ``h[t] @ full[k].T`` instead (one matmul per copy in the batch).
+        """
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = F.linear(hidden, head)
+        if lora_slots is not None and self.vocab_lora is not None and max(lora_slots, default=-1) >= 0:
+            self._adapter_logits(hidden, logits, lora_slots)
         cap = self.spec.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def _adapter_logits(self, hidden: torch.Tensor, logits: torch.Tensor, lora_slots: list[int]) -> None:
+        """``compute_logits``'s adapter rows, in place on ``logits [B, V]``."""
+        v = self.vocab_lora
+        groups: dict[int, list[int]] = {}
+        for row, slot in enumerate(lora_slots):
+            if slot >= 0 and v.full_index_host[1][slot] >= 0:
+                groups.setdefault(v.full_index_host[1][slot], []).append(row)
+        for index, rows in groups.items():
+            at = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+            logits[at] = F.linear(hidden[at], v.full[index])
+        token_slots = torch.tensor(lora_slots, dtype=torch.int32, device=hidden.device)
+        mapping = plan_segments(token_slots, v.scaling.shape[1], has_lora=True)
+        self.kernels.add_lora(hidden.contiguous(), [v.head_a], [v.head_b], [v.scaling[1]], logits, mapping)
 
     def num_lora_slots(self) -> int:
         """Adapter slots of the bound LoRA weights (S of ``[S, R, in]``), 0 when none are bound."""

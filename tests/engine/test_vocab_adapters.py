@@ -1,0 +1,132 @@
+"""Adapters on embed_tokens / lm_head (PEFT embedding LoRA, LoRA on the head, modules_to_save copies): every
+row equals HF + PEFT (greedy tokens and first-step logprobs, fp32), with untied and tied embeddings."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.adapters.errors import AdapterUnsupportedError
+from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, make_tiny_model, peft_model
+
+MAX_NEW = 8
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+CASES = {  # name: LoraConfig keyword arguments
+    "embed_lora": dict(target_modules=["embed_tokens"], r=4, lora_alpha=8),
+    "head_lora": dict(target_modules=["lm_head", "v_proj"], r=8, lora_alpha=8),
+    "save_head": dict(target_modules=["q_proj"], modules_to_save=["lm_head"], r=4, lora_alpha=8),
+    "save_embed": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"], r=4, lora_alpha=8),
+}
+
+
+def make_vocab_adapter(base_dir: Path, out_dir: Path, seed: int, **lora_kwargs) -> Path:
+    """A PEFT adapter with random (non-zero) LoRA factors and perturbed modules_to_save copies."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns about tied weights and saved embedding layers
+        model = get_peft_model(base, LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **lora_kwargs))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.3)
+                elif "modules_to_save" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def setup(request, tmp_path_factory):
+    tied = request.param
+    base_dir = make_tiny_model(tmp_path_factory.mktemp("base"), "llama", tie_word_embeddings=tied)
+    root = tmp_path_factory.mktemp("vocab-adapters")
+    adapters = {name: LoRARequest(name, i + 1, str(make_vocab_adapter(base_dir, root / name, 20 + i, **kw)))
+                for i, (name, kw) in enumerate(CASES.items())}
+    adapters["qv"] = LoRARequest("qv", 10, str(make_peft_adapter(base_dir, root / "qv", r=4, alpha=8, seed=3)))
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    prompts = [tok.encode(t) for t in ("The quick brown fox", "Paris is the capital", "def add(a, b):",
+                                       "Colors: red, green")]
+    refs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models = {"base": AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32).eval()}
+        models |= {name: peft_model(base_dir, req.lora_path) for name, req in adapters.items()}
+    for name, model in models.items():
+        for i, p in enumerate(prompts):
+            refs[(name, i)] = (hf_greedy_ids(model, p, MAX_NEW), hf_last_logprobs(model, p))
+    # The adapters really change the model (else the comparison proves nothing).
+    for name in adapters:
+        assert not torch.allclose(refs[(name, 0)][1], refs[("base", 0)][1], atol=1e-3), name
+    return base_dir, adapters, prompts, refs
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("max_loras", 4)
+    kw.setdefault("max_full_module_slots", 2)
+    return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=256, enable_lora=True,
+               max_lora_rank=8, **kw)
+
+
+def check_row(out, ref_tokens, ref_lp):
+    comp = out.outputs[0]
+    assert comp.token_ids == ref_tokens
+    top5 = torch.topk(ref_lp, 5)
+    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
+        assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_vocab_adapter_equals_peft(setup, name):
+    base_dir, adapters, prompts, refs = setup
+    outs = make_llm(base_dir).generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
+                                       lora_request=adapters[name])
+    for i, out in enumerate(outs):
+        check_row(out, *refs[(name, i)])
+
+
+def test_mixed_batch_rows_equal_peft(setup):
+    """[embedding LoRA, base, head LoRA, q/v LoRA] in one batch, then copies of both modules and base."""
+    base_dir, adapters, prompts, refs = setup
+    llm = make_llm(base_dir)
+    for order in (["embed_lora", None, "head_lora", "qv"], ["save_head", "save_embed", None, "embed_lora"]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
+                            lora_request=[adapters[n] if n else None for n in order])
+        for i, (name, out) in enumerate(zip(order, outs)):
+            check_row(out, *refs[(name or "base", i)])
+
+
+def test_prompt_logprobs_use_the_adapters_head(setup):
+    base_dir, adapters, prompts, refs = setup
+    llm = make_llm(base_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft_model(base_dir, adapters["save_head"].lora_path)
+    prompt = prompts[1]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    out = llm.generate({"prompt_token_ids": prompt}, params, lora_request=adapters["save_head"])[0]
+    for pos in range(1, len(prompt)):
+        assert out.prompt_logprobs[pos][prompt[pos]] == pytest.approx(float(logp[pos - 1, prompt[pos]]), abs=2e-4)
+
+
+def test_full_module_slots_bound_what_is_served(setup):
+    """max_full_module_slots=0 refuses a modules_to_save adapter, naming the setting; with 1 slot two such
+    adapters take turns (one waits, base requests do not) and both stay exact."""
+    base_dir, adapters, prompts, refs = setup
+    with pytest.raises(AdapterUnsupportedError, match="max_full_module_slots=0"):
+        make_llm(base_dir, max_full_module_slots=0).engine.add_lora(adapters["save_head"])
+    llm = make_llm(base_dir, max_full_module_slots=1)
+    order = ["save_head", "save_embed", None, "save_head"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
+                        lora_request=[adapters[n] if n else None for n in order])
+    for i, (name, out) in enumerate(zip(order, outs)):
+        check_row(out, *refs[(name or "base", i)])
