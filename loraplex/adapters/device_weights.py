@@ -83,7 +83,10 @@ class LoRADeviceWeights:
         self.full_index_host[row][slot] = index
 
     def clear_full(self, slot: int) -> None:
-        """Adapter slot ``slot`` uses the base ``embed_tokens`` / ``lm_head`` again."""
+        """Adapter slot ``slot`` uses the base ``embed_tokens`` / ``lm_head`` again (no device write when it
+        already does)."""
+        if all(row[slot] == -1 for row in self.full_index_host):
+            return
         self.full_index[:, slot] = -1
         for row in self.full_index_host:
             row[slot] = -1
@@ -195,8 +198,9 @@ class LoRADeviceWeights:
     def memory_bytes(self) -> int:
         """Device memory of the slot tensors, in bytes."""
         tensors = [t for group in (self.a, self.b, self.scaling) for per_layer in group for t in per_layer.values()]
-        tensors += [t for t in (self.embed_a_t, self.embed_b, self.head_a, self.head_b, self.vocab_scaling, self.full,
-                                self.full_index) if t is not None]
+        if self.has_vocab:
+            tensors += [t for t in (self.embed_a_t, self.embed_b, self.head_a, self.head_b, self.vocab_scaling, self.full,
+                                    self.full_index) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
