@@ -101,6 +101,29 @@ def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int = 8, alpha: int =
     return Path(out_dir)
 
 
+def make_vocab_adapter(base_dir: Path, out_dir: Path, seed: int, **lora_kwargs) -> Path:
+    """A PEFT adapter (``LoraConfig(**lora_kwargs)``, e.g. on embed_tokens / lm_head or with ``modules_to_save``)
+    with random non-zero LoRA factors (embedding ones included) and perturbed ``modules_to_save`` copies."""
+    import warnings
+
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns about tied weights and saved embedding layers
+        model = get_peft_model(base, LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **lora_kwargs))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.3)
+                elif "modules_to_save" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
 def peft_model(base_dir: Path, adapter_dir: Path):
     """The HF + PEFT reference model for one adapter (float32, eval)."""
     from peft import PeftModel

@@ -116,6 +116,10 @@ class AsyncEngine:
         return self.engine.config.max_lora_rank
 
     @property
+    def max_full_module_slots(self) -> int:
+        return self.engine.config.max_full_module_slots
+
+    @property
     def lora_enabled(self) -> bool:
         return self.engine.lora_pool is not None
 

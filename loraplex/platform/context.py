@@ -62,6 +62,7 @@ class PlatformContext:
     max_model_len: int | None = None
     base_spec: BaseModelSpec | None = None
     max_lora_rank: int | None = None
+    max_full_module_slots: int = 0
     admission: TenantAdmission = field(default_factory=TenantAdmission)
     serving_dtype: torch.dtype | None = None
     upload_validator: UploadValidator | None = None
@@ -98,6 +99,7 @@ def attach_engine(ctx: PlatformContext, engine: EngineClient) -> None:
     ctx.max_model_len = engine.max_model_len
     ctx.base_spec = engine.base_spec if engine.lora_enabled else None
     ctx.max_lora_rank = engine.max_lora_rank
+    ctx.max_full_module_slots = engine.max_full_module_slots
     ctx.admission = TenantAdmission(clock=engine.clock)  # one timeline for gate and engine deadlines
     ctx.serving_dtype = engine.serving_dtype
     ctx.metrics.bind_engine(engine, model_name=ctx.model_id)
@@ -120,6 +122,7 @@ def attach_model_spec(ctx: PlatformContext) -> None:
     folder = resolve_model(settings.model, settings.cache_dir)
     ctx.base_spec = BaseModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder)))
     ctx.max_lora_rank = settings.max_lora_rank or EngineConfig.__dataclass_fields__["max_lora_rank"].default
+    ctx.max_full_module_slots = settings.max_full_module_slots or 0
     ctx.model_id = settings.model_id
     ctx.serving_dtype = _strictest_dtype(settings.dtype)
 

@@ -64,6 +64,11 @@ class EngineClient(Protocol):
     def max_lora_rank(self) -> int: ...
 
     @property
+    def max_full_module_slots(self) -> int:
+        """Device slots for adapters' ``modules_to_save`` copies (``EngineConfig.max_full_module_slots``)."""
+        ...
+
+    @property
     def lora_enabled(self) -> bool: ...
 
     @property

@@ -20,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import JSON, TypeDecorator
@@ -146,6 +147,7 @@ class AdapterVersion(Base):
     rank: Mapped[int] = mapped_column(Integer)
     alpha: Mapped[float] = mapped_column(Float)
     target_modules: Mapped[list[str]] = mapped_column(JSON)
+    modules_to_save: Mapped[list[str]] = mapped_column(JSON, default=list, server_default=text("'[]'"))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

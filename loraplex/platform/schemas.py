@@ -103,6 +103,8 @@ class AdapterPublic(BaseModel):
     size_bytes: int
     status: str
     created_at: dt.datetime
+    modules_to_save: list[str] = []
+    """Modules the adapter replaces by a full copy (PEFT ``modules_to_save``: ``embed_tokens``, ``lm_head``)."""
 
 
 class TenantContext(BaseModel):

@@ -78,10 +78,18 @@ def adapters_table(ctx: PlatformContext, session: ConsoleSession | None, tenant_
         adapters = adapter_service.list_adapters(session=db, tenant_id=tenant.tenant_id)
     stats = engine_stats(ctx)
     lora_stats = stats.get("lora") if stats else None
-    rows = [[a.name, a.version, a.rank, a.alpha, ", ".join(a.target_modules), format_bytes(a.size_bytes),
+    rows = [[a.name, a.version, a.rank, a.alpha, targets_text(a.target_modules, a.modules_to_save), format_bytes(a.size_bytes),
              _status(ctx, tenant.tenant_id, a, lora_stats), format_time(a.created_at), a.version_id[:12]]
             for a in adapters]
     return pd.DataFrame(rows, columns=ADAPTER_COLUMNS)
+
+
+def targets_text(target_modules: Sequence[str], modules_to_save: Sequence[str]) -> str:
+    """The targets cell: LoRA modules, then full copies (``q_proj, lm_head; modules_to_save: embed_tokens``)."""
+    text = ", ".join(target_modules)
+    if modules_to_save:
+        text += ("; " if text else "") + "modules_to_save: " + ", ".join(modules_to_save)
+    return text
 
 
 def refresh(ctx: PlatformContext, session: ConsoleSession | None, tenant_name: str | None):
@@ -118,9 +126,11 @@ def preview_text(preview: adapter_service.UploadPreview) -> str:
     lines = [f"{ok_text('valid PEFT LoRA adapter')} — **{preview.name}** ({action})",
              f"- rank **{info.rank}** (server max {preview.max_lora_rank}), alpha {info.alpha:g}"
              + (", rsLoRA" if info.use_rslora else ""),
-             f"- targets: {', '.join(info.target_modules)} in {info.num_layers_targeted} layer(s)",
+             f"- targets: {', '.join(info.target_modules) or 'none'} in {info.num_layers_targeted} layer(s)",
              f"- compatible with base model `{preview.base_model}`",
              f"- size {format_bytes(info.size_bytes)}, version id `{info.version_id[:16]}…`"]
+    if info.modules_to_save:
+        lines.insert(3, f"- modules_to_save (full copies): {', '.join(info.modules_to_save)}")
     lines += [f"- warning: {w}" for w in info.warnings]
     return "\n".join(lines)
 

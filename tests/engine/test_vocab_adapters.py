@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.errors import AdapterUnsupportedError
-from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, make_tiny_model, peft_model
+from tiny_models import (hf_greedy_ids, hf_last_logprobs, make_peft_adapter, make_tiny_model, make_vocab_adapter,
+                         peft_model)
 
 MAX_NEW = 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
@@ -22,25 +23,6 @@ CASES = {  # name: LoraConfig keyword arguments
     "save_head": dict(target_modules=["q_proj"], modules_to_save=["lm_head"], r=4, lora_alpha=8),
     "save_embed": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"], r=4, lora_alpha=8),
 }
-
-
-def make_vocab_adapter(base_dir: Path, out_dir: Path, seed: int, **lora_kwargs) -> Path:
-    """A PEFT adapter with random (non-zero) LoRA factors and perturbed modules_to_save copies."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT warns about tied weights and saved embedding layers
-        model = get_peft_model(base, LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **lora_kwargs))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0.0, 0.3)
-                elif "modules_to_save" in name:
-                    p.add_(torch.randn_like(p) * 0.1)
-        model.save_pretrained(str(out_dir))
-    return Path(out_dir)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -101,6 +101,10 @@ class ReplicaEngineClient:
         return self.info.max_lora_rank
 
     @property
+    def max_full_module_slots(self) -> int:
+        return self.info.max_full_module_slots
+
+    @property
     def lora_enabled(self) -> bool:
         return self.info.lora_enabled
 

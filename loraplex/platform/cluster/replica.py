@@ -70,6 +70,7 @@ class ReplicaInfo:
     max_lora_rank: int
     lora_enabled: bool
     serving_dtype: str | None
+    max_full_module_slots: int = 0
 
 
 class EngineReplica:
@@ -105,7 +106,8 @@ class EngineReplica:
         dtype = engine.serving_dtype
         return ReplicaInfo(self.replica_id, str(Path(engine.engine.model_path).resolve()), engine.max_model_len,
                            engine.max_lora_rank, engine.lora_enabled,
-                           str(dtype).removeprefix("torch.") if dtype is not None else None)
+                           str(dtype).removeprefix("torch.") if dtype is not None else None,
+                           engine.max_full_module_slots)
 
     def stats(self) -> dict[str, Any] | None:
         snapshot = self.engine.stats_dict()

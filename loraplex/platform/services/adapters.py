@@ -72,7 +72,8 @@ def adapter_cache_keys(tenant_id: int, *names: str) -> list[str]:
 def version_public(name: str, version: AdapterVersion) -> AdapterPublic:
     return AdapterPublic(name=name, version=version.version, version_id=version.content_hash, rank=version.rank,
                          alpha=version.alpha, target_modules=list(version.target_modules),
-                         size_bytes=version.size_bytes, status=version.status, created_at=version.created_at)
+                         size_bytes=version.size_bytes, status=version.status, created_at=version.created_at,
+                         modules_to_save=list(version.modules_to_save or ()))
 
 
 def _not_found(name: str) -> NotFound:
@@ -215,12 +216,19 @@ def _validate(ctx: PlatformContext, tenant: TenantContext, staging: Path,
     job = UploadCheck(parts=staged, dest=str(staging / _CHECKED), limits=_limits(ctx, tenant), spec=ctx.base_spec,
                       max_lora_rank=ctx.max_lora_rank, serving_dtype=ctx.serving_dtype or torch.float32)
     try:
-        return ctx.upload_validator.run(job)
+        info = ctx.upload_validator.run(job)
     except AdapterError as exc:
         raise InvalidRequest(public_text(ctx, str(exc), staging), param="file", code="invalid_adapter") from None
     except PlatformError as exc:
         exc.message = public_text(ctx, exc.message, staging)
         raise
+    if len(info.modules_to_save) > ctx.max_full_module_slots:
+        raise InvalidRequest(
+            f"modules_to_save={list(info.modules_to_save)!r} needs {len(info.modules_to_save)} full-module slot(s) "
+            f"(one [vocab_size, hidden_size] matrix each) but the server has max_full_module_slots="
+            f"{ctx.max_full_module_slots} (--max-full-module-slots / LORAPLEX_MAX_FULL_MODULE_SLOTS)",
+            param="file", code="invalid_adapter")
+    return info
 
 
 def _store(ctx: PlatformContext, checked: Path, version_id: str) -> bool:
@@ -251,7 +259,7 @@ def _record(session: Session, ctx: PlatformContext, tenant: TenantContext, name:
         version, superseded = crud.add_adapter_version(
             session=session, tenant_id=tenant.tenant_id, name=name, content_hash=info.version_id,
             rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules), size_bytes=info.size_bytes,
-            max_adapters=tenant.max_adapters)
+            max_adapters=tenant.max_adapters, modules_to_save=info.modules_to_save)
         repaired = crud.repair_versions(session=session, content_hash=info.version_id)
         session.commit()
     except LimitExceeded:  # another upload took the last place while this one was being checked

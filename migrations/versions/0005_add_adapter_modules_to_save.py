@@ -1,0 +1,31 @@
+"""Add adapter_versions.modules_to_save: the modules an adapter version replaces by a full copy.
+
+PEFT ``modules_to_save`` copies of ``embed_tokens`` / ``lm_head`` (a JSON list of module names,
+``[]`` for plain LoRA). Existing versions get ``[]``. Downgrade drops the column.
+
+Revision ID: 0005_adapter_modules_to_save
+Revises: 0004_add_adapter_evaluations
+Create Date: 2026-12-01 03:00:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = '0005_adapter_modules_to_save'
+down_revision: str | None = '0004_add_adapter_evaluations'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('adapter_versions', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('modules_to_save', sa.JSON(), server_default=sa.text("'[]'"), nullable=False))
+
+
+def downgrade() -> None:
+    # Plain ALTER TABLE ... DROP COLUMN, never a batch rebuild (see 0002).
+    op.drop_column('adapter_versions', 'modules_to_save')
