@@ -120,7 +120,8 @@ class LoRADeviceWeights:
             keys = list(image.offsets)
             destinations = [self.a[l][m][slot] for l, m in keys] + [self.b[l][m][slot] for l, m in keys]
             sources = [image.a(key) for key in keys] + [image.b(key) for key in keys]
-            torch._foreach_copy_(destinations, sources, non_blocking=True)  # one call, not 2 per module
+            if keys:  # an adapter only on embed_tokens / lm_head has none
+                torch._foreach_copy_(destinations, sources, non_blocking=True)  # one call, not 2 per module
             self._scaling_table[:, :, slot].copy_(image.scaling, non_blocking=True)
             self._write_vocab(slot, image)
         except Exception:
