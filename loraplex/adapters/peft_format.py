@@ -19,6 +19,9 @@ Tensor names (PEFT ``get_peft_model_state_dict``):
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A[.{adapter}].weight``
 ``[r, in_features]`` and ``...lora_B[.{adapter}].weight`` ``[out_features, r]``; the
 ``base_model.model.`` prefix, the ``model.`` prefix and the adapter name are optional.
+On the vocabulary-sized modules (``_plan_vocab``): ``model.embed_tokens.lora_embedding_{A,B}``,
+``lm_head.lora_{A,B}.weight``, the ``base_layer.weight`` copy PEFT saves beside them, and
+``modules_to_save`` copies ``model.embed_tokens.weight`` / ``lm_head.weight``.
 Compatibility is decided from these shapes and ``BaseModelSpec``, never from
 ``base_model_name_or_path``.
 """
