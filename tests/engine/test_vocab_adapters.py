@@ -112,3 +112,32 @@ def test_full_module_slots_bound_what_is_served(setup):
                         lora_request=[adapters[n] if n else None for n in order])
     for i, (name, out) in enumerate(zip(order, outs)):
         check_row(out, *refs[(name or "base", i)])
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_scaled_embeddings_and_soft_capped_head_equal_peft(arch, tmp_path):
+    """Gemma scales the embeddings by sqrt(hidden) (the LoRA delta and a copy's rows too, as PEFT does) and
+    Gemma 2 soft-caps the logits after the head (its LoRA included); tied embeddings."""
+    base_dir = make_tiny_model(tmp_path / "base", arch, tie_word_embeddings=True, head_dim=16)
+    cases = {"embed_lora": CASES["embed_lora"], "head_lora": CASES["head_lora"], "save_embed": CASES["save_embed"]}
+    adapters = {name: LoRARequest(name, i + 1, str(make_vocab_adapter(base_dir, tmp_path / name, 40 + i, **kw)))
+                for i, (name, kw) in enumerate(cases.items())}
+    prompt = AutoTokenizer.from_pretrained(str(base_dir)).encode("Paris is the capital")
+    llm = make_llm(base_dir)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(adapters), PARAMS, lora_request=list(adapters.values()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for (name, req), out in zip(adapters.items(), outs):
+            model = peft_model(base_dir, req.lora_path)
+            check_row(out, hf_greedy_ids(model, prompt, MAX_NEW), hf_last_logprobs(model, prompt))
+
+
+def test_engine_config_refuses_full_module_slots_it_cannot_serve():
+    from loraplex.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="max_full_module_slots=1: is not implemented with tensor_parallel_size > 1"):
+        EngineConfig.validate({"max_full_module_slots": 1, "tensor_parallel_size": 2, "enable_lora": True})
+    with pytest.raises(ConfigError, match="max_full_module_slots=1: needs enable_lora"):
+        EngineConfig.validate({"max_full_module_slots": 1})
+    with pytest.raises(ConfigError, match="max_full_module_slots=-1: must be >= 0"):
+        EngineConfig.validate({"max_full_module_slots": -1})
