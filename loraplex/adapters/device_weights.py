@@ -17,7 +17,8 @@ Vocabulary-sized modules (when ``spec.vocab_size`` is set; V = vocab, H = hidden
 - ``head_a [S, R, H]``, ``head_b [S, V, R]``: LoRA on ``lm_head``,
   ``logits[t] += vocab_scaling[1, s] * (h[t] @ head_a[s].T) @ head_b[s].T``;
 - ``full [K, V, H]``: ``modules_to_save`` copies; ``full_index [2, S] int64`` (embedding, head) names the
-  copy an adapter slot uses (-1: the base module), mirrored on the host in ``full_index_host``.
+  copy an adapter slot uses (-1: the base module), mirrored on the host in ``full_index_host``;
+  ``vocab_lora_host [2][S]``: whether each slot holds LoRA on the embedding / the head (host only).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class LoRADeviceWeights:
         self.full = self._zeros(max_full_module_slots, V, H) if max_full_module_slots else None
         self.full_index = torch.full((2, S), -1, dtype=torch.int64, device=self.device)
         self.full_index_host = [[-1] * S, [-1] * S]
+        self.vocab_lora_host = [[False] * S, [False] * S]
 
     def write_full(self, slot: int, module: str, index: int, weight: torch.Tensor) -> None:
         """Copy a ``modules_to_save`` matrix ``weight [V, H]`` into full-module slot ``index`` and make
@@ -101,12 +103,15 @@ class LoRADeviceWeights:
             return
         if vocab is None:
             self.vocab_scaling[:, slot] = 0.0
+            self.vocab_lora_host[0][slot] = self.vocab_lora_host[1][slot] = False
             return
         for dest, source in ((self.embed_a_t, vocab.embed_a_t), (self.embed_b, vocab.embed_b),
                              (self.head_a, vocab.head_a), (self.head_b, vocab.head_b)):
             if source is not None:
                 dest[slot].copy_(source, non_blocking=True)
         self.vocab_scaling[:, slot].copy_(vocab.scaling, non_blocking=True)
+        self.vocab_lora_host[0][slot] = vocab.embed_a_t is not None
+        self.vocab_lora_host[1][slot] = vocab.head_a is not None
 
     def write(self, slot: int, image: SlotImage) -> None:
         """Overwrite ``slot`` with ``image``: two contiguous copies per targeted module (already
@@ -188,6 +193,7 @@ class LoRADeviceWeights:
         self._scaling_table[:, :, slot] = 0.0
         if self.vocab_scaling is not None:
             self.vocab_scaling[:, slot] = 0.0
+        self.vocab_lora_host[0][slot] = self.vocab_lora_host[1][slot] = False
         self.clear_full(slot)
 
     def invalidate(self, slot: int) -> None:

@@ -179,7 +179,7 @@ class LLMEngine:
         if weights.has_vocab:  # adapters on embed_tokens / lm_head (not with tensor parallelism)
             self.model.bind_vocab_lora(VocabLoRA(weights.embed_a_t, weights.embed_b, weights.head_a, weights.head_b,
                                                  weights.vocab_scaling, weights.full, weights.full_index,
-                                                 weights.full_index_host))
+                                                 weights.full_index_host, weights.vocab_lora_host))
         if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
             from loraplex.kernels.self_check import check_add_lora
 

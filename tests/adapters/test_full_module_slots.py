@@ -75,12 +75,14 @@ def test_vocab_slot_tensors_and_their_memory(spec, folders):
     assert torch.equal(weights.embed_a_t[slot, :, :4], adapter.vocab.embed.a.T)
     assert torch.equal(weights.head_b[slot, :, :4], adapter.vocab.head.b) and not weights.head_b[slot, :, 4:].any()
     assert weights.vocab_scaling[:, slot].tolist() == [2.0, 2.0]
+    assert weights.vocab_lora_host == [[True, False, False], [True, False, False]] and slot == 0
     base = LoRADeviceWeights(dataclasses.replace(spec, vocab_size=None), S, R, torch.float32, "cpu").memory_bytes()
     vocab = 4 * (S * V * R + S * H * R + S * R * H + S * V * R + 2 * S + 2 * V * H) + 8 * 2 * S
     assert pool.stats().slot_memory_bytes == base + vocab
     pool.unpin(1)
     pool.remove_lora(1)
     assert weights.vocab_scaling[:, slot].tolist() == [0.0, 0.0]
+    assert weights.vocab_lora_host == [[False] * 3, [False] * 3]
 
 
 @pytest.mark.parametrize("declared", [False, True], ids=["hashed", "declared-version-id"])

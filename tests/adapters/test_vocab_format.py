@@ -3,6 +3,7 @@ slot image holds, and what is refused."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -93,7 +94,7 @@ def test_bad_vocab_tensors_refused(peft_adapter, spec, tmp_path, kw, edit, error
     folder, _ = peft_adapter(r=4, lora_alpha=8, **kw)
     edited = _copy_with(folder, tmp_path, edit)
     for load in (load_peft_adapter, inspect_peft_adapter):
-        with pytest.raises(error, match=__import__("re").escape(message)):
+        with pytest.raises(error, match=re.escape(message)):
             load(edited, spec, 8)
 
 

@@ -4,7 +4,6 @@ row equals HF + PEFT (greedy tokens and first-step logprobs, fp32), with untied 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch

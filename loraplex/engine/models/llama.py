@@ -69,7 +69,8 @@ class VocabLoRA:
     ``embed_a_t [S, V, R]``, ``embed_b [S, H, R]``, ``head_a [S, R, H]``, ``head_b [S, V, R]`` in the model
     dtype; ``scaling [2, S] fp32`` (embedding, head); ``full [K, V, H]`` or None; ``full_index [2, S] int64``
     (the copy slot s uses for the embedding / the head, -1 = the base module) and its host mirror
-    ``full_index_host`` (live lists, updated by the pool).
+    ``full_index_host`` (live lists, updated by the pool); ``lora_host [2][S]``: whether slot s holds LoRA on the
+    embedding / the head (live lists: the head's SGMV runs only when a sampled row's slot has one).
     """
 
     embed_a_t: torch.Tensor
@@ -80,6 +81,7 @@ class VocabLoRA:
     full: torch.Tensor | None
     full_index: torch.Tensor
     full_index_host: list[list[int]]
+    lora_host: list[list[bool]]
 
 
 class LinearWithLoRA(nn.Module):
@@ -338,6 +340,8 @@ class LlamaForCausalLM(nn.Module):
         for index, rows in groups.items():
             at = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
             logits[at] = F.linear(hidden[at], v.full[index])
+        if not any(slot >= 0 and v.lora_host[1][slot] for slot in lora_slots):
+            return
         token_slots = torch.tensor(lora_slots, dtype=torch.int32, device=hidden.device)
         mapping = plan_segments(token_slots, v.scaling.shape[1], has_lora=True)
         self.kernels.add_lora(hidden.contiguous(), [v.head_a], [v.head_b], [v.scaling[1]], logits, mapping)
