@@ -22,8 +22,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('adapter_versions', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('modules_to_save', sa.JSON(), server_default=sa.text("'[]'"), nullable=False))
+    # Plain ALTER TABLE ... ADD COLUMN, never a batch rebuild: rebuilding ``adapter_versions`` would drop its
+    # AUTOINCREMENT (0003) and, with foreign keys on, its evaluations through ON DELETE CASCADE.
+    op.add_column('adapter_versions',
+                  sa.Column('modules_to_save', sa.JSON(), server_default=sa.text("'[]'"), nullable=False))
 
 
 def downgrade() -> None:
