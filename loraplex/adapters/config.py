@@ -54,7 +54,8 @@ class LoRAConfig:
         }
         if isinstance(self.max_full_module_slots, bool) or not isinstance(self.max_full_module_slots, int) \
                 or self.max_full_module_slots < 0:
-            raise ValueError(f"LoRAConfig.max_full_module_slots={self.max_full_module_slots!r}: must be an integer >= 0")
+            raise ValueError(
+                f"LoRAConfig.max_full_module_slots={self.max_full_module_slots!r}: must be an integer >= 0")
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LoRAConfig.{name}={value!r}: must be an integer >= 1")

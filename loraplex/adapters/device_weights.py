@@ -206,8 +206,8 @@ class LoRADeviceWeights:
         """Device memory of the slot tensors, in bytes."""
         tensors = [t for group in (self.a, self.b, self.scaling) for per_layer in group for t in per_layer.values()]
         if self.has_vocab:
-            tensors += [t for t in (self.embed_a_t, self.embed_b, self.head_a, self.head_b, self.vocab_scaling, self.full,
-                                    self.full_index) if t is not None]
+            vocab = (self.embed_a_t, self.embed_b, self.head_a, self.head_b, self.vocab_scaling, self.full, self.full_index)
+            tensors += [t for t in vocab if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:

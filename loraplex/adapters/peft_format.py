@@ -287,7 +287,8 @@ def _layout(
     _check_tensor_count(header, spec)
     layer_header = {name: entry for name, entry in header.items() if _VOCAB_TENSOR.fullmatch(name) is None}
     vocab_lora, full_modules = _plan_vocab(header, config, spec, max_lora_rank)
-    plans = _plan_modules(layer_header, config, spec, max_lora_rank) if layer_header or not header.keys() - layer_header.keys() else []
+    has_vocab = bool(vocab_lora or full_modules)
+    plans = _plan_modules(layer_header, config, spec, max_lora_rank) if layer_header or not has_vocab else []
     present = {plan.module for plan in plans}
     ranks = [plan.hyper.rank for plan in plans + vocab_lora]
     if not ranks and not full_modules:

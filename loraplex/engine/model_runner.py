@@ -426,7 +426,8 @@ class ModelRunner:
             if count <= 0:
                 result.append([])
                 continue
-            logits = self.model.compute_logits(hidden[lo:lo + count], None if seq_slots is None else [seq_slots[b]] * count)
+            row_slots = None if seq_slots is None else [seq_slots[b]] * count
+            logits = self.model.compute_logits(hidden[lo:lo + count], row_slots)
             targets = prompt[item.start_position + 1:item.start_position + 1 + count]
             logp = torch.log_softmax(logits, dim=-1)
             ids = torch.tensor(targets, device=logp.device)

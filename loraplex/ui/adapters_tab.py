@@ -78,7 +78,8 @@ def adapters_table(ctx: PlatformContext, session: ConsoleSession | None, tenant_
         adapters = adapter_service.list_adapters(session=db, tenant_id=tenant.tenant_id)
     stats = engine_stats(ctx)
     lora_stats = stats.get("lora") if stats else None
-    rows = [[a.name, a.version, a.rank, a.alpha, targets_text(a.target_modules, a.modules_to_save), format_bytes(a.size_bytes),
+    rows = [[a.name, a.version, a.rank, a.alpha, targets_text(a.target_modules, a.modules_to_save),
+             format_bytes(a.size_bytes),
              _status(ctx, tenant.tenant_id, a, lora_stats), format_time(a.created_at), a.version_id[:12]]
             for a in adapters]
     return pd.DataFrame(rows, columns=ADAPTER_COLUMNS)
