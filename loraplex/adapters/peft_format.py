@@ -71,6 +71,8 @@ _LORA_TENSOR = re.compile(
 _LAYER_MODULE = re.compile(r"(?:model\.)?layers\.(?P<layer>[0-9]+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)")
 _LAYER_INDEX = re.compile(r"0|[1-9][0-9]{0,5}")  # a layer index as PEFT writes it: <= 6 digits, no leading zero
 MAX_TENSOR_NAME_CHARS = 256
+_NO_VOCAB = ("adapters on embed_tokens / lm_head are not served by this engine (its BaseModelSpec has no vocab_size: "
+             "not implemented with tensor_parallel_size > 1)")
 # Tensors of embed_tokens / lm_head as PEFT saves them: LoRA (lora_embedding_A/B on the embedding, lora_A/B on
 # the head), the copy of the base module it saves beside LoRA there (``base_layer.weight``), or a
 # ``modules_to_save`` copy (``<module>.weight``; ``.modules_to_save.<adapter>.weight`` unstripped).
@@ -330,9 +332,7 @@ def _plan_vocab(
         module = vocab_module(match["module"])
         assert module is not None  # the regex names only these
         if spec.vocab_size is None:
-            raise AdapterIncompatibleError(
-                f"tensor {name!r}: the base model spec has no vocab_size, so {module} cannot be checked or served"
-            )
+            raise AdapterUnsupportedError(f"tensor {name!r}: {_NO_VOCAB}")
         if match["copy"] is not None:
             kind = "base_layer" if match["copy"] == "base_layer.weight" else "full"
         else:
@@ -455,6 +455,8 @@ def _check_target_modules_exist(config: PeftLoraConfig, spec: BaseModelSpec) -> 
     if spec.vocab_size is not None:
         names.update(("embed_tokens", "model.embed_tokens", "lm_head"))
     for entry in config.target_modules:
+        if spec.vocab_size is None and vocab_module(entry) is not None:
+            raise AdapterUnsupportedError(f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}: {_NO_VOCAB}")
         if entry not in names:
             raise AdapterIncompatibleError(
                 f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}, which the base model ({spec.architecture}) "

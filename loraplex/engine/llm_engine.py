@@ -10,6 +10,7 @@ both drive it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -128,6 +129,10 @@ class LLMEngine:
         # Tensor parallelism: this process is rank 0 (the driver) and holds rank 0's shard.
         self.tp = TensorParallelDriver(config, self.model_path, dummy_weights) if config.tensor_parallel_size > 1 else None
         self.rank_spec = self.spec if self.tp is None else self.tp.state.local_spec
+        # What adapters are checked against; without vocab_size under tensor parallelism (adapters on
+        # embed_tokens / lm_head are not sharded, so they are refused when checked).
+        self.adapter_spec = (self.spec.adapter_spec if self.tp is None
+                             else dataclasses.replace(self.spec.adapter_spec, vocab_size=None))
         if self.tp is None:
             kernels = Kernels(default_backend(self.device))
             self.model = build_model(self.model_path, self.spec, self.dtype, self.device, kernels, dummy_weights,
@@ -169,8 +174,7 @@ class LLMEngine:
     def _build_lora_pool(self):
         from loraplex.adapters import LoRASlotPool
 
-        spec = self.spec.adapter_spec
-        pool = LoRASlotPool(spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device),
+        pool = LoRASlotPool(self.adapter_spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device),
                             weights=self.tp.state.lora_weights if self.tp is not None else None)
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],

@@ -131,7 +131,7 @@ class AsyncEngine:
     @property
     def base_spec(self) -> BaseModelSpec:
         """The :class:`~loraplex.adapters.BaseModelSpec` uploads are validated against."""
-        return self.engine.spec.adapter_spec
+        return self.engine.adapter_spec
 
     @property
     def vocab_size(self) -> int:

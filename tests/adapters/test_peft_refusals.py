@@ -148,7 +148,8 @@ def test_malformed_config_refused(adapter_copy, spec, edit_config, field, value,
 def test_lm_head_lora_refused_for_a_spec_without_vocab_size(peft_adapter, spec):
     folder, _ = peft_adapter(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
     no_vocab = dataclasses.replace(spec, vocab_size=None)
-    refused(folder, no_vocab, AdapterIncompatibleError, "target_modules contains 'lm_head', which the base model")
+    refused(folder, no_vocab, AdapterUnsupportedError, "target_modules contains 'lm_head': adapters on embed_tokens / "
+                                                       "lm_head are not served by this engine")
 
 
 # ---------------------------------------------------------------- rank limit

@@ -140,3 +140,20 @@ def test_engine_config_refuses_full_module_slots_it_cannot_serve():
         EngineConfig.validate({"max_full_module_slots": 1})
     with pytest.raises(ConfigError, match="max_full_module_slots=-1: must be >= 0"):
         EngineConfig.validate({"max_full_module_slots": -1})
+
+
+def test_tensor_parallel_refuses_vocab_adapters_and_serves_the_others(setup):
+    """With tensor_parallel_size=2 adapters on embed_tokens / lm_head are refused when registered, naming the
+    reason (the upload check uses the same spec); a plain adapter on the same engine still equals PEFT."""
+    base_dir, adapters, prompts, refs = setup
+    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, max_num_seqs=4,
+              tensor_parallel_size=2)
+    try:
+        assert llm.engine.adapter_spec.vocab_size is None
+        for name in ("embed_lora", "head_lora", "save_head"):
+            with pytest.raises(AdapterUnsupportedError, match="not implemented with tensor_parallel_size > 1"):
+                llm.engine.add_lora(adapters[name])
+        out = llm.generate({"prompt_token_ids": prompts[0]}, PARAMS, lora_request=adapters["qv"])[0]
+        check_row(out, *refs[("qv", 0)])
+    finally:
+        llm.engine.close()
