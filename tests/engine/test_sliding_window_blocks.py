@@ -181,6 +181,7 @@ def test_mistral_window_holds_only_the_window_and_equals_hf(mistral_case, async_
         assert held[0] == -(-PROMPT_LEN // BLOCK)
         held = held[1:]
     assert max(held) <= -(-WINDOW // BLOCK) + 2
+    assert max(held) == -(-(WINDOW - 1) // BLOCK) + 1  # after a step: positions c - W + 1 .. c - 1, 5 blocks
     assert -(-(PROMPT_LEN + MAX_NEW) // BLOCK) == 23  # what the sequence would hold without freeing
 
 
