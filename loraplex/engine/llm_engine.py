@@ -25,7 +25,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import SequenceTextState
 from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
-from loraplex.engine.kv_cache_manager import KVCacheManager
+from loraplex.engine.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, PendingStep
 from loraplex.engine.models.loader import build_model, load_model_spec
@@ -183,15 +183,22 @@ class LLMEngine:
 
     def _build_kv_cache(self) -> None:
         c = self.config
+        window = uniform_sliding_window(self.rank_spec.layer_windows)
         sizing = size_kv_cache(self.rank_spec, self.dtype, self.device, block_size=c.block_size,
                                max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
                                num_kv_blocks=c.num_kv_blocks, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
                                gpu_memory_utilization=c.gpu_memory_utilization,
-                               activation_bytes=self._activation_bytes())
+                               activation_bytes=self._activation_bytes(), sliding_window=window,
+                               max_num_batched_tokens=c.max_num_batched_tokens)
         num_swap = c.swap_space_bytes // (sizing.bytes_per_token * c.block_size)
         self.kv_sizing = sizing
         self.kv_cache = KVCache(self.rank_spec, sizing, self.dtype, self.device, num_swap)
-        self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
+        if window is not None:
+            logger.info("every layer attends to the last %d tokens: KV blocks wholly outside the window are freed "
+                        "as sequences advance (about %d blocks per long sequence)", window,
+                        -(-window // c.block_size) + 1)
+        self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap,
+                                         sliding_window=window)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
                                                    self.max_model_len, max_lookahead_loras=c.max_cpu_loras,
                                                    max_adapter_wait_steps=c.max_adapter_wait_steps,

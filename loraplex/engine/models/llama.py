@@ -128,8 +128,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache: fused qkv matmul (+ LoRA), optional per-head q/k
-    RMSNorm (Qwen3), RoPE, cache write, paged attention (limited to ``sliding_window`` tokens when
-    set: Mistral, Phi-3, Qwen2/3 sliding layers), o_proj (+ LoRA).
+    RMSNorm (Qwen3, Gemma 3), RoPE and cache write (one ``rotary_and_cache`` launch), paged attention
+    (limited to ``sliding_window`` tokens when set: Mistral, Phi-3, Qwen2/3 sliding layers), o_proj (+ LoRA).
 
     LoRA slices: ``q_proj``/``k_proj``/``v_proj`` on split families, one ``qkv_proj`` on fused
     ones (Phi-3, whose adapters target the fused module).
@@ -158,16 +158,13 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRABatch | None):
         t = x.shape[0]
         qkv = self.qkv_proj(x, lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.contiguous(), k.contiguous()
-        if self.q_norm is not None:  # RMSNorm over each head's D values
-            q = self.q_norm(q.view(-1, self.head_dim)).view(t, self.q_size)
-            k = self.k_norm(k.view(-1, self.head_dim)).view(t, self.kv_size)
-        self.kernels.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # row-strided views of qkv
+        if self.q_norm is not None:  # RMSNorm over each head's D values, before RoPE (HF order)
+            q = self.q_norm(q.contiguous().view(-1, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.contiguous().view(-1, self.head_dim)).view(t, self.kv_size)
         k_cache, v_cache = kv
-        self.kernels.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
-                                       v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache,
-                                       meta.slot_mapping)
+        # One launch: q rotated in place (inside qkv), rotated k and v written to the cache slots.
+        q = self.kernels.rotary_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin)
         q = q.view(t, self.num_heads, self.head_dim)
         out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
                                            softcap=self.softcap)
