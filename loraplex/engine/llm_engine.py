@@ -28,6 +28,7 @@ from loraplex.engine.kv_cache import KVCache, size_kv_cache
 from loraplex.engine.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, PendingStep
+from loraplex.adapters.model_spec import UnsupportedModelError
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.models.quantization import quantize_linears_fp8
 from loraplex.engine.input_processor import (  # noqa: F401 - the errors are re-exported
@@ -124,6 +125,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         torch.manual_seed(config.seed)
+        if self.spec.checkpoint_quantization is not None and config.tensor_parallel_size > 1:
+            raise UnsupportedModelError("FP8 checkpoints (config.quantization_config) are not implemented with "
+                                        "tensor parallelism; serve them with tensor_parallel_size=1")
         # Tensor parallelism: this process is rank 0 (the driver) and holds rank 0's shard.
         self.tp = TensorParallelDriver(config, self.model_path, dummy_weights) if config.tensor_parallel_size > 1 else None
         self.rank_spec = self.spec if self.tp is None else self.tp.state.local_spec
@@ -134,7 +138,7 @@ class LLMEngine:
         else:
             self.device, self.model = self.tp.state.device, self.tp.state.model
         self.quantization = None
-        if config.quantization == "fp8":
+        if config.quantization == "fp8" and self.spec.checkpoint_quantization is None:
             self.quantization = quantize_linears_fp8(self.model)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the unquantized weights' memory goes to the KV cache

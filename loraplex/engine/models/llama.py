@@ -96,6 +96,15 @@ class LinearWithLoRA(nn.Module):
         self.qweight, self.weight_scale = quantize_fp8_per_channel(self.weight.data)
         self.weight = None  # frees the unquantized weight
 
+    def use_fp8_storage(self) -> None:
+        """Hold the weight as FP8 e4m3 ``qweight [out, in]`` with a float32 ``weight_scale [out]``
+        (zeros / ones until an FP8 checkpoint is loaded into them); the unquantized weight is freed."""
+        from loraplex.kernels.fp8_linear import FP8_DTYPE
+
+        self.qweight = torch.zeros(self.weight.shape, dtype=FP8_DTYPE, device=self.weight.device)
+        self.weight_scale = torch.ones(self.weight.shape[0], dtype=torch.float32, device=self.weight.device)
+        self.weight = None
+
     def bind_lora(self, a: list[torch.Tensor], b: list[torch.Tensor], scaling: list[torch.Tensor]) -> None:
         """Point at the adapter slot pool's stacked weights ([S,R,in], [S,out_i,R], [S])."""
         self.lora_a, self.lora_b, self.lora_scaling = a, b, scaling
