@@ -124,7 +124,8 @@ def bind_lora(model: LlamaForCausalLM, weights) -> None:
     """Point every LoRA-capable linear of ``model`` at its slices of the slot tensors ``weights``."""
     for layer, lin in model.lora_linears():
         lin.bind_lora([weights.a[layer][m] for m in lin.module_names], [weights.b[layer][m] for m in lin.module_names],
-                      [weights.scaling[layer][m] for m in lin.module_names])
+                      [weights.scaling[layer][m] for m in lin.module_names],
+                      weights.gain_columns(layer, lin.module_names))
 
 
 class TensorParallelDriver:
