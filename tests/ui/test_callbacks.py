@@ -266,7 +266,7 @@ def test_confirm_stores_what_the_service_lists(ctx, peft_files):
         listed = adapter_service.list_adapters(session=db, tenant_id=acting_tenant(ctx, admin(), "acme").tenant_id)
     [a] = listed
     assert records(table) == [{
-        "adapter": "shouty", "version": a.version, "rank": 8, "alpha": 16.0,
+        "adapter": "shouty", "version": a.version, "type": "lora", "rank": 8, "alpha": 16.0,
         "target modules": ", ".join(a.target_modules), "size": adapters_tab.format_bytes(a.size_bytes),
         "status": "stored", "uploaded (UTC)": adapters_tab.format_time(a.created_at),
         "version id": a.version_id[:12]}]
