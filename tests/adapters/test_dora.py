@@ -75,7 +75,8 @@ def test_dora_adapter_loads_with_its_magnitudes(dora, spec):
 
 
 def test_weight_suffix_accepted(dora_copy, spec, edit_tensors):
-    edit_tensors(dora_copy, lambda t: {(k + ".weight" if k.endswith("magnitude_vector") else k): v for k, v in t.items()})
+    edit_tensors(dora_copy, lambda t: {(k + ".weight" if k.endswith("magnitude_vector") else k): v
+                                       for k, v in t.items()})
     adapter = load_peft_adapter(dora_copy, spec, MAX_RANK)
     assert all(weight.magnitude is not None for weight in adapter.weights.values())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fp8_quantization import dequantized_dir  # noqa: F401 (a fixture)
 from test_step_fastpaths import _emulate_graphs, _run
 from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
 from transformers import AutoTokenizer
@@ -151,6 +152,18 @@ def test_graph_steps_with_dora_equal_eager_steps(tiny_llama_dir, llama_adapters,
     assert sum(r.replays for r in replays if r.with_dora) == before, "no DoRA slot in the batch: no rescale"
     assert sum(r.replays for r in replays if r.with_lora and not r.with_dora) >= MAX_NEW - 1
     assert outs[0][0][0] == references[("lora", 0)][0] and outs[1][0][0] == references[("base", 1)][0]
+
+
+def test_fp8_dora_norms_use_the_dequantized_weights(tiny_llama_dir, dequantized_dir, llama_adapters,  # noqa: F811
+                                                     prompts):
+    """With FP8 base weights the column norms are those of the weights the layers compute with: HF + PEFT over
+    the dequantized checkpoint is the reference."""
+    llm = make_llm(tiny_llama_dir, quantization="fp8")
+    adapter = llama_adapters["dora"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], PARAMS, lora_request=adapter)
+    reference = peft_model(dequantized_dir, adapter.lora_path)
+    for p, out in zip(prompts, outs):
+        check_row(out, hf_greedy_ids(reference, p, MAX_NEW), hf_last_logprobs(reference, p))
 
 
 def test_dora_refused_with_tensor_parallelism():
