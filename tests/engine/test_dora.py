@@ -166,14 +166,15 @@ def test_fp8_dora_norms_use_the_dequantized_weights(tiny_llama_dir, dequantized_
         check_row(out, hf_greedy_ids(reference, p, MAX_NEW), hf_last_logprobs(reference, p))
 
 
-def test_dora_refused_with_tensor_parallelism():
-    """A rank's slot tensors refuse DoRA (row-parallel column norms span every rank's slice)."""
-    from loraplex.adapters.model_spec import ModelSpec
-    from loraplex.engine.tensor_parallel import ShardedLoRADeviceWeights, TensorShard, shard_spec
-    from transformers import LlamaConfig
-
-    spec = ModelSpec.from_hf_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
-    weights = ShardedLoRADeviceWeights(TensorShard(0, 2, spec), shard_spec(spec, 2), 2, 4, torch.float32, "cpu")
-    with pytest.raises(AdapterUnsupportedError, match="tensor_parallel_size=2 > 1"):
-        weights.check_dora("x")
+def test_dora_refused_with_tensor_parallelism(tiny_llama_dir, llama_adapters):
+    """With tensor parallelism (two CPU ranks) a DoRA adapter is refused at registration, naming the setting;
+    plain LoRA adapters are still served."""
+    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+              max_num_seqs=4, tensor_parallel_size=2)
+    try:
+        with pytest.raises(AdapterUnsupportedError, match="DoRA is not served with tensor_parallel_size=2 > 1"):
+            llm.engine.add_lora(llama_adapters["dora"])
+        assert llm.engine.add_lora(llama_adapters["lora"])
+        assert llm.engine.list_loras() == {llama_adapters["lora"].lora_int_id}
+    finally:
+        llm.engine.close()
