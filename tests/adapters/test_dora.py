@@ -178,3 +178,19 @@ def test_pool_without_base_weights_refuses_dora(dora, spec):
         with pytest.raises(AdapterUnsupportedError, match="is a DoRA adapter .* no base model weights"):
             pool.add_lora(request)
     assert pool.list_loras() == []
+
+
+@pytest.mark.parametrize("magnitude_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bf16_image_read_verbatim_or_not_equals_the_loaded_adapter(dora_copy, spec, edit_tensors, magnitude_dtype):
+    """A/B stored in the slot dtype at rank R: the image is read from the file's data section, with the
+    magnitudes (bf16: between the factors; float32: safetensors writes them first) read on their own;
+    both equal the loaded adapter's image."""
+    edit_tensors(dora_copy, lambda t: {k: v.to(magnitude_dtype if "magnitude" in k else torch.bfloat16)
+                                       for k, v in t.items()})
+    adapter = load_peft_adapter(dora_copy, spec, 4)
+    layout = inspect_peft_adapter(dora_copy, spec, 4)
+    read = read_slot_image(layout, spec, 4, torch.bfloat16, version_id="x", pin_memory=False)
+    built = slot_image_from_adapter(adapter, spec, 4, torch.bfloat16, pin_memory=False)
+    for key in adapter.weights:
+        assert torch.equal(read.a(key), built.a(key)) and torch.equal(read.b(key), built.b(key))
+        assert torch.equal(read.magnitude[key], built.magnitude[key])
