@@ -128,13 +128,15 @@ class CudaGraphRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_layers, block_size: int, max_model_len: int,
                  max_num_seqs: int, num_lora_slots: int, device: torch.device,
-                 max_num_batched_tokens: int | None = None) -> None:
-        """``max_num_batched_tokens``: the step token budget; None captures no mixed-step graphs."""
+                 max_num_batched_tokens: int | None = None, dora: bool = True) -> None:
+        """``max_num_batched_tokens``: the step token budget; None captures no mixed-step graphs. ``dora``:
+        capture the DoRA variants too (a step holding a DoRA slot without them runs eagerly)."""
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_lora_slots = num_lora_slots
+        self.dora = dora
         self.sizes = default_batch_sizes(max_num_seqs)
         n = self.sizes[-1]  # sequences (and decode tokens) a graph can hold
         self.mixed_sizes = [t for t in default_mixed_sizes(max_num_batched_tokens or 0)
@@ -218,7 +220,9 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every (size, with_lora, with_dora) graph, mixed-step ones (largest) first, sharing one memory
         pool."""
-        variants = [(False, False), (True, False), (True, True)] if self.num_lora_slots else [(False, False)]
+        variants = [(False, False)]  # (with_lora, with_dora)
+        if self.num_lora_slots:
+            variants += [(True, False), (True, True)] if self.dora else [(True, False)]
         plan = [(size, True) for size in reversed(self.mixed_sizes)] + [(size, False) for size in reversed(self.sizes)]
         for size, mixed in plan:
             for with_lora, with_dora in variants:

@@ -147,7 +147,7 @@ class LLMEngine:
                                   dora_slots=self.lora_pool.weights.dora_slots if self.lora_pool else None)
         self.runner.eos_token_ids = self.eos_token_ids
         graphs = ((self.max_model_len, config.max_num_seqs, config.max_loras if self.lora_pool else 0,
-                   config.max_num_batched_tokens)
+                   config.max_num_batched_tokens, self.tp is None)  # DoRA variants: not with tensor parallelism
                   if self.device.type == "cuda" and not config.enforce_eager else None)
         if self.tp is not None:
             self.tp.start_workers(self.runner, self.kv_sizing, self.kv_cache.num_swap_blocks, graphs)

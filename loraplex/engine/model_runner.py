@@ -187,11 +187,12 @@ class ModelRunner:
         self.on_step: Callable[[StepPlan], None] | None = None
 
     def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int,
-                           max_num_batched_tokens: int | None = None) -> None:
+                           max_num_batched_tokens: int | None = None, dora: bool = True) -> None:
         """Capture decode graphs (CUDA only), and mixed-step graphs up to ``max_num_batched_tokens`` tokens
-        when given; decode-only and mixed steps then replay them."""
+        when given; decode-only and mixed steps then replay them. ``dora``: also capture the DoRA variants
+        (False where DoRA adapters are refused: tensor parallelism)."""
         graphs = CudaGraphRunner(self.model, self.kv_cache.layers, self.block_size, max_model_len,
-                                 max_num_seqs, num_lora_slots, self.device, max_num_batched_tokens)
+                                 max_num_seqs, num_lora_slots, self.device, max_num_batched_tokens, dora=dora)
         try:
             graphs.capture()
         except RuntimeError as exc:  # keep serving, eagerly, and say so
@@ -211,10 +212,11 @@ class ModelRunner:
             q_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             tables.append(item.block_ids)
-        use_graph = self._graph_fits(batch)
-        use_mixed = not use_graph and self._mixed_graph_fits(batch)
         lora_slots = self._lora_slots(batch)
         dora = lora_slots is not None and not self.dora_slots.isdisjoint(lora_slots)
+        graphs_hold_it = not dora or (self.graphs is not None and self.graphs.dora)
+        use_graph = graphs_hold_it and self._graph_fits(batch)
+        use_mixed = graphs_hold_it and not use_graph and self._mixed_graph_fits(batch)
         return StepPlan(token_ids, q_lens, seq_lens, tables, lora_slots, batch.block_copies,
                         use_graph=use_graph, use_mixed_graph=use_mixed, lora_dora=dora)
 

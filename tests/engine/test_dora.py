@@ -154,6 +154,25 @@ def test_graph_steps_with_dora_equal_eager_steps(tiny_llama_dir, llama_adapters,
     assert outs[0][0][0] == references[("lora", 0)][0] and outs[1][0][0] == references[("base", 1)][0]
 
 
+def test_dora_steps_run_eagerly_without_dora_graphs(tiny_llama_dir, llama_adapters, prompts, references):
+    """Graphs captured without the DoRA variants (tensor parallelism): steps holding a DoRA slot run eagerly."""
+    llm = make_llm(tiny_llama_dir, max_loras=3, max_num_seqs=8)
+    replays = _emulate_graphs(llm)
+    graphs = llm.engine.runner.graphs
+    graphs.dora = False
+    graphs.graphs = {key: graph for key, graph in graphs.graphs.items() if not key[2]}
+    order = ["dora", None]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], PARAMS,
+                        lora_request=[llama_adapters[n] if n else None for n in order])
+    for i, (name, out) in enumerate(zip(order, outs)):
+        check_row(out, *references[(name or "base", i)])
+    assert sum(r.replays for r in replays) == 0
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], PARAMS,
+                        lora_request=[llama_adapters["lora"], None])
+    assert sum(r.replays for r in replays) >= MAX_NEW - 1
+    check_row(outs[0], *references[("lora", 0)])
+
+
 def test_fp8_dora_norms_use_the_dequantized_weights(tiny_llama_dir, dequantized_dir, llama_adapters,  # noqa: F811
                                                      prompts):
     """With FP8 base weights the column norms are those of the weights the layers compute with: HF + PEFT over
