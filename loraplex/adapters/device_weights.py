@@ -169,7 +169,8 @@ class LoRADeviceWeights:
         if not image.magnitude:
             return
         if self._base_weight is None:
-            raise AdapterUnsupportedError(f"adapter {image.version_id[:12]}: a DoRA adapter, but no base weights are bound")
+            raise AdapterUnsupportedError(
+                f"adapter {image.version_id[:12]}: a DoRA adapter, but no base weights are bound")
         columns = list(self.spec.module_shapes)
         for (layer, module), magnitude in image.magnitude.items():
             in_features, out_features = self.spec.module_shapes[module]

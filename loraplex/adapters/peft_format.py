@@ -520,7 +520,8 @@ def _check_magnitude(a: _TensorRef, magnitude: _TensorRef | None, config: PeftLo
         )
     if magnitude.dtype not in _FLOAT_DTYPES:
         raise AdapterFormatError(
-            f"tensor {magnitude.name!r}: dtype {magnitude.dtype} is not a floating-point type ({', '.join(_FLOAT_DTYPES)})"
+            f"tensor {magnitude.name!r}: dtype {magnitude.dtype} is not a floating-point type "
+            f"({', '.join(_FLOAT_DTYPES)})"
         )
     if magnitude.shape != (out_features,):
         raise AdapterIncompatibleError(

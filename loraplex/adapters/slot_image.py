@@ -140,7 +140,7 @@ def slot_image_from_adapter(
 
 def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_rank: int, dtype: torch.dtype) -> bool:
     """Every module has rank R and every tensor is stored in ``dtype`` at an aligned offset (DoRA magnitudes
-    included: they lie between the factors in the file, so the image's finite-value scan reads them too)."""
+    included: the data section read may span them, and the image's finite-value scan reads it as ``dtype``)."""
     if any(plan.hyper.rank != max_rank for plan in layout.modules):
         return False
     names = [name for plan in layout.modules for name in (plan.a_name, plan.b_name, plan.magnitude_name) if name]

@@ -78,8 +78,9 @@ def adapters_table(ctx: PlatformContext, session: ConsoleSession | None, tenant_
         adapters = adapter_service.list_adapters(session=db, tenant_id=tenant.tenant_id)
     stats = engine_stats(ctx)
     lora_stats = stats.get("lora") if stats else None
-    rows = [[a.name, a.version, a.adapter_type, a.rank, a.alpha, ", ".join(a.target_modules), format_bytes(a.size_bytes),
-             _status(ctx, tenant.tenant_id, a, lora_stats), format_time(a.created_at), a.version_id[:12]]
+    rows = [[a.name, a.version, a.adapter_type, a.rank, a.alpha, ", ".join(a.target_modules),
+             format_bytes(a.size_bytes), _status(ctx, tenant.tenant_id, a, lora_stats), format_time(a.created_at),
+             a.version_id[:12]]
             for a in adapters]
     return pd.DataFrame(rows, columns=ADAPTER_COLUMNS)
 

@@ -145,8 +145,8 @@ def cases(good, alora, rank16, wrong_shapes) -> dict[str, tuple[dict, int, str]]
     }
 
 
-CASE_NAMES = ["pickle .bin weights", "pickle .bin in archive", "aLoRA variant", "rank above max_lora_rank", "wrong shapes",
-              "corrupt safetensors", "corrupt config", "zip ../ traversal", "tar ../ traversal", "zip absolute path",
+CASE_NAMES = ["pickle .bin weights", "pickle .bin in archive", "aLoRA variant", "rank above max_lora_rank",
+              "wrong shapes", "corrupt safetensors", "corrupt config", "zip ../ traversal", "tar ../ traversal", "zip absolute path",
               "tar absolute path", "zip symlink member", "tar symlink member", "tar hard link member", "zip bomb",
               "tar.gz bomb", "tar.gz long-name bomb", "too many members", "missing config", "wrong content type",
               "not an archive", "three files"]
