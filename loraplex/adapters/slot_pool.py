@@ -205,7 +205,8 @@ class LoRASlotPool:
         re-uploaded adapter's new version gets a new id while requests on the old one finish).
         Raises ``AdapterConflictError`` if its int id is registered with another name, path or
         version id (or is being removed); any ``AdapterError`` of ``load_peft_adapter`` (the
-        pool is then unchanged).
+        pool is then unchanged); ``AdapterUnsupportedError`` for a DoRA adapter where the slots
+        cannot compute DoRA gains (``LoRADeviceWeights.check_dora``).
         """
         known = self.registry.get(request.lora_int_id)
         if known is not None:
@@ -214,9 +215,13 @@ class LoRASlotPool:
         signature = adapter_files_signature(request.lora_path)
         if request.version_id is not None:
             layout = self.loader.inspect(request.lora_path)
+            if layout.config.use_dora:
+                self.weights.check_dora(request.lora_name)
             self.registry.add(Registration(request, request.version_id, signature, layout))
             return True
         image = self.loader.load_new(request.lora_path)
+        if image.magnitude:
+            self.weights.check_dora(request.lora_name)
         self.registry.add(Registration(request, image.version_id, signature, verified=True))
         self.loader.cache.put_if_room(request.lora_int_id, image)
         return True

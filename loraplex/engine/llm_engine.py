@@ -147,10 +147,11 @@ class LLMEngine:
         self.lora_pool = self._build_lora_pool() if config.enable_lora else None
         self._build_kv_cache()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
-                                  slot_of=self.lora_pool.slot_of if self.lora_pool else None)
+                                  slot_of=self.lora_pool.slot_of if self.lora_pool else None,
+                                  dora_slots=self.lora_pool.weights.dora_slots if self.lora_pool else None)
         self.runner.eos_token_ids = self.eos_token_ids
         graphs = ((self.max_model_len, config.max_num_seqs, config.max_loras if self.lora_pool else 0,
-                   config.max_num_batched_tokens)
+                   config.max_num_batched_tokens, self.tp is None)  # DoRA variants: not with tensor parallelism
                   if self.device.type == "cuda" and not config.enforce_eager else None)
         if self.tp is not None:
             self.tp.start_workers(self.runner, self.kv_sizing, self.kv_cache.num_swap_blocks, graphs)
@@ -177,7 +178,10 @@ class LLMEngine:
                             weights=self.tp.state.lora_weights if self.tp is not None else None)
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
-                          [pool.scaling[layer][m] for m in lin.module_names])
+                          [pool.scaling[layer][m] for m in lin.module_names],
+                          pool.weights.gain_columns(layer, lin.module_names))
+        if self.tp is None:  # DoRA installs read the base weights (refused with tensor parallelism)
+            pool.weights.bind_base_weights(self.model.base_weight_rows)
         if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
             from loraplex.kernels.self_check import check_add_lora
 

@@ -150,7 +150,7 @@ def count_adapters(*, session: Session, tenant_id: int) -> int:
 
 def add_adapter_version(*, session: Session, tenant_id: int, name: str, content_hash: str, rank: int,
                         alpha: float, target_modules: list[str], size_bytes: int, max_adapters: int | None = None,
-                        ) -> tuple[AdapterVersion, list[AdapterVersion]]:
+                        adapter_type: str = "lora") -> tuple[AdapterVersion, list[AdapterVersion]]:
     """Record a new ``ready`` version of ``name`` (creating the adapter if new) and mark
     earlier ready versions ``superseded``. Returns (new version, superseded versions).
 
@@ -168,7 +168,8 @@ def add_adapter_version(*, session: Session, tenant_id: int, name: str, content_
     for old in superseded:
         old.status = SUPERSEDED
     version = AdapterVersion(adapter_id=adapter.id, version=last + 1, content_hash=content_hash, rank=rank,
-                             alpha=alpha, target_modules=list(target_modules), size_bytes=size_bytes, status=READY)
+                             alpha=alpha, target_modules=list(target_modules), size_bytes=size_bytes, status=READY,
+                             adapter_type=adapter_type)
     session.add(version)
     session.flush()
     return version, superseded

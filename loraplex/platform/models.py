@@ -132,7 +132,8 @@ class AdapterVersion(Base):
     ``AUTOINCREMENT``; PostgreSQL sequences never hand a value out twice): requests of a
     deleted version may still be running under its id. ``status``: ``ready`` (live),
     ``superseded`` (a newer version is live), ``broken`` (live, but its stored files failed
-    the engine's content-hash check; see ``services.adapters``).
+    the engine's content-hash check; see ``services.adapters``). ``adapter_type``: ``lora``
+    or ``dora`` (``AdapterInfo.adapter_type``).
     """
 
     __tablename__ = "adapter_versions"
@@ -148,6 +149,7 @@ class AdapterVersion(Base):
     target_modules: Mapped[list[str]] = mapped_column(JSON)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16))
+    adapter_type: Mapped[str] = mapped_column(String(16), default="lora", server_default="lora")
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
