@@ -100,11 +100,11 @@ def attach_graph_emulation(engine: LLMEngine) -> None:
                              engine.config.max_num_seqs, engine.config.max_loras if engine.lora_pool else 0,
                              engine.device)
     gen = torch.Generator().manual_seed(0)
-    variants = [False, True] if graphs.num_lora_slots else [False]
+    variants = [(False, False), (True, False), (True, True)] if graphs.num_lora_slots else [(False, False)]
     for size in graphs.sizes:
         hidden = torch.randn(size, engine.spec.hidden_size, generator=gen, dtype=engine.dtype)
-        for with_lora in variants:
-            graphs.graphs[(size, with_lora)] = _Graph(_NoopGraph(), hidden)
+        for with_lora, with_dora in variants:
+            graphs.graphs[(size, with_lora, with_dora)] = _Graph(_NoopGraph(), hidden)
     runner.graphs = graphs
 
 

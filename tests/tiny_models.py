@@ -81,15 +81,16 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
 
 def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int = 8, alpha: int = 16,
                       targets=("q_proj", "v_proj"), use_rslora: bool = False, seed: int = 0,
-                      b_std: float = 0.1) -> Path:
-    """A real PEFT LoRA adapter on ``base_dir`` with non-zero (random) B matrices."""
+                      b_std: float = 0.1, use_dora: bool = False) -> Path:
+    """A real PEFT LoRA adapter on ``base_dir`` with non-zero (random) B matrices; with ``use_dora`` a DoRA
+    one whose magnitude vectors are also moved away from their initial column norms (by up to ~30%)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_dora=use_dora)
     model = get_peft_model(base, config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -97,6 +98,8 @@ def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int = 8, alpha: int =
                 p.normal_(0.0, b_std)
             elif "lora_A" in name:
                 p.normal_(0.0, 0.3)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1.0 + 0.1 * torch.randn_like(p).clamp(-3.0, 3.0))
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
 

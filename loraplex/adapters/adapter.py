@@ -4,6 +4,12 @@ LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
 adds to a frozen linear layer ``y = x @ W.T`` the low-rank term
 
 Semantics: ``y += scaling * (x @ A.T) @ B.T`` with ``A [r, in]`` (shrink) and ``B [out, r]`` (expand).
+
+DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation"; PEFT ``use_dora``) also
+rescales each output channel by its magnitude over the column norm of the adapted weight:
+
+Semantics (DoRA): ``y = g * (x @ W.T + scaling * (x @ A.T) @ B.T) + bias`` with
+``g = m / ||W + scaling * B @ A||_row`` (``m [out]``, the L2 norm of each output row, held constant).
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ class LoRAWeight:
     - ``a``: ``[r, in_features] fp32`` (lora_A, shrink).
     - ``b``: ``[out_features, r] fp32`` (lora_B, expand).
     - ``scaling``: ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA) for this module.
+    - ``magnitude``: DoRA's ``[out_features] fp32`` magnitude vector ``m``; None for plain LoRA.
     """
 
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
+    magnitude: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -79,6 +87,7 @@ class LoRAAdapter:
     - ``warnings``: human-readable warnings (e.g. all-zero lora_B matrices).
     - ``path``: the folder it was read from (not part of its identity).
     - ``vocab``: LoRA or full copies on ``embed_tokens`` / ``lm_head``, or None (see ``VocabWeights``).
+    - ``use_dora``: a DoRA adapter (every ``LoRAWeight`` has a ``magnitude``).
     """
 
     version_id: str
@@ -91,6 +100,7 @@ class LoRAAdapter:
     warnings: tuple[str, ...] = ()
     path: str = ""
     vocab: VocabWeights | None = None
+    use_dora: bool = False
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -109,6 +119,7 @@ class LoRAAdapter:
             size_bytes=self.size_bytes,
             warnings=self.warnings,
             modules_to_save=tuple(self.vocab.full) if self.vocab is not None else (),
+            use_dora=self.use_dora,
         )
 
 
@@ -119,6 +130,7 @@ class AdapterInfo:
     Fields as in ``LoRAAdapter``; ``num_layers_targeted`` counts layers with at least one LoRA module;
     ``target_modules`` lists ``embed_tokens`` / ``lm_head`` after the projections when they carry LoRA;
     ``modules_to_save``: the modules the adapter replaces by a full copy.
+    ``adapter_type``: ``"dora"`` or ``"lora"``.
     """
 
     version_id: str
@@ -130,3 +142,9 @@ class AdapterInfo:
     size_bytes: int
     warnings: tuple[str, ...] = field(default_factory=tuple)
     modules_to_save: tuple[str, ...] = ()
+    use_dora: bool = False
+
+    @property
+    def adapter_type(self) -> str:
+        """``"dora"`` for a DoRA adapter, else ``"lora"``."""
+        return "dora" if self.use_dora else "lora"

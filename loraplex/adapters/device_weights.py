@@ -19,18 +19,32 @@ Vocabulary-sized modules (when ``spec.vocab_size`` is set; V = vocab, H = hidden
 - ``full [K, V, H]``: ``modules_to_save`` copies; ``full_index [2, S] int64`` (embedding, head) names the
   copy an adapter slot uses (-1: the base module), mirrored on the host in ``full_index_host``;
   ``vocab_lora_host [2][S]``: whether each slot holds LoRA on the embedding / the head (host only).
+
+DoRA (Liu et al. 2024): ``gain[l][m]``: ``[S + 1, out_features] fp32``, column views of one
+``[L, S + 1, sum(out)]`` table. Row ``s`` of a slot holding a DoRA adapter is
+``g = m / ||W + scaling * B @ A||_row`` (``m`` its magnitude vector, ``W`` the base weight, the
+L2 norm of each output row; PEFT ``DoraLinearLayer``), computed once at install in float32; every
+other row is 1, and so is row ``S``, the row a token without an adapter (slot -1) reads after
+``slot mod (S + 1)``. The model then rescales: ``y[t] = gain[l][m][s][:] * (y[t] - bias) + bias``
+after the LoRA delta is added (PEFT's ``result + (g - 1) * (base - bias) + g * scaling * lora``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from loraplex.adapters.errors import AdapterUnsupportedError
 from loraplex.adapters.slot_image import ModuleKey, SlotImage
 from loraplex.adapters.spec import BaseModelSpec
 
 SLOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PerLayer = list[dict[str, torch.Tensor]]  # [layer][module] -> tensor
 _FULL_ROWS = {"embed_tokens": 0, "lm_head": 1}  # row of full_index
+# (layer, module, first row, end row) -> those rows of the base weight W [rows, in_features], any float dtype
+BaseWeightRows = Callable[[int, str, int, int], torch.Tensor]
+_NORM_CHUNK_ELEMENTS = 1 << 23  # rows of W + scaling * B @ A materialised at once (32 MiB in float32)
 
 
 class LoRADeviceWeights:
@@ -56,6 +70,15 @@ class LoRADeviceWeights:
         self.scaling: _PerLayer = [{m: self._scaling_table[layer, i] for i, m in enumerate(shapes)}
                                    for layer in range(spec.num_layers)]
         self._written: list[frozenset[ModuleKey]] = [frozenset()] * S  # (layer, module)s non-zero per slot
+        columns = [0]
+        for _, out in shapes.values():
+            columns.append(columns[-1] + out)
+        self._gain_table = torch.ones(spec.num_layers, S + 1, columns[-1], dtype=torch.float32, device=self.device)
+        self.gain: _PerLayer = [{m: self._gain_table[layer, :, columns[i]:columns[i + 1]] for i, m in enumerate(shapes)}
+                                for layer in range(spec.num_layers)]
+        self._gain_columns = {m: (columns[i], columns[i + 1]) for i, m in enumerate(shapes)}
+        self.dora_slots: set[int] = set()  # slots whose adapter is a DoRA one (gains not all 1)
+        self._base_weight: BaseWeightRows | None = None
         self._init_vocab(max_full_module_slots)
 
     def _init_vocab(self, max_full_module_slots: int) -> None:
@@ -113,6 +136,29 @@ class LoRADeviceWeights:
         self.vocab_lora_host[0][slot] = vocab.embed_a_t is not None
         self.vocab_lora_host[1][slot] = vocab.head_a is not None
 
+    def bind_base_weights(self, rows: BaseWeightRows) -> None:
+        """Where DoRA installs read the base weight: ``rows(layer, module, start, stop)`` -> rows
+        ``start..stop`` of ``W [out_features, in_features]`` on this device (dequantized if stored in FP8)."""
+        self._base_weight = rows
+
+    def check_dora(self, lora_name: str) -> None:
+        """Raise ``AdapterUnsupportedError`` unless DoRA adapters can be installed here (base weights bound)."""
+        if self._base_weight is None:
+            raise AdapterUnsupportedError(
+                f"adapter {lora_name!r} is a DoRA adapter (use_dora=true), but these adapter slots have no base "
+                "model weights to compute its column norms from"
+            )
+
+    def gain_columns(self, layer: int, modules: list[str]) -> torch.Tensor:
+        """``[S + 1, sum(out)] fp32``: the gains of ``modules`` (consecutive in ``spec.module_shapes``, as a
+        fused projection's slices are) side by side, one view of the table.
+
+        Raises ``ValueError`` if the modules are not consecutive."""
+        spans = [self._gain_columns[m] for m in modules]
+        if any(end != start for (_, end), (start, _) in zip(spans, spans[1:])):
+            raise ValueError(f"gain_columns: modules {modules} are not consecutive in {list(self.spec.module_shapes)}")
+        return self._gain_table[layer, :, spans[0][0]:spans[-1][1]]
+
     def write(self, slot: int, image: SlotImage) -> None:
         """Overwrite ``slot`` with ``image``: two contiguous copies per targeted module (already
         rank-padded), zeros for modules an earlier occupant wrote and this one does not
@@ -129,6 +175,8 @@ class LoRADeviceWeights:
                 torch._foreach_copy_(destinations, sources, non_blocking=True)  # one call, not 2 per module
             self._scaling_table[:, :, slot].copy_(image.scaling, non_blocking=True)
             self._write_vocab(slot, image)
+            self._gain_table[:, slot] = 1.0
+            self._write_gains(slot, image)
         except Exception:
             self.invalidate(slot)
             raise
@@ -155,8 +203,10 @@ class LoRADeviceWeights:
                 per_chunk = max(1, staging_bytes // max(1, members[0][1].nbytes))
                 for start in range(0, len(members), per_chunk):
                     self._scatter(members[start : start + per_chunk])
+            self._gain_table.index_fill_(1, self._to_device(torch.tensor([slot for slot, _ in writes])), 1.0)
             for slot, image in writes:
                 self._write_vocab(slot, image)
+                self._write_gains(slot, image)
         except Exception:
             for slot, _ in writes:
                 self.invalidate(slot)
@@ -181,6 +231,32 @@ class LoRADeviceWeights:
         scalings = torch.stack([image.scaling for _, image in members], dim=-1)  # [L, M, n] fp32
         self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
 
+    def _write_gains(self, slot: int, image: SlotImage) -> None:
+        """DoRA: ``gain[l][m][slot] = m / ||W + scaling * B @ A||_row`` for each module of ``image.magnitude``,
+        from the slot's (already written) A and B, in float32, ``_NORM_CHUNK_ELEMENTS`` at a time; the
+        other gains of the slot must be 1 already. Plain LoRA: nothing (the slot leaves ``dora_slots``)."""
+        self.dora_slots.discard(slot)
+        if not image.magnitude:
+            return
+        if self._base_weight is None:
+            raise AdapterUnsupportedError(
+                f"adapter {image.version_id[:12]}: a DoRA adapter, but no base weights are bound")
+        columns = list(self.spec.module_shapes)
+        for (layer, module), magnitude in image.magnitude.items():
+            in_features, out_features = self.spec.module_shapes[module]
+            scaling = float(image.scaling[layer, columns.index(module)])
+            a = self.a[layer][module][slot].float()  # [R, in]
+            b = self.b[layer][module][slot].float()  # [out, R]
+            norm = torch.empty(out_features, dtype=torch.float32, device=self.device)
+            rows = max(1, _NORM_CHUNK_ELEMENTS // in_features)
+            for start in range(0, out_features, rows):
+                stop = min(out_features, start + rows)
+                adapted = self._base_weight(layer, module, start, stop).to(torch.float32, copy=True)
+                adapted.addmm_(b[start:stop], a, alpha=scaling)  # W + scaling * B @ A, these rows
+                norm[start:stop] = torch.linalg.vector_norm(adapted, dim=1)
+            self.gain[layer][module][slot] = magnitude.to(self.device, torch.float32) / norm
+        self.dora_slots.add(slot)
+
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device without a stream sync (staged in pinned memory on CUDA)."""
         if self.device.type == "cuda":
@@ -188,9 +264,11 @@ class LoRADeviceWeights:
         return host.to(self.device, non_blocking=True)
 
     def disable(self, slot: int) -> None:
-        """Zero ``slot``'s scalings: tokens mapped to it get no LoRA delta (A/B left as they are), and its
-        rows use the base ``embed_tokens`` / ``lm_head``."""
+        """Zero ``slot``'s scalings and set its DoRA gains to 1: tokens mapped to it get no LoRA delta and
+        no rescale (A/B left as they are), and its rows use the base ``embed_tokens`` / ``lm_head``."""
         self._scaling_table[:, :, slot] = 0.0
+        self._gain_table[:, slot] = 1.0
+        self.dora_slots.discard(slot)
         if self.vocab_scaling is not None:
             self.vocab_scaling[:, slot] = 0.0
         self.vocab_lora_host[0][slot] = self.vocab_lora_host[1][slot] = False
@@ -205,6 +283,7 @@ class LoRADeviceWeights:
     def memory_bytes(self) -> int:
         """Device memory of the slot tensors, in bytes."""
         tensors = [t for group in (self.a, self.b, self.scaling) for per_layer in group for t in per_layer.values()]
+        tensors += [self._gain_table]
         if self.has_vocab:
             vocab = (self.embed_a_t, self.embed_b, self.head_a, self.head_b, self.vocab_scaling, self.full, self.full_index)
             tensors += [t for t in vocab if t is not None]

@@ -12,7 +12,7 @@ return it to the uploader unchanged.
     base model or engine (wrong hidden size, layer index beyond the model, rank
     above ``max_lora_rank``, modules the model does not have).
   - ``AdapterUnsupportedError``: a PEFT feature loraplex does not serve (pickle
-    weights, DoRA and other LoRA variants, ``modules_to_save``, LoRA on
+    weights, LoRA variants other than DoRA, DoRA with tensor parallelism, ``modules_to_save``, LoRA on
     ``embed_tokens`` / ``lm_head``, ``bias`` other than ``"none"``).
   - ``AdapterConflictError``: a registration clashes with a known adapter
     (same int id with another name or path, same name under another int id).

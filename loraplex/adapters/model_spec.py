@@ -102,6 +102,26 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 @dataclass(frozen=True)
+class CheckpointQuantization:
+    """An FP8 checkpoint's ``quantization_config``, as the engine serves it.
+
+    Weights are float8_e4m3fn with one float32 scale per output channel (``weight_strategy``
+    ``"channel"``) or per tensor (``"tensor"``), ``W = Wq * scale``; the engine computes
+    ``x @ W.T`` in the model dtype (W8A16, :data:`~loraplex.kernels.fp8_linear.FP8_LINEAR`).
+    ``dynamic_activations``: the checkpoint also asks for activations quantized per token at
+    run time (W8A8 dynamic); the engine keeps activations in the model dtype instead (as vLLM
+    does on GPUs without FP8 tensor cores) and logs it. ``method``: ``"fbgemm_fp8"`` or
+    ``"compressed-tensors"`` (format ``float-quantized``). ``unquantized``: module names left
+    in the model dtype (``lm_head`` and the embeddings always are).
+    """
+
+    method: str
+    weight_strategy: str
+    dynamic_activations: bool
+    unquantized: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only base model as the engine implements it.
 
@@ -116,7 +136,8 @@ class ModelSpec:
     ``layer_rope``: per layer, the key of its RoPE parameters in ``hf_config.rope_parameters`` (Gemma 3:
     ``"sliding_attention"`` / ``"full_attention"``), or None where one set serves every layer.
     ``hf_config``: the HF config the spec was read from (RoPE tables are built from it); None for
-    specs built by hand in tests.
+    specs built by hand in tests. ``checkpoint_quantization``: how the checkpoint's linear weights
+    are stored when they are FP8 (:class:`CheckpointQuantization`), else None.
     """
 
     architecture: str
@@ -146,6 +167,7 @@ class ModelSpec:
     layer_rope: tuple[str | None, ...]
     eos_token_ids: tuple[int, ...]
     hf_config: Any = field(default=None, compare=False, repr=False)
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -160,7 +182,7 @@ class ModelSpec:
         if family is None:
             raise UnsupportedModelError(
                 f"config.model_type={model_type!r}: unsupported; supported are {', '.join(sorted(FAMILIES))}")
-        _check_extra_attributes(config, family)
+        quantization = _check_extra_attributes(config, family)
         activation_field = "hidden_activation" if family.gemma else "hidden_act"
         _require(config, activation_field, ("gelu_pytorch_tanh",) if family.gemma else ("silu",))
         _require(config, "use_bidirectional_attention", (None, False))
@@ -199,6 +221,7 @@ class ModelSpec:
             layer_rope=_layer_rope(config, num_layers),
             eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ()),
             hf_config=config,
+            checkpoint_quantization=quantization,
         )
 
     @property
@@ -245,18 +268,87 @@ def _positive_or_none(config: Any, name: str) -> float | None:
     return float(value)
 
 
-def _check_extra_attributes(config: Any, family: Family) -> None:
-    """Refuse attributes that are no field of the config class (HF keeps unknown config.json keys)."""
+def _check_extra_attributes(config: Any, family: Family) -> CheckpointQuantization | None:
+    """Refuse attributes that are no field of the config class (HF keeps unknown config.json keys);
+    return the checkpoint's FP8 quantization, if it has a ``quantization_config`` the engine serves."""
     fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
     skip = fields | _BOOKKEEPING_ATTRS | family.ignored_extras
     extras = {k: v for k, v in config.to_dict().items() if k not in skip}
+    quantization = None
     if "quantization_config" in extras:
-        raise UnsupportedModelError(
-            f"config.quantization_config={extras['quantization_config']!r}: quantized checkpoints are not implemented")
+        quantization = _checkpoint_quantization(extras.pop("quantization_config"))
     for name, value in extras.items():
         if value not in (None, False):
             raise UnsupportedModelError(
                 f"config.{name}={value!r}: not a field of {type(config).__name__}; loraplex does not implement it")
+    return quantization
+
+
+_SERVED_QUANTIZATION = ("fbgemm_fp8 (per-channel FP8 weights) or compressed-tensors float-quantized FP8 weights "
+                        "per channel or per tensor")
+
+
+def _refuse_quantization(field_name: str, value: Any, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"config.quantization_config{field_name}={value!r}: {why}; loraplex serves "
+                                 f"{_SERVED_QUANTIZATION}")
+
+
+def _checkpoint_quantization(qc: Any) -> CheckpointQuantization:
+    """Parse an FP8 ``quantization_config`` (fbgemm_fp8; compressed-tensors float-quantized with one
+    config group of 8-bit float weights, per channel or per tensor, static; activations absent or
+    dynamic). Anything else raises :class:`UnsupportedModelError` naming the field."""
+    if not isinstance(qc, dict):
+        raise _refuse_quantization("", qc, "not a mapping")
+    method = qc.get("quant_method")
+    if method == "fbgemm_fp8":
+        skipped = _unquantized(qc.get("modules_to_not_convert"), "['modules_to_not_convert']")
+        return CheckpointQuantization("fbgemm_fp8", "channel", True, skipped)
+    if method != "compressed-tensors":
+        raise _refuse_quantization("['quant_method']", method, "this quantization method is not implemented")
+    if qc.get("format") != "float-quantized":
+        raise _refuse_quantization("['format']", qc.get("format"), "only float-quantized (FP8) weights are implemented")
+    if qc.get("kv_cache_scheme") is not None:
+        raise _refuse_quantization("['kv_cache_scheme']", qc["kv_cache_scheme"], "a quantized KV cache is not "
+                                   "implemented")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse_quantization("['config_groups']", sorted(groups), "exactly one config group is implemented")
+    [(group_name, group)] = groups.items()
+    where = f"['config_groups'][{group_name!r}]"
+    if list(group.get("targets") or []) != ["Linear"]:
+        raise _refuse_quantization(f"{where}['targets']", group.get("targets"), "only targets ['Linear'] is "
+                                   "implemented")
+    weights = group.get("weights") or {}
+    expected = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    for key, value in expected.items():
+        if weights.get(key, value) != value:
+            raise _refuse_quantization(f"{where}['weights'][{key!r}]", weights.get(key), f"expected {value!r}")
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor"):
+        raise _refuse_quantization(f"{where}['weights']['strategy']", strategy, "only per-channel or per-tensor "
+                                   "weight scales are implemented")
+    activations = group.get("input_activations")
+    if activations is not None and not activations.get("dynamic", False):
+        raise _refuse_quantization(f"{where}['input_activations']['dynamic']", activations.get("dynamic"),
+                                   "static activation scales are not implemented")
+    if group.get("output_activations") is not None:
+        raise _refuse_quantization(f"{where}['output_activations']", group["output_activations"],
+                                   "quantized outputs are not implemented")
+    return CheckpointQuantization("compressed-tensors", strategy, activations is not None,
+                                  _unquantized(qc.get("ignore"), "['ignore']"))
+
+
+# Modules an FP8 checkpoint may leave unquantized: the engine never quantizes these anyway.
+_NEVER_QUANTIZED = ("lm_head", "re:.*lm_head", "model.embed_tokens", "embed_tokens", "re:.*embed_tokens")
+
+
+def _unquantized(names: Any, where: str) -> tuple[str, ...]:
+    names = tuple(names or ())
+    for name in names:
+        if name not in _NEVER_QUANTIZED:
+            raise _refuse_quantization(where, list(names), f"{name!r} left unquantized is not implemented (only "
+                                       "lm_head and the embeddings may be)")
+    return names
 
 
 def _rope_sets(config: Any) -> dict[str | None, dict]:

@@ -17,6 +17,8 @@ PEFT rules mirrored here (peft 0.13-0.21, ``tuners_utils.check_target_module_exi
   ``re.match(rf"(.*\\.)?({p})$", key)`` overrides ``r`` / ``lora_alpha`` for that module.
 - ``scaling = alpha / r``, or ``alpha / sqrt(r)`` with ``use_rslora``
   (Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA").
+- ``use_dora``: DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation"); each
+  targeted module also stores a ``lora_magnitude_vector`` (PEFT ``lora.dora.DoraLinearLayer``).
 
 Bounded work: the file is at most ``MAX_CONFIG_BYTES`` and ``MAX_CONFIG_DEPTH`` levels deep;
 user regexes (``target_modules``, ``exclude_modules``, ``rank_pattern``, ``alpha_pattern``)
@@ -54,8 +56,8 @@ VOCAB_MODULES: dict[str, str] = {"embed_tokens": "model.embed_tokens", "lm_head"
 
 # LoraConfig fields that select a LoRA variant whose forward pass (or saved tensors)
 # differ from plain LoRA (PEFT marks them ``is_lora_variant``, plus QALoRA).
+# DoRA (``use_dora``) is served: ``PeftLoraConfig.use_dora``.
 _VARIANT_FIELDS: dict[str, str] = {
-    "use_dora": "DoRA",
     "alora_invocation_tokens": "Activated LoRA (aLoRA)",
     "arrow_config": "Arrow routing",
     "use_bdlora": "block-diagonal LoRA (BD-LoRA)",
@@ -97,7 +99,8 @@ class ModuleHyperparams:
 class PeftLoraConfig:
     """The fields of ``adapter_config.json`` that decide how the tensors are served.
 
-    ``raw`` is the whole parsed JSON object (hashed into ``version_id``).
+    ``raw`` is the whole parsed JSON object (hashed into ``version_id``). ``use_dora``: a DoRA
+    adapter (every targeted module has a ``lora_magnitude_vector``).
     """
 
     r: int
@@ -112,6 +115,7 @@ class PeftLoraConfig:
     patterns: PatternMatcher = field(default_factory=lambda: PatternMatcher(), compare=False, repr=False)
     modules_to_save: tuple[str, ...] = ()
     """Modules of ``VOCAB_MODULES`` the adapter replaces by a full copy (PEFT ``modules_to_save``)."""
+    use_dora: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PeftLoraConfig:
@@ -134,6 +138,7 @@ class PeftLoraConfig:
             raw=raw,
             patterns=patterns,
             modules_to_save=_modules_to_save(raw),
+            use_dora=_bool_or_null(raw, "use_dora"),
         )
 
     def targets(self, module_key: str, layer: int) -> bool:
@@ -397,6 +402,11 @@ def _bool(raw: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise AdapterFormatError(f"{CONFIG_NAME}: {name}={_short(value)} must be true or false")
     return value
+
+
+def _bool_or_null(raw: dict[str, Any], name: str) -> bool:
+    """A boolean field that PEFT may write as ``null`` (read as false)."""
+    return False if raw.get(name) is None else _bool(raw, name)
 
 
 def _target_modules(raw: dict[str, Any], patterns: PatternMatcher) -> tuple[str, ...] | str:

@@ -22,6 +22,8 @@ Tensor names (PEFT ``get_peft_model_state_dict``):
 On the vocabulary-sized modules (``_plan_vocab``): ``model.embed_tokens.lora_embedding_{A,B}``,
 ``lm_head.lora_{A,B}.weight``, the ``base_layer.weight`` copy PEFT saves beside them, and
 ``modules_to_save`` copies ``model.embed_tokens.weight`` / ``lm_head.weight``.
+DoRA adapters (``use_dora``) add ``...{module}.lora_magnitude_vector`` ``[out_features]`` per
+targeted module (PEFT 0.21 writes no ``.weight`` suffix; one is accepted).
 Compatibility is decided from these shapes and ``BaseModelSpec``, never from
 ``base_model_name_or_path``.
 """
@@ -68,6 +70,9 @@ _FLOAT_DTYPES = tuple(_DTYPE_BYTES)
 _LORA_TENSOR = re.compile(
     r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight"
 )
+_MAGNITUDE_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(?P<module>.+)\.lora_magnitude_vector(?:\.(?P<adapter>(?!weight$)[^.]+))?(?:\.weight)?"
+)
 _LAYER_MODULE = re.compile(r"(?:model\.)?layers\.(?P<layer>[0-9]+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)")
 _LAYER_INDEX = re.compile(r"0|[1-9][0-9]{0,5}")  # a layer index as PEFT writes it: <= 6 digits, no leading zero
 MAX_TENSOR_NAME_CHARS = 256
@@ -99,13 +104,15 @@ class _TensorRef:
 
 @dataclass(frozen=True)
 class _ModulePlan:
-    """A validated (layer, module) pair: which tensors hold its A and B, and its hyperparameters."""
+    """A validated (layer, module) pair: which tensors hold its A and B (and its DoRA magnitude), and its
+    hyperparameters."""
 
     layer: int
     module: str
     a_name: str
     b_name: str
     hyper: ModuleHyperparams
+    magnitude_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -286,7 +293,7 @@ def _layout(
     spec: BaseModelSpec,
     max_lora_rank: int,
 ) -> AdapterLayout:
-    _check_tensor_count(header, spec)
+    _check_tensor_count(header, config, spec)
     layer_header = {name: entry for name, entry in header.items() if _VOCAB_TENSOR.fullmatch(name) is None}
     vocab_lora, full_modules = _plan_vocab(header, config, spec, max_lora_rank)
     has_vocab = bool(vocab_lora or full_modules)
@@ -323,7 +330,18 @@ def _plan_vocab(
     ``lora_B [V, r]``. The copy of the base module PEFT saves beside that LoRA (``base_layer.weight``,
     for resized vocabularies) must be ``[V, H]`` and is not served: the adapter runs on the server's base
     weights. A ``modules_to_save`` copy is ``[V, H]`` and replaces the module for the adapter's rows.
+
+    DoRA (``use_dora``) on ``embed_tokens`` / ``lm_head`` is refused: PEFT rescales the embedding's hidden
+    channels (``DoraEmbeddingLayer``, ``m [H]``) or the head's logits (``m [V]``) there, which the engine's
+    vocabulary LoRA path does not apply. ``modules_to_save`` copies beside DoRA on the projections are served.
     """
+    dora_vocab = [module for module in VOCAB_MODULES if config.use_dora and config.targets_vocab(module)]
+    if dora_vocab:
+        raise AdapterUnsupportedError(
+            f"{CONFIG_NAME}: use_dora=true with LoRA on {' and '.join(dora_vocab)} ({config.describe_targets()}): "
+            "DoRA on embed_tokens / lm_head is not served (DoRA is served on the decoder layers' projections; "
+            "plain LoRA or a modules_to_save copy on embed_tokens / lm_head is served)"
+        )
     parts: dict[str, dict[str, _TensorRef]] = {module: {} for module in VOCAB_MODULES}
     for name, (dtype, shape) in sorted(header.items()):
         match = _VOCAB_TENSOR.fullmatch(name)
@@ -504,23 +522,26 @@ def _plan_modules(
     """Check every tensor of the header against the config and the model; one plan per module."""
     if not header:
         raise AdapterFormatError(f"{SAFETENSORS_NAME}: holds no tensors")
-    _check_tensor_count(header, spec)
+    _check_tensor_count(header, config, spec)
     refs = [_parse_name(name, dtype, shape, spec) for name, (dtype, shape) in sorted(header.items())]
     _check_adapter_names(refs)
     _check_mapped(refs, spec)
     pairs = _pair(refs)
     order = {name: i for i, name in enumerate(LORA_MODULE_NAMES)}
     keys = sorted(pairs, key=lambda key: (key[0], order[key[1]]))
-    return [_plan_module(pairs[key]["A"], pairs[key]["B"], config, spec, max_lora_rank) for key in keys]
+    return [_plan_module(pairs[key]["A"], pairs[key]["B"], pairs[key].get("M"), config, spec, max_lora_rank)
+            for key in keys]
 
 
-def _check_tensor_count(header: dict[str, Any], spec: BaseModelSpec) -> None:
+def _check_tensor_count(header: dict[str, Any], config: PeftLoraConfig, spec: BaseModelSpec) -> None:
     """Bounds the work before any name is parsed; a few extra tensors get the precise refusal later."""
-    most = 2 * spec.num_layers * len(spec.module_shapes)
+    per_module = 3 if config.use_dora else 2
+    most = per_module * spec.num_layers * len(spec.module_shapes)
     if len(header) > 2 * most + 64 + 3 * len(VOCAB_MODULES):
         raise AdapterIncompatibleError(
             f"{SAFETENSORS_NAME}: holds {len(header)} tensors; an adapter of this base model has at most {most} "
-            f"(lora_A and lora_B of {len(spec.module_shapes)} modules in {spec.num_layers} layers)"
+            f"(lora_A and lora_B{' and lora_magnitude_vector' if config.use_dora else ''} of "
+            f"{len(spec.module_shapes)} modules in {spec.num_layers} layers)"
         )
 
 
@@ -534,17 +555,18 @@ def _parse_name(name: str, dtype: str, shape: tuple[int, ...], spec: BaseModelSp
             f"tensor {name!r}: not a tensor of embed_tokens/lm_head as PEFT saves it (lora_embedding_A/B of "
             "embed_tokens, lora_A/B.weight of lm_head, base_layer.weight, or a modules_to_save copy '<module>.weight')"
         )
-    match = _LORA_TENSOR.fullmatch(name)
+    match = _LORA_TENSOR.fullmatch(name) or _MAGNITUDE_TENSOR.fullmatch(name)
     if match is None:
         raise AdapterFormatError(
-            f"tensor {name!r} is not a LoRA weight (expected '<module>.lora_A.weight' or '<module>.lora_B.weight')"
+            f"tensor {name!r} is not a LoRA weight (expected '<module>.lora_A.weight', '<module>.lora_B.weight' "
+            "or, for DoRA, '<module>.lora_magnitude_vector')"
         )
     module_key = match["module"]
     layer, module = _map_module(module_key, spec)
     return _TensorRef(
         name=name,
         module_key=module_key,
-        kind=match["kind"],
+        kind=match.groupdict().get("kind") or "M",
         adapter_name=match["adapter"],
         dtype=dtype,
         shape=shape,
@@ -605,19 +627,25 @@ def _pair(refs: list[_TensorRef]) -> dict[tuple[int, str], dict[str, _TensorRef]
         slot = pairs.setdefault((ref.layer, ref.module), {})
         if ref.kind in slot:
             raise AdapterFormatError(
-                f"tensors {slot[ref.kind].name!r} and {ref.name!r} both hold lora_{ref.kind} "
+                f"tensors {slot[ref.kind].name!r} and {ref.name!r} both hold {_KIND_NAMES[ref.kind]} "
                 f"of layer {ref.layer} {ref.module}"
             )
         slot[ref.kind] = ref
     for slot in pairs.values():
-        for kind, other in (("A", "B"), ("B", "A")):
+        for kind, other in (("A", "B"), ("B", "A"), ("M", "A")):
             if kind in slot and other not in slot:
-                raise AdapterFormatError(f"tensor {slot[kind].name!r} (lora_{kind}) has no matching lora_{other}")
+                raise AdapterFormatError(
+                    f"tensor {slot[kind].name!r} ({_KIND_NAMES[kind]}) has no matching {_KIND_NAMES[other]}"
+                )
     return pairs
 
 
+_KIND_NAMES = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
+
+
 def _plan_module(
-    a: _TensorRef, b: _TensorRef, config: PeftLoraConfig, spec: BaseModelSpec, max_lora_rank: int
+    a: _TensorRef, b: _TensorRef, magnitude: _TensorRef | None, config: PeftLoraConfig, spec: BaseModelSpec,
+    max_lora_rank: int,
 ) -> _ModulePlan:
     assert a.layer is not None and a.module is not None  # _check_mapped ran
     if not config.targets(a.module_key, a.layer):
@@ -633,7 +661,34 @@ def _plan_module(
     in_features, out_features = spec.module_shapes[a.module]
     _check_tensor(a, (hyper.rank, in_features), rank_dim=0, hyper=hyper, spec=spec)
     _check_tensor(b, (out_features, hyper.rank), rank_dim=1, hyper=hyper, spec=spec)
-    return _ModulePlan(layer=a.layer, module=a.module, a_name=a.name, b_name=b.name, hyper=hyper)
+    _check_magnitude(a, magnitude, config, out_features)
+    return _ModulePlan(layer=a.layer, module=a.module, a_name=a.name, b_name=b.name, hyper=hyper,
+                       magnitude_name=None if magnitude is None else magnitude.name)
+
+
+def _check_magnitude(a: _TensorRef, magnitude: _TensorRef | None, config: PeftLoraConfig, out_features: int) -> None:
+    """DoRA (``use_dora``): every module has a float ``lora_magnitude_vector [out_features]``; plain LoRA none."""
+    if magnitude is None:
+        if config.use_dora:
+            raise AdapterFormatError(
+                f"tensor {a.name!r}: {CONFIG_NAME} has use_dora=true but module {a.module_key!r} has no "
+                "lora_magnitude_vector"
+            )
+        return
+    if not config.use_dora:
+        raise AdapterFormatError(
+            f"tensor {magnitude.name!r}: a DoRA magnitude vector, but {CONFIG_NAME} has use_dora=false"
+        )
+    if magnitude.dtype not in _FLOAT_DTYPES:
+        raise AdapterFormatError(
+            f"tensor {magnitude.name!r}: dtype {magnitude.dtype} is not a floating-point type "
+            f"({', '.join(_FLOAT_DTYPES)})"
+        )
+    if magnitude.shape != (out_features,):
+        raise AdapterIncompatibleError(
+            f"tensor {magnitude.name!r} has shape {list(magnitude.shape)}; expected [{out_features}] "
+            f"(out_features of the base model's {magnitude.module})"
+        )
 
 
 def _check_tensor(
@@ -668,7 +723,8 @@ def _build_adapter(
     _check_scaled_finite(layout, tensors, serving_dtype)
     weights = {
         (plan.layer, plan.module): LoRAWeight(
-            a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(), scaling=plan.hyper.scaling
+            a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(), scaling=plan.hyper.scaling,
+            magnitude=None if plan.magnitude_name is None else tensors[plan.magnitude_name].float(),
         )
         for plan in layout.modules
     }
@@ -682,6 +738,7 @@ def _build_adapter(
         use_rslora=layout.config.use_rslora,
         target_modules=layout.target_modules,
         weights=weights,
+        use_dora=layout.config.use_dora,
         size_bytes=layout.size_bytes,
         warnings=warnings,
         path=layout.path,

@@ -11,7 +11,9 @@ in (layer, ``LORA_MODULE_NAMES``) order, ``A`` padded to ``[R, in_features]`` (r
 ``r..R`` zero) then ``B`` padded to ``[out_features, R]`` (columns ``r..R`` zero).
 
 Semantics (per module): ``delta(x) = scaling * (x @ A.T) @ B.T``; the zero padding
-makes the rank-R product equal the rank-r one.
+makes the rank-R product equal the rank-r one. A DoRA adapter's magnitude vectors ride
+beside ``data`` in float32 (``SlotImage.magnitude``); the gain they give needs the base
+weight, so it is computed at install (``LoRADeviceWeights``).
 
 An adapter with LoRA or ``modules_to_save`` copies on ``embed_tokens`` / ``lm_head`` also carries a
 ``VocabImage`` (separate host tensors, in the slot dtype, rank-padded like the rest).
@@ -110,6 +112,8 @@ class SlotImage:
       ``spec.module_shapes`` order; 0 where the adapter does not target ``(layer, module)``.
     - ``module_shapes``: ``spec.module_shapes`` (``module -> (in_features, out_features)``).
     - ``vocab``: the ``embed_tokens`` / ``lm_head`` parts, or None.
+    - ``magnitude``: DoRA only: ``(layer, module) -> m [out_features] fp32`` for every targeted
+      module; empty for plain LoRA.
     """
 
     version_id: str
@@ -119,6 +123,7 @@ class SlotImage:
     scaling: torch.Tensor
     module_shapes: dict[str, tuple[int, int]]
     vocab: VocabImage | None = None
+    magnitude: dict[ModuleKey, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -171,6 +176,7 @@ def read_slot_image(
         target = _Target(spec, max_rank, dtype, version_id, allocate or _new_tensor(pin_memory))
         read = _read_verbatim if _is_verbatim(layout, stored, max_rank, dtype) else _read_per_tensor
         image = read(fd, layout, stored, target)
+        _read_magnitudes(fd, layout, stored, image)
     finally:
         os.close(fd)
     _set_scalings(image, layout, spec)
@@ -207,6 +213,8 @@ def slot_image_from_adapter(
     image = _empty_image(ranks, spec, max_rank, dtype, adapter.version_id, allocate or _new_tensor(pin_memory))
     for key, weight in adapter.weights.items():
         _fill(image, key, weight.a, weight.b, weight.scaling, spec)
+        if weight.magnitude is not None:
+            image.magnitude[key] = weight.magnitude.float().clone()
     _check_finite(image, {key: (f"layer {key[0]} {key[1]} lora_A", f"layer {key[0]} {key[1]} lora_B")
                           for key in adapter.weights}, dtype)
     if adapter.vocab is not None:
@@ -217,13 +225,14 @@ def slot_image_from_adapter(
 
 
 def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_rank: int, dtype: torch.dtype) -> bool:
-    """Every module has rank R and every tensor is stored in ``dtype`` at an aligned offset (and no
-    ``embed_tokens`` / ``lm_head`` tensor lies in the file's data, which the one read would copy)."""
+    """Every module has rank R and every tensor is stored in ``dtype`` at an aligned offset (DoRA magnitudes
+    included: the data section read may span them, and the image's finite-value scan reads it as ``dtype``), and
+    no ``embed_tokens`` / ``lm_head`` tensor lies in the file's data, which the one read would copy."""
     if layout.vocab_lora or layout.full_modules:
         return False
     if any(plan.hyper.rank != max_rank for plan in layout.modules):
         return False
-    names = [name for plan in layout.modules for name in (plan.a_name, plan.b_name)]
+    names = [name for plan in layout.modules for name in (plan.a_name, plan.b_name, plan.magnitude_name) if name]
     return all(
         name in stored and _STORED_DTYPES.get(stored[name].dtype) == dtype
         and stored[name].offset_bytes % dtype.itemsize == 0
@@ -277,6 +286,18 @@ def _read_per_tensor(fd: int, layout: AdapterLayout, stored: dict[str, StoredTen
         _read_into(fd, plan.a_name, stored, image.a(key)[:rank])
         _read_into(fd, plan.b_name, stored, image.b(key)[:, :rank])
     return image
+
+
+def _read_magnitudes(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], image: SlotImage) -> None:
+    """DoRA: each module's ``lora_magnitude_vector`` into ``image.magnitude`` as float32 (must be finite)."""
+    for plan in layout.modules:
+        if plan.magnitude_name is None:
+            continue
+        magnitude = torch.empty(image.module_shapes[plan.module][1], dtype=torch.float32)
+        _read_into(fd, plan.magnitude_name, stored, magnitude)
+        if not bool(torch.isfinite(magnitude).all()):
+            raise AdapterFormatError(f"tensor {plan.magnitude_name!r} contains NaN or Inf values")
+        image.magnitude[(plan.layer, plan.module)] = magnitude
 
 
 def _set_scalings(image: SlotImage, layout: AdapterLayout, spec: BaseModelSpec) -> None:

@@ -209,7 +209,8 @@ class LoRASlotPool:
         re-uploaded adapter's new version gets a new id while requests on the old one finish).
         Raises ``AdapterConflictError`` if its int id is registered with another name, path or
         version id (or is being removed); any ``AdapterError`` of ``load_peft_adapter`` (the
-        pool is then unchanged).
+        pool is then unchanged); ``AdapterUnsupportedError`` for a DoRA adapter where the slots
+        cannot compute DoRA gains (``LoRADeviceWeights.check_dora``).
         """
         known = self.registry.get(request.lora_int_id)
         if known is not None:
@@ -219,6 +220,8 @@ class LoRASlotPool:
         if request.version_id is not None:
             layout = self.loader.inspect(request.lora_path)
             self._check_vocab(request, bool(layout.vocab_lora), tuple(m for m, _ in layout.full_modules))
+            if layout.config.use_dora:
+                self.weights.check_dora(request.lora_name)
             self.registry.add(Registration(request, request.version_id, signature, layout))
             self._set_full_needs(request.lora_int_id, tuple(m for m, _ in layout.full_modules))
             return True
@@ -226,6 +229,8 @@ class LoRASlotPool:
         vocab = image.vocab
         full = tuple(vocab.full) if vocab is not None else ()
         self._check_vocab(request, vocab is not None and vocab.scaling.any().item(), full)
+        if image.magnitude:
+            self.weights.check_dora(request.lora_name)
         self.registry.add(Registration(request, image.version_id, signature, verified=True))
         self._set_full_needs(request.lora_int_id, full)
         self.loader.cache.put_if_room(request.lora_int_id, image)

@@ -141,7 +141,9 @@ class EngineConfig:
     quantization: Literal["fp8"] | None = None
     """fp8: the base model's projections (q/k/v, o, gate/up, down) quantized at load to FP8 e4m3 with
     per-output-channel scales, computed as W8A16 (activations, LoRA, embeddings and LM head stay in dtype;
-    loraplex.engine.models.quantization). Checkpoints that are already quantized are refused at load."""
+    loraplex.engine.models.quantization). FP8 checkpoints (fbgemm_fp8, compressed-tensors float-quantized) are
+    served as stored with or without it (ModelSpec.checkpoint_quantization); other quantized checkpoints are
+    refused at load."""
     tensor_parallel_size: int = knob(1, at_least(1))
     """Ranks (processes; GPUs on CUDA) one model is split over, Megatron-style (loraplex.engine.tensor_parallel);
     must divide the model's KV heads, query heads and intermediate size."""

@@ -27,8 +27,10 @@ adds a block to a sequence once every ``block_size`` tokens). For LoRA the
 host writes only each token's adapter slot: the graph itself groups the tokens
 by slot (:func:`~loraplex.kernels.lora_mapping.plan_segments`, the eager path's
 builder, captured: one segment per adapter slot, a work-item list padded with
-idle items to its bound ``ceil(T / 16) + min(B, slots)``); two graphs per size
-are kept, with and without LoRA.
+idle items to its bound ``ceil(T / 16) + min(B, slots)``); three graphs per size
+are kept, keyed ``(size, with_lora, with_dora)``: without LoRA, with LoRA, and with LoRA and
+the DoRA rescale (steps where some slot holds a DoRA adapter; the graph also captures each
+token's gain row, ``LoRABatch.gain_rows``), so plain-LoRA steps pay nothing for DoRA.
 The launch grids are fixed at capture: attention is sized for
 ``max_model_len``, LoRA for T tokens in ``max_loras`` segments.
 """
@@ -126,13 +128,15 @@ class CudaGraphRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_layers, block_size: int, max_model_len: int,
                  max_num_seqs: int, num_lora_slots: int, device: torch.device,
-                 max_num_batched_tokens: int | None = None) -> None:
-        """``max_num_batched_tokens``: the step token budget; None captures no mixed-step graphs."""
+                 max_num_batched_tokens: int | None = None, dora: bool = True) -> None:
+        """``max_num_batched_tokens``: the step token budget; None captures no mixed-step graphs. ``dora``:
+        capture the DoRA variants too (a step holding a DoRA slot without them runs eagerly)."""
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_lora_slots = num_lora_slots
+        self.dora = dora
         self.sizes = default_batch_sizes(max_num_seqs)
         n = self.sizes[-1]  # sequences (and decode tokens) a graph can hold
         self.mixed_sizes = [t for t in default_mixed_sizes(max_num_batched_tokens or 0)
@@ -154,8 +158,8 @@ class CudaGraphRunner:
         self._table_rows: list[list[int]] = [[] for _ in range(n)]  # what each host row holds
         self._reset_host()
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, bool], _Graph] = {}
-        self.mixed_graphs: dict[tuple[int, bool], _Graph] = {}
+        self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # (size, with_lora, with_dora)
+        self.mixed_graphs: dict[tuple[int, bool, bool], _Graph] = {}
         self.pool = None
 
     def mixed_num_seqs(self, num_tokens: int) -> int:
@@ -191,9 +195,9 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len, query_start_loc_host=list(range(size + 1)),
             seq_lens_host=[self.max_model_len] * size)
 
-    def _lora(self, size: int) -> LoRABatch:
+    def _lora(self, size: int, dora: bool = False) -> LoRABatch:
         """The step's LoRA grouping, built on the device from the static ``token_slots`` (captured)."""
-        return LoRABatch(plan_segments(self.token_slots[:size], self.num_lora_slots, has_lora=True))
+        return LoRABatch(plan_segments(self.token_slots[:size], self.num_lora_slots, has_lora=True), dora=dora)
 
     def _mixed_meta(self, size: int) -> AttentionMetadata:
         """Capture metadata of the mixed graph of ``size`` tokens: the static buffers, and host lists of a
@@ -207,39 +211,44 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len, query_start_loc_host=list(accumulate(q_lens, initial=0)),
             seq_lens_host=[self.max_model_len] * b)
 
-    def _forward(self, size: int, with_lora: bool, mixed: bool = False) -> torch.Tensor:
-        lora = self._lora(size) if with_lora else None
+    def _forward(self, size: int, with_lora: bool, with_dora: bool, mixed: bool = False) -> torch.Tensor:
+        lora = self._lora(size, with_dora) if with_lora else None
         meta = self._mixed_meta(size) if mixed else self._meta(size)
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_layers, meta, lora)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (size, lora) graph, mixed-step ones (largest) first, sharing one memory pool."""
-        variants = [False, True] if self.num_lora_slots else [False]
+        """Capture every (size, with_lora, with_dora) graph, mixed-step ones (largest) first, sharing one memory
+        pool."""
+        variants = [(False, False)]  # (with_lora, with_dora)
+        if self.num_lora_slots:
+            variants += [(True, False), (True, True)] if self.dora else [(True, False)]
         plan = [(size, True) for size in reversed(self.mixed_sizes)] + [(size, False) for size in reversed(self.sizes)]
         for size, mixed in plan:
-            for with_lora in variants:
+            for with_lora, with_dora in variants:
                 for _ in range(2):  # warm up: compile kernels, fill launch caches
-                    self._forward(size, with_lora, mixed)
+                    self._forward(size, with_lora, with_dora, mixed)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    hidden = self._forward(size, with_lora, mixed)
+                    hidden = self._forward(size, with_lora, with_dora, mixed)
                 if self.pool is None:
                     self.pool = graph.pool()
-                (self.mixed_graphs if mixed else self.graphs)[(size, with_lora)] = _Graph(graph, hidden)
+                (self.mixed_graphs if mixed else self.graphs)[(size, with_lora, with_dora)] = _Graph(graph, hidden)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for decode batch sizes %s and %d for mixed-step token counts %s",
                     len(self.graphs), self.sizes, len(self.mixed_graphs), self.mixed_sizes)
 
     # -- replay -----------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], lora_slots: list[int] | None, input_fix=None) -> torch.Tensor:
+            block_tables: list[list[int]], lora_slots: list[int] | None, input_fix=None,
+            dora: bool = False) -> torch.Tensor:
         """Fill the static buffers for B decode tokens and replay; returns ``[B, hidden]``.
 
         ``lora_slots``: adapter slot per sequence (-1 = none), or None when no
         sequence uses an adapter. ``input_fix``: ``(rows, ids)`` device tensors, token ids
         written over rows of ``token_ids`` after the upload (async scheduling), or None.
+        ``dora``: some slot of ``lora_slots`` holds a DoRA adapter (the DoRA graph is replayed).
         """
         b = len(token_ids)
         size = self.padded_size(b)
@@ -253,7 +262,7 @@ class CudaGraphRunner:
         self._i32.upload(self._i32.offsets["block_tables"] + size * self.table_width)
         if input_fix is not None:
             self.input_ids[input_fix[0]] = input_fix[1]
-        entry = self.graphs[(size, with_lora)]
+        entry = self.graphs[(size, with_lora, with_lora and dora)]
         entry.graph.replay()
         return entry.hidden[:b]
 
@@ -286,14 +295,15 @@ class CudaGraphRunner:
                 rows[i] = list(table)
 
     def run_mixed(self, token_ids: list[int], positions, slot_mapping, query_lens: list[int], seq_lens: list[int],
-                  block_tables: list[list[int]], token_lora_slots: list[int] | None) -> torch.Tensor:
+                  block_tables: list[list[int]], token_lora_slots: list[int] | None,
+                  dora: bool = False) -> torch.Tensor:
         """Fill the static buffers for a mixed step of T tokens in B sequences and replay the smallest mixed
         graph that holds it; returns ``[T, hidden]``.
 
         ``positions`` / ``slot_mapping``: T ints each (lists or 1-D int64 host tensors / arrays);
         ``query_lens`` / ``seq_lens`` / ``block_tables``: per sequence; ``token_lora_slots``: adapter slot per
-        token (-1 = none), or None when no token uses an adapter. Raises ``ValueError`` when no bucket
-        holds the step (check :meth:`mixed_padded_size` first).
+        token (-1 = none), or None when no token uses an adapter; ``dora`` as in :meth:`run`. Raises
+        ``ValueError`` when no bucket holds the step (check :meth:`mixed_padded_size` first).
         """
         t, b = len(token_ids), len(seq_lens)
         size = self.mixed_padded_size(t, b)
@@ -314,7 +324,7 @@ class CudaGraphRunner:
             self._fill_lora(size, token_lora_slots)
         self._i64.upload(self._i64.host.numel())
         self._i32.upload(self._i32.offsets["block_tables"] + num_seqs * self.table_width)
-        entry = self.mixed_graphs[(size, with_lora)]
+        entry = self.mixed_graphs[(size, with_lora, with_lora and dora)]
         entry.graph.replay()
         return entry.hidden[:t]
 

@@ -47,14 +47,20 @@ class KVCacheSizing:
 def size_kv_cache(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, block_size: int,
                   max_model_len: int, max_num_seqs: int, num_kv_blocks: int | None,
                   kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
-                  activation_bytes: int = 0) -> KVCacheSizing:
+                  activation_bytes: int = 0, sliding_window: int | None = None,
+                  max_num_batched_tokens: int | None = None) -> KVCacheSizing:
     """Number of KV blocks: explicit count, explicit bytes, or what is left of
     ``gpu_memory_utilization`` x device memory after weights and activations
     and ``activation_bytes`` (CUDA), or enough for ``max_num_seqs`` full sequences capped at 2 GiB (CPU).
 
+    With ``sliding_window`` (every layer attends to the last W tokens; the manager frees blocks outside
+    the window) one sequence needs at most the blocks of a step's chunk of ``max_num_batched_tokens``
+    tokens plus the W - 1 positions before it: ``ceil((W - 1 + max_num_batched_tokens) / block_size) + 1``
+    (over a block boundary), when that is fewer than ``max_model_len``'s.
+
     Raises:
-        KVCacheTooSmallError: one ``max_model_len`` sequence does not fit; the
-            message names the numbers.
+        KVCacheTooSmallError: one sequence (``max_model_len`` tokens, or its window as above) does not fit;
+            the message names the numbers.
     """
     per_token = spec.kv_bytes_per_token(dtype)
     per_block = per_token * block_size
@@ -68,11 +74,17 @@ def size_kv_cache(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, 
         blocks = min(max_num_seqs * max_model_len * per_token, _CPU_DEFAULT_CAP_BYTES) // per_block
     sizing = KVCacheSizing(int(blocks), block_size, per_token, max_model_len)
     needed = -(-max_model_len // block_size)
+    what = f"max_model_len={max_model_len}"
+    if sliding_window is not None and max_num_batched_tokens is not None:
+        windowed = -(-(sliding_window - 1 + max_num_batched_tokens) // block_size) + 1
+        if windowed < needed:
+            needed = windowed
+            what = f"sliding_window={sliding_window} and max_num_batched_tokens={max_num_batched_tokens}"
     if sizing.num_blocks < needed:
         raise KVCacheTooSmallError(
             f"KV cache has {sizing.num_blocks} blocks x {block_size} tokens = {sizing.capacity_tokens} tokens "
             f"({sizing.total_bytes / 2**20:.1f} MiB at {per_token} bytes/token), but one sequence of "
-            f"max_model_len={max_model_len} needs {needed} blocks; lower max_model_len or give the cache more memory")
+            f"{what} needs {needed} blocks; lower max_model_len or give the cache more memory")
     logger.info("KV cache: %d blocks, %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2fx",
                 sizing.num_blocks, sizing.capacity_tokens, sizing.total_bytes / 2**20, max_model_len,
                 sizing.max_concurrency)

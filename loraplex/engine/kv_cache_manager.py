@@ -21,6 +21,27 @@ shares with itself only::
 Blocks are hashed only once their KV has been computed. A sequence's last,
 partial block is never shared through the prefix cache.
 
+Sliding window (every layer attends to the same last W positions: Mistral, Phi-3 with
+``sliding_window``, Qwen2/3 when every layer slides): a query at position p reads keys ``> p - W``
+only, so once a sequence has computed ``c`` tokens its next queries (positions >= c) never read
+positions ``< c - W + 1``. At each allocation, and after each step (``Scheduler.update_from_output``),
+the manager frees every block wholly below that position (vLLM v1
+``SlidingWindowManager.remove_skipped_blocks``) and leaves :data:`NULL_BLOCK` in its table entry, so
+positions still index the table and a long sequence holds about ``W / block_size + 1`` blocks::
+
+    | NULL .. NULL | block with c - W + 1 | ... | block with c - 1 | blocks for this step's tokens |
+                    ^ first position a query of this step may read
+
+The attention kernels start their key loops at the window's first position (``seq_len - W`` for a
+decode row, ``first query position - W + 1`` for a prefill tile), so they never read a NULL entry.
+With prefix caching a freed block keeps its hash in the free queue like any freed block (its content
+is the KV of its tokens, whatever the window) and a later prefix hit may revive it; lookups match the
+chain from block 0 as for every model, so an evicted early block ends the hit there (vLLM can hit
+with only the window's blocks cached; not done here). Swapping moves the held blocks and keeps the
+NULL entries; a fork shares the held blocks (reference counts), each sequence frees its own references.
+Models whose layers differ (Gemma 2/3: global layers between sliding ones; Qwen2/3 whose
+``max_window_layers`` leaves global layers) free nothing.
+
 Copy-on-write: a sequence about to write into a block it shares (only the
 partial last block after an ``n > 1`` fork can be shared and written) gets a
 private copy first; the copy is recorded in :attr:`KVCacheManager.pending_copies`
@@ -73,6 +94,19 @@ class ComputedBlocks:
     num_tokens: int = 0
 
 
+NULL_BLOCK = -1
+"""The table entry of a block freed for lying wholly outside the sliding window (never read)."""
+
+
+def uniform_sliding_window(layer_windows: tuple[int | None, ...]) -> int | None:
+    """The window W when every layer uses the same sliding window of W tokens, else None (some layer
+    attends to everything, or the windows differ: no block may be freed)."""
+    windows = set(layer_windows)
+    if len(windows) != 1:
+        return None
+    return next(iter(windows))
+
+
 def hash_block(parent: bytes, token_ids: list[int], extra_key: str) -> bytes:
     """Chained content hash of one full block (see module docstring)."""
     h = hashlib.sha256(parent)
@@ -84,8 +118,18 @@ def hash_block(parent: bytes, token_ids: list[int], extra_key: str) -> bytes:
 class KVCacheManager:
     """Maps sequences to physical KV blocks on the device and in host swap space."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_swap_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_swap_blocks: int = 0,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: W tokens when every layer attends to the last W positions only (see the module
+        docstring: blocks wholly outside the window are freed); None = keep every block.
+
+        Raises:
+            ValueError: ``sliding_window`` < 1.
+        """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"KVCacheManager.sliding_window={sliding_window}: must be >= 1 or None")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
         self.enable_prefix_caching = enable_prefix_caching
@@ -107,6 +151,10 @@ class KVCacheManager:
     def block_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of ``seq``'s full, computed blocks (prefix caching), read-only for callers."""
         return self._hashes.get(seq.seq_id, [])
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Device blocks ``seq`` holds (its table less the NULL entries of blocks freed outside the window)."""
+        return sum(1 for block in self._tables.get(seq.seq_id, ()) if block != NULL_BLOCK)
 
     def num_tables(self) -> int:
         """Sequences holding a device block table or swapped blocks (0 once all are freed)."""
@@ -139,6 +187,8 @@ class KVCacheManager:
         an unshared block the sequence already holds.
         """
         computed, block_ids = seq.num_computed_tokens, self.block_ids(seq)
+        if self.sliding_window is not None:
+            self.free_blocks_outside_window(seq)
         first = computed // self.block_size
         if (computed + num_new_tokens <= len(block_ids) * self.block_size and first < len(block_ids)
                 and self.pool.ref_cnt[block_ids[first]] == 1):
@@ -155,6 +205,8 @@ class KVCacheManager:
             NoFreeBlocksError: callers must check :meth:`can_allocate` first.
         """
         table = self.block_ids(seq)
+        if self.sliding_window is not None:
+            self.free_blocks_outside_window(seq)
         if self._needs_cow(seq):
             idx = seq.num_computed_tokens // self.block_size
             old = table[idx]
@@ -166,18 +218,39 @@ class KVCacheManager:
         while len(table) < total:
             table.append(self.pool.allocate())
 
+    def free_blocks_outside_window(self, seq: Sequence) -> int:
+        """Sliding window: free ``seq``'s blocks that lie wholly below position ``num_computed_tokens - W + 1``
+        (no query from here on reads them), deepest first, leaving :data:`NULL_BLOCK` in their entries.
+        Returns how many were freed. Called by the allocations; a no-op without a window.
+        """
+        if self.sliding_window is None:
+            return 0
+        first_read = seq.num_computed_tokens - self.sliding_window + 1
+        table = self.block_ids(seq)
+        i = min(max(first_read, 0) // self.block_size, len(table)) - 1
+        freed = 0
+        while i >= 0 and table[i] != NULL_BLOCK:  # NULL entries are always a prefix of the table
+            self.pool.free(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
+            freed += 1
+        return freed
+
     def free(self, seq: Sequence) -> None:
         """Release all of ``seq``'s device blocks, deepest first (eviction order), and forget
         its block hashes (a recomputed sequence hashes its blocks again)."""
         for block in reversed(self._tables.pop(seq.seq_id, ())):
-            self.pool.free(block)
+            if block != NULL_BLOCK:
+                self.pool.free(block)
         self._hashes.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` (holding no blocks) shares every block of ``parent`` (reference counts + 1)."""
+        """``child`` (holding no blocks) shares every block of ``parent`` (reference counts + 1; NULL
+        entries stay NULL)."""
         table = self.block_ids(parent)
         for block in table:
-            self.pool.incref(block)
+            if block != NULL_BLOCK:
+                self.pool.incref(block)
         self._tables[child.seq_id] = list(table)
         self._hashes[child.seq_id] = list(self.block_hashes(parent))
 
@@ -246,17 +319,21 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else b""
             h = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], extra)
             hashes.append(h)
-            self.pool.set_hash(table[i], h)
+            if table[i] != NULL_BLOCK:  # already freed outside the window (async scheduling): not cached
+                self.pool.set_hash(table[i], h)
 
     # -- swapping ---------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return self.swap_pool is not None and len(self.block_ids(seq)) <= self.swap_pool.num_free_blocks
+        return self.swap_pool is not None and self.num_held_blocks(seq) <= self.swap_pool.num_free_blocks
 
     def swap_out(self, seq: Sequence) -> None:
-        """Move ``seq``'s blocks to host swap blocks (copies recorded as pending)."""
+        """Move ``seq``'s blocks to host swap blocks (copies recorded as pending; NULL entries stay NULL)."""
         assert self.swap_pool is not None
         host = []
         for block in self.block_ids(seq):
+            if block == NULL_BLOCK:
+                host.append(NULL_BLOCK)
+                continue
             dst = self.swap_pool.allocate()
             self.pending.swap_out.append((block, dst))
             host.append(dst)
@@ -268,20 +345,25 @@ class KVCacheManager:
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for the swapped blocks plus those of ``num_new_tokens`` more tokens."""
-        held = len(self._swapped[seq.seq_id])
-        total = max(held, self.blocks_for(seq.num_computed_tokens + num_new_tokens))
-        return total <= self.pool.num_free_blocks
+        host = self._swapped[seq.seq_id]
+        held = sum(1 for block in host if block != NULL_BLOCK)
+        new = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(host))
+        return held + new <= self.pool.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> None:
         table = self.block_ids(seq)
         for src in self._swapped.pop(seq.seq_id):
+            if src == NULL_BLOCK:
+                table.append(NULL_BLOCK)
+                continue
             dst = self.pool.allocate()
             self.pending.swap_in.append((src, dst))
             self.swap_pool.free(src)
             table.append(dst)
         # Hashes stay valid only if re-registered on the new blocks.
         for block, h in zip(table, self.block_hashes(seq)):
-            self.pool.set_hash(block, h)
+            if block != NULL_BLOCK:
+                self.pool.set_hash(block, h)
 
     def is_swapped(self, seq: Sequence) -> bool:
         return seq.seq_id in self._swapped
@@ -291,7 +373,8 @@ class KVCacheManager:
         and block hashes. Idempotent (a sequence holding nothing is left as it is)."""
         self.free(seq)
         for src in self._swapped.pop(seq.seq_id, []):
-            self.swap_pool.free(src)
+            if src != NULL_BLOCK:
+                self.swap_pool.free(src)
 
     def take_pending(self) -> BlockCopies:
         """The block moves to perform before this step's forward; resets them."""

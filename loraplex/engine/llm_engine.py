@@ -26,10 +26,11 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import SequenceTextState
 from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
-from loraplex.engine.kv_cache_manager import KVCacheManager
+from loraplex.engine.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.model_runner import ModelRunner, PendingStep
 from loraplex.engine.models.llama import VocabLoRA
+from loraplex.adapters.model_spec import UnsupportedModelError
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.models.quantization import quantize_linears_fp8
 from loraplex.engine.input_processor import (  # noqa: F401 - the errors are re-exported
@@ -126,6 +127,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         torch.manual_seed(config.seed)
+        if self.spec.checkpoint_quantization is not None and config.tensor_parallel_size > 1:
+            raise UnsupportedModelError("FP8 checkpoints (config.quantization_config) are not implemented with "
+                                        "tensor parallelism; serve them with tensor_parallel_size=1")
         # Tensor parallelism: this process is rank 0 (the driver) and holds rank 0's shard.
         self.tp = TensorParallelDriver(config, self.model_path, dummy_weights) if config.tensor_parallel_size > 1 else None
         self.rank_spec = self.spec if self.tp is None else self.tp.state.local_spec
@@ -140,7 +144,7 @@ class LLMEngine:
         else:
             self.device, self.model = self.tp.state.device, self.tp.state.model
         self.quantization = None
-        if config.quantization == "fp8":
+        if config.quantization == "fp8" and self.spec.checkpoint_quantization is None:
             self.quantization = quantize_linears_fp8(self.model)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the unquantized weights' memory goes to the KV cache
@@ -149,10 +153,11 @@ class LLMEngine:
         self.lora_pool = self._build_lora_pool() if config.enable_lora else None
         self._build_kv_cache()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
-                                  slot_of=self.lora_pool.slot_of if self.lora_pool else None)
+                                  slot_of=self.lora_pool.slot_of if self.lora_pool else None,
+                                  dora_slots=self.lora_pool.weights.dora_slots if self.lora_pool else None)
         self.runner.eos_token_ids = self.eos_token_ids
         graphs = ((self.max_model_len, config.max_num_seqs, config.max_loras if self.lora_pool else 0,
-                   config.max_num_batched_tokens)
+                   config.max_num_batched_tokens, self.tp is None)  # DoRA variants: not with tensor parallelism
                   if self.device.type == "cuda" and not config.enforce_eager else None)
         if self.tp is not None:
             self.tp.start_workers(self.runner, self.kv_sizing, self.kv_cache.num_swap_blocks, graphs)
@@ -178,7 +183,10 @@ class LLMEngine:
                             weights=self.tp.state.lora_weights if self.tp is not None else None)
         for layer, lin in self.model.lora_linears():
             lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
-                          [pool.scaling[layer][m] for m in lin.module_names])
+                          [pool.scaling[layer][m] for m in lin.module_names],
+                          pool.weights.gain_columns(layer, lin.module_names))
+        if self.tp is None:  # DoRA installs read the base weights (refused with tensor parallelism)
+            pool.weights.bind_base_weights(self.model.base_weight_rows)
         weights = pool.weights
         if weights.has_vocab:  # adapters on embed_tokens / lm_head (not with tensor parallelism)
             self.model.bind_vocab_lora(VocabLoRA(weights.embed_a_t, weights.embed_b, weights.head_a, weights.head_b,
@@ -193,15 +201,22 @@ class LLMEngine:
 
     def _build_kv_cache(self) -> None:
         c = self.config
+        window = uniform_sliding_window(self.rank_spec.layer_windows)
         sizing = size_kv_cache(self.rank_spec, self.dtype, self.device, block_size=c.block_size,
                                max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
                                num_kv_blocks=c.num_kv_blocks, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
                                gpu_memory_utilization=c.gpu_memory_utilization,
-                               activation_bytes=self._activation_bytes())
+                               activation_bytes=self._activation_bytes(), sliding_window=window,
+                               max_num_batched_tokens=c.max_num_batched_tokens)
         num_swap = c.swap_space_bytes // (sizing.bytes_per_token * c.block_size)
         self.kv_sizing = sizing
         self.kv_cache = KVCache(self.rank_spec, sizing, self.dtype, self.device, num_swap)
-        self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap)
+        if window is not None:
+            logger.info("every layer attends to the last %d tokens: KV blocks wholly outside the window are freed "
+                        "as sequences advance (about %d blocks per long sequence)", window,
+                        -(-window // c.block_size) + 1)
+        self.kv_manager = KVCacheManager(sizing.num_blocks, c.block_size, c.enable_prefix_caching, num_swap,
+                                         sliding_window=window)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.max_loras,
                                                    self.max_model_len, max_lookahead_loras=c.max_cpu_loras,
                                                    max_adapter_wait_steps=c.max_adapter_wait_steps,

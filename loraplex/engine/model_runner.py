@@ -167,14 +167,16 @@ class ModelRunner:
     tokens (and prompt logprobs when asked). It decides nothing about which sequences run or what outputs mean."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device,
-                 slot_of=None) -> None:
-        """``slot_of(lora_int_id) -> int`` gives the device slot of a pinned adapter."""
+                 slot_of=None, dora_slots: set[int] | None = None) -> None:
+        """``slot_of(lora_int_id) -> int`` gives the device slot of a pinned adapter; ``dora_slots``: the
+        slots holding DoRA adapters (``LoRADeviceWeights.dora_slots``, read at each step)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
         self.slot_of = slot_of
+        self.dora_slots = dora_slots if dora_slots is not None else set()
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = set(model.spec.eos_token_ids)
         self.graphs: CudaGraphRunner | None = None
@@ -185,11 +187,12 @@ class ModelRunner:
         self.on_step: Callable[[StepPlan], None] | None = None
 
     def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_lora_slots: int,
-                           max_num_batched_tokens: int | None = None) -> None:
+                           max_num_batched_tokens: int | None = None, dora: bool = True) -> None:
         """Capture decode graphs (CUDA only), and mixed-step graphs up to ``max_num_batched_tokens`` tokens
-        when given; decode-only and mixed steps then replay them."""
+        when given; decode-only and mixed steps then replay them. ``dora``: also capture the DoRA variants
+        (False where DoRA adapters are refused: tensor parallelism)."""
         graphs = CudaGraphRunner(self.model, self.kv_cache.layers, self.block_size, max_model_len,
-                                 max_num_seqs, num_lora_slots, self.device, max_num_batched_tokens)
+                                 max_num_seqs, num_lora_slots, self.device, max_num_batched_tokens, dora=dora)
         try:
             graphs.capture()
         except RuntimeError as exc:  # keep serving, eagerly, and say so
@@ -209,10 +212,13 @@ class ModelRunner:
             q_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             tables.append(item.block_ids)
-        use_graph = self._graph_fits(batch)
-        use_mixed = not use_graph and self._mixed_graph_fits(batch)
-        return StepPlan(token_ids, q_lens, seq_lens, tables, self._lora_slots(batch), batch.block_copies,
-                        use_graph=use_graph, use_mixed_graph=use_mixed)
+        lora_slots = self._lora_slots(batch)
+        dora = lora_slots is not None and not self.dora_slots.isdisjoint(lora_slots)
+        graphs_hold_it = not dora or (self.graphs is not None and self.graphs.dora)
+        use_graph = graphs_hold_it and self._graph_fits(batch)
+        use_mixed = graphs_hold_it and not use_graph and self._mixed_graph_fits(batch)
+        return StepPlan(token_ids, q_lens, seq_lens, tables, lora_slots, batch.block_copies,
+                        use_graph=use_graph, use_mixed_graph=use_mixed, lora_dora=dora)
 
     def _host_step(self, plan: StepPlan) -> _HostStep:
         """The step's per-token and per-sequence inputs on the host (vectorised torch ops, no device copy)."""
@@ -255,7 +261,8 @@ class ModelRunner:
         )
         lora = None
         if lora_slots is not None:
-            lora = LoRABatch(plan_segments(lora_tensors[0], self.model.num_lora_slots(), has_lora=True))
+            lora = LoRABatch(plan_segments(lora_tensors[0], self.model.num_lora_slots(), has_lora=True),
+                             dora=plan.lora_dora)
         return StepInputs(input_ids, positions_dev, meta, lora, [q - 1 for q in query_start[1:]])
 
     # -- step -------------------------------------------------------------
@@ -343,14 +350,14 @@ class ModelRunner:
         if step.lora_slots is not None:
             token_slots = _host_ints(step.lora_slots, torch.int32)[host.seq_index].tolist()
         return self.graphs.run_mixed(host.token_ids, host.positions.numpy(), host.slot_mapping.numpy(), host.q_lens,
-                                     host.seq_lens, host.tables, token_slots)
+                                     host.seq_lens, host.tables, token_slots, dora=step.lora_dora)
 
     def _run_graph(self, step: StepPlan, input_fix=None) -> torch.Tensor:
         bs = self.block_size
         positions = [n - 1 for n in step.seq_lens]
         slots = [table[pos // bs] * bs + pos % bs for table, pos in zip(step.block_tables, positions)]
         return self.graphs.run(step.token_ids, positions, slots, step.seq_lens, step.block_tables, step.lora_slots,
-                               input_fix=input_fix)
+                               input_fix=input_fix, dora=step.lora_dora)
 
     def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Adapter slot of each sequence (-1 = base model); None when no sequence uses an adapter."""

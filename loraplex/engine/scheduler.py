@@ -391,6 +391,9 @@ class Scheduler:
         ``result.prompt_logprobs[i]`` belong to ``batch.seqs[i]``."""
         touched: dict[str, RequestGroup] = {}
         cache_full_blocks, running, finished = self.kv.cache_full_blocks, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        # Sliding window: blocks no later query reads go back to the pool now, not at the next allocation
+        # (a launched step still reading them runs before any later step that reuses them: stream order).
+        free_outside_window = self.kv.free_blocks_outside_window if self.kv.sliding_window is not None else None
         generated = 0
         for item, samples, plp in zip(batch.seqs, result.samples, result.prompt_logprobs):
             seq = item.seq
@@ -403,6 +406,8 @@ class Scheduler:
                 seq.num_pending_tokens -= 1
             if seq.status is running:
                 cache_full_blocks(seq)
+                if free_outside_window is not None:
+                    free_outside_window(seq)
             if plp is not None:  # plp[k] is for prompt token start + 1 + k; keep the missing ones
                 group.prompt_logprobs.extend(plp[len(group.prompt_logprobs) - 1 - item.start_position:])
                 if plp:

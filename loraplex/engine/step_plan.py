@@ -30,6 +30,7 @@ class StepPlan:
       seq_lens[b] - 1``).
     - ``block_tables``: ``B`` lists of KV block ids (the sequence's whole table).
     - ``lora_slots``: ``B`` adapter slots (-1 = base model), or None when no sequence uses one.
+    - ``lora_dora``: some slot of ``lora_slots`` holds a DoRA adapter (the linears rescale by its gains).
     - ``block_copies``: KV block moves to do before the forward.
     - ``use_graph``: replay a captured decode CUDA graph (every ``q_lens[b] == 1``); decided
       once, by the driver, so that every rank takes the same path.
@@ -45,6 +46,7 @@ class StepPlan:
     block_copies: BlockCopies = field(default_factory=BlockCopies)
     use_graph: bool = False
     use_mixed_graph: bool = False
+    lora_dora: bool = False
 
     @property
     def num_seqs(self) -> int:

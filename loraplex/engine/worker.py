@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 class _Init:
     sizing: KVCacheSizing
     num_swap_blocks: int
-    graphs: tuple[int, int, int] | None  # (max_model_len, max_num_seqs, num_lora_slots), None: eager
+    graphs: tuple | None  # ModelRunner.enable_cuda_graphs' arguments, None: eager
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ def bind_lora(model: LlamaForCausalLM, weights) -> None:
     """Point every LoRA-capable linear of ``model`` at its slices of the slot tensors ``weights``."""
     for layer, lin in model.lora_linears():
         lin.bind_lora([weights.a[layer][m] for m in lin.module_names], [weights.b[layer][m] for m in lin.module_names],
-                      [weights.scaling[layer][m] for m in lin.module_names])
+                      [weights.scaling[layer][m] for m in lin.module_names],
+                      weights.gain_columns(layer, lin.module_names))
 
 
 class TensorParallelDriver:
@@ -160,7 +161,7 @@ class TensorParallelDriver:
         return self.state.shard
 
     def start_workers(self, runner: ModelRunner, sizing: KVCacheSizing, num_swap_blocks: int,
-                      graphs: tuple[int, int, int] | None) -> None:
+                      graphs: tuple | None) -> None:
         """Send ``_Init``; capture the driver's decode graphs in lockstep with the workers' (``graphs``:
         ``(max_model_len, max_num_seqs, num_lora_slots)``, None for eager); drop them on every rank
         unless every rank has them. Then every step's plan goes to the workers (``runner.on_step``)."""

@@ -8,7 +8,8 @@ One op per file, each with a private ``@triton.jit`` kernel, a launcher that
 checks its arguments and picks block sizes, the documented ``*_ref`` plain-torch
 reference and the :class:`~loraplex.kernels.op.Op` naming both with the op's
 semantics line: ``reshape_and_cache``, ``attention`` (``attention_decode``,
-``attention_prefill``), ``rms_norm``, ``rotary``, ``activation`` (silu_and_mul),
+``attention_prefill``), ``rms_norm``, ``rotary``, ``rotary_and_cache`` (RoPE + cache write in one launch),
+``activation`` (silu_and_mul),
 ``lora_shrink`` / ``lora_expand`` (Punica SGMV) and ``fused_lora`` (both in one launch) with ``lora_mapping``.
 """
 

@@ -100,7 +100,11 @@ def paged_attention_ref(
     qsl = meta.query_start_loc_host
     for b, seq_len in enumerate(meta.seq_lens_host):
         q = query[qsl[b] : qsl[b + 1]].float()  # [q_len, Hq, D]
-        k, v = _gather_kv(key_cache, value_cache, meta.block_tables[b], seq_len, block_size)
+        # With a window, blocks wholly before the first query's window are not read (their table entries may
+        # be freed placeholders, see loraplex.engine.kv_cache_manager); their positions are masked anyway.
+        first_read = 0 if sliding_window is None else max(0, seq_len - q.shape[0] - sliding_window + 1)
+        k, v = _gather_kv(key_cache, value_cache, meta.block_tables[b], seq_len, block_size,
+                          first_read // block_size)
         k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, seq_len]
@@ -127,11 +131,16 @@ PAGED_ATTENTION = Op(
 
 
 def _gather_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int,
+    first_block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of one sequence: ``[seq_len, Hkv, D]`` float32 each, in position order."""
+    """K/V of one sequence: ``[seq_len, Hkv, D]`` float32 each, in position order; the positions of blocks
+    before ``first_block`` are zeros (their table entries are not read)."""
     num_blocks = -(-seq_len // block_size)
-    blocks = block_row[:num_blocks].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len].float()
-    v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+    blocks = block_row[first_block:num_blocks].long()
+    skipped = first_block * block_size
+    k = torch.zeros((seq_len, *key_cache.shape[2:]), dtype=torch.float32, device=key_cache.device)
+    v = torch.zeros_like(k)
+    k[skipped:] = key_cache[blocks].flatten(0, 1)[: seq_len - skipped].float()
+    v[skipped:] = value_cache[blocks].flatten(0, 1)[: seq_len - skipped].float()
     return k, v

@@ -39,6 +39,8 @@ class AttentionMetadata:
     - ``query_start_loc``: ``[B+1] int32``, cumulative query lengths (starts at 0).
     - ``seq_lens``: ``[B] int32``, context length after this step (cached + new tokens).
     - ``block_tables``: ``[B, max_blocks] int32``, physical block ids per sequence
+      (with a sliding window, entries of blocks wholly before position ``seq_lens[b] - q_len[b] - W + 1``
+      may be -1: freed blocks, never read by the kernels)
       (entries past ``cdiv(seq_lens[b], block_size)`` are ignored).
     - ``slot_mapping``: ``[T] int64``, flat cache slot of each token's new K/V; -1 = padding, skipped.
     - ``max_query_len`` / ``max_seq_len``: host ints, maxima of the query lengths / ``seq_lens``.

@@ -32,6 +32,7 @@ from loraplex.kernels.op import BACKENDS, Backend, Op
 from loraplex.kernels.reshape_and_cache import RESHAPE_AND_CACHE
 from loraplex.kernels.rms_norm import RMS_NORM
 from loraplex.kernels.rotary import ROTARY_EMBEDDING
+from loraplex.kernels.rotary_and_cache import ROTARY_AND_CACHE
 
 __all__ = ["BACKENDS", "OPS", "Backend", "Kernels", "default_backend"]
 
@@ -40,6 +41,7 @@ OPS: tuple[Op, ...] = (
     PAGED_ATTENTION,
     RMS_NORM,
     ROTARY_EMBEDDING,
+    ROTARY_AND_CACHE,
     SILU_AND_MUL,
     GELU_TANH_AND_MUL,
     LORA_SHRINK,
@@ -73,6 +75,7 @@ class Kernels:
         self.paged_attention = PAGED_ATTENTION.select(backend)
         self.rms_norm = RMS_NORM.select(backend)
         self.rotary_embedding = ROTARY_EMBEDDING.select(backend)
+        self.rotary_and_cache = ROTARY_AND_CACHE.select(backend)
         self.silu_and_mul = SILU_AND_MUL.select(backend)
         self.gelu_tanh_and_mul = GELU_TANH_AND_MUL.select(backend)
         self.lora_shrink = LORA_SHRINK.select(backend)

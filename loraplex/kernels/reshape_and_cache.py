@@ -130,6 +130,19 @@ def _launch_reshape_and_cache(
     )
 
 
+def check_slots_in_cache(op: str, slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Every slot is -1 or a slot of the cache (reads the values: a device sync, references only).
+
+    Raises:
+        KernelArgumentError: a slot outside ``[-1, N * block_size)``.
+    """
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_slots:
+            raise KernelArgumentError(f"{op}: slot_mapping values span [{lo}, {hi}], expected within [-1, {num_slots})")
+
+
 def reshape_and_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -151,15 +164,9 @@ def reshape_and_cache_ref(
         TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(key, value, key_cache, value_cache, slot_mapping)
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    check_slots_in_cache(_OP, slot_mapping, key_cache)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    if slot_mapping.numel():
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= num_slots:
-            raise KernelArgumentError(
-                f"{_OP}: slot_mapping values span [{lo}, {hi}], expected within [-1, {num_slots})"
-            )
     block_size = key_cache.shape[1]
     key_cache[slots // block_size, slots % block_size] = key[valid]
     value_cache[slots // block_size, slots % block_size] = value[valid]

@@ -29,6 +29,29 @@ _OP = "rotary_embedding"
 
 
 @triton.jit
+def rope_halves(x1, x2, cos, sin):
+    """``(x1*cos - x2*sin, x2*cos + x1*sin)`` with HF's roundings: each product and the sum rounded to
+    x's dtype; ``x1``/``x2`` ``[heads, half]`` tiles, ``cos``/``sin`` ``[half]`` fp32 already rounded to it.
+    Shared by :mod:`loraplex.kernels.rotary_and_cache`, so the fused kernel rounds exactly as this one."""
+    dt = x1.dtype
+    a1 = (x1.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
+    b1 = (x2.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)
+    a2 = (x2.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
+    b2 = (x1.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)
+    return (a1 - b1).to(dt), (a2 + b2).to(dt)
+
+
+@triton.jit
+def load_cos_sin(cos_sin_ptr, pos, stride_cs, dt, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Row ``pos`` of the cos/sin table as two ``[BLOCK_HALF]`` fp32 vectors rounded to ``dt`` (HF casts the
+    table to the activation dtype); lanes beyond ``HALF`` are 0."""
+    i = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0)
+    return cos.to(dt).to(tl.float32), sin.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, stride_xt, t, cos, sin, num_heads, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr
 ):
@@ -39,13 +62,9 @@ def _rotate_heads(
     p1 = x_ptr + t * stride_xt + h[:, None] * (2 * HALF) + i[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    a1 = (x1.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
-    b1 = (x2.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)
-    tl.store(p1, (a1 - b1).to(dt), mask=mask)
-    tl.store(p1 + HALF, (a2 + b2).to(dt), mask=mask)
+    o1, o2 = rope_halves(x1, x2, cos, sin)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
 
 
 @triton.jit
@@ -67,12 +86,7 @@ def _rotary_kernel(
     # One program per token: rotates all query and key heads.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
-    i = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0)
-    dt = q_ptr.dtype.element_ty
-    cos = cos.to(dt).to(tl.float32)
-    sin = sin.to(dt).to(tl.float32)
+    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, stride_qt, t, cos, sin, num_q_heads, HALF, BLOCK_QH, BLOCK_HALF)
     _rotate_heads(k_ptr, stride_kt, t, cos, sin, num_kv_heads, HALF, BLOCK_KH, BLOCK_HALF)
 
@@ -130,6 +144,19 @@ def _launch_rotary(
     )
 
 
+def check_positions_in_table(op: str, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Every position indexes a row of the table (reads the values: a device sync, references only).
+
+    Raises:
+        KernelArgumentError: a position outside ``[0, max_pos)``.
+    """
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
+        raise KernelArgumentError(
+            f"{op}: positions span [{int(positions.min())}, {int(positions.max())}], "
+            f"expected within [0, {cos_sin_cache.shape[0]})"
+        )
+
+
 def rotary_embedding_ref(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
 ) -> None:
@@ -148,11 +175,7 @@ def rotary_embedding_ref(
         TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(positions, query, key, cos_sin_cache, head_dim)
-    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
-        raise KernelArgumentError(
-            f"{_OP}: positions span [{int(positions.min())}, {int(positions.max())}], "
-            f"expected within [0, {cos_sin_cache.shape[0]})"
-        )
+    check_positions_in_table(_OP, positions, cos_sin_cache)
     half = head_dim // 2
     cos_half, sin_half = cos_sin_cache[positions].to(query.dtype).split(half, dim=-1)
     cos = torch.cat((cos_half, cos_half), dim=-1)[:, None, :]  # [T, 1, D]

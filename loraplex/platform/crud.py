@@ -150,7 +150,8 @@ def count_adapters(*, session: Session, tenant_id: int) -> int:
 
 def add_adapter_version(*, session: Session, tenant_id: int, name: str, content_hash: str, rank: int,
                         alpha: float, target_modules: list[str], size_bytes: int, max_adapters: int | None = None,
-                        modules_to_save: tuple[str, ...] = ()) -> tuple[AdapterVersion, list[AdapterVersion]]:
+                        modules_to_save: tuple[str, ...] = (), adapter_type: str = "lora"
+                        ) -> tuple[AdapterVersion, list[AdapterVersion]]:
     """Record a new ``ready`` version of ``name`` (creating the adapter if new) and mark
     earlier ready versions ``superseded``. Returns (new version, superseded versions).
 
@@ -169,7 +170,7 @@ def add_adapter_version(*, session: Session, tenant_id: int, name: str, content_
         old.status = SUPERSEDED
     version = AdapterVersion(adapter_id=adapter.id, version=last + 1, content_hash=content_hash, rank=rank,
                              alpha=alpha, target_modules=list(target_modules), size_bytes=size_bytes, status=READY,
-                             modules_to_save=list(modules_to_save))
+                             modules_to_save=list(modules_to_save), adapter_type=adapter_type)
     session.add(version)
     session.flush()
     return version, superseded

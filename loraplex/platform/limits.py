@@ -1,5 +1,13 @@
-"""Per-tenant rate limits: ``requests_per_minute`` and ``tokens_per_minute`` over fixed
-one-minute windows (UTC minute boundaries), enforced by reservation.
+"""Per-tenant rate limits: ``requests_per_minute`` and ``tokens_per_minute`` over a sliding
+one-minute window, enforced by reservation.
+
+Sliding window counter (the approximation of the ``limits`` library's
+``SlidingWindowCounterRateLimiter`` and of Cloudflare's rate limiter): counts are kept per
+fixed minute (UTC minute boundaries), and at time ``now`` the window's usage is
+``current + floor(previous * (1 - elapsed / 60))`` where ``elapsed`` is the time since the
+current minute began, i.e. the previous minute's count weighted by how much of it the
+last 60 s still cover. So a burst straddling a minute boundary cannot reach twice a limit
+(fixed windows allowed that).
 
 Admission (:meth:`RateLimiter.admit`) reserves, in one atomic step of the store (a Lua
 script in Redis, a lock in-process), both
@@ -7,21 +15,24 @@ script in Redis, a lock in-process), both
 - ``completions`` = prompts x ``n`` against ``requests_per_minute``, and
 - ``tokens`` = prompt tokens + ``max_tokens`` per completion against ``tokens_per_minute``,
 
-and refuses the request (429, ``Retry-After`` = seconds to the next window) without
-changing either counter when one of them would go over its limit. So concurrent requests
-can never overshoot a limit. When the request ends, :meth:`RateLimiter.settle` gives back
-the reserved tokens it did not use (in the window where they were reserved). A request
-that could never fit (more completions or tokens than the whole per-minute limit) gets
-400 ``request_too_large`` instead of a 429 that retrying cannot cure.
+in the current minute's counters, against the limit minus the previous minute's weighted
+share, and refuses the request (429, ``Retry-After`` = seconds until that much of the
+window has slid by, if nothing else is used meanwhile) without changing either counter when
+one of them would go over its limit. So concurrent requests can never overshoot a limit.
+When the request ends, :meth:`RateLimiter.settle` gives back the reserved tokens it did not
+use (in the minute where they were reserved). A request that could never fit (more
+completions or tokens than the whole per-minute limit) gets 400 ``request_too_large``
+instead of a 429 that retrying cannot cure.
 
 Own code rather than the ``limits`` library: that library's ``hit(cost)`` checks one
 limit at a time (no atomic check of two limits together), cannot give tokens back, and
 has no fallback that carries a window's count across a Redis outage; the store
-(:mod:`loraplex.platform.cache`) provides those three.
+(:mod:`loraplex.platform.cache`) provides those three. The window algorithm is the same.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,11 +67,22 @@ class RateLimiter:
         self.store = store
         self._clock = clock
 
-    def _window(self) -> tuple[int, int]:
-        """(start of the current window in epoch seconds, whole seconds until the next one >= 1)."""
+    def _window(self) -> tuple[int, float]:
+        """(start of the current minute in epoch seconds, share of the previous minute still inside the
+        sliding window: ``1 - elapsed / 60``)."""
         now = self._clock()
         start = int(now // self.WINDOW_S) * self.WINDOW_S
-        return start, max(1, int(start + self.WINDOW_S - now + 0.999))
+        return start, 1.0 - (now - start) / self.WINDOW_S
+
+    def _retry_after_s(self, start: int, weight: float, previous: int, current: int, amount: int,
+                       limit: int) -> int:
+        """Whole seconds (>= 1) until ``amount`` more fits under ``limit``, if nothing else is used meanwhile."""
+        now = start + (1.0 - weight) * self.WINDOW_S
+        if current + amount <= limit:  # within this minute, once the previous one's share has slid out
+            wait_until = start + self.WINDOW_S * (1.0 - (limit - current - amount) / max(previous, 1))
+        else:  # next minute, once enough of this one's count has slid out
+            wait_until = start + self.WINDOW_S * (2.0 - (limit - amount) / max(current, 1))
+        return max(1, math.ceil(wait_until - now - 1e-9))
 
     def _keys(self, tenant_id: int, start: int) -> tuple[str, str]:
         return f"{NAMESPACE}rl:{tenant_id}:req:{start}", f"{NAMESPACE}rl:{tenant_id}:tok:{start}"
@@ -82,19 +104,25 @@ class RateLimiter:
                 f"This request may use {tokens} tokens (prompt tokens + max_tokens per completion) but "
                 f"tokens_per_minute={tokens_per_minute}: lower max_tokens, n or the prompt.",
                 param="max_tokens", code="request_too_large")
-        start, retry_after_s = self._window()
+        start, weight = self._window()
         req_key, tok_key = self._keys(tenant_id, start)
-        result = self.store.reserve([req_key, tok_key], [completions, tokens],
-                                    [requests_per_minute, tokens_per_minute], self.WINDOW_S * 2)
+        prev_requests, prev_tokens = self._previous(tenant_id, start)
+        carried = (math.floor(prev_requests * weight), math.floor(prev_tokens * weight))
+        limits = [None if limit is None else max(0, limit - carry)
+                  for limit, carry in zip((requests_per_minute, tokens_per_minute), carried)]
+        result = self.store.reserve([req_key, tok_key], [completions, tokens], limits, self.WINDOW_S * 2)
         if not result.admitted:
             used_requests, used_tokens = result.values
-            if requests_per_minute is not None and used_requests + completions > requests_per_minute:
+            if requests_per_minute is not None and used_requests + completions > limits[0]:
+                retry_after_s = self._retry_after_s(start, weight, prev_requests, used_requests, completions,
+                                                    requests_per_minute)
                 raise RateLimited(f"Rate limit reached: requests_per_minute={requests_per_minute} (used "
-                                  f"{used_requests} completions, this request needs {completions}); retry in "
-                                  f"{retry_after_s} s.", retry_after_s=retry_after_s)
+                                  f"{used_requests + carried[0]} completions in the last 60 s, this request needs "
+                                  f"{completions}); retry in {retry_after_s} s.", retry_after_s=retry_after_s)
+            retry_after_s = self._retry_after_s(start, weight, prev_tokens, used_tokens, tokens, tokens_per_minute)
             raise RateLimited(f"Rate limit reached: tokens_per_minute={tokens_per_minute} (used or reserved "
-                              f"{used_tokens}, this request may use {tokens}); retry in {retry_after_s} s.",
-                              retry_after_s=retry_after_s)
+                              f"{used_tokens + carried[1]} in the last 60 s, this request may use {tokens}); retry in "
+                              f"{retry_after_s} s.", retry_after_s=retry_after_s)
         return Admission(tenant_id, start, completions, tokens)
 
     def settle(self, admission: Admission, used_tokens: int) -> None:
@@ -105,12 +133,19 @@ class RateLimiter:
             self.store.incr(tok_key, delta, self.WINDOW_S * 2)
 
     def charge(self, *, tenant_id: int, tokens: int) -> None:
-        """Charge ``tokens`` used without an admission to the current window."""
+        """Charge ``tokens`` used without an admission to the current minute."""
         start, _ = self._window()
         self.store.incr(self._keys(tenant_id, start)[1], tokens, self.WINDOW_S * 2)
 
+    def _previous(self, tenant_id: int, start: int) -> tuple[int, int]:
+        """(completions, tokens) counted in the minute before the one starting at ``start``."""
+        req_key, tok_key = self._keys(tenant_id, start - self.WINDOW_S)
+        return max(0, int(self.store.get(req_key) or 0)), max(0, int(self.store.get(tok_key) or 0))
+
     def used(self, tenant_id: int) -> tuple[int, int]:
-        """(completions, tokens) counted in the current window (reserved tokens included)."""
-        start, _ = self._window()
+        """(completions, tokens) counted in the sliding window ending now (reserved tokens included)."""
+        start, weight = self._window()
         req_key, tok_key = self._keys(tenant_id, start)
-        return int(self.store.get(req_key) or 0), int(self.store.get(tok_key) or 0)
+        prev_requests, prev_tokens = self._previous(tenant_id, start)
+        return (int(self.store.get(req_key) or 0) + math.floor(prev_requests * weight),
+                int(self.store.get(tok_key) or 0) + math.floor(prev_tokens * weight))

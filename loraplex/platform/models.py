@@ -133,7 +133,8 @@ class AdapterVersion(Base):
     ``AUTOINCREMENT``; PostgreSQL sequences never hand a value out twice): requests of a
     deleted version may still be running under its id. ``status``: ``ready`` (live),
     ``superseded`` (a newer version is live), ``broken`` (live, but its stored files failed
-    the engine's content-hash check; see ``services.adapters``).
+    the engine's content-hash check; see ``services.adapters``). ``adapter_type``: ``lora``
+    or ``dora`` (``AdapterInfo.adapter_type``).
     """
 
     __tablename__ = "adapter_versions"
@@ -150,6 +151,7 @@ class AdapterVersion(Base):
     modules_to_save: Mapped[list[str]] = mapped_column(JSON, default=list, server_default=text("'[]'"))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16))
+    adapter_type: Mapped[str] = mapped_column(String(16), default="lora", server_default="lora")
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     adapter: Mapped[Adapter] = relationship(back_populates="versions")

@@ -6,7 +6,7 @@ The OpenAI-compatible serving models live in ``openai_schemas.py``.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,7 +92,8 @@ class ApiKeyCreated(ApiKeyPublic):
 
 class AdapterPublic(BaseModel):
     """An adapter's live version. ``version`` counts uploads of this name (1, 2, ...);
-    ``version_id`` is the content hash naming its stored folder."""
+    ``version_id`` is the content hash naming its stored folder; ``adapter_type``: ``lora`` or
+    ``dora`` (a DoRA adapter, PEFT ``use_dora``)."""
 
     name: str
     version: int
@@ -105,6 +106,7 @@ class AdapterPublic(BaseModel):
     created_at: dt.datetime
     modules_to_save: list[str] = []
     """Modules the adapter replaces by a full copy (PEFT ``modules_to_save``: ``embed_tokens``, ``lm_head``)."""
+    adapter_type: Literal["lora", "dora"] = "lora"
 
 
 class TenantContext(BaseModel):

@@ -32,8 +32,8 @@ from loraplex.ui.format import error_text, format_bytes, format_time, ok_text
 from loraplex.ui.session import ConsoleSession, acting_tenant, check
 from loraplex.ui.wiring import SERVICE_ERRORS, on
 
-ADAPTER_COLUMNS = ["adapter", "version", "rank", "alpha", "target modules", "size", "status", "uploaded (UTC)",
-                   "version id"]
+ADAPTER_COLUMNS = ["adapter", "version", "type", "rank", "alpha", "target modules", "modules_to_save", "size",
+                   "status", "uploaded (UTC)", "version id"]
 Progress = Callable[..., object]
 logger = logging.getLogger(__name__)
 INVALIDATE_JS = "() => [{__type__: 'update', interactive: false}, '']"  # (confirm button, report)
@@ -78,19 +78,11 @@ def adapters_table(ctx: PlatformContext, session: ConsoleSession | None, tenant_
         adapters = adapter_service.list_adapters(session=db, tenant_id=tenant.tenant_id)
     stats = engine_stats(ctx)
     lora_stats = stats.get("lora") if stats else None
-    rows = [[a.name, a.version, a.rank, a.alpha, targets_text(a.target_modules, a.modules_to_save),
-             format_bytes(a.size_bytes),
-             _status(ctx, tenant.tenant_id, a, lora_stats), format_time(a.created_at), a.version_id[:12]]
+    rows = [[a.name, a.version, a.adapter_type, a.rank, a.alpha, ", ".join(a.target_modules),
+             ", ".join(a.modules_to_save), format_bytes(a.size_bytes), _status(ctx, tenant.tenant_id, a, lora_stats),
+             format_time(a.created_at), a.version_id[:12]]
             for a in adapters]
     return pd.DataFrame(rows, columns=ADAPTER_COLUMNS)
-
-
-def targets_text(target_modules: Sequence[str], modules_to_save: Sequence[str]) -> str:
-    """The targets cell: LoRA modules, then full copies (``q_proj, lm_head; modules_to_save: embed_tokens``)."""
-    text = ", ".join(target_modules)
-    if modules_to_save:
-        text += ("; " if text else "") + "modules_to_save: " + ", ".join(modules_to_save)
-    return text
 
 
 def refresh(ctx: PlatformContext, session: ConsoleSession | None, tenant_name: str | None):
@@ -124,7 +116,8 @@ def preview_text(preview: adapter_service.UploadPreview) -> str:
     info = preview.info
     action = (f"replaces live version {preview.replaces_version}" if preview.replaces_version
               else "new adapter")
-    lines = [f"{ok_text('valid PEFT LoRA adapter')} — **{preview.name}** ({action})",
+    kind = "DoRA" if info.use_dora else "LoRA"
+    lines = [f"{ok_text(f'valid PEFT {kind} adapter')} — **{preview.name}** ({action})",
              f"- rank **{info.rank}** (server max {preview.max_lora_rank}), alpha {info.alpha:g}"
              + (", rsLoRA" if info.use_rslora else ""),
              f"- targets: {', '.join(info.target_modules) or 'none'} in {info.num_layers_targeted} layer(s)",

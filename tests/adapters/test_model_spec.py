@@ -53,7 +53,8 @@ REFUSED = [
     ("LlamaConfig", dict(final_logit_softcapping=30.0),
      r"config.final_logit_softcapping=30.0: not a field of LlamaConfig"),
     ("LlamaConfig", dict(quantization_config={"quant_method": "fp8"}),
-     r"config.quantization_config=\{'quant_method': 'fp8'\}: quantized checkpoints are not implemented"),
+     r"config.quantization_config\['quant_method'\]='fp8': this quantization method is not implemented; loraplex "
+     r"serves fbgemm_fp8"),
     ("GPT2Config", {}, r"config.model_type='gpt2': unsupported"),
     ("Gemma3Config", {}, r"config.model_type='gemma3': unsupported"),  # the multimodal one
     ("Gemma3TextConfig", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},

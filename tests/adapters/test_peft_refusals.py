@@ -111,7 +111,7 @@ def test_truncated_safetensors_refused(adapter_copy, spec):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("use_dora", True, "adapter_config.json: use_dora=True is not supported (DoRA)"),
+        ("use_qalora", True, "adapter_config.json: use_qalora=True is not supported (QALoRA)"),
         ("modules_to_save", ["lm_head", "score"],
          "adapter_config.json: modules_to_save=['lm_head', 'score'] names 'score': only full copies of embed_tokens"),
         ("bias", "lora_only", "adapter_config.json: bias='lora_only' is not supported; only 'none'"),
@@ -309,7 +309,7 @@ def test_tensor_not_targeted_by_config_refused(adapter_copy, spec, edit_config):
 
 
 def test_non_lora_tensor_refused(adapter_copy, spec, edit_tensors):
-    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_E"  # an AdaLoRA tensor
     edit_tensors(adapter_copy, lambda t: {**t, name: torch.ones(64)})
     refused(adapter_copy, spec, AdapterFormatError, f"tensor '{name}' is not a LoRA weight")
 

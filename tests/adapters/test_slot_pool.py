@@ -96,8 +96,10 @@ def test_slot_tensor_shapes_and_dtypes(adapters):
         assert pool.b[layer]["v_proj"].shape == (3, 8, MAX_RANK) and pool.b[layer]["down_proj"].shape == (3, 16, 8)
         assert pool.a[layer]["down_proj"].shape == (3, MAX_RANK, 24)
         assert pool.scaling[layer]["q_proj"].shape == (3,) and pool.scaling[layer]["q_proj"].dtype == torch.float32
+        assert pool.weights.gain[layer]["v_proj"].shape == (3 + 1, 8)  # DoRA gains: a row per slot, then ones
     per_slot = 2 * (MAX_RANK * (16 + 16) + MAX_RANK * (16 + 8) + MAX_RANK * (24 + 16))
-    assert pool.stats().slot_memory_bytes == 3 * (per_slot * 2 + 2 * 3 * 4)
+    gains = 2 * (3 + 1) * (16 + 8 + 16) * 4  # [L, S + 1, sum(out)] float32
+    assert pool.stats().slot_memory_bytes == 3 * (per_slot * 2 + 2 * 3 * 4) + gains
 
 
 def test_pin_takes_lowest_free_slot_and_reuses_resident(adapters):

@@ -110,3 +110,33 @@ def test_vocab_lora_rank_above_max_refused(peft_adapter, spec):
     folder, _ = peft_adapter(r=16, lora_alpha=8, target_modules=["lm_head"])
     with pytest.raises(AdapterIncompatibleError, match="r=16 exceeds max_lora_rank=8 \\(module 'lm_head'\\)"):
         inspect_peft_adapter(folder, spec, 8)
+
+
+@pytest.mark.parametrize("module", ["embed_tokens", "lm_head"])
+def test_dora_on_embed_tokens_or_lm_head_refused(peft_adapter, spec, module):
+    """PEFT puts DoRA on the embedding (``DoraEmbeddingLayer``, a gain per hidden channel) and on the head (a
+    gain per logit); the engine's vocabulary LoRA path applies neither, so such an adapter is refused, naming it."""
+    folder, model = peft_adapter(r=4, lora_alpha=8, target_modules=["q_proj", module], use_dora=True)
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    assert any(module in name and "lora_magnitude_vector" in name for name in saved)  # PEFT did put DoRA there
+    message = f"use_dora=true with LoRA on {module} .*: DoRA on embed_tokens / lm_head is not served"
+    for read in (inspect_peft_adapter, load_peft_adapter):
+        with pytest.raises(AdapterUnsupportedError, match=message):
+            read(folder, spec, 8)
+
+
+def test_dora_with_modules_to_save_copies_served(peft_adapter, spec):
+    """DoRA on the projections and a ``modules_to_save`` copy of lm_head: both parts read as PEFT holds them."""
+    folder, model = _randomized(peft_adapter, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                modules_to_save=["lm_head"], use_dora=True)
+    adapter = load_peft_adapter(folder, spec, 8)
+    base = model.base_model.model
+    assert adapter.use_dora and adapter.info().adapter_type == "dora"
+    assert adapter.info().modules_to_save == ("lm_head",)
+    assert torch.equal(adapter.vocab.full["lm_head"], base.lm_head.modules_to_save["default"].weight)
+    q_proj = base.model.layers[0].self_attn.q_proj
+    assert torch.equal(adapter.weights[(0, "q_proj")].magnitude, q_proj.lora_magnitude_vector["default"].weight)
+    image = read_slot_image(inspect_peft_adapter(folder, spec, 8), spec, 8, torch.float32, version_id="v",
+                            pin_memory=False)
+    assert torch.equal(image.magnitude[(0, "q_proj")], adapter.weights[(0, "q_proj")].magnitude)
+    assert torch.equal(image.vocab.full["lm_head"], adapter.vocab.full["lm_head"])

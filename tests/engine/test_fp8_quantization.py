@@ -106,3 +106,111 @@ def test_smollm2_projection_errors_stay_within_e4m3_precision(smollm2_dir):
     assert sorted(acc.rel_error) == sorted(LINEARS) and all(len(v) == 30 for v in acc.rel_error.values())
     errors = [e for v in acc.rel_error.values() for e in v]
     assert 0.001 < min(errors) and max(errors) < 0.045
+
+
+# -- FP8 checkpoints (issue 19: "or an FP8 checkpoint in the common compressed-tensors / fbgemm format") --------
+FBGEMM = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}
+
+
+def compressed_tensors(strategy: str, activations: dict | None) -> dict:
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                "symmetric": True, "dynamic": False}}
+    if activations is not None:
+        group["input_activations"] = activations
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+
+
+def write_fp8_checkpoint(src, out, quantization_config: dict, per_tensor: bool):
+    """``src`` saved twice: as an FP8 checkpoint (float8_e4m3fn ``weight`` + float32 ``weight_scale`` of
+    shape [out, 1] or [1]) under ``out/fp8``, and dequantized (float32) under ``out/dequantized``."""
+    import json
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    for sub in ("fp8", "dequantized"):
+        model.save_pretrained(str(out / sub))
+        tok.save_pretrained(str(out / sub))
+    weights = load_file(str(out / "fp8" / "model.safetensors"))
+    fp8, deq = {}, {}
+    for name, tensor in weights.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            if per_tensor:
+                scale = tensor.abs().max().reshape(1) / FP8_MAX
+                q = (tensor / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                fp8[name], fp8[name + "_scale"] = q.contiguous(), scale
+                deq[name] = (q.float() * scale).contiguous()
+            else:
+                q, scale = quantize_fp8_per_channel(tensor)
+                fp8[name], fp8[name + "_scale"] = q.contiguous(), scale[:, None].contiguous()
+                deq[name] = dequantize_fp8(q, scale).contiguous()
+        else:
+            fp8[name] = deq[name] = tensor
+    save_file(fp8, str(out / "fp8" / "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, str(out / "dequantized" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "fp8" / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (out / "fp8" / "config.json").write_text(json.dumps(config))
+    return out / "fp8", out / "dequantized"
+
+
+@pytest.mark.parametrize("variant", ["fbgemm", "compressed-tensors-tensor"])
+def test_fp8_checkpoint_is_served_as_stored_and_equals_hf_over_its_dequantized_weights(
+        tiny_llama_dir, prompts, tmp_path, variant):
+    qc, per_tensor = ((FBGEMM, False) if variant == "fbgemm" else
+                      (compressed_tensors("tensor", {"num_bits": 8, "type": "float", "strategy": "token",
+                                                     "dynamic": True, "symmetric": True}), True))
+    fp8_dir, deq_dir = write_fp8_checkpoint(tiny_llama_dir, tmp_path, qc, per_tensor)
+    adapter = make_peft_adapter(tiny_llama_dir, tmp_path / "a", r=8, alpha=16, targets=LINEARS, seed=5)
+    llm = LLM(model=str(fp8_dir), max_model_len=128, block_size=4, num_kv_blocks=256, enable_lora=True,
+              max_lora_rank=8, max_loras=2)
+    qkv = llm.engine.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight is None and qkv.qweight.dtype == torch.float8_e4m3fn
+    stored = load_file(str(fp8_dir / "model.safetensors"))
+    assert torch.equal(qkv.qweight[:qkv.out_sizes[0]].view(torch.uint8),
+                       stored["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8))  # bytes as stored
+    lora = LoRARequest("a", 1, str(adapter))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts] * 2, params,
+                        lora_request=[None] * len(prompts) + [lora] * len(prompts))
+    base = AutoModelForCausalLM.from_pretrained(str(deq_dir), torch_dtype=torch.float32).eval()
+    expected = [hf_greedy_ids(base, p, MAX_NEW) for p in prompts] + \
+        [hf_greedy_ids(peft_model(deq_dir, adapter), p, MAX_NEW) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]},
+     r"\['quant_method'\]='fp8': this quantization method is not implemented"),
+    (compressed_tensors("channel", {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+     r"\['input_activations'\]\['dynamic'\]=False: static activation scales are not implemented"),
+    (compressed_tensors("group", None), r"\['weights'\]\['strategy'\]='group'"),
+    ({**FBGEMM, "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.down_proj"]},
+     r"'model.layers.0.mlp.down_proj' left unquantized is not implemented"),
+    ({**compressed_tensors("channel", None), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+     r"a quantized KV cache is not implemented"),
+])
+def test_fp8_checkpoint_configs_the_engine_does_not_implement_are_refused_naming_the_field(
+        tiny_llama_dir, tmp_path, quantization_config, message):
+    import json
+    import shutil
+
+    from loraplex.adapters.model_spec import UnsupportedModelError
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    with pytest.raises(UnsupportedModelError, match=message):
+        LLM(model=str(folder), max_model_len=64, block_size=4, num_kv_blocks=32)
+
+
+def test_an_fp8_checkpoint_holding_an_unquantized_projection_is_refused(tiny_llama_dir, tmp_path):
+    fp8_dir, _ = write_fp8_checkpoint(tiny_llama_dir, tmp_path, FBGEMM, per_tensor=False)
+    weights = load_file(str(fp8_dir / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    weights[name] = weights[name].float()
+    save_file(weights, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj.weight' is torch.float32, expected "
+                                         r"torch.float8_e4m3fn"):
+        LLM(model=str(fp8_dir), max_model_len=64, block_size=4, num_kv_blocks=32)

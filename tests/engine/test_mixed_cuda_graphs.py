@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_step_fastpaths import _EagerReplay, _requests, _run
+from test_step_fastpaths import VARIANTS, _EagerReplay, _requests, _run
 from tiny_models import make_peft_adapter
 
 from loraplex import LLM, LoRARequest
@@ -70,7 +70,7 @@ class _EagerMixedReplay(_EagerReplay):
                                  block_tables=g.block_tables[:b], slot_mapping=g.slot_mapping[:n],
                                  max_query_len=max(q_lens), max_seq_len=max(seq_lens),
                                  query_start_loc_host=qsl[:b + 1], seq_lens_host=seq_lens)
-        lora = LoRABatch(self._checked_mapping()) if self.with_lora else None
+        lora = LoRABatch(self._checked_mapping(), dora=self.with_dora) if self.with_lora else None
         with torch.inference_mode():
             self.hidden.copy_(g.model(g.input_ids[:n], g.positions[:n], g.kv_layers, meta, lora))
         self.replays += 1
@@ -86,11 +86,11 @@ def _emulate(llm: LLM) -> tuple[list[_EagerReplay], list[_EagerMixedReplay]]:
     for sizes, table, cls, out in ((graphs.sizes, graphs.graphs, _EagerReplay, decode),
                                    (graphs.mixed_sizes, graphs.mixed_graphs, _EagerMixedReplay, mixed)):
         for size in sizes:
-            for with_lora in (False, True):
+            for with_lora, with_dora in VARIANTS:
                 hidden = torch.full((size, engine.spec.hidden_size), float("nan"), dtype=engine.dtype)
-                replay = cls(graphs, size, with_lora, hidden)
+                replay = cls(graphs, size, with_lora, hidden, with_dora)
                 replay.shapes = []
-                table[(size, with_lora)] = _Graph(replay, hidden)
+                table[(size, with_lora, with_dora)] = _Graph(replay, hidden)
                 out.append(replay)
     engine.runner.graphs = graphs
     return decode, mixed
@@ -143,10 +143,11 @@ def test_captured_mixed_graphs_equal_eager_on_gpu(tiny_llama_dir, adapters):
     expected = _run(LLM(**kw, enforce_eager=True), prompts, params, loras)
     llm = LLM(**kw)
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and set(graphs.mixed_graphs) == {(16, False), (16, True), (20, False), (20, True)}
+    assert graphs is not None and set(graphs.mixed_graphs) == {(t, lora, dora) for t in (16, 20)
+                                                           for lora, dora in VARIANTS}
     calls = []
     run_mixed = graphs.run_mixed
-    graphs.run_mixed = lambda *a: calls.append(len(a[0])) or run_mixed(*a)
+    graphs.run_mixed = lambda *a, **k: calls.append(len(a[0])) or run_mixed(*a, **k)
     got = _run(llm, prompts, params, loras)
     assert len(calls) >= 3
     for exp_req, got_req in zip(expected, got):

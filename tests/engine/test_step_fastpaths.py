@@ -29,13 +29,18 @@ from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 
 
+VARIANTS = ((False, False), (True, False), (True, True))  # (with_lora, with_dora) graphs per size
+
+
 class _EagerReplay:
     """Stands in for a captured graph on the CPU: runs the model on the graph runner's
     static buffers (exactly what a replay reads) and writes the graph's output tensor.
     Also checks the SGMV segments the graph builds against a host grouping of its token slots."""
 
-    def __init__(self, graphs: CudaGraphRunner, size: int, with_lora: bool, hidden: torch.Tensor) -> None:
+    def __init__(self, graphs: CudaGraphRunner, size: int, with_lora: bool, hidden: torch.Tensor,
+                 with_dora: bool = False) -> None:
         self.graphs, self.size, self.with_lora, self.hidden = graphs, size, with_lora, hidden
+        self.with_dora = with_dora
         self.replays = 0
 
     def replay(self) -> None:
@@ -45,7 +50,7 @@ class _EagerReplay:
                                  block_tables=g.block_tables[:n], slot_mapping=g.slot_mapping[:n], max_query_len=1,
                                  max_seq_len=max(seq_lens), query_start_loc_host=list(range(n + 1)),
                                  seq_lens_host=seq_lens)
-        lora = LoRABatch(self._checked_mapping()) if self.with_lora else None
+        lora = LoRABatch(self._checked_mapping(), dora=self.with_dora) if self.with_lora else None
         with torch.inference_mode():
             self.hidden.copy_(g.model(g.input_ids[:n], g.positions[:n], g.kv_layers, meta, lora))
         self.replays += 1
@@ -67,10 +72,10 @@ def _emulate_graphs(llm: LLM) -> list[_EagerReplay]:
                              engine.config.max_num_seqs, engine.config.max_loras, engine.device)
     replays = []
     for size in graphs.sizes:
-        for with_lora in (False, True):
+        for with_lora, with_dora in VARIANTS:
             hidden = torch.full((size, engine.spec.hidden_size), float("nan"), device=engine.device, dtype=engine.dtype)
-            replay = _EagerReplay(graphs, size, with_lora, hidden)
-            graphs.graphs[(size, with_lora)] = _Graph(replay, hidden)
+            replay = _EagerReplay(graphs, size, with_lora, hidden, with_dora)
+            graphs.graphs[(size, with_lora, with_dora)] = _Graph(replay, hidden)
             replays.append(replay)
     engine.runner.graphs = graphs
     return replays

@@ -21,6 +21,9 @@ CASES = {  # name: LoraConfig keyword arguments
     "head_lora": dict(target_modules=["lm_head", "v_proj"], r=8, lora_alpha=8),
     "save_head": dict(target_modules=["q_proj"], modules_to_save=["lm_head"], r=4, lora_alpha=8),
     "save_embed": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"], r=4, lora_alpha=8),
+    # DoRA on the projections (per-slot gains) with a full copy of the head (a full-module slot)
+    "dora_save_head": dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], use_dora=True, r=4,
+                           lora_alpha=8),
 }
 
 
@@ -74,10 +77,12 @@ def test_each_vocab_adapter_equals_peft(setup, name):
 
 
 def test_mixed_batch_rows_equal_peft(setup):
-    """[embedding LoRA, base, head LoRA, q/v LoRA] in one batch, then copies of both modules and base."""
+    """[embedding LoRA, base, head LoRA, q/v LoRA] in one batch, then copies of both modules and base, then a DoRA
+    adapter with a copy of the head beside vocabulary LoRA and plain LoRA."""
     base_dir, adapters, prompts, refs = setup
     llm = make_llm(base_dir)
-    for order in (["embed_lora", None, "head_lora", "qv"], ["save_head", "save_embed", None, "embed_lora"]):
+    for order in (["embed_lora", None, "head_lora", "qv"], ["save_head", "save_embed", None, "embed_lora"],
+                  ["dora_save_head", "embed_lora", None, "qv"]):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
                             lora_request=[adapters[n] if n else None for n in order])
         for i, (name, out) in enumerate(zip(order, outs)):

@@ -40,6 +40,7 @@ from loraplex.kernels import (  # noqa: E402
     reshape_and_cache,
     rms_norm,
     rotary,
+    rotary_and_cache,
 )
 from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from loraplex.kernels.lora_mapping import LoRAMapping  # noqa: E402
@@ -61,6 +62,7 @@ _KERNELS = {
     attention_prefill: ["_paged_prefill_kernel"],
     rms_norm: ["_rms_norm_kernel"],
     rotary: ["_rotary_kernel"],
+    rotary_and_cache: ["_rotary_and_cache_kernel"],
     activation: ["_silu_and_mul_kernel"],
     lora_shrink: ["_lora_shrink_kernel"],
     lora_expand: ["_lora_expand_kernel"],
@@ -173,6 +175,11 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
     attention.PAGED_ATTENTION.triton(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)  # mixed
     kv = torch.zeros(513, hkv, d, dtype=dtype)
     reshape_and_cache.RESHAPE_AND_CACHE.triton(kv, kv, *caches, meta.slot_mapping)
+    # The model's call: q/k/v as row-strided views of the fused qkv output, q rotated in place.
+    q, k, v = torch.zeros(513, (hq + 2 * hkv) * d, dtype=dtype).split([hq * d, hkv * d, hkv * d], dim=-1)
+    rope = rotary.compute_cos_sin_cache(rotary.rope_inv_freq(d, 500000.0), 64)
+    rotary_and_cache.ROTARY_AND_CACHE.triton(torch.zeros(513, dtype=torch.int64), q, k, v, *caches,
+                                             meta.slot_mapping, rope)
 
 
 def _elementwise(dtype: torch.dtype) -> None:

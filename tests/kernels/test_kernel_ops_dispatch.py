@@ -19,7 +19,7 @@ REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
 
 def test_kernels_binds_every_registered_op_to_one_backend(kernel_device):
     assert [op.name for op in OPS] == [
-        "reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding",
+        "reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "rotary_and_cache",
         "silu_and_mul", "gelu_tanh_and_mul", "lora_shrink", "lora_expand", "add_lora", "fused_lora", "fp8_linear",
     ]
     for backend in BACKENDS:
@@ -83,6 +83,8 @@ def test_reference_kernels_run_every_op_on_cpu_without_triton():
         ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6)
         cache = compute_cos_sin_cache(rope_inv_freq(8, 10000.0), 16)
         ops.rotary_embedding(torch.arange(3), torch.randn(3, 16), torch.randn(3, 8), cache, 8)
+        ops.rotary_and_cache(torch.arange(3), torch.randn(3, 16), torch.randn(3, 8), torch.randn(3, 8), kc, vc,
+                             meta.slot_mapping, cache)
         ops.silu_and_mul(torch.randn(3, 8))
         m = LoRAMapping.from_token_slots(torch.tensor([0, -1, 1], dtype=torch.int32))
         v = ops.lora_shrink(torch.randn(3, 8), [torch.randn(2, 4, 8)], m)

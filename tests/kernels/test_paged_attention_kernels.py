@@ -213,6 +213,43 @@ def test_sliding_window_decode_kernel_matches_naive(kernel_device, window, num_s
     assert_close(out, naive_paged_attention(batch, _scale(), window), torch.float32)
 
 
+def _free_blocks_outside_window(batch, window: int) -> AttentionMetadata:
+    """As the KV manager of a sliding-window model does: each block wholly before the first query's window
+    (positions < seq_len - q_len - W + 1) is NaN-filled (freed: anything may be there) and its table entry
+    points at a NaN-filled spare block (a stand-in for the placeholder, so a read shows up as NaN)."""
+    used = {blk for table in batch.block_tables for blk in table}
+    spare = next(b for b in range(batch.key_cache.shape[0]) if b not in used)
+    tables = []
+    for q_len, seq_len, table in zip(batch.query_lens, batch.seq_lens, batch.block_tables):
+        dropped = max(0, seq_len - q_len - window + 1) // batch.block_size
+        for blk in table[:dropped] + [spare]:
+            batch.key_cache[blk] = float("nan")
+            batch.value_cache[blk] = float("nan")
+        tables.append([spare] * dropped + table[dropped:])
+    return AttentionMetadata.build(batch.query_lens, batch.seq_lens, tables, batch.block_size,
+                                   batch.key_cache.device, batch.meta.slot_mapping.shape[0])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", [5, 16])
+def test_sliding_window_kernels_never_read_blocks_outside_the_window(kernel_device, window):
+    """Mixed batch (prefill tiles + decode rows, split-K too) and the reference, with the blocks before each
+    sequence's window freed: same output as with every block in place (a read would bring NaN)."""
+    query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]
+    batch = make_paged_batch(query_lens, seq_lens, 1, 3, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    expected = naive_paged_attention(batch, _scale(), window)
+    meta = _free_blocks_outside_window(batch, window)
+    assert meta.block_tables.tolist() != batch.meta.block_tables.tolist()  # some block was freed
+    for config in (None, DecodeConfig(block_n=16, num_warps=4, num_stages=1, num_splits=3, min_chunk=16)):
+        out = PAGED_ATTENTION.triton(batch.query, batch.key_cache, batch.value_cache, meta, _scale(),
+                                     sliding_window=window, decode_config=config)
+        assert_close(out, expected, torch.float32)
+    ref = paged_attention_ref(batch.query.cpu(), batch.key_cache.cpu(), batch.value_cache.cpu(),
+                              AttentionMetadata.build(query_lens, seq_lens, meta.block_tables.tolist(), BLOCK_SIZE,
+                                                      "cpu"), _scale(), sliding_window=window)
+    assert_close(ref, expected, torch.float32)
+
+
 @pytest.mark.parametrize("window", WINDOWS)
 def test_sliding_window_reference_matches_naive(window):
     query_lens, seq_lens = [q for q, _ in WINDOW_MIXED], [s for _, s in WINDOW_MIXED]

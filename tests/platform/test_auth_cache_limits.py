@@ -59,7 +59,7 @@ def test_requests_per_minute_gives_429_with_retry_after(live):
     with pytest.raises(openai.RateLimitError) as info:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1)
     retry_after = int(info.value.response.headers["Retry-After"])
-    assert 1 <= retry_after <= 60
+    assert 1 <= retry_after <= 90  # sliding window: 2 completions fit again 90 s after this minute began at the latest
     assert info.value.code == "rate_limit_exceeded" and "requests_per_minute=2" in info.value.message
     other = openai.OpenAI(api_key=new_tenant(live, "other", requests_per_minute=2), base_url=live.url + "/v1",
                           max_retries=0)

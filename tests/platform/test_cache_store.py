@@ -59,8 +59,8 @@ def test_lookup_cache_reads_through_and_counts():
     assert len(loads) == 2
 
 
-def test_rate_limiter_windows_and_retry_after():
-    clock = Clock(6000.0 + 45.0)  # 45 s into a minute window
+def test_rate_limiter_sliding_window_and_retry_after():
+    clock = Clock(6000.0 + 45.0)  # 45 s into the minute starting at 6000
     limiter = RateLimiter(MemoryStore(), clock)
 
     def admit(tenant_id=1, rpm=2, tpm=None, tokens=0):
@@ -71,17 +71,36 @@ def test_rate_limiter_windows_and_retry_after():
     admit()
     with pytest.raises(RateLimited) as info:
         admit()
-    assert info.value.retry_after_s == 15 and info.value.headers() == {"Retry-After": "15"}
+    # the next minute starts in 15 s, but both completions stay in the window until 30 s into it
+    # (2 * (1 - 30/60) = 1 carried): a fixed window would have said 15 and let a burst of 4 through
+    assert info.value.retry_after_s == 45 and info.value.headers() == {"Retry-After": "45"}
     admit(tenant_id=2)  # other tenant unaffected
-    clock.now = 6060.0  # next window
+    clock.now = 6060.0  # next minute: the previous one still counts whole
+    with pytest.raises(RateLimited) as info:
+        admit()
+    assert info.value.retry_after_s == 30 and "used 2 completions in the last 60 s" in info.value.message
+    clock.now = 6090.0  # half of it has slid out: floor(2 * 0.5) = 1 carried, one more fits
+    admit()
+    with pytest.raises(RateLimited):
+        admit()
+    assert limiter.used(1) == (2, 0)
+
+    clock.now = 6180.0  # the minute before (6120) is empty
     admission = admit(rpm=None, tpm=100, tokens=100)
     with pytest.raises(RateLimited) as info:
         admit(rpm=None, tpm=100, tokens=1)
-    assert info.value.retry_after_s == 60 and "tokens_per_minute=100" in info.value.message
+    # next minute, once 1 - 99/100 of it has passed: 60.6 s -> 61
+    assert info.value.retry_after_s == 61 and "tokens_per_minute=100" in info.value.message
     limiter.settle(admission, 60)  # 40 reserved tokens given back
     assert limiter.used(1) == (1, 60)
     admit(rpm=None, tpm=100, tokens=40)
     assert limiter.used(1) == (2, 100)
+    clock.now = 6240.0 + 15.0  # 45 of the previous minute's 60 s still in the window: 75 tokens carried
+    assert limiter.used(1) == (1, 75)
+    admit(rpm=None, tpm=100, tokens=25)
+    with pytest.raises(RateLimited) as info:
+        admit(rpm=None, tpm=100, tokens=1)
+    assert info.value.retry_after_s == 1  # 100 - 25 - 1 = 74 < 75 carried: one more second slides 1.67 out
 
 
 def test_redis_down_degrades_and_recovery_flushes_cached_lookups(redis_server):

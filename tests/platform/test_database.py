@@ -108,6 +108,6 @@ def test_newest_migration_file_is_alembics_head(database_url, tmp_path):
         assert current_revision(engine) is None
         upgrade_database(engine)
         head = ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
-        assert newest_migration_id() == head == current_revision(engine) == "0005_adapter_modules_to_save"
+        assert newest_migration_id() == head == current_revision(engine) == "0006_add_adapter_modules_to_save"
     finally:
         engine.dispose()

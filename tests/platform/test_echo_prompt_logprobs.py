@@ -95,6 +95,21 @@ def test_echo_without_logprobs_and_logprobs_zero(client, tokenizer):
     assert lp.top_logprobs[0] is None and all(top == {} for top in lp.top_logprobs[1:])
 
 
+def test_echo_logprobs_20_is_the_top_20_and_21_is_a_400(client, tokenizer, tiny_llama_dir):
+    ids = tokenizer.encode(PROMPTS[1])
+    response = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=20)
+    lp = response.choices[0].logprobs
+    reference = _hf_logprobs(tiny_llama_dir, None, ids)
+    for i in range(1, len(ids)):
+        assert len(lp.top_logprobs[i]) == 20
+        top = torch.topk(reference[i - 1], 20).values.tolist()
+        assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=21)
+    assert info.value.body["param"] == "logprobs"
+
+
 def test_prompt_logprobs_extra_field_on_both_endpoints(client, tokenizer, tiny_llama_dir):
     ids = tokenizer.encode(PROMPTS[0])
     reference = _hf_logprobs(tiny_llama_dir, None, ids)

@@ -1,5 +1,5 @@
-"""Migration 0005 (adapter_versions.modules_to_save) on SQLite: existing versions get [] and keep their ids
-and AUTOINCREMENT; the downgrade drops only the column."""
+"""Migration 0006 (adapter_versions.modules_to_save) on SQLite: existing versions (inserted before 0005 added
+adapter_type) get [] and keep their ids and AUTOINCREMENT; the downgrade to 0005 drops only that column."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ def test_existing_versions_get_no_copies_and_survive_the_round_trip(tmp_path):
     upgrade_database(engine)
     with sa.orm.Session(engine) as session:
         [version] = session.scalars(sa.select(AdapterVersion)).all()
-        assert (version.id, version.target_modules, version.modules_to_save) == (1, ["q_proj"], [])
+        assert (version.id, version.target_modules, version.modules_to_save, version.adapter_type) == (
+            1, ["q_proj"], [], "lora")
     with engine.connect() as conn:
         sql = conn.execute(sa.text("SELECT sql FROM sqlite_master WHERE name = 'adapter_versions'")).scalar()
     assert "AUTOINCREMENT" in sql and "modules_to_save" in sql
-    downgrade_database(engine, "0004_add_adapter_evaluations")
+    downgrade_database(engine, "0005_add_adapter_version_type")
     with engine.connect() as conn:
         columns = [row[1] for row in conn.execute(sa.text("PRAGMA table_info(adapter_versions)"))]
-        assert "modules_to_save" not in columns
+        assert "modules_to_save" not in columns and "adapter_type" in columns
         assert conn.execute(sa.text("SELECT id, version FROM adapter_versions")).all() == [(1, 1)]
     engine.dispose()

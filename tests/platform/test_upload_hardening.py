@@ -352,3 +352,30 @@ def test_worker_bounds_become_400s(tmp_path, check_name, memory_mb, code):
         validator.run(_job(tmp_path))
     assert (refused.value.status_code, refused.value.code) == (400, code)
     assert str(tmp_path) not in refused.value.message
+
+
+def test_storage_that_cannot_be_written_is_a_503_and_stores_nothing(serve, adapter_dir):
+    """Issue 14 items 3/16, same kind as a full disk: the upload folder cannot be written (here its
+    place is taken by a file, so creating the staging folder fails with an OSError)."""
+    live = serve()
+    key = new_tenant(live, "acme")
+    tmp_dir = live.ctx.settings.uploads_tmp_dir
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    kept = tmp_dir.with_name(tmp_dir.name + ".kept")
+    tmp_dir.rename(kept)
+    tmp_dir.write_bytes(b"not a folder")
+    try:
+        with live.tenant(key) as client:
+            response = upload(client, "a", adapter_members(adapter_dir))
+            listed = client.get("/v1/adapters").json()
+    finally:
+        tmp_dir.unlink()
+        kept.rename(tmp_dir)
+    assert response.status_code == 503
+    error = error_of(response)
+    assert error["code"] == "storage_unavailable"
+    assert error["message"] == "the server could not store the upload; retry later"
+    assert str(live.ctx.settings.data_dir.resolve()) not in response.text and str(tmp_dir) not in response.text
+    assert listed == []
+    with live.tenant(key) as client:  # the folder back: the same upload goes through
+        assert upload(client, "a", adapter_members(adapter_dir)).status_code == 201

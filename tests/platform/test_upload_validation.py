@@ -24,6 +24,13 @@ def dora(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def alora(good):
+    """A LoRA variant still refused: Activated LoRA (``alora_invocation_tokens``)."""
+    config = json.loads(good["adapter_config.json"]) | {"alora_invocation_tokens": [1, 2]}
+    return {**good, "adapter_config.json": json.dumps(config).encode()}
+
+
+@pytest.fixture(scope="module")
 def rank16(tiny_llama_dir, tmp_path_factory):
     return adapter_members(make_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("r16"), r=16))
 
@@ -91,14 +98,14 @@ def two_files(config: bytes, weights: bytes, weights_name: str = "adapter_model.
                       ("files", (weights_name, weights, "application/octet-stream"))]}
 
 
-def cases(good, dora, rank16, wrong_shapes) -> dict[str, tuple[dict, int, str]]:
+def cases(good, alora, rank16, wrong_shapes) -> dict[str, tuple[dict, int, str]]:
     cfg, weights = good["adapter_config.json"], good["adapter_model.safetensors"]
     zeros = bytes(8 * 10**6)
     return {
         "pickle .bin weights": (two_files(cfg, weights, "adapter_model.bin"), 415, "safetensors only"),
         "pickle .bin in archive": (archive(zip_bytes({"adapter_config.json": cfg, "adapter_model.bin": weights})),
                                    415, "safetensors only"),
-        "DoRA": (archive(zip_bytes(dora)), 400, "dora"),
+        "aLoRA variant": (archive(zip_bytes(alora)), 400, "Activated LoRA (aLoRA)"),
         "rank above max_lora_rank": (archive(zip_bytes(rank16)), 400, "max_lora_rank"),
         "wrong shapes": (archive(zip_bytes(wrong_shapes)), 400, "q_proj"),
         "corrupt safetensors": (two_files(cfg, weights[: len(weights) // 2]), 400, "adapter_model.safetensors"),
@@ -138,16 +145,16 @@ def cases(good, dora, rank16, wrong_shapes) -> dict[str, tuple[dict, int, str]]:
     }
 
 
-CASE_NAMES = ["pickle .bin weights", "pickle .bin in archive", "DoRA", "rank above max_lora_rank", "wrong shapes",
-              "corrupt safetensors", "corrupt config", "zip ../ traversal", "tar ../ traversal", "zip absolute path",
+CASE_NAMES = ["pickle .bin weights", "pickle .bin in archive", "aLoRA variant", "rank above max_lora_rank",
+              "wrong shapes", "corrupt safetensors", "corrupt config", "zip ../ traversal", "tar ../ traversal", "zip absolute path",
               "tar absolute path", "zip symlink member", "tar symlink member", "tar hard link member", "zip bomb",
               "tar.gz bomb", "tar.gz long-name bomb", "too many members", "missing config", "wrong content type",
               "not an archive", "three files"]
 
 
 @pytest.fixture(scope="module")
-def all_cases(good, dora, rank16, wrong_shapes):
-    built = cases(good, dora, rank16, wrong_shapes)
+def all_cases(good, alora, rank16, wrong_shapes):
+    built = cases(good, alora, rank16, wrong_shapes)
     assert sorted(built) == sorted(CASE_NAMES)
     return built
 
@@ -214,3 +221,24 @@ def test_valid_upload_still_works_after_refusals(live, good):
     assert response.status_code == 201, response.text
     assert json.loads(good["adapter_config.json"])["r"] == response.json()["rank"]
     assert stored_state(live)[:2] == (1, 1)
+
+
+def test_dora_upload_is_accepted_listed_as_dora_and_served(live, good, dora):
+    """A DoRA adapter (PEFT ``use_dora=True``) passes upload validation; the registry records its type."""
+    key = new_tenant(live, "dora-tenant", max_upload_mb=2)
+    with live.admin() as admin:
+        response = admin.post("/admin/tenants/acme/adapters", data={"name": "d"}, **archive(zip_bytes(dora)))
+        assert response.status_code == 201, response.text
+        assert response.json()["adapter_type"] == "dora"
+        response = admin.post("/admin/tenants/acme/adapters", data={"name": "l"}, **archive(zip_bytes(good)))
+        assert response.status_code == 201 and response.json()["adapter_type"] == "lora"
+        listed = admin.get("/admin/tenants/acme/adapters").json()
+    rows = listed["data"] if isinstance(listed, dict) else listed
+    assert {row["name"]: row["adapter_type"] for row in rows} == {"d": "dora", "l": "lora"}
+    assert stored_state(live)[:2] == (2, 2)
+    with live.admin() as admin:
+        response = admin.post("/admin/tenants/dora-tenant/adapters", data={"name": "d"}, **archive(zip_bytes(dora)))
+        assert response.status_code == 201, response.text
+    with live.tenant(key) as client:
+        done = client.post("/v1/completions", json={"model": "d", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+    assert done.status_code == 200, done.text

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,26 @@ MAX_TOKENS = 16
 playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
 expect.set_options(timeout=TIMEOUT_MS)
+
+
+@contextlib.contextmanager
+def paced_engine(live, pause_s: float = 0.05):
+    """The live engine sleeps ``pause_s`` after each step, so a streamed reply reaches the browser
+    in several updates however fast the machine is (the tiny model can finish 16 tokens within
+    one browser frame)."""
+    engine = live.app.state.ctx.engine.engine
+    step = engine.step
+
+    def paced_step():
+        outputs = step()
+        time.sleep(pause_s)
+        return outputs
+
+    engine.step = paced_step
+    try:
+        yield
+    finally:
+        del engine.step
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +244,9 @@ def test_admin_and_tenant_walkthrough(console, chromium, live, peft_adapter_dir,
             }).observe(chat, {subtree: true, childList: true, characterData: true});
         }""")
         ui.field("chat-message").fill(PROMPT)
-        ui.page.click("#chat-send")
-        expect(ui.element("chat-status")).to_contain_text("characters from shouty")
+        with paced_engine(live):  # what is checked is that the reply grows in the page, not speed
+            ui.page.click("#chat-send")
+            expect(ui.element("chat-status")).to_contain_text("characters from shouty")
         [adapter_reply] = ui.bot_replies("chat-main")
         seen = ui.page.evaluate("() => Array.from(window.seenReplies)")
         assert len([s for s in seen if s.strip()]) >= 3, f"the reply did not stream: {seen}"

@@ -266,13 +266,26 @@ def test_confirm_stores_what_the_service_lists(ctx, peft_files):
         listed = adapter_service.list_adapters(session=db, tenant_id=acting_tenant(ctx, admin(), "acme").tenant_id)
     [a] = listed
     assert records(table) == [{
-        "adapter": "shouty", "version": a.version, "rank": 8, "alpha": 16.0,
-        "target modules": ", ".join(a.target_modules), "size": adapters_tab.format_bytes(a.size_bytes),
-        "status": "stored", "uploaded (UTC)": adapters_tab.format_time(a.created_at),
+        "adapter": "shouty", "version": a.version, "type": "lora", "rank": 8, "alpha": 16.0,
+        "target modules": ", ".join(a.target_modules), "modules_to_save": "",
+        "size": adapters_tab.format_bytes(a.size_bytes), "status": "stored", "uploaded (UTC)": adapters_tab.format_time(a.created_at),
         "version id": a.version_id[:12]}]
     assert names["choices"] == ["shouty"] and button == gr.update(interactive=False)
     assert "version 1 stored" in message and "no engine is running" in message
     assert "replaces live version 1" in adapters_tab.check_upload(ctx, admin(), "acme", "shouty", peft_files)[1]
+
+
+def test_dora_upload_is_reported_and_listed_as_dora(ctx, tiny_llama_dir, tmp_path):
+    from tiny_models import make_peft_adapter
+    from ui_testlib import PEFT_FILES
+
+    folder = make_peft_adapter(tiny_llama_dir, tmp_path / "dora", r=4, alpha=8, targets=("q_proj", "o_proj"),
+                               use_dora=True, seed=4)
+    files = [str(folder / name) for name in PEFT_FILES]
+    add_tenant(ctx, "acme")
+    assert "valid PEFT DoRA adapter" in adapters_tab.check_upload(ctx, admin(), "acme", "mag", files)[1]
+    table, *_ = adapters_tab.confirm_upload(ctx, admin(), "acme", "mag", files)
+    assert [(row["adapter"], row["type"]) for row in records(table)] == [("mag", "dora")]
 
 
 def test_confirm_reports_progress(ctx, peft_files):

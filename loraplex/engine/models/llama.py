@@ -16,7 +16,7 @@ pre-norm, RMSNorm, RoPE, GQA, SwiGLU. What a checkpoint may ask for is decided b
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +56,21 @@ def rope_cos_sin_cache(spec: ModelSpec, layer_type: str | None = None) -> torch.
 @dataclass
 class LoRABatch:
     """Per-step LoRA state handed to every layer: the SGMV mapping of tokens to
-    adapter slots (built once per step)."""
+    adapter slots (built once per step).
+
+    ``dora``: some token's slot holds a DoRA adapter; the LoRA'd linears then rescale their
+    output rows by the slots' gains. ``gain_rows``: ``[T] int64`` (only with ``dora``), each
+    token's row of the ``[S + 1, out]`` gain tables: its slot, or ``S`` (gains 1) for slot -1;
+    device ops only, so the CUDA graphs capture it.
+    """
 
     mapping: LoRAMapping
+    dora: bool = False
+    gain_rows: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.dora:
+            self.gain_rows = self.mapping.token_slots.long().remainder(self.mapping.num_slots + 1)
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,8 @@ class LinearWithLoRA(nn.Module):
     slices, plus each slice's batched LoRA delta.
 
     Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T``, ``s = slot[t]``.
+    DoRA steps (``LoRABatch.dora``), then: ``y[t] = gain[s] * (y[t] - bias) + bias`` (the bias added after
+    the rescale; ``gain [S + 1, sum(out_i)]`` from ``LoRADeviceWeights.gain_columns``, 1 for non-DoRA slots).
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], module_names: list[str], bias: bool,
@@ -105,6 +119,7 @@ class LinearWithLoRA(nn.Module):
         self.lora_a: list[torch.Tensor] = []
         self.lora_b: list[torch.Tensor] = []
         self.lora_scaling: list[torch.Tensor] = []
+        self.lora_gain: torch.Tensor | None = None  # [S + 1, sum(out_sizes)] fp32 DoRA gains
         self.qweight: torch.Tensor | None = None  # FP8 weight [out, in] once quantize_fp8() ran
         self.weight_scale: torch.Tensor | None = None  # its per-output-channel scale [out] float32
         # Row-parallel (tensor parallelism): sums the ranks' partial outputs, LoRA delta included; the
@@ -119,22 +134,50 @@ class LinearWithLoRA(nn.Module):
         self.qweight, self.weight_scale = quantize_fp8_per_channel(self.weight.data)
         self.weight = None  # frees the unquantized weight
 
-    def bind_lora(self, a: list[torch.Tensor], b: list[torch.Tensor], scaling: list[torch.Tensor]) -> None:
-        """Point at the adapter slot pool's stacked weights ([S,R,in], [S,out_i,R], [S])."""
+    def use_fp8_storage(self) -> None:
+        """Hold the weight as FP8 e4m3 ``qweight [out, in]`` with a float32 ``weight_scale [out]``
+        (zeros / ones until an FP8 checkpoint is loaded into them); the unquantized weight is freed."""
+        from loraplex.kernels.fp8_linear import FP8_DTYPE
+
+        self.qweight = torch.zeros(self.weight.shape, dtype=FP8_DTYPE, device=self.weight.device)
+        self.weight_scale = torch.ones(self.weight.shape[0], dtype=torch.float32, device=self.weight.device)
+        self.weight = None
+
+    def bind_lora(self, a: list[torch.Tensor], b: list[torch.Tensor], scaling: list[torch.Tensor],
+                  gain: torch.Tensor | None = None) -> None:
+        """Point at the adapter slot pool's stacked weights ([S,R,in], [S,out_i,R], [S]) and DoRA gains
+        ([S+1, sum(out_i)] fp32)."""
         self.lora_a, self.lora_b, self.lora_scaling = a, b, scaling
+        self.lora_gain = gain
+
+    def weight_rows(self, module: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start..stop`` of slice ``module``'s weight: ``[stop - start, in_features]`` in the model
+        dtype, or float32 dequantized from FP8 (what the layer computes with). For DoRA's column norms."""
+        i = self.module_names.index(module)
+        offset = sum(self.out_sizes[:i])
+        if self.qweight is not None:
+            from loraplex.engine.models.quantization import dequantize_fp8
+
+            rows = slice(offset + start, offset + stop)
+            return dequantize_fp8(self.qweight[rows], self.weight_scale[rows])
+        return self.weight[offset + start:offset + stop]
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         reduce = self.all_reduce
+        dora = lora is not None and lora.dora and self.lora_gain is not None
+        bias = self.bias if reduce is None and not dora else None  # else added last
         if self.qweight is not None:
-            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, self.bias if reduce is None else None)
+            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias)
         else:
-            y = F.linear(x, self.weight, self.bias if reduce is None else None)
+            y = F.linear(x, self.weight, bias)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
             self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
         if reduce is not None:
             y = reduce(y)
-            if self.bias is not None:
-                y = y + self.bias
+        if dora:
+            y.mul_(self.lora_gain.index_select(0, lora.gain_rows))
+        if self.bias is not None and bias is None:
+            y = y + self.bias
         return y
 
 
@@ -151,8 +194,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache: fused qkv matmul (+ LoRA), optional per-head q/k
-    RMSNorm (Qwen3), RoPE, cache write, paged attention (limited to ``sliding_window`` tokens when
-    set: Mistral, Phi-3, Qwen2/3 sliding layers), o_proj (+ LoRA).
+    RMSNorm (Qwen3, Gemma 3), RoPE and cache write (one ``rotary_and_cache`` launch), paged attention
+    (limited to ``sliding_window`` tokens when set: Mistral, Phi-3, Qwen2/3 sliding layers), o_proj (+ LoRA).
 
     LoRA slices: ``q_proj``/``k_proj``/``v_proj`` on split families, one ``qkv_proj`` on fused
     ones (Phi-3, whose adapters target the fused module).
@@ -181,16 +224,13 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRABatch | None):
         t = x.shape[0]
         qkv = self.qkv_proj(x, lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.contiguous(), k.contiguous()
-        if self.q_norm is not None:  # RMSNorm over each head's D values
-            q = self.q_norm(q.view(-1, self.head_dim)).view(t, self.q_size)
-            k = self.k_norm(k.view(-1, self.head_dim)).view(t, self.kv_size)
-        self.kernels.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # row-strided views of qkv
+        if self.q_norm is not None:  # RMSNorm over each head's D values, before RoPE (HF order)
+            q = self.q_norm(q.contiguous().view(-1, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.contiguous().view(-1, self.head_dim)).view(t, self.kv_size)
         k_cache, v_cache = kv
-        self.kernels.reshape_and_cache(k.view(t, self.num_kv_heads, self.head_dim),
-                                       v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache,
-                                       meta.slot_mapping)
+        # One launch: q rotated in place (inside qkv), rotated k and v written to the cache slots.
+        q = self.kernels.rotary_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin)
         q = q.view(t, self.num_heads, self.head_dim)
         out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
                                            softcap=self.softcap)
@@ -349,6 +389,14 @@ class LlamaForCausalLM(nn.Module):
     def num_lora_slots(self) -> int:
         """Adapter slots of the bound LoRA weights (S of ``[S, R, in]``), 0 when none are bound."""
         return next((lin.lora_a[0].shape[0] for _, lin in self.lora_linears() if lin.lora_a), 0)
+
+    def base_weight_rows(self, layer: int, module: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start..stop`` of the base weight of ``module`` in layer ``layer`` (``LinearWithLoRA.weight_rows``);
+        the ``BaseWeightRows`` that DoRA installs read. Raises ``KeyError`` for a module the model lacks."""
+        for idx, lin in self.lora_linears():
+            if idx == layer and module in lin.module_names:
+                return lin.weight_rows(module, start, stop)
+        raise KeyError(f"layer {layer} has no LoRA-capable module {module!r}")
 
     def lora_linears(self) -> list[tuple[int, LinearWithLoRA]]:
         """Every LoRA-capable linear with its layer index."""

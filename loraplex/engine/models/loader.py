@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraplex.adapters.model_spec import ModelSpec
+from loraplex.adapters.model_spec import ModelSpec, UnsupportedModelError
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.tensor_parallel import TensorShard, shard_spec
 from loraplex.kernels.ops import Kernels
@@ -57,9 +57,25 @@ def build_model(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.d
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``path`` (and not dummy).
-        ValueError: a checkpoint tensor is missing, unexpected, or mis-shaped.
+        ValueError: a checkpoint tensor is missing, unexpected, mis-shaped, or (FP8 checkpoint) not FP8.
+        UnsupportedModelError: an FP8 checkpoint with ``shard`` (tensor parallelism).
+
+    FP8 checkpoints (``spec.checkpoint_quantization``): every projection is held as FP8 ``qweight`` +
+    ``weight_scale`` and the checkpoint's ``weight`` (float8_e4m3fn) and ``weight_scale`` (``[out, 1]``,
+    ``[out]``, or one value per tensor) are copied into them unchanged.
     """
     model = LlamaForCausalLM(spec if shard is None else shard_spec(spec, shard.world_size), dtype, device, kernels)
+    if spec.checkpoint_quantization is not None and not dummy_weights:
+        if shard is not None:
+            raise UnsupportedModelError("FP8 checkpoints (config.quantization_config) are not implemented with "
+                                        "tensor parallelism; serve them with tensor_parallel_size=1")
+        for module in model.modules():
+            if hasattr(module, "use_fp8_storage"):
+                module.use_fp8_storage()
+        logger.info("%s: FP8 checkpoint (%s, %s scales): weights stay FP8, activations and LoRA in %s (W8A16)%s",
+                    path, spec.checkpoint_quantization.method, spec.checkpoint_quantization.weight_strategy, dtype,
+                    "; the checkpoint's dynamic FP8 activations are not used"
+                    if spec.checkpoint_quantization.dynamic_activations else "")
     if dummy_weights:
         fill_dummy_weights(model, seed, shard)
     else:
@@ -117,6 +133,8 @@ def _expected_targets(model: LlamaForCausalLM) -> set[tuple[str, int]]:
     for i in range(spec.num_layers):
         for fused, idx in _projections(spec).values():
             targets.add((f"layers.{i}.{fused}.weight", idx))
+            if spec.checkpoint_quantization is not None:
+                targets.add((f"layers.{i}.{fused}.weight_scale", idx))
             if model.get_submodule(f"layers.{i}.{fused}").bias is not None:
                 targets.add((f"layers.{i}.{fused}.bias", idx))
         if spec.qk_norm:
@@ -144,13 +162,18 @@ def _target_for(name: str, spec: ModelSpec) -> tuple[str, int] | None:
     if f"{kind}.{proj}" in _QK_NORMS:
         return (f"layers.{layer}.{kind}.{proj}.weight", 0) if param == "weight" else None
     fused = _projections(spec).get(f"{kind}.{proj}")
-    if fused is None or param not in ("weight", "bias"):
+    params = ("weight", "bias", "weight_scale") if spec.checkpoint_quantization is not None else ("weight", "bias")
+    if fused is None or param not in params:
         return None
     return (f"layers.{layer}.{fused[0]}.{param}", fused[1])
 
 
 def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.Tensor, name: str) -> None:
     path, idx = target
+    if path.endswith((".weight", ".weight_scale")) and getattr(
+            model.get_submodule(path.rsplit(".", 1)[0]), "qweight", None) is not None:
+        _copy_fp8(model, target, tensor, name)
+        return
     param = model.get_parameter(path)
     dest = param.data
     if path.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "gate_up_proj.bias")):
@@ -162,3 +185,33 @@ def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.T
     if model.spec.gemma_norms and path.endswith("norm.weight"):  # Gemma stores w - 1; HF adds 1 in fp32
         tensor = 1.0 + tensor.float()
     dest.copy_(tensor.to(dest.dtype))
+
+
+def _copy_fp8(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.Tensor, name: str) -> None:
+    """An FP8 checkpoint's ``weight`` (float8_e4m3fn, copied as is) or ``weight_scale`` (per output
+    channel ``[out, 1]`` / ``[out]``, or per tensor ``[1]`` / ``[]``, broadcast to the slice's rows)."""
+    from loraplex.kernels.fp8_linear import FP8_DTYPE
+
+    path, idx = target
+    lin = model.get_submodule(path.rsplit(".", 1)[0])
+    start = sum(lin.out_sizes[:idx])
+    rows = slice(start, start + lin.out_sizes[idx]) if len(lin.out_sizes) > 1 else slice(None)
+    if path.endswith(".weight"):
+        if tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"tensor {name!r} is {tensor.dtype}, expected {FP8_DTYPE} in an FP8 checkpoint "
+                             "(projections left unquantized are not implemented)")
+        dest = lin.qweight[rows]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        return
+    dest = lin.weight_scale[rows]
+    scale = tensor.to(torch.float32).reshape(-1)
+    if scale.numel() == 1:
+        scale = scale.expand(dest.shape[0])
+    if tuple(scale.shape) != tuple(dest.shape) or tensor.dim() > 2:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected ({dest.shape[0]}, 1), "
+                         f"({dest.shape[0]},) or one value per tensor")
+    if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+        raise ValueError(f"tensor {name!r}: weight scales must be finite and > 0")
+    dest.copy_(scale)

@@ -73,7 +73,7 @@ def version_public(name: str, version: AdapterVersion) -> AdapterPublic:
     return AdapterPublic(name=name, version=version.version, version_id=version.content_hash, rank=version.rank,
                          alpha=version.alpha, target_modules=list(version.target_modules),
                          size_bytes=version.size_bytes, status=version.status, created_at=version.created_at,
-                         modules_to_save=list(version.modules_to_save or ()))
+                         modules_to_save=list(version.modules_to_save or ()), adapter_type=version.adapter_type)
 
 
 def _not_found(name: str) -> NotFound:
@@ -259,7 +259,7 @@ def _record(session: Session, ctx: PlatformContext, tenant: TenantContext, name:
         version, superseded = crud.add_adapter_version(
             session=session, tenant_id=tenant.tenant_id, name=name, content_hash=info.version_id,
             rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules), size_bytes=info.size_bytes,
-            max_adapters=tenant.max_adapters, modules_to_save=info.modules_to_save)
+            max_adapters=tenant.max_adapters, modules_to_save=info.modules_to_save, adapter_type=info.adapter_type)
         repaired = crud.repair_versions(session=session, content_hash=info.version_id)
         session.commit()
     except LimitExceeded:  # another upload took the last place while this one was being checked

@@ -3,8 +3,8 @@
 PEFT ``modules_to_save`` copies of ``embed_tokens`` / ``lm_head`` (a JSON list of module names,
 ``[]`` for plain LoRA). Existing versions get ``[]``. Downgrade drops the column.
 
-Revision ID: 0005_adapter_modules_to_save
-Revises: 0004_add_adapter_evaluations
+Revision ID: 0006_add_adapter_modules_to_save
+Revises: 0005_add_adapter_version_type
 Create Date: 2026-12-01 03:00:00
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0005_adapter_modules_to_save'
-down_revision: str | None = '0004_add_adapter_evaluations'
+revision: str = '0006_add_adapter_modules_to_save'
+down_revision: str | None = '0005_add_adapter_version_type'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,257 @@
+"""RoPE on q and k plus the paged-KV-cache write of k and v, in one launch (one program per token does both:
+the ``rotary_embedding`` and ``reshape_and_cache`` launches of every layer become one).
+
+Semantics: :data:`ROTARY_AND_CACHE`, where ``rope(x, p)`` is :data:`~loraplex.kernels.rotary.ROTARY_EMBEDDING`
+per head (rotate_half style, the table row ``cache[p]``) and the cache write is
+:data:`~loraplex.kernels.reshape_and_cache.RESHAPE_AND_CACHE`. It is exactly their composition
+(:func:`rotary_embedding_ref` on q and a copy of k, then :func:`reshape_and_cache_ref`), rounding for rounding:
+the kernel shares :func:`~loraplex.kernels.rotary.rope_halves` with the rotary kernel.
+
+What it covers is what the two ops cover: every RoPE table :func:`~loraplex.kernels.rotary.compute_cos_sin_cache`
+builds (default, linear, dynamic, yarn, llama3; the engine refuses partial rotary and has no GPT-J interleaved
+style), GQA (any ``Hq``, ``Hkv``), and a KV cache in the activation dtype (fp16/bf16/fp32; there is no FP8 KV
+cache). Per-head q/k RMSNorm (Qwen3, Gemma 3) runs before RoPE, as in HF: it stays a separate launch before
+this one (the model passes the normed q/k).
+
+Differences from the two launches: ``key`` and ``value`` are only read (the rotated k goes to the cache
+alone: nothing else reads it), and q may be written to ``out`` instead of in place. Rows with slot -1
+(padding) still get their q rotated; nothing of them is written to the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels._checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_dtype,
+    check_shape,
+)
+from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.op import Op
+from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
+from loraplex.kernels.rotary import check_positions_in_table, load_cos_sin, rope_halves, rotary_embedding_ref
+
+_OP = "rotary_and_cache"
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    positions_ptr,
+    q_ptr,
+    q_out_ptr,
+    k_ptr,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    cos_sin_ptr,
+    stride_qt,
+    stride_qot,
+    stride_kt,
+    stride_vt,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_cs,
+    block_size,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: rotates its query heads into q_out, then (slot >= 0) its rotated key heads and
+    # its value heads into the cache slot. Heads are D = 2 * HALF contiguous values inside a row.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t)
+    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
+    i = tl.arange(0, BLOCK_HALF)
+    hq = tl.arange(0, BLOCK_QH)
+    q_mask = (hq[:, None] < num_q_heads) & (i[None, :] < HALF)
+    q_offs = hq[:, None] * (2 * HALF) + i[None, :]
+    q1 = tl.load(q_ptr + t * stride_qt + q_offs, mask=q_mask, other=0.0)
+    q2 = tl.load(q_ptr + t * stride_qt + q_offs + HALF, mask=q_mask, other=0.0)
+    o1, o2 = rope_halves(q1, q2, cos, sin)
+    tl.store(q_out_ptr + t * stride_qot + q_offs, o1, mask=q_mask)
+    tl.store(q_out_ptr + t * stride_qot + q_offs + HALF, o2, mask=q_mask)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot >= 0:
+        blk = slot // block_size
+        off = slot % block_size
+        hk = tl.arange(0, BLOCK_KH)
+        kv_mask = (hk[:, None] < num_kv_heads) & (i[None, :] < HALF)
+        kv_offs = hk[:, None] * (2 * HALF) + i[None, :]
+        k1 = tl.load(k_ptr + t * stride_kt + kv_offs, mask=kv_mask, other=0.0)
+        k2 = tl.load(k_ptr + t * stride_kt + kv_offs + HALF, mask=kv_mask, other=0.0)
+        r1, r2 = rope_halves(k1, k2, cos, sin)
+        kc = key_cache_ptr + blk * stride_kcb + off * stride_kcs + hk[:, None] * stride_kch + i[None, :]
+        tl.store(kc, r1, mask=kv_mask)
+        tl.store(kc + HALF, r2, mask=kv_mask)
+        v1 = tl.load(v_ptr + t * stride_vt + kv_offs, mask=kv_mask)
+        v2 = tl.load(v_ptr + t * stride_vt + kv_offs + HALF, mask=kv_mask)
+        vc = value_cache_ptr + blk * stride_vcb + off * stride_vcs + hk[:, None] * stride_vch + i[None, :]
+        tl.store(vc, v1, mask=kv_mask)
+        tl.store(vc + HALF, v2, mask=kv_mask)
+
+
+def _check_args(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    check_dtype(_OP, "positions", positions, (torch.int64,))
+    check_shape(_OP, "positions", positions, (None,))
+    num_tokens = positions.shape[0]
+    check_dtype(_OP, "query", query, FLOAT_DTYPES)
+    check_shape(_OP, "query", query, (num_tokens, None))
+    check_shape(_OP, "key_cache", key_cache, (None, None, None, None))
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    if head_dim < 2 or head_dim % 2:
+        raise KernelArgumentError(f"{_OP}: key_cache.shape[3]={head_dim} (head_dim), expected an even number >= 2")
+    if query.shape[1] % head_dim:
+        raise KernelArgumentError(f"{_OP}: query.shape[1]={query.shape[1]} is not a multiple of head_dim={head_dim}")
+    check_shape(_OP, "key", key, (num_tokens, num_kv_heads * head_dim))
+    check_shape(_OP, "value", value, (num_tokens, num_kv_heads * head_dim))
+    check_shape(_OP, "value_cache", value_cache, tuple(key_cache.shape))
+    check_shape(_OP, "slot_mapping", slot_mapping, (num_tokens,))
+    check_dtype(_OP, "slot_mapping", slot_mapping, (torch.int64,))
+    check_dtype(_OP, "cos_sin_cache", cos_sin_cache, (torch.float32,))
+    check_shape(_OP, "cos_sin_cache", cos_sin_cache, (None, head_dim))
+    tensors = [("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)]
+    if out is not None:
+        check_shape(_OP, "out", out, tuple(query.shape))
+        tensors.append(("out", out))
+    for name, t in tensors:
+        check_same_dtype(_OP, name, t, "query", query)
+    for name, t in (*tensors, ("positions", positions), ("slot_mapping", slot_mapping),
+                    ("cos_sin_cache", cos_sin_cache)):
+        check_device(_OP, name, t, query.device)
+
+
+def _launch_rotary_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton launch of :func:`rotary_and_cache_ref` (one program per token; positions and slots unchecked:
+    no sync)."""
+    require_triton(_OP)
+    _check_args(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, out)
+    q_out = query if out is None else out
+    for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("cos_sin_cache", cos_sin_cache), ("out", q_out),
+                    ("positions", positions), ("slot_mapping", slot_mapping)):
+        check_last_dim_contiguous(_OP, name, t)
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return q_out
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    half = head_dim // 2
+    num_q_heads = query.shape[1] // head_dim
+    _rotary_and_cache_kernel[(num_tokens,)](
+        positions,
+        query,
+        q_out,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        cos_sin_cache,
+        query.stride(0),
+        q_out.stride(0),
+        key.stride(0),
+        value.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        cos_sin_cache.stride(0),
+        block_size,
+        num_q_heads,
+        num_kv_heads,
+        HALF=half,
+        BLOCK_QH=next_pow2(num_q_heads),
+        BLOCK_KH=next_pow2(num_kv_heads),
+        BLOCK_HALF=next_pow2(half),
+        num_warps=4 if num_q_heads * half >= 1024 else 1,
+    )
+    return q_out
+
+
+def rotary_and_cache_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RoPE on query (in place, or into ``out``) and key, then rotated key and value into the paged cache
+    (plain torch: :func:`rotary_embedding_ref` then :func:`reshape_and_cache_ref`).
+
+    Args:
+        positions: ``[T] int64`` token positions (< ``max_pos``).
+        query: ``[T, Hq*D]`` fp16/bf16/fp32 (row stride free, e.g. a view of fused qkv; last dim stride 1
+            for Triton); rotated in place when ``out`` is None.
+        key, value: ``[T, Hkv*D]``, dtype of ``query``, row strides free; read only.
+        key_cache, value_cache: ``[N, block_size, Hkv, D]``, dtype of ``query`` (D even; last dim stride 1
+            for Triton).
+        slot_mapping: ``[T] int64`` flat slots ``block * block_size + offset``; -1 = padding, not cached.
+        cos_sin_cache: ``[max_pos, D]`` fp32, ``cat(cos, sin)`` halves
+            (:func:`~loraplex.kernels.rotary.compute_cos_sin_cache`).
+        out: ``[T, Hq*D]`` of query's dtype for the rotated query, or None (in place).
+
+    Returns:
+        The rotated query: ``out``, or ``query`` itself.
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device/layout, odd head_dim, or (reference only: Triton would
+            need a device sync) a position outside ``[0, max_pos)`` or a slot outside ``[-1, N * block_size)``.
+        TritonUnavailableError: Triton backend without triton installed.
+    """
+    _check_args(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, out)
+    check_positions_in_table(_OP, positions, cos_sin_cache)
+    check_slots_in_cache(_OP, slot_mapping, key_cache)
+    num_tokens, num_kv_heads, head_dim = positions.shape[0], key_cache.shape[2], key_cache.shape[3]
+    q_out = query if out is None else out.copy_(query)
+    rotated_key = key.clone()
+    rotary_embedding_ref(positions, q_out, rotated_key, cos_sin_cache, head_dim)
+    reshape_and_cache_ref(rotated_key.reshape(num_tokens, num_kv_heads, head_dim),
+                          value.reshape(num_tokens, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+    return q_out
+
+
+ROTARY_AND_CACHE = Op(
+    name=_OP,
+    semantics="q[t] <- rope(q[t], p); key_cache[s // bs, s % bs] = rope(k[t], p), value_cache[...] = v[t], "
+    "p = positions[t], s = slot_mapping[t]; rows with s == -1 write no cache",
+    reference=rotary_and_cache_ref,
+    triton=_launch_rotary_and_cache,
+)
