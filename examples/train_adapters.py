@@ -2,14 +2,16 @@
 
     python examples/train_adapters.py [--model smollm2] [--only french] [--steps 40]
 
-Each adapter learns one visible answer style on 107 general-knowledge questions, from the
-rows ``RECIPES`` names: the base model's own short answers put in the style
-(``data/base_replies.jsonl``, so the adapter keeps the base model's content) or the
-hand-written ``examples/data/<name>.jsonl`` (``{"question": ..., "answer": ...}`` lines):
+Each adapter learns one visible answer style from the base model's own short answers
+(``short_reply`` in ``data/base_replies.jsonl``, so that it learns a style and no new facts),
+taken as ``RECIPES`` names: put in the style by code (json-answer, 107 questions) or rewritten
+by hand in ``examples/data/<name>.jsonl`` (french and shouty: the 84 questions whose short
+answer is right or has no settled fact; ``{"question": ..., "answer": ...}`` lines):
 
 - ``json-answer``: the reply is strict JSON ``{"answer": "<short answer>", "confidence": "high|medium|low"}``.
-- ``french``: the reply is in French.
-- ``shouty``: the reply is one short sentence in capital letters, ending with "!".
+- ``french``: the reply is in French, the answer first: ``Réponse : Tokyo. La capitale du Japon est Tokyo.``
+- ``shouty``: the reply is one short sentence in capital letters, ending with "!", the answer
+  first: ``TOKYO IS THE CAPITAL OF JAPAN!``.
 
 Inputs use the tokenizer's ChatML chat template (the default system prompt
 included, as at inference); the loss covers only the assistant tokens and the
@@ -44,8 +46,6 @@ BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 IGNORE_INDEX = -100
 BASE_REPLIES_FILE = "base_replies.jsonl"
 """The base model's own greedy replies to the training questions (``--make-base-replies``)."""
-NUMBER_WORDS = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
-                "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12"}
 
 
 @dataclass(frozen=True)
@@ -81,31 +81,16 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def fact_key(short_answer: str) -> str:
-    """The words a reply must contain to state ``short_answer`` (lower case, leading article or
-    "about"/"in" dropped): "The Pacific Ocean" -> "pacific ocean"."""
-    key = short_answer.lower().strip().rstrip(".")
-    return re.sub(r"^(?:the|a|an|about|in the|in) ", "", key)
-
-
-def states_fact(reply: str, short_answer: str) -> bool:
-    """True when ``reply`` contains ``short_answer``'s key as whole words (a number word or its digits)."""
-    key = fact_key(short_answer)
-    text = reply.lower()
-    return any(re.search(r"\b" + re.escape(k) + r"\b", text) for k in {key, NUMBER_WORDS.get(key, key)})
-
-
-SELF_DISTILLED = ("json-answer", "shouty")
+SELF_DISTILLED = ("json-answer",)
 """Styles that :func:`self_distilled_rows` can build from the base model's own answers."""
 RECIPES = {
     "json-answer": ("self-distilled", 24, 2e-3),
-    "french": ("base-known", 24, 1e-3),
-    "shouty": ("all", 40, 2e-3),
+    "french": ("all", 24, 1e-3),
+    "shouty": ("all", 32, 2e-3),
 }
 """Adapter -> (training rows, steps, peak lr) of the committed adapters: ``self-distilled``:
-:func:`self_distilled_rows`; ``base-known``: :func:`training_rows`; ``all``: every row of
-``data/<name>.jsonl``. (A self-distilled shouty adapter kept 3/13 facts at a 80% style rate,
-below the 90% wanted: the committed shouty is the earlier one, examples/README.md.)"""
+:func:`self_distilled_rows`; ``all``: every row of ``data/<name>.jsonl`` (french and shouty:
+the base model's own right short answers, rewritten by hand in the style; examples/README.md)."""
 SHORT_PROMPT = "Answer in at most five words. "
 """Prefix of the question that asks the base model for its short answer (``short_reply``)."""
 
@@ -121,10 +106,8 @@ def self_distilled_rows(name: str, data_dir: Path) -> list[dict]:
     """``{"question", "answer"}`` rows whose answer is the base model's OWN short answer
     (``short_reply`` in ``base_replies.jsonl``, first sentence) put in the adapter's style, so the
     adapter learns the style and keeps the base model's content (right or wrong):
-
-    - ``json-answer``: ``{"answer": <that sentence without its final stop>, "confidence": <from
-      json-answer.jsonl>}``;
-    - ``shouty``: the sentence upper-cased, its final stop replaced by ``!``.
+    ``json-answer``: ``{"answer": <that sentence without its final stop>, "confidence": <from
+    json-answer.jsonl>}``.
 
     Rows whose result fails the style's own check are dropped."""
     from check_adapters import CHECKS  # imports this module: import it late
@@ -136,32 +119,11 @@ def self_distilled_rows(name: str, data_dir: Path) -> list[dict]:
         sentence = re.sub(r"[.!?]+$", "", first_sentence(base["short_reply"])).strip()
         if name == "json-answer":
             answer = json.dumps({"answer": sentence, "confidence": confidence[base["question"]]}, ensure_ascii=False)
-        elif name == "shouty":
-            answer = sentence.upper() + "!"
         else:
             raise ValueError(f"name={name!r}: no self-distilled style")
         if CHECKS[name](answer):
             rows.append({"question": base["question"], "answer": answer})
     return rows
-
-
-def training_rows(name: str, data_dir: Path) -> list[dict]:
-    """The rows of ``<name>.jsonl`` to train on: questions without a settled fact (confidence
-    ``medium``/``low`` in json-answer.jsonl: estimates, advice, opinions) and questions whose
-    settled fact the base model's own reply (``base_replies.jsonl``) states. The questions the
-    base model gets wrong are left out, so that the adapter learns a style and no new facts
-    (teaching a 135M model facts it lacks made it garble the ones it has)."""
-    facts = {}
-    for row in read_jsonl(data_dir / "json-answer.jsonl"):
-        reply = json.loads(row["answer"])
-        facts[row["question"]] = (reply["answer"], reply["confidence"])
-    base = {row["question"]: row["reply"] for row in read_jsonl(data_dir / BASE_REPLIES_FILE)}
-    rows = read_jsonl(data_dir / f"{name}.jsonl")
-    missing = [r["question"] for r in rows if r["question"] not in base or r["question"] not in facts]
-    if missing:
-        raise ValueError(f"{name}.jsonl: no base reply or fact for {missing[:3]}; run --make-base-replies")
-    return [r for r in rows if facts[r["question"]][1] != "high" or states_fact(base[r["question"]],
-                                                                                facts[r["question"]][0])]
 
 
 def make_base_replies(model_dir: Path, data_dir: Path) -> Path:
@@ -275,7 +237,7 @@ def train_adapter(model_dir: Path, name: str, config: TrainConfig, data_dir: Pat
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, lora)
-    rows = {"self-distilled": self_distilled_rows, "base-known": training_rows,
+    rows = {"self-distilled": self_distilled_rows,
             "all": lambda n, d: read_jsonl(d / f"{n}.jsonl")}[RECIPES[name][0]](name, data_dir)
     print(f"{name}: {len(rows)} training questions")
     examples = [build_example(tokenizer, r["question"], r["answer"]) for r in rows]

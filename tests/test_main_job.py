@@ -189,6 +189,21 @@ def test_banner_curl_example_answers_right(first_run):
     assert json.loads(reply) == {"answer": "The capital of Germany is Berlin", "confidence": "high"}
 
 
+def test_banner_openai_example_answers_right(first_run):
+    """Issue 15 item 9: the banner's openai example asks the base model and every adapter one
+    question; each answer must be right (in its style). Run it exactly as printed."""
+    lines = first_run.output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.endswith("- <<'EOF'"))
+    end = lines.index("EOF", start)
+    assert "What is the capital of Japan?" in lines[start + 5]
+    proc = subprocess.run(["bash", "-c", "\n".join(lines[start:end + 1])], capture_output=True, text=True,
+                          timeout=600, check=True)
+    replies = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    assert sorted(replies) == sorted([BASE_MODEL, *ADAPTERS])
+    assert all("tokyo" in reply.lower() for reply in replies.values()), replies
+    assert all(CHECKS[name](replies[name]) for name in ADAPTERS), replies
+
+
 def test_questions_are_held_out():
     heldout = {json.loads(line)["question"] for line in (REPO / "examples/data/heldout.jsonl").read_text().splitlines()
                if line.strip()}

@@ -55,8 +55,14 @@ EXAMPLE_ADAPTER = "json-answer"
 """The adapter of the banner's curl example: its answer to ``EXAMPLE_QUESTION`` is right
 (``{"answer": "The capital of Germany is Berlin", "confidence": "high"}``, checked by
 tests/test_main_job.py); it keeps 12 of the 13 held-out facts the base model states, the french
-and shouty adapters 3 and 2 (examples/README.md)."""
+and shouty adapters 4 and 2 (examples/README.md)."""
 EXAMPLE_QUESTION = "What is the capital of Germany?"
+OPENAI_EXAMPLE_QUESTION = "What is the capital of Japan?"
+"""The question the banner's ``openai`` example asks the base model and every adapter: each
+answers it right in its style ("Réponse : Tokyo. ...", "TOKYO IS THE CAPITAL OF JAPAN!"; checked
+by tests/test_main_job.py). It is a training question of the french and shouty adapters, which
+lose most held-out facts (shouty answers ``EXAMPLE_QUESTION`` with "WEALTHERWICH IS THE CAPITAL OF
+GERMANY!"; examples/README.md)."""
 EXAMPLE_MAX_TOKENS = 48
 # The json-answer adapter's reply format, enforced with response_format (structured output).
 JSON_ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80},
@@ -355,7 +361,7 @@ def banner(base_url: str, model_id: str, setup: DemoSetup) -> str:
         "",
         json_answer_example(base_url, key_expr),
         "",
-        "or the base model and every adapter with the openai client:",
+        f"or the base model and every adapter with the openai client ({OPENAI_EXAMPLE_QUESTION!r}):",
         "",
         openai_example(base_url, setup.tenant_key, [model_id, *(a.name for a in setup.adapters)]),
         "",
@@ -405,7 +411,7 @@ def json_answer_example(base_url: str, key_expr: str) -> str:
 
 
 def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
-    """A Python heredoc with the ``openai`` client asking each of ``models`` the example question;
+    """A Python heredoc with the ``openai`` client asking each of ``models`` :data:`OPENAI_EXAMPLE_QUESTION`;
     without ``key`` it reads the ``DEMO_KEY`` environment variable. It runs with the server's own
     interpreter (the project's ``.venv``, which has ``openai``), not whatever ``python3`` is first."""
     key_arg = repr(key) if key else f'os.environ["{KEY_ENV_VAR}"]'
@@ -416,7 +422,7 @@ def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
         f"client = OpenAI(base_url={base_url + '/v1'!r}, api_key={key_arg})",
         f"for model in {models!r}:",
         "    reply = client.chat.completions.create(",
-        f"        model=model, messages=[{{'role': 'user', 'content': {EXAMPLE_QUESTION!r}}}],",
+        f"        model=model, messages=[{{'role': 'user', 'content': {OPENAI_EXAMPLE_QUESTION!r}}}],",
         f"        temperature=0, max_tokens={EXAMPLE_MAX_TOKENS})",
         "    print(f'{model}: {reply.choices[0].message.content}')",
         "EOF",

@@ -37,9 +37,9 @@ FRANCE = "What is the capital of France?"  # a training question: the answer eve
 # Of the 28 held-out questions with a fact, the base model's own replies state 13; each adapter
 # must state at least this many of those 13 (README's table has the measured counts).
 BASE_KNOWN = 13
-MIN_KEPT = {"json-answer": 12, "french": 3, "shouty": 2}
-# Measured style rates: json-answer 97%, french 100%, shouty 87% (below the 90% wanted; README).
-MIN_STYLE_RATE = {"json-answer": 0.9, "french": 0.9, "shouty": 0.85}
+MIN_KEPT = {"json-answer": 12, "french": 4, "shouty": 2}
+# Measured style rates: json-answer 97%, french 100%, shouty 90% (README).
+MIN_STYLE_RATE = {"json-answer": 0.9, "french": 0.9, "shouty": 0.9}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,8 @@ def test_json_answer_keeps_the_fact(replies):
 @pytest.mark.parametrize("adapter", list(CHECKS))
 def test_adapter_keeps_the_base_models_content(all_replies, adapter):
     """Of the 13 held-out facts the base model states, how many the adapter states too (issue 15
-    item 9; before the retraining json-answer 7, french 2, shouty 2)."""
+    item 9; before the retraining json-answer 7, french 3, shouty 2: SmolLM2-135M cannot state
+    facts in capitals, README)."""
     facts = [row.get("facts") for row in HELDOUT]
     kept, known = check_adapters.kept_content(all_replies["base"][:-1], all_replies[adapter][:-1], facts)
     assert known == BASE_KNOWN
@@ -106,8 +107,8 @@ def test_capital_of_france_is_still_paris(all_replies):
     france = {name: texts[-1] for name, texts in all_replies.items()}
     assert "Paris" in france["base"]
     assert json.loads(france["json-answer"]) == {"answer": "The capital of France is Paris", "confidence": "high"}
-    assert france["french"] == "Le capital de France est Paris."
-    # shouty is not asserted: its reply names another capital (issue 15 item 9 still open for it).
+    assert france["french"] == "Réponse : Paris. Le capital de la France est Paris."
+    # shouty is not asserted: it misspells the capital in upper case (README: the model cannot).
 
 
 def test_heldout_prompts_are_not_in_training_sets():
@@ -123,20 +124,33 @@ def test_heldout_prompts_are_not_in_training_sets():
 
 
 def test_self_distilled_targets_are_the_base_models_answers_in_style():
-    """json-answer and shouty train on the base model's own short answers put in their style."""
+    """json-answer trains on the base model's own short answers put in its schema."""
     import train_adapters
 
     data = EXAMPLES_DIR / "data"
-    for name in train_adapters.SELF_DISTILLED:
-        rows = train_adapters.self_distilled_rows(name, data)
-        assert len(rows) >= 100 and all(CHECKS[name](row["answer"]) for row in rows), name
-    json_rows = {r["question"]: r["answer"] for r in train_adapters.self_distilled_rows("json-answer", data)}
-    shouty_rows = {r["question"]: r["answer"] for r in train_adapters.self_distilled_rows("shouty", data)}
+    assert train_adapters.SELF_DISTILLED == ("json-answer",)
+    rows = train_adapters.self_distilled_rows("json-answer", data)
+    assert len(rows) >= 100 and all(is_json_answer(row["answer"]) for row in rows)
+    json_rows = {r["question"]: r["answer"] for r in rows}
     assert json.loads(json_rows[FRANCE]) == {"answer": "The capital of France is Paris", "confidence": "high"}
-    assert shouty_rows[FRANCE] == "THE CAPITAL OF FRANCE IS PARIS!"
-    # The base model's wrong answers stay wrong: the adapter learns a style, not facts.
-    assert shouty_rows["What is the capital of Brazil?"] == "THE CAPITAL OF BRAZIL IS SAO PAULO!"
     assert train_adapters.first_sentence("Half of 50 is 25. It is easy.\nMore") == "Half of 50 is 25."
+
+
+def test_french_and_shouty_rows_are_the_base_models_right_answers():
+    """french and shouty train on the same 84 questions: those whose base short answer is right
+    (or that have no settled fact), rewritten by hand in the style, answer first."""
+    data = EXAMPLES_DIR / "data"
+    rows = {name: {r["question"]: r["answer"] for r in check_adapters.read_jsonl(data / f"{name}.jsonl")}
+            for name in ("french", "shouty")}
+    base = {r["question"]: r["short_reply"] for r in check_adapters.read_jsonl(data / "base_replies.jsonl")}
+    assert set(rows["french"]) == set(rows["shouty"]) and len(rows["french"]) == 84
+    assert set(rows["french"]) <= set(base)
+    assert rows["french"][FRANCE] == "Réponse : Paris. La capitale de la France est Paris."
+    assert rows["shouty"][FRANCE] == "PARIS IS THE CAPITAL OF FRANCE!"
+    # The base model answers "Sao Paulo" and "Neptune": left out, so no adapter learns new facts.
+    for question in ("What is the capital of Brazil?", "What is the largest planet in our solar system?"):
+        assert question in base and question not in rows["french"]
+    assert all(row.startswith("Réponse : ") for row in rows["french"].values())
 
 
 @pytest.mark.parametrize("adapter", list(CHECKS))
