@@ -37,9 +37,10 @@ FRANCE = "What is the capital of France?"  # a training question: the answer eve
 # Of the 28 held-out questions with a fact, the base model's own replies state 13; each adapter
 # must state at least this many of those 13 (README's table has the measured counts).
 BASE_KNOWN = 13
-MIN_KEPT = {"json-answer": 12, "french": 4, "shouty": 2}
-# Measured style rates: json-answer 97%, french 100%, shouty 90% (README).
-MIN_STYLE_RATE = {"json-answer": 0.9, "french": 0.9, "shouty": 0.9}
+# The floors keep one held-out prompt of margin below what was measured (README: kept 12 / 4 / 2,
+# style 97% / 100% / 90% = 27 of 30): greedy bf16 replies can flip on a near-tie on another CPU.
+MIN_KEPT = {"json-answer": 11, "french": 3, "shouty": 2}
+MIN_STYLE_RATE = {"json-answer": 0.9, "french": 0.9, "shouty": 0.86}
 
 
 @pytest.fixture(scope="module")
