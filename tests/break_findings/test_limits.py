@@ -1,0 +1,82 @@
+"""Break findings, rate limits over a sliding window (loraplex/platform/limits.py).
+
+The previous minute's weighted share was rounded down (floor), so just after a minute boundary
+the share of a full previous minute counted one less than the limit: at requests_per_minute=2,
+two requests at 59.9 s and a third at 60.05 s were all admitted (3 in 0.15 s), although the
+429 given at 59.9 s said Retry-After 45 (30 s into the next minute, when one of the two has slid
+out). Reference: the sliding-window-counter definition (weighted previous count + current count
++ amount <= limit, real-valued, as the ``limits`` library computes it), brute-forced over time.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loraplex.platform.cache import MemoryStore
+from loraplex.platform.errors import RateLimited
+from loraplex.platform.limits import RateLimiter
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admit(limiter, rpm, completions=1):
+    return limiter.admit(tenant_id=1, requests_per_minute=rpm, tokens_per_minute=None, completions=completions,
+                         tokens=0)
+
+
+def test_full_previous_minute_still_counts_whole_just_after_the_boundary():
+    clock = Clock(6059.9)
+    limiter = RateLimiter(MemoryStore(), clock)
+    admit(limiter, 2)
+    admit(limiter, 2)
+    with pytest.raises(RateLimited) as info:
+        admit(limiter, 2)
+    assert info.value.retry_after_s == 31  # 6090.0 - 6059.9 = 30.1 -> 31
+    clock.now = 6060.05  # 2 * (1 - 0.05 / 60) = 1.998 of the previous minute still in the window
+    with pytest.raises(RateLimited):
+        admit(limiter, 2)
+    assert limiter.used(1) == (2, 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_retry_after_is_the_first_whole_second_at_which_the_request_fits(seed):
+    """Retry-After (s) against the real-valued window: refused at now + s - 1, admitted at now + s."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        limit = rng.randint(1, 40)
+        clock = Clock(6000.0 + rng.uniform(0, 59.9))
+        limiter = RateLimiter(MemoryStore(), clock)
+        previous = rng.randint(0, limit)
+        for _ in range(previous):
+            admit(limiter, limit)
+        clock.now = 6060.0 + rng.choice([0.0, 30.0, rng.uniform(0, 59.9)])
+        current = 0
+        while True:
+            try:
+                admit(limiter, limit)
+                current += 1
+            except RateLimited:
+                break
+        amount = rng.randint(1, limit)
+        t0 = clock.now
+        try:
+            admit(limiter, limit, amount)
+            continue
+        except RateLimited as exc:
+            retry_after_s = exc.retry_after_s
+
+        def fits(t: float) -> bool:  # exact sliding-window counter, nothing else used meanwhile
+            if t < 6120.0:
+                return previous * (1 - (t - 6060.0) / 60) + current + amount <= limit + 1e-9
+            return current * (1 - (t - 6120.0) / 60) + amount <= limit + 1e-9
+
+        first = next(s for s in range(1, 200) if fits(t0 + s))
+        assert retry_after_s == first, (limit, previous, current, amount, t0)
