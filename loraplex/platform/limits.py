@@ -4,7 +4,7 @@ one-minute window, enforced by reservation.
 Sliding window counter (the approximation of the ``limits`` library's
 ``SlidingWindowCounterRateLimiter`` and of Cloudflare's rate limiter): counts are kept per
 fixed minute (UTC minute boundaries), and at time ``now`` the window's usage is
-``current + floor(previous * (1 - elapsed / 60))`` where ``elapsed`` is the time since the
+``current + ceil(previous * (1 - elapsed / 60))`` where ``elapsed`` is the time since the
 current minute began, i.e. the previous minute's count weighted by how much of it the
 last 60 s still cover. So a burst straddling a minute boundary cannot reach twice a limit
 (fixed windows allowed that).
@@ -58,6 +58,14 @@ def reserved_tokens(prompt_lens: Sequence[int], *, n: int, max_tokens: int | Non
                for length in prompt_lens)
 
 
+def _carried(previous: int, weight: float) -> int:
+    """The previous minute's count still inside the window, rounded up (an integer limit check
+    ``current + carried + amount <= limit`` then equals the real-valued one; rounding down let a
+    full previous minute count one less just after the boundary). The 1e-9 keeps float noise
+    (100 * 0.75 = 75.00000000000001) from adding one."""
+    return math.ceil(previous * weight - 1e-9)
+
+
 class RateLimiter:
     """Reservation-based per-tenant limits (see the module docstring); ``clock`` = wall seconds."""
 
@@ -107,7 +115,7 @@ class RateLimiter:
         start, weight = self._window()
         req_key, tok_key = self._keys(tenant_id, start)
         prev_requests, prev_tokens = self._previous(tenant_id, start)
-        carried = (math.floor(prev_requests * weight), math.floor(prev_tokens * weight))
+        carried = (_carried(prev_requests, weight), _carried(prev_tokens, weight))
         limits = [None if limit is None else max(0, limit - carry)
                   for limit, carry in zip((requests_per_minute, tokens_per_minute), carried)]
         result = self.store.reserve([req_key, tok_key], [completions, tokens], limits, self.WINDOW_S * 2)
@@ -147,5 +155,5 @@ class RateLimiter:
         start, weight = self._window()
         req_key, tok_key = self._keys(tenant_id, start)
         prev_requests, prev_tokens = self._previous(tenant_id, start)
-        return (int(self.store.get(req_key) or 0) + math.floor(prev_requests * weight),
-                int(self.store.get(tok_key) or 0) + math.floor(prev_tokens * weight))
+        return (int(self.store.get(req_key) or 0) + _carried(prev_requests, weight),
+                int(self.store.get(tok_key) or 0) + _carried(prev_tokens, weight))
