@@ -5,12 +5,18 @@ the share of a full previous minute counted one less than the limit: at requests
 two requests at 59.9 s and a third at 60.05 s were all admitted (3 in 0.15 s), although the
 429 given at 59.9 s said Retry-After 45 (30 s into the next minute, when one of the two has slid
 out). Reference: the sliding-window-counter definition (weighted previous count + current count
-+ amount <= limit, real-valued, as the ``limits`` library computes it), brute-forced over time.
++ amount <= limit, real-valued, as the ``limits`` library computes it), brute-forced over time (fixed).
+
+A refund settled while Redis is up is not mirrored in the in-process fallback (the mirror is
+only ever raised), so a Redis outage later in the same minute refuses requests that fit, and the
+merge after the outage writes the stale count back into Redis (not fixed).
 """
 
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +86,36 @@ def test_retry_after_is_the_first_whole_second_at_which_the_request_fits(seed):
 
         first = next(s for s in range(1, 200) if fits(t0 + s))
         assert retry_after_s == first, (limit, previous, current, amount, t0)
+
+
+def test_a_refund_settled_in_redis_still_counts_during_a_later_outage():
+    """tokens_per_minute=1000: 1000 reserved, 900 given back (100 used), both in Redis; then Redis becomes
+    unreachable. The window holds 100 tokens, so 500 more fit; the in-process mirror kept 1000 (it is only
+    ever raised) and refused them, and merged the stale 1000 back into Redis afterwards."""
+    import redis as redis_lib
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+    from platform_testlib import start_redis
+
+    from loraplex.platform.cache import RedisStore
+
+    redis = start_redis()
+    try:
+        monotonic = Clock(100.0)
+        store = RedisStore(redis.url, retry_s=5.0, clock=monotonic)
+        limiter = RateLimiter(store, clock=Clock(6010.0))
+
+        def admit_tokens(tokens):
+            return limiter.admit(tenant_id=1, requests_per_minute=None, tokens_per_minute=1000, completions=1,
+                                 tokens=tokens)
+
+        limiter.settle(admit_tokens(1000), 100)
+        assert limiter.used(1) == (1, 100)
+        live_client = store._client
+        store._client = redis_lib.Redis(host="127.0.0.1", port=1, socket_timeout=0.2, socket_connect_timeout=0.2)
+        admit_tokens(500)  # the window holds 100 + 500 <= 1000
+        store._client = live_client
+        monotonic.now += 6.0  # past retry_s: merged back
+        assert limiter.used(1) == (2, 600)
+    finally:
+        redis.kill()
