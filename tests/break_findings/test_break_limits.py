@@ -10,6 +10,9 @@ out). Reference: the sliding-window-counter definition (weighted previous count 
 A refund settled while Redis is up is not mirrored in the in-process fallback (the mirror is
 only ever raised), so a Redis outage later in the same minute refuses requests that fit, and the
 merge after the outage writes the stale count back into Redis (not fixed).
+
+When both limits are reached, Retry-After was the requests limit's wait alone: retrying then was
+refused again by tokens_per_minute (fixed).
 """
 
 from __future__ import annotations
@@ -119,3 +122,28 @@ def test_a_refund_settled_in_redis_still_counts_during_a_later_outage():
         assert limiter.used(1) == (2, 600)
     finally:
         redis.kill()
+
+
+def test_retry_after_waits_for_both_limits_when_both_are_reached():
+    """requests_per_minute=2 and tokens_per_minute=31: at 61.39 s the window holds 2 completions and 27
+    tokens (previous minute) and the request needs 1 completion and 27 tokens. The 429 said Retry-After
+    29 (when a completion slides out) but then 14 tokens are still in the window and 14 + 27 > 31: it
+    must be the time until both fit."""
+    clock = Clock(6010.0)
+    limiter = RateLimiter(MemoryStore(), clock)
+
+    def admit_both(tokens):
+        return limiter.admit(tenant_id=1, requests_per_minute=2, tokens_per_minute=31, completions=1,
+                             tokens=tokens)
+
+    admit_both(27)
+    admit_both(0)
+    clock.now = 6061.0
+    with pytest.raises(RateLimited) as info:
+        admit_both(27)
+    retry_after_s = info.value.retry_after_s
+    clock.now += retry_after_s
+    admit_both(27)  # fits once Retry-After has passed
+    clock.now = 6061.0 + retry_after_s - 1  # and not a second earlier (real-valued window)
+    used_requests, used_tokens = 2 * (1 - (clock.now - 6060.0) / 60), 27 * (1 - (clock.now - 6060.0) / 60)
+    assert used_requests + 1 > 2 or used_tokens + 27 > 31
