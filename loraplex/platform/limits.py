@@ -121,13 +121,18 @@ class RateLimiter:
         result = self.store.reserve([req_key, tok_key], [completions, tokens], limits, self.WINDOW_S * 2)
         if not result.admitted:
             used_requests, used_tokens = result.values
-            if requests_per_minute is not None and used_requests + completions > limits[0]:
-                retry_after_s = self._retry_after_s(start, weight, prev_requests, used_requests, completions,
-                                                    requests_per_minute)
+            requests_full = requests_per_minute is not None and used_requests + completions > limits[0]
+            tokens_full = tokens_per_minute is not None and used_tokens + tokens > limits[1]
+            # Retry-After: until every limit that refused has room (the longer wait when both did).
+            retry_after_s = max(
+                self._retry_after_s(start, weight, prev_requests, used_requests, completions, requests_per_minute)
+                if requests_full else 1,
+                self._retry_after_s(start, weight, prev_tokens, used_tokens, tokens, tokens_per_minute)
+                if tokens_full else 1)
+            if requests_full:
                 raise RateLimited(f"Rate limit reached: requests_per_minute={requests_per_minute} (used "
                                   f"{used_requests + carried[0]} completions in the last 60 s, this request needs "
                                   f"{completions}); retry in {retry_after_s} s.", retry_after_s=retry_after_s)
-            retry_after_s = self._retry_after_s(start, weight, prev_tokens, used_tokens, tokens, tokens_per_minute)
             raise RateLimited(f"Rate limit reached: tokens_per_minute={tokens_per_minute} (used or reserved "
                               f"{used_tokens + carried[1]} in the last 60 s, this request may use {tokens}); retry in "
                               f"{retry_after_s} s.", retry_after_s=retry_after_s)
