@@ -310,6 +310,12 @@ def _checkpoint_quantization(qc: Any) -> CheckpointQuantization:
     if qc.get("kv_cache_scheme") is not None:
         raise _refuse_quantization("['kv_cache_scheme']", qc["kv_cache_scheme"], "a quantized KV cache is not "
                                    "implemented")
+    if qc.get("transform_config") is not None:  # rotated weights: the runtime would have to rotate activations
+        raise _refuse_quantization("['transform_config']", qc["transform_config"], "online weight/activation "
+                                   "transforms are not implemented")
+    sparsity = qc.get("sparsity_config")
+    if sparsity is not None and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        raise _refuse_quantization("['sparsity_config']", sparsity, "only dense-stored weights are implemented")
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse_quantization("['config_groups']", sorted(groups), "exactly one config group is implemented")

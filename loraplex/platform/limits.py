@@ -4,10 +4,13 @@ one-minute window, enforced by reservation.
 Sliding window counter (the approximation of the ``limits`` library's
 ``SlidingWindowCounterRateLimiter`` and of Cloudflare's rate limiter): counts are kept per
 fixed minute (UTC minute boundaries), and at time ``now`` the window's usage is
-``current + previous * (1 - elapsed / 60)`` where ``elapsed`` is the time since the
+``current + ceil(previous * (1 - elapsed / 60))`` where ``elapsed`` is the time since the
 current minute began, i.e. the previous minute's count weighted by how much of it the
-last 60 s still cover. So a burst straddling a minute boundary cannot reach twice a limit
-(fixed windows allowed that).
+last 60 s still cover. Right after a minute boundary the previous minute still counts whole,
+so a burst at the end of one minute is not followed by a whole limit's worth at the start of
+the next (fixed windows allowed twice a limit within a second). The counter assumes the
+previous minute's use was spread evenly: some 60 s spans can still see up to about twice a
+limit (e.g. 19 at requests_per_minute=10 for a burst at 59.9 s followed by steady retries).
 
 Admission (:meth:`RateLimiter.admit`) reserves, in one atomic step of the store (a Lua
 script in Redis, a lock in-process), both
@@ -56,6 +59,14 @@ def reserved_tokens(prompt_lens: Sequence[int], *, n: int, max_tokens: int | Non
     (without ``max_tokens``: up to ``max_model_len`` per completion)."""
     return sum(length + n * (max_tokens if max_tokens is not None else max(0, max_model_len - length))
                for length in prompt_lens)
+
+
+def _carried(previous: int, weight: float) -> int:
+    """The previous minute's count still inside the window, rounded up (an integer limit check
+    ``current + carried + amount <= limit`` then equals the real-valued one; rounding down let a
+    full previous minute count one less just after the boundary). The 1e-9 keeps float noise
+    (100 * 0.75 = 75.00000000000001) from adding one."""
+    return math.ceil(previous * weight - 1e-9)
 
 
 class RateLimiter:
@@ -107,19 +118,24 @@ class RateLimiter:
         start, weight = self._window()
         req_key, tok_key = self._keys(tenant_id, start)
         prev_requests, prev_tokens = self._previous(tenant_id, start)
-        carried = (_share(prev_requests, weight), _share(prev_tokens, weight))
+        carried = (_carried(prev_requests, weight), _carried(prev_tokens, weight))
         limits = [None if limit is None else max(0, limit - carry)
                   for limit, carry in zip((requests_per_minute, tokens_per_minute), carried)]
         result = self.store.reserve([req_key, tok_key], [completions, tokens], limits, self.WINDOW_S * 2)
         if not result.admitted:
             used_requests, used_tokens = result.values
-            if requests_per_minute is not None and used_requests + completions > limits[0]:
-                retry_after_s = self._retry_after_s(start, weight, prev_requests, used_requests, completions,
-                                                    requests_per_minute)
+            requests_full = requests_per_minute is not None and used_requests + completions > limits[0]
+            tokens_full = tokens_per_minute is not None and used_tokens + tokens > limits[1]
+            # Retry-After: until every limit that refused has room (the longer wait when both did).
+            retry_after_s = max(
+                self._retry_after_s(start, weight, prev_requests, used_requests, completions, requests_per_minute)
+                if requests_full else 1,
+                self._retry_after_s(start, weight, prev_tokens, used_tokens, tokens, tokens_per_minute)
+                if tokens_full else 1)
+            if requests_full:
                 raise RateLimited(f"Rate limit reached: requests_per_minute={requests_per_minute} (used "
                                   f"{used_requests + carried[0]} completions in the last 60 s, this request needs "
                                   f"{completions}); retry in {retry_after_s} s.", retry_after_s=retry_after_s)
-            retry_after_s = self._retry_after_s(start, weight, prev_tokens, used_tokens, tokens, tokens_per_minute)
             raise RateLimited(f"Rate limit reached: tokens_per_minute={tokens_per_minute} (used or reserved "
                               f"{used_tokens + carried[1]} in the last 60 s, this request may use {tokens}); retry in "
                               f"{retry_after_s} s.", retry_after_s=retry_after_s)
@@ -147,12 +163,5 @@ class RateLimiter:
         start, weight = self._window()
         req_key, tok_key = self._keys(tenant_id, start)
         prev_requests, prev_tokens = self._previous(tenant_id, start)
-        return (int(self.store.get(req_key) or 0) + _share(prev_requests, weight),
-                int(self.store.get(tok_key) or 0) + _share(prev_tokens, weight))
-
-
-def _share(previous: int, weight: float) -> int:
-    """The previous minute's count still in the window, rounded up: ``used + amount <= limit`` on
-    integers then holds exactly when it holds for the real-valued ``previous * weight`` (rounding
-    down let a third request in 0.15 s after two at requests_per_minute=2)."""
-    return math.ceil(previous * weight - 1e-9)
+        return (int(self.store.get(req_key) or 0) + _carried(prev_requests, weight),
+                int(self.store.get(tok_key) or 0) + _carried(prev_tokens, weight))

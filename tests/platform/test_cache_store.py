@@ -96,7 +96,7 @@ def test_rate_limiter_sliding_window_and_retry_after():
     admit(rpm=None, tpm=100, tokens=40)
     assert limiter.used(1) == (2, 100)
     clock.now = 6240.0 + 15.0  # 45 of the previous minute's 60 s still in the window: 75 tokens carried
-    assert limiter.used(1) == (2, 75)  # 2 * 0.75 = 1.5 completions, rounded up
+    assert limiter.used(1) == (2, 75)  # 2 * 0.75 = 1.5 completions carried, counted as 2 (rounded up)
     admit(rpm=None, tpm=100, tokens=25)
     with pytest.raises(RateLimited) as info:
         admit(rpm=None, tpm=100, tokens=1)

@@ -189,7 +189,8 @@ def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.T
 
 def _copy_fp8(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.Tensor, name: str) -> None:
     """An FP8 checkpoint's ``weight`` (float8_e4m3fn, copied as is) or ``weight_scale`` (per output
-    channel ``[out, 1]`` / ``[out]``, or per tensor ``[1]`` / ``[]``, broadcast to the slice's rows)."""
+    channel ``[out, 1]`` / ``[out]``, or per tensor ``[1]`` / ``[]``, broadcast to the slice's rows, as the
+    checkpoint's weight strategy declares: a scale of the other kind or another shape is refused)."""
     from loraplex.kernels.fp8_linear import FP8_DTYPE
 
     path, idx = target
@@ -206,12 +207,14 @@ def _copy_fp8(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.Te
         dest.copy_(tensor)
         return
     dest = lin.weight_scale[rows]
-    scale = tensor.to(torch.float32).reshape(-1)
-    if scale.numel() == 1:
-        scale = scale.expand(dest.shape[0])
-    if tuple(scale.shape) != tuple(dest.shape) or tensor.dim() > 2:
-        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected ({dest.shape[0]}, 1), "
-                         f"({dest.shape[0]},) or one value per tensor")
+    out = dest.shape[0]
+    per_tensor = model.spec.checkpoint_quantization.weight_strategy == "tensor"
+    allowed = ((1,), ()) if per_tensor else ((out, 1), (out,))
+    if tuple(tensor.shape) not in allowed:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                         + ("[1] or [] (one scale per tensor)" if per_tensor else
+                            f"({out}, 1) or ({out},) (one scale per output channel)"))
+    scale = tensor.to(torch.float32).reshape(-1).expand(out)
     if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
         raise ValueError(f"tensor {name!r}: weight scales must be finite and > 0")
     dest.copy_(scale)
