@@ -133,6 +133,16 @@ class MemoryStore:
                 self._data[key] = (str(values[i]), expires)
             return Reservation(True, tuple(values))
 
+    def lower_by(self, key: str, amount: int, floor: int, ttl_s: float) -> int:
+        """Counter ``key`` minus ``amount`` (>= 0), but not below ``floor``; return the new value."""
+        with self._lock:
+            self._sweep(self._clock())
+            current = self._live(key)
+            expires = self._data[key][1] if current is not None else self._clock() + ttl_s
+            new = max(int(current or 0) - amount, floor)
+            self._data[key] = (str(new), expires)
+            return new
+
     def raise_to(self, key: str, value: int, ttl_s: float) -> int:
         """Set counter ``key`` to ``max(current, value)``; return the new value."""
         with self._lock:
@@ -252,8 +262,14 @@ class RedisStore:
         def remote(client) -> Reservation:
             out = [int(v) for v in self._reserve(keys=list(keys), args=args, client=client)]
             result = Reservation(bool(out[0]), tuple(out[1:]))
-            for key, value in zip(keys, result.values, strict=True):  # mirror for an outage
-                self._fallback.raise_to(key, value, ttl_s)
+            # Mirror for an outage. Raised only (replies of concurrent calls arrive in any order, and a
+            # mirror too high only refuses early), except by a give-back: it is taken off the mirror too,
+            # never below what Redis answered (else a refund settled in Redis would be lost in an outage).
+            for key, amount, value in zip(keys, amounts, result.values, strict=True):
+                if result.admitted and amount < 0:
+                    self._fallback.lower_by(key, -amount, value, ttl_s)
+                else:
+                    self._fallback.raise_to(key, value, ttl_s)
             return result
 
         def local(fallback: MemoryStore) -> Reservation:

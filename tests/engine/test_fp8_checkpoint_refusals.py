@@ -1,4 +1,4 @@
-"""Break findings, FP8 checkpoints (loraplex/adapters/model_spec.py ``_checkpoint_quantization``,
+"""Found by a hostile review (session 6), FP8 checkpoints (loraplex/adapters/model_spec.py ``_checkpoint_quantization``,
 loraplex/engine/models/loader.py ``_copy_fp8``).
 
 1. A compressed-tensors ``transform_config`` (online Hadamard rotations, llm-compressor's
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_fp8_quantization import FBGEMM, compressed_tensors, write_fp8_checkpoint  # noqa: E402
 
 from loraplex import LLM  # noqa: E402

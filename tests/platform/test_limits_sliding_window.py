@@ -1,4 +1,4 @@
-"""Break findings, rate limits over a sliding window (loraplex/platform/limits.py).
+"""Found by a hostile review (session 6), rate limits over a sliding window (loraplex/platform/limits.py).
 
 The previous minute's weighted share was rounded down (floor), so just after a minute boundary
 the share of a full previous minute counted one less than the limit: at requests_per_minute=2,
@@ -9,7 +9,8 @@ out). Reference: the sliding-window-counter definition (weighted previous count 
 
 A refund settled while Redis is up is not mirrored in the in-process fallback (the mirror is
 only ever raised), so a Redis outage later in the same minute refuses requests that fit, and the
-merge after the outage writes the stale count back into Redis (not fixed).
+merge after the outage writes the stale count back into Redis (fixed: a give-back is taken off
+the mirror too, never below what Redis answered).
 
 When both limits are reached, Retry-After was the requests limit's wait alone: retrying then was
 refused again by tokens_per_minute (fixed).
