@@ -9,8 +9,8 @@ VPY := $(VENV)/bin/python
 export LORAPLEX_VENV := $(VENV)
 export LORAPLEX_CACHE_DIR ?= $(CURDIR)/.cache
 export LORAPLEX_DATA_DIR ?= $(CURDIR)/.cache/data
-HOST ?= 127.0.0.1
-PORT ?= 8000
+HOST ?= $(or $(LORAPLEX_HOST),127.0.0.1)
+PORT ?= $(or $(LORAPLEX_PORT),8000)
 PYTEST_ARGS ?=
 
 .PHONY: install install-test demo-model serve test test-fast

@@ -365,7 +365,7 @@ def banner(base_url: str, model_id: str, setup: DemoSetup) -> str:
         "",
         openai_example(base_url, setup.tenant_key, [model_id, *(a.name for a in setup.adapters)]),
         "",
-        "Ctrl+C stops the server; `make serve` again reuses the tenant, keys and adapters.",
+        "Ctrl+C stops the server; `make serve` again (with the same PORT) reuses the tenant, keys and adapters.",
         "",
     ])
 
