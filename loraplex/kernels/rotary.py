@@ -32,7 +32,8 @@ _OP = "rotary_embedding"
 def rope_halves(x1, x2, cos, sin):
     """``(x1*cos - x2*sin, x2*cos + x1*sin)`` with HF's roundings: each product and the sum rounded to
     x's dtype; ``x1``/``x2`` ``[heads, half]`` tiles, ``cos``/``sin`` ``[half]`` fp32 already rounded to it.
-    Shared by :mod:`loraplex.kernels.rotary_and_cache`, so the fused kernel rounds exactly as this one."""
+    Shared (through :func:`rotate_heads`) by :mod:`loraplex.kernels.rotary_and_cache`, so the fused kernel
+    rounds exactly as this one."""
     dt = x1.dtype
     a1 = (x1.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
     b1 = (x2.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)
@@ -52,19 +53,23 @@ def load_cos_sin(cos_sin_ptr, pos, stride_cs, dt, HALF: tl.constexpr, BLOCK_HALF
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, stride_xt, t, cos, sin, num_heads, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr
+def rotate_heads(
+    src_ptr, dst_ptr, stride_src_h, stride_dst_h, cos, sin, num_heads,
+    HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # Rotates all heads of one token in place; cos/sin are [BLOCK_HALF] fp32 rounded to x's dtype.
+    """Rotates ``num_heads`` heads of one token, read at ``src_ptr + h * stride_src_h`` and written at
+    ``dst_ptr + h * stride_dst_h`` (the same place for in place; a KV-cache slot in
+    :mod:`loraplex.kernels.rotary_and_cache`); cos/sin are [BLOCK_HALF] fp32 rounded to the dtype."""
     h = tl.arange(0, BLOCK_HEADS)
     i = tl.arange(0, BLOCK_HALF)
     mask = (h[:, None] < num_heads) & (i[None, :] < HALF)
-    p1 = x_ptr + t * stride_xt + h[:, None] * (2 * HALF) + i[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    src = src_ptr + h[:, None] * stride_src_h + i[None, :]
+    dst = dst_ptr + h[:, None] * stride_dst_h + i[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
     o1, o2 = rope_halves(x1, x2, cos, sin)
-    tl.store(p1, o1, mask=mask)
-    tl.store(p1 + HALF, o2, mask=mask)
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
 
 
 @triton.jit
@@ -87,8 +92,9 @@ def _rotary_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
-    _rotate_heads(q_ptr, stride_qt, t, cos, sin, num_q_heads, HALF, BLOCK_QH, BLOCK_HALF)
-    _rotate_heads(k_ptr, stride_kt, t, cos, sin, num_kv_heads, HALF, BLOCK_KH, BLOCK_HALF)
+    q_row, k_row = q_ptr + t * stride_qt, k_ptr + t * stride_kt
+    rotate_heads(q_row, q_row, 2 * HALF, 2 * HALF, cos, sin, num_q_heads, HALF, BLOCK_QH, BLOCK_HALF)
+    rotate_heads(k_row, k_row, 2 * HALF, 2 * HALF, cos, sin, num_kv_heads, HALF, BLOCK_KH, BLOCK_HALF)
 
 
 def _check_args(

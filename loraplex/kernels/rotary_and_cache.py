@@ -5,7 +5,7 @@ Semantics: :data:`ROTARY_AND_CACHE`, where ``rope(x, p)`` is :data:`~loraplex.ke
 per head (rotate_half style, the table row ``cache[p]``) and the cache write is
 :data:`~loraplex.kernels.reshape_and_cache.RESHAPE_AND_CACHE`. It is exactly their composition
 (:func:`rotary_embedding_ref` on q and a copy of k, then :func:`reshape_and_cache_ref`), rounding for rounding:
-the kernel shares :func:`~loraplex.kernels.rotary.rope_halves` with the rotary kernel.
+the kernel rotates with the rotary kernel's own :func:`~loraplex.kernels.rotary.rotate_heads`.
 
 What it covers is what the two ops cover: every RoPE table :func:`~loraplex.kernels.rotary.compute_cos_sin_cache`
 builds (default, linear, dynamic, yarn, llama3; the engine refuses partial rotary and has no GPT-J interleaved
@@ -34,7 +34,7 @@ from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
-from loraplex.kernels.rotary import check_positions_in_table, load_cos_sin, rope_halves, rotary_embedding_ref
+from loraplex.kernels.rotary import check_positions_in_table, load_cos_sin, rotary_embedding_ref, rotate_heads
 
 _OP = "rotary_and_cache"
 
@@ -74,33 +74,21 @@ def _rotary_and_cache_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
-    i = tl.arange(0, BLOCK_HALF)
-    hq = tl.arange(0, BLOCK_QH)
-    q_mask = (hq[:, None] < num_q_heads) & (i[None, :] < HALF)
-    q_offs = hq[:, None] * (2 * HALF) + i[None, :]
-    q1 = tl.load(q_ptr + t * stride_qt + q_offs, mask=q_mask, other=0.0)
-    q2 = tl.load(q_ptr + t * stride_qt + q_offs + HALF, mask=q_mask, other=0.0)
-    o1, o2 = rope_halves(q1, q2, cos, sin)
-    tl.store(q_out_ptr + t * stride_qot + q_offs, o1, mask=q_mask)
-    tl.store(q_out_ptr + t * stride_qot + q_offs + HALF, o2, mask=q_mask)
+    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, 2 * HALF, 2 * HALF, cos, sin, num_q_heads,
+                 HALF, BLOCK_QH, BLOCK_HALF)
     slot = tl.load(slot_mapping_ptr + t)
     if slot >= 0:
         blk = slot // block_size
         off = slot % block_size
+        rotate_heads(k_ptr + t * stride_kt, key_cache_ptr + blk * stride_kcb + off * stride_kcs, 2 * HALF, stride_kch,
+                     cos, sin, num_kv_heads, HALF, BLOCK_KH, BLOCK_HALF)
+        i = tl.arange(0, BLOCK_HALF)
         hk = tl.arange(0, BLOCK_KH)
         kv_mask = (hk[:, None] < num_kv_heads) & (i[None, :] < HALF)
-        kv_offs = hk[:, None] * (2 * HALF) + i[None, :]
-        k1 = tl.load(k_ptr + t * stride_kt + kv_offs, mask=kv_mask, other=0.0)
-        k2 = tl.load(k_ptr + t * stride_kt + kv_offs + HALF, mask=kv_mask, other=0.0)
-        r1, r2 = rope_halves(k1, k2, cos, sin)
-        kc = key_cache_ptr + blk * stride_kcb + off * stride_kcs + hk[:, None] * stride_kch + i[None, :]
-        tl.store(kc, r1, mask=kv_mask)
-        tl.store(kc + HALF, r2, mask=kv_mask)
-        v1 = tl.load(v_ptr + t * stride_vt + kv_offs, mask=kv_mask)
-        v2 = tl.load(v_ptr + t * stride_vt + kv_offs + HALF, mask=kv_mask)
+        v_src = v_ptr + t * stride_vt + hk[:, None] * (2 * HALF) + i[None, :]
         vc = value_cache_ptr + blk * stride_vcb + off * stride_vcs + hk[:, None] * stride_vch + i[None, :]
-        tl.store(vc, v1, mask=kv_mask)
-        tl.store(vc + HALF, v2, mask=kv_mask)
+        tl.store(vc, tl.load(v_src, mask=kv_mask), mask=kv_mask)
+        tl.store(vc + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
 
 
 def _check_args(
