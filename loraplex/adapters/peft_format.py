@@ -400,13 +400,10 @@ def _plan_vocab(
     return lora_plans, full
 
 
-def _plan_vocab_lora(
-    a: _TensorRef, b: _TensorRef, config: PeftLoraConfig, spec: BaseModelSpec, max_lora_rank: int
-) -> _ModulePlan:
-    """A LoRA plan for ``embed_tokens`` (A ``[r, V]``, B ``[H, r]``) or ``lm_head`` (A ``[r, H]``, B ``[V, r]``)."""
-    module = a.module
-    assert module is not None and spec.vocab_size is not None
-    if not config.targets_vocab(module):
+def _targeted_hyperparams(a: _TensorRef, targeted: bool, config: PeftLoraConfig, max_lora_rank: int):
+    """The config's rank/alpha for ``a``'s module; raises when the config does not target it
+    (``AdapterFormatError``) or its rank exceeds ``max_lora_rank`` (``AdapterIncompatibleError``)."""
+    if not targeted:
         raise AdapterFormatError(
             f"tensor {a.name!r}: module {a.module_key!r} is not targeted by {CONFIG_NAME} {config.describe_targets()}"
         )
@@ -416,6 +413,16 @@ def _plan_vocab_lora(
             f"{CONFIG_NAME}: {hyper.rank_field}={hyper.rank} exceeds max_lora_rank={max_lora_rank} "
             f"(module {a.module_key!r})"
         )
+    return hyper
+
+
+def _plan_vocab_lora(
+    a: _TensorRef, b: _TensorRef, config: PeftLoraConfig, spec: BaseModelSpec, max_lora_rank: int
+) -> _ModulePlan:
+    """A LoRA plan for ``embed_tokens`` (A ``[r, V]``, B ``[H, r]``) or ``lm_head`` (A ``[r, H]``, B ``[V, r]``)."""
+    module = a.module
+    assert module is not None and spec.vocab_size is not None
+    hyper = _targeted_hyperparams(a, config.targets_vocab(module), config, max_lora_rank)
     in_features, out_features = ((spec.vocab_size, spec.hidden_size) if module == "embed_tokens"
                                  else (spec.hidden_size, spec.vocab_size))
     _check_tensor(a, (hyper.rank, in_features), rank_dim=0, hyper=hyper, spec=spec)
@@ -648,16 +655,7 @@ def _plan_module(
     max_lora_rank: int,
 ) -> _ModulePlan:
     assert a.layer is not None and a.module is not None  # _check_mapped ran
-    if not config.targets(a.module_key, a.layer):
-        raise AdapterFormatError(
-            f"tensor {a.name!r}: module {a.module_key!r} is not targeted by {CONFIG_NAME} {config.describe_targets()}"
-        )
-    hyper = config.hyperparams(a.module_key)
-    if hyper.rank > max_lora_rank:
-        raise AdapterIncompatibleError(
-            f"{CONFIG_NAME}: {hyper.rank_field}={hyper.rank} exceeds max_lora_rank={max_lora_rank} "
-            f"(module {a.module_key!r})"
-        )
+    hyper = _targeted_hyperparams(a, config.targets(a.module_key, a.layer), config, max_lora_rank)
     in_features, out_features = spec.module_shapes[a.module]
     _check_tensor(a, (hyper.rank, in_features), rank_dim=0, hyper=hyper, spec=spec)
     _check_tensor(b, (out_features, hyper.rank), rank_dim=1, hyper=hyper, spec=spec)
