@@ -168,6 +168,12 @@ def _target_for(name: str, spec: ModelSpec) -> tuple[str, int] | None:
     return (f"layers.{layer}.{fused[0]}.{param}", fused[1])
 
 
+def _output_rows(lin: torch.nn.Module, idx: int) -> slice:
+    """The rows of output slice ``idx`` (q/k/v of a fused qkv_proj, gate/up) in a fused linear's weight."""
+    start = sum(lin.out_sizes[:idx])
+    return slice(start, start + lin.out_sizes[idx])
+
+
 def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.Tensor, name: str) -> None:
     path, idx = target
     if path.endswith((".weight", ".weight_scale")) and getattr(
@@ -177,9 +183,7 @@ def _copy_into(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.T
     param = model.get_parameter(path)
     dest = param.data
     if path.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "gate_up_proj.bias")):
-        lin = model.get_submodule(path.rsplit(".", 1)[0])
-        start = sum(lin.out_sizes[:idx])
-        dest = dest[start:start + lin.out_sizes[idx]]
+        dest = dest[_output_rows(model.get_submodule(path.rsplit(".", 1)[0]), idx)]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     if model.spec.gemma_norms and path.endswith("norm.weight"):  # Gemma stores w - 1; HF adds 1 in fp32
@@ -195,8 +199,7 @@ def _copy_fp8(model: LlamaForCausalLM, target: tuple[str, int], tensor: torch.Te
 
     path, idx = target
     lin = model.get_submodule(path.rsplit(".", 1)[0])
-    start = sum(lin.out_sizes[:idx])
-    rows = slice(start, start + lin.out_sizes[idx]) if len(lin.out_sizes) > 1 else slice(None)
+    rows = _output_rows(lin, idx)
     if path.endswith(".weight"):
         if tensor.dtype != FP8_DTYPE:
             raise ValueError(f"tensor {name!r} is {tensor.dtype}, expected {FP8_DTYPE} in an FP8 checkpoint "
