@@ -115,6 +115,8 @@ def check_variants(tokens: int, hq: int, hkv: int, d: int, block_size: int, dtyp
                    device: torch.device, cache: torch.Tensor) -> None:
     """Each variant on the same fresh inputs gives the fused kernel's q and caches (within an ulp or two)."""
     base, positions, slots = make_layers(1, tokens, hq, hkv, d, block_size, dtype, device)
+    if int(positions.max()) >= cache.shape[0]:
+        raise ValueError(f"positions reach {int(positions.max())} but the cos/sin cache has {cache.shape[0]} positions")
     results = {}
     for variant in VARIANTS:
         layer = Layer(base[0].qkv.clone(), base[0].key_cache.clone(), base[0].value_cache.clone())

@@ -47,6 +47,13 @@ def test_check_refuses_a_variant_that_differs(monkeypatch):
         return real(variant, layer, positions, slots, cache, hq, hkv, d)
 
     monkeypatch.setattr(brc, "variant_call", broken)
-    cache = brc.compute_cos_sin_cache(brc.rope_inv_freq(16, 10000.0), 64)
+    cache = brc.compute_cos_sin_cache(brc.rope_inv_freq(16, 10000.0), 256)
     with pytest.raises(SystemExit, match="two launches"):
+        brc.check_variants(3, 2, 1, 16, 4, torch.float32, torch.device("cpu"), cache)
+
+
+def test_check_refuses_positions_past_the_cos_sin_cache():
+    """Positions start at 128: a 64-row cache would be read out of bounds (garbage, sometimes NaN)."""
+    cache = brc.compute_cos_sin_cache(brc.rope_inv_freq(16, 10000.0), 64)
+    with pytest.raises(ValueError, match="cos/sin cache has 64 positions"):
         brc.check_variants(3, 2, 1, 16, 4, torch.float32, torch.device("cpu"), cache)
