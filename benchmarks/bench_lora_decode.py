@@ -73,7 +73,7 @@ def layer_case(h: int, widths: list[int], tokens: int, slots: int):
 
 
 def check(lora_a, lora_b, scaling, mapping, x, y, **kw) -> float:
-    ours, ref = y.clone(), y.float()
+    ours, ref = y.clone(), y.to(torch.float32, copy=True)
     add_lora(x, lora_a, lora_b, scaling, ours, mapping, **kw)
     add_lora_ref(x.float(), [a.float() for a in lora_a], [b.float() for b in lora_b], scaling, ref, mapping)
     err = (ours.float() - ref).abs().max().item()

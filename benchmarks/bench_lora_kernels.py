@@ -107,7 +107,7 @@ def make_linears(layer, num_tokens: int, slots: int, rank: int, dtype, device) -
 
 def check(lin: Linear, mapping: LoRAMapping, fn: Callable) -> None:
     """``fn(x, a, b, scaling, y, mapping)`` agrees with the float32 reference on this projection."""
-    ours, ref = lin.y.clone(), lin.y.float()
+    ours, ref = lin.y.clone(), lin.y.to(torch.float32, copy=True)
     fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping)
     add_lora_ref(lin.x.float(), [a.float() for a in lin.lora_a], [b.float() for b in lin.lora_b], lin.scaling, ref,
                  mapping)

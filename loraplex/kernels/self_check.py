@@ -42,7 +42,7 @@ def check_add_lora(shapes: Sequence[tuple[int, Sequence[int]]], num_slots: int, 
             a = [(torch.randn(num_slots, rank, hidden, generator=gen) / hidden**0.5).to(device, dtype) for _ in widths]
             b = [(torch.randn(num_slots, w, rank, generator=gen) / rank**0.5).to(device, dtype) for w in widths]
             scaling = [torch.full((num_slots,), 2.0, device=device) for _ in widths]
-            ours, ref = y.clone(), y.float()
+            ours, ref = y.clone(), y.to(torch.float32, copy=True)
             ADD_LORA.triton(x, a, b, scaling, ours, mapping)
             ADD_LORA.reference(x.float(), [t.float() for t in a], [t.float() for t in b], scaling, ref, mapping)
             err = (ours.float() - ref).abs().max().item()

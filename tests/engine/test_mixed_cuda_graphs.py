@@ -87,7 +87,8 @@ def _emulate(llm: LLM) -> tuple[list[_EagerReplay], list[_EagerMixedReplay]]:
                                    (graphs.mixed_sizes, graphs.mixed_graphs, _EagerMixedReplay, mixed)):
         for size in sizes:
             for with_lora, with_dora in VARIANTS:
-                hidden = torch.full((size, engine.spec.hidden_size), float("nan"), dtype=engine.dtype)
+                hidden = torch.full((size, engine.spec.hidden_size), float("nan"), device=engine.device,
+                                    dtype=engine.dtype)
                 replay = cls(graphs, size, with_lora, hidden, with_dora)
                 replay.shapes = []
                 table[(size, with_lora, with_dora)] = _Graph(replay, hidden)
