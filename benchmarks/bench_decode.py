@@ -1,0 +1,258 @@
+"""Decode step against its full memory floor, with a profile breakdown (issue 16; issue 17 goal 2).
+
+Llama-2-7B shapes, random bf16 weights, CUDA graphs on, prompt 128 random token ids, output ``--out-len``
+(greedy, ``ignore_eos``). For batch B in (1, 32, 128), kinds ``base`` (no adapter) and ``mixed`` (request i
+on adapter i mod 32: 32 distinct r=16 adapters on all 7 projections, resident in GPU slots), with
+``async_scheduling`` off and on (one engine each).
+
+- **Step time**: the median gap between successive returns of ``LLMEngine.step`` over the steps whose
+  launch and the launch before it were decode-only (B tokens). The host reads each step's samples back
+  once, so in steady state the gap is the step's time, sync or async, host work included.
+- **Full floor** (Williams et al., "Roofline", 2009; bytes at the copy bandwidth measured in this run):
+  weights read once per step (all linear layers, norms and ``lm_head``; of the embedding only B rows) +
+  K and V read at the steps' mean context (``B x (prompt + out_len / 2) x layers x 2 x kv_heads x
+  head_dim x 2 bytes``) + the distinct adapters' A and B (``min(B, 32) x 80 MB``). ``floor_fraction`` =
+  floor / step (goal: >= 0.80 base, >= 0.75 mixed).
+- **Profile** (``torch.profiler``, ``--profile-steps`` decode steps of a second run of the same
+  configuration): GPU busy = union of kernel intervals / (last kernel end - first kernel start), and kernel
+  time per class: GEMM (cuBLAS/cuBLASLt/CUTLASS/nvjet, FP8 linears), attention (paged attention kernels),
+  LoRA (shrink/expand/fused/DoRA), other (norms, rotary, activation, sampling, copies).
+
+Usage: ``python benchmarks/bench_decode.py [--batches 1 32 128] [--out-len 64]`` (CUDA; writes
+``$OUT/decode.json`` and prints a markdown table last); ``--quick`` runs the logic on CPU with a tiny model
+(numbers mean nothing, no profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import LLAMA2_7B, git_commit, make_model_dir, measure_copy_bandwidth, out_dir  # noqa: E402
+
+from loraplex import LLM, SamplingParams  # noqa: E402
+
+PROMPT_LEN = 128
+NUM_ADAPTERS = 32
+RANK = 16
+KINDS = ("base", "mixed")
+CLASSES = ("gemm", "attention", "lora", "other")
+
+
+def kernel_class(name: str) -> str:
+    """The profile class of a CUDA kernel, by name."""
+    low = name.lower()
+    if any(k in low for k in ("lora", "dora")):
+        return "lora"
+    if any(k in low for k in ("attention", "attn", "paged_decode", "paged_prefill")):
+        return "attention"
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "fp8_linear", "sm90_")):
+        return "gemm"
+    return "other"
+
+
+def weight_bytes(config: dict, batch: int, itemsize: int = 2) -> int:
+    """Bytes of weights a decode step must read: every layer's linears and norms, the final norm, ``lm_head``
+    and ``batch`` rows of the embedding."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    d = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h
+    head = config["vocab_size"] * h
+    return itemsize * (layers * per_layer + h + head + batch * h)
+
+
+def kv_bytes(config: dict, batch: int, mean_context_tokens: float, itemsize: int = 2) -> float:
+    d = config["hidden_size"] // config["num_attention_heads"]
+    return batch * mean_context_tokens * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * d * itemsize
+
+
+def adapter_bytes(config: dict, rank: int = RANK, itemsize: int = 2) -> int:
+    """A and B of one adapter on all 7 projections."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    d = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+    pairs = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    return itemsize * layers * rank * sum(a + b for a, b in pairs)
+
+
+def make_adapters(root: Path, config: dict, count: int):
+    """``count`` r=16 all-projection adapters (4 weight files, the rest linked with their own config)."""
+    import bench_serving  # noqa: PLC0415 - the shared maker
+
+    return bench_serving.make_adapters(root, config, count, distinct_files=min(count, 4))
+
+
+def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw: dict) -> LLM:
+    return LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len, gpu_memory_utilization=0.85,
+               enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, max_cpu_loras=2 * NUM_ADAPTERS,
+               max_num_seqs=256, max_num_batched_tokens=8192, async_scheduling=async_scheduling, **device_kw)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_once(llm: LLM, prompts: list[list[int]], loras: list, out_len: int, profile_steps: int = 0) -> dict:
+    """Submit all, step to the end; gaps between step returns and the launched token counts."""
+    engine = llm.engine
+    launched: list[int] = []
+    real_launch = engine.runner.launch
+
+    def launch(batch):
+        launched.append(batch.num_tokens)
+        return real_launch(batch)
+
+    engine.runner.launch = launch
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind="final_only")
+    for i, (p, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params, lora)
+    batch = len(prompts)
+    returns, prof, prof_range = [], None, None
+    sync()
+    try:
+        while engine.has_unfinished_requests():
+            calls = len(returns)
+            decode_now = len(launched) >= 2 and launched[-1] == batch and launched[-2] == batch
+            if profile_steps and prof is None and decode_now and calls >= 4:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
+                prof_range = calls
+            engine.step()
+            returns.append(time.perf_counter())
+            if prof is not None and prof_range is not None and len(returns) - prof_range >= profile_steps:
+                sync()
+                prof.__exit__(None, None, None)
+                prof_range = None
+    finally:
+        engine.runner.launch = real_launch
+    gaps = [returns[i] - returns[i - 1] for i in range(1, len(returns) - 2)
+            if i < len(launched) and launched[i] == batch and launched[i - 1] == batch]
+    out = {"steps": len(returns), "decode_steps_timed": len(gaps),
+           "step_ms": statistics.median(gaps) * 1e3 if gaps else float("nan")}
+    if prof is not None:
+        out["profile"] = summarize_profile(prof, profile_steps)
+    return out
+
+
+def summarize_profile(prof, steps: int) -> dict:
+    """Kernel time per class (ms per step) and GPU busy (union of kernel intervals over their span)."""
+    intervals, per_class = [], dict.fromkeys(CLASSES, 0.0)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start, end = ev.time_range.start, ev.time_range.end
+        if end <= start:
+            continue
+        intervals.append((start, end))
+        per_class[kernel_class(ev.name)] += (end - start) / 1e3
+    if not intervals:
+        return {"error": "no CUDA kernels recorded"}
+    intervals.sort()
+    busy, cur_s, cur_e = 0.0, *intervals[0]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = intervals[-1][1] - intervals[0][0]
+    return {"gpu_busy": busy / span, "span_ms_per_step": span / 1e3 / steps,
+            **{f"{k}_ms": v / steps for k, v in per_class.items()}, "kernels": len(intervals)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--out-len", type=int, default=64)
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--async-modes", default="off,on")
+    ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
+    args = ap.parse_args(argv)
+    config = dict(LLAMA2_7B)
+    device_kw: dict = {"dtype": "bfloat16"}
+    if args.quick:
+        config.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=512)
+        device_kw = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 2048}
+        args.profile_steps = 0
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_decode.py needs a CUDA GPU (--quick checks the logic on CPU)")
+    root = Path(tempfile.mkdtemp())
+    model_dir = make_model_dir(root / "model", config)
+    adapters = make_adapters(root / "adapters", config, NUM_ADAPTERS)
+    bw = float("nan") if args.quick else measure_copy_bandwidth()
+    result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
+              "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
+    rng = random.Random(0)
+    top = config["vocab_size"] - 1
+    mean_ctx = PROMPT_LEN + args.out_len / 2
+    for mode in args.async_modes.split(","):
+        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw)
+        for a in adapters:
+            llm.engine.preload_lora(a)
+        # warm-up: compiles the kernel variants of every row (not measured)
+        for b in args.batches:
+            run_once(llm, [[rng.randrange(10, top) for _ in range(PROMPT_LEN)] for _ in range(b)],
+                     [adapters[i % NUM_ADAPTERS] if i % 2 else None for i in range(b)], 4)
+        for b in args.batches:
+            prompts = [[rng.randrange(10, top) for _ in range(PROMPT_LEN)] for _ in range(b)]
+            for kind in KINDS:
+                loras = [None] * b if kind == "base" else [adapters[i % NUM_ADAPTERS] for i in range(b)]
+                row = {"batch": b, "kind": kind, "async": mode}
+                row.update(run_once(llm, prompts, loras, args.out_len))
+                if args.profile_steps:
+                    row["profile"] = run_once(llm, prompts, loras, min(args.out_len, 24),
+                                              args.profile_steps).get("profile")
+                distinct = 0 if kind == "base" else min(b, NUM_ADAPTERS)
+                floor_bytes = weight_bytes(config, b) + kv_bytes(config, b, mean_ctx) + distinct * adapter_bytes(config)
+                row["floor_ms"] = floor_bytes / bw * 1e3
+                row["floor_fraction"] = row["floor_ms"] / row["step_ms"]
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        llm.engine.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    base = {(r["batch"], r["async"]): r["step_ms"] for r in result["rows"] if r["kind"] == "base"}
+    for r in result["rows"]:
+        r["of_base"] = base[(r["batch"], r["async"])] / r["step_ms"]
+    path = Path(args.out) if args.out else out_dir() / "decode.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [f"commit {result['commit']}, {result['device']}, copy {result['copy_TBps']:.2f} TB/s, "
+             f"prompt {PROMPT_LEN}, output {result['out_len']}", "",
+             "| batch | kind | async | step ms | full floor ms | floor / step | of base | GPU busy | GEMM ms "
+             "| attention ms | LoRA ms | other ms |", "|" + "---|" * 12]
+    for r in result["rows"]:
+        p = r.get("profile") or {}
+        cells = [p.get("gpu_busy"), *(p.get(f"{c}_ms") for c in CLASSES)]
+        prof = [f"{c:.0%}" if i == 0 else f"{c:.2f}" for i, c in enumerate(cells) if c is not None] or ["–"] * 5
+        lines.append(f"| {r['batch']} | {r['kind']} | {r['async']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "
+                     f"{r['floor_fraction']:.2f} | {r['of_base']:.2f} | " + " | ".join(prof) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/bench_decode.py: the floor's byte counts for Llama-2-7B, the kernel classes, and the logic on CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_decode as bd  # noqa: E402
+
+
+def test_floor_bytes_for_llama2_7b():
+    # r=16 on all 7 projections, bf16: 32 layers x 16 x (4 x (4096 + 4096) + 3 x (4096 + 11008)) x 2 bytes
+    assert bd.adapter_bytes(bd.LLAMA2_7B) == 79_953_920
+    # 6.74e9 parameters less 31,999 of the embedding's 32,000 rows
+    assert bd.weight_bytes(bd.LLAMA2_7B, 1) == 2 * (6_738_415_616 - 31_999 * 4096)
+    # 0.5 MiB of K and V per token of context
+    assert bd.kv_bytes(bd.LLAMA2_7B, 32, 160) == 32 * 160 * 524_288
+
+
+def test_kernel_classes():
+    assert [bd.kernel_class(n) for n in ("_fused_lora_kernel", "_lora_shrink_kernel", "_dora_scale",
+                                         "nvjet_tst_64x8_64x16_2x1_v_bz_TNT", "sm90_xmma_gemm_bf16",
+                                         "_paged_decode_kernel", "_paged_prefill_kernel", "_rms_norm_kernel",
+                                         "_rotary_and_cache_kernel")] == \
+        ["lora", "lora", "lora", "gemm", "gemm", "attention", "attention", "other", "other"]
+
+
+def test_quick_run_times_decode_steps_of_every_row(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU logic check; a GPU runs the real benchmark")
+    result = bd.main(["--quick", "--batches", "1", "3", "--out-len", "6", "--async-modes", "off,on",
+                      "--out", str(tmp_path / "d.json")])
+    rows = result["rows"]
+    assert [(r["batch"], r["kind"], r["async"]) for r in rows] == [
+        (b, k, m) for m in ("off", "on") for b in (1, 3) for k in bd.KINDS]
+    # 6 output tokens: 1 prefill launch + 5 decode launches; the first decode gap and the last two returns are
+    # left out, so at least 2 decode-only gaps are timed in every row
+    assert all(r["decode_steps_timed"] >= 2 and r["step_ms"] > 0 for r in rows)
+    assert all(r["of_base"] == 1.0 for r in rows if r["kind"] == "base")
+    assert (tmp_path / "d.json").exists()
