@@ -151,7 +151,7 @@ def run_once(llm: LLM, prompts: list[list[int]], loras: list, out_len: int, prof
 
 def summarize_profile(prof, steps: int) -> dict:
     """Kernel time per class (ms per step) and GPU busy (union of kernel intervals over their span)."""
-    intervals, per_class = [], dict.fromkeys(CLASSES, 0.0)
+    intervals, per_class, per_kernel = [], dict.fromkeys(CLASSES, 0.0), {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -160,6 +160,8 @@ def summarize_profile(prof, steps: int) -> dict:
             continue
         intervals.append((start, end))
         per_class[kernel_class(ev.name)] += (end - start) / 1e3
+        total, count = per_kernel.get(ev.name, (0.0, 0))
+        per_kernel[ev.name] = (total + (end - start) / 1e3, count + 1)
     if not intervals:
         return {"error": "no CUDA kernels recorded"}
     intervals.sort()
@@ -173,7 +175,9 @@ def summarize_profile(prof, steps: int) -> dict:
     busy += cur_e - cur_s
     span = intervals[-1][1] - intervals[0][0]
     return {"gpu_busy": busy / span, "span_ms_per_step": span / 1e3 / steps,
-            **{f"{k}_ms": v / steps for k, v in per_class.items()}, "kernels": len(intervals)}
+            **{f"{k}_ms": v / steps for k, v in per_class.items()}, "kernels": len(intervals),
+            "top_kernels": [(name[:80], round(ms / steps, 4), n // steps) for name, (ms, n) in
+                            sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]]}
 
 
 def main(argv: list[str] | None = None) -> dict:

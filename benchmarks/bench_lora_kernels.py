@@ -70,6 +70,7 @@ class Row:
     lora_tokens: int
     floor_us: float
     times_us: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 def token_slots(num_tokens: int, adapters: int, seed: int = 0) -> torch.Tensor:
@@ -105,8 +106,12 @@ def make_linears(layer, num_tokens: int, slots: int, rank: int, dtype, device) -
     return out
 
 
+KEEP_GOING = False  # --keep-going: a failed check is recorded in the row and timing goes on
+
+
 def check(lin: Linear, mapping: LoRAMapping, fn: Callable) -> None:
-    """``fn(x, a, b, scaling, y, mapping)`` agrees with the float32 reference on this projection."""
+    """``fn(x, a, b, scaling, y, mapping)`` agrees with the float32 reference on this projection
+    (raises SystemExit naming the projection)."""
     ours, ref = lin.y.clone(), lin.y.to(torch.float32, copy=True)
     fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping)
     add_lora_ref(lin.x.float(), [a.float() for a in lin.lora_a], [b.float() for b in lin.lora_b], lin.scaling, ref,
@@ -161,7 +166,12 @@ def bench_row(layer, num_tokens: int, adapters: int, rank: int, dtype, device, t
     row = Row(num_tokens, adapters, lora_tokens, floor_bytes(layer, lora_tokens, distinct, rank) / copy_bps * 1e6)
     for name, fn in impls.items():
         for lin in linears:
-            check(lin, mapping, fn)
+            try:
+                check(lin, mapping, fn)
+            except SystemExit as exc:
+                if not KEEP_GOING:
+                    raise
+                row.errors[name] = str(exc)
         row.times_us[name] = timer(lambda fn=fn: [fn(l.x, l.lora_a, l.lora_b, l.scaling, l.y, mapping)
                                                   for l in linears]) * 1e3
     return row
@@ -201,7 +211,8 @@ def format_table(rows: list[Row], header_note: str) -> str:
              + " | new / floor |",
              "|---" * (4 + len(names)) + "|"]
     for r in rows:
-        cells = [f"{r.times_us[n]:.1f}" if n in r.times_us else "–" for n in names]
+        cells = [(f"{r.times_us[n]:.1f}" + (" (WRONG)" if n in r.errors else "")) if n in r.times_us else "–"
+                 for n in names]
         ratio = r.times_us.get("new", float("nan")) / r.floor_us if r.floor_us else float("nan")
         lines.append(f"| {r.tokens} × {r.adapters} | {r.lora_tokens} | {r.floor_us:.1f} | " + " | ".join(cells)
                      + f" | {ratio:.1f} |")
@@ -298,7 +309,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "at 32 adapters")
     parser.add_argument("--vllm", action="store_true", help="add vLLM's kernels as a column when vllm imports")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
+    parser.add_argument("--keep-going", action="store_true", help="record a failed check in the row, time anyway")
     args = parser.parse_args(argv)
+    global KEEP_GOING
+    KEEP_GOING = args.keep_going
     torch.manual_seed(0)
     if torch.cuda.is_available() and not args.smoke:
         device, timer, layer, tokens, adapters, rank, dtype = (torch.device("cuda"), graph_timer(), LLAMA2_7B_LAYER,

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loraplex.kernels.lora_expand import _launch_lora_expand, lora_expand_ref  # noqa: E402
 from loraplex.kernels.lora_fused import FUSED_LORA  # noqa: E402
@@ -81,5 +82,46 @@ def main() -> None:
     print("bad cases:", bad)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--bench-repro" not in sys.argv:
     main()
+
+
+def bench_repro() -> None:
+    """bench_lora_kernels' first row exactly (seed 0, its copy-bandwidth probe, its tensors): per-kernel errors
+    and where the two-kernel path's error sits; then the same after poisoning freed device memory with NaN."""
+    import bench_lora_kernels as blk
+
+    for poison in (False, True):
+        torch.manual_seed(0)
+        blk.copy_bandwidth(DEV)
+        if poison:
+            junk = torch.full(((4 << 30) if DEV.type == "cuda" else 1024,), float("nan"), dtype=torch.float32, device=DEV)
+            del junk
+        lins = blk.make_linears(blk.LLAMA2_7B_LAYER, 1, 1, 16, torch.bfloat16, DEV)
+        m = plan_segments(blk.token_slots(1, 1).to(DEV), 1)
+        for lin in lins:
+            af, bf = [t.float() for t in lin.lora_a], [t.float() for t in lin.lora_b]
+            v_ref = lora_shrink_ref(lin.x.float(), af, m)
+            p = shrink_partials(lin.x, lin.lora_a, m)
+            ref = lin.y.to(torch.float32, copy=True)
+            lora_expand_ref(v_ref, bf, lin.scaling, ref, m)
+            res = {}
+            for name, fn in (("two-kernel", lambda y: ADD_LORA.triton(lin.x, lin.lora_a, lin.lora_b, lin.scaling, y, m,
+                                                                    fused=False)),
+                             ("expand(v_ref)", lambda y: _launch_lora_expand(v_ref, lin.lora_b, lin.scaling, y, m)),
+                             ("expand(p)", lambda y: _launch_lora_expand(p, lin.lora_b, lin.scaling, y, m)),
+                             ("fused", lambda y: FUSED_LORA.triton(lin.x, lin.lora_a, lin.lora_b, lin.scaling, y, m))):
+                ours = lin.y.clone()
+                fn(ours)
+                if DEV.type == "cuda":
+                    torch.cuda.synchronize()
+                err = (ours.float() - ref).abs()
+                bad = (err > 0.1).nonzero()
+                res[name] = f"{err.max().item():.3g} bad={bad.shape[0]} cols={bad[:6, 1].tolist()}"
+            vp = (p.sum(0) - v_ref).abs().max().item()
+            print(f"poison={poison} {lin.name}: shrink {vp:.3g} p.shape={tuple(p.shape)} " + " | ".join(
+                f"{k}: {v}" for k, v in res.items()), flush=True)
+
+
+if __name__ == "__main__" and "--bench-repro" in sys.argv:
+    bench_repro()
