@@ -63,15 +63,18 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def weight_bytes(config: dict, batch: int, itemsize: int = 2) -> int:
+def weight_bytes(config: dict, batch: int, itemsize: int = 2, fp8_linears: bool = False) -> int:
     """Bytes of weights a decode step must read: every layer's linears and norms, the final norm, ``lm_head``
-    and ``batch`` rows of the embedding."""
+    and ``batch`` rows of the embedding. ``fp8_linears``: the layers' linears as e4m3 (1 byte) with one
+    float32 scale per output channel (``quantization="fp8"``; embedding, norms and ``lm_head`` stay 16-bit)."""
     h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     d = h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * d
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h
+    linears = h * (h + 2 * kv) + h * h + 3 * h * inter
+    out_channels = (h + 2 * kv) + h + 2 * inter + h
+    linear_bytes = linears + 4 * out_channels if fp8_linears else itemsize * linears
     head = config["vocab_size"] * h
-    return itemsize * (layers * per_layer + h + head + batch * h)
+    return layers * (linear_bytes + itemsize * 2 * h) + itemsize * (h + head + batch * h)
 
 
 def kv_bytes(config: dict, batch: int, mean_context_tokens: float, itemsize: int = 2) -> float:
@@ -95,9 +98,10 @@ def make_adapters(root: Path, config: dict, count: int):
     return bench_serving.make_adapters(root, config, count, distinct_files=min(count, 4))
 
 
-def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw: dict) -> LLM:
+def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw: dict,
+          quantization: str | None = None) -> LLM:
     return LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len, gpu_memory_utilization=0.85,
-               enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, max_cpu_loras=2 * NUM_ADAPTERS,
+               quantization=quantization, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, max_cpu_loras=2 * NUM_ADAPTERS,
                max_num_seqs=256, max_num_batched_tokens=8192, async_scheduling=async_scheduling, **device_kw)
 
 
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--async-modes", default="off,on")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 (e4m3) base linears")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
@@ -203,12 +208,13 @@ def main(argv: list[str] | None = None) -> dict:
     adapters = make_adapters(root / "adapters", config, NUM_ADAPTERS)
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
+              "quantization": args.quantization,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1
     mean_ctx = PROMPT_LEN + args.out_len / 2
     for mode in args.async_modes.split(","):
-        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw)
+        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization)
         for a in adapters:
             llm.engine.preload_lora(a)
         # warm-up: compiles the kernel variants of every row (not measured)
@@ -219,13 +225,13 @@ def main(argv: list[str] | None = None) -> dict:
             prompts = [[rng.randrange(10, top) for _ in range(PROMPT_LEN)] for _ in range(b)]
             for kind in KINDS:
                 loras = [None] * b if kind == "base" else [adapters[i % NUM_ADAPTERS] for i in range(b)]
-                row = {"batch": b, "kind": kind, "async": mode}
+                row = {"batch": b, "kind": kind + ("-fp8" if args.quantization else ""), "async": mode}
                 row.update(run_once(llm, prompts, loras, args.out_len))
                 if args.profile_steps:
                     row["profile"] = run_once(llm, prompts, loras, min(args.out_len, 24),
                                               args.profile_steps).get("profile")
                 distinct = 0 if kind == "base" else min(b, NUM_ADAPTERS)
-                floor_bytes = weight_bytes(config, b) + kv_bytes(config, b, mean_ctx) + distinct * adapter_bytes(config)
+                floor_bytes = weight_bytes(config, b, fp8_linears=args.quantization == "fp8") + kv_bytes(config, b, mean_ctx) + distinct * adapter_bytes(config)
                 row["floor_ms"] = floor_bytes / bw * 1e3
                 row["floor_fraction"] = row["floor_ms"] / row["step_ms"]
                 result["rows"].append(row)
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    base = {(r["batch"], r["async"]): r["step_ms"] for r in result["rows"] if r["kind"] == "base"}
+    base = {(r["batch"], r["async"]): r["step_ms"] for r in result["rows"] if r["kind"].startswith("base")}
     for r in result["rows"]:
         r["of_base"] = base[(r["batch"], r["async"])] / r["step_ms"]
     path = Path(args.out) if args.out else out_dir() / "decode.json"

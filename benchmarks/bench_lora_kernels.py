@@ -61,6 +61,11 @@ class Linear:
     lora_a: list[torch.Tensor]
     lora_b: list[torch.Tensor]
     scaling: list[torch.Tensor]
+    y0: torch.Tensor | None = None  # y as made (the checks start from it; timing accumulates into y)
+
+    def __post_init__(self) -> None:
+        if self.y0 is None:
+            self.y0 = self.y.clone()
 
 
 @dataclass
@@ -111,13 +116,15 @@ KEEP_GOING = False  # --keep-going: a failed check is recorded in the row and ti
 
 def check(lin: Linear, mapping: LoRAMapping, fn: Callable) -> None:
     """``fn(x, a, b, scaling, y, mapping)`` agrees with the float32 reference on this projection
-    (raises SystemExit naming the projection)."""
-    ours, ref = lin.y.clone(), lin.y.to(torch.float32, copy=True)
+    (raises SystemExit naming the projection). Checked on ``lin.y0``, the untouched output: timing adds
+    the delta into ``lin.y`` over and over, and at |y| ~ 1000 bf16's own rounding (ulp 4-8) would exceed
+    the tolerance (session 5's "mismatch" of 1.96 was that)."""
+    ours, ref = lin.y0.clone(), lin.y0.to(torch.float32, copy=True)
     fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping)
     add_lora_ref(lin.x.float(), [a.float() for a in lin.lora_a], [b.float() for b in lin.lora_b], lin.scaling, ref,
                  mapping)
     err = (ours.float() - ref).abs().max().item()
-    scale = (ref - lin.y.float()).abs().max().item()
+    scale = (ref - lin.y0.float()).abs().max().item()
     if not err <= 0.03 * scale + 0.05:
         raise SystemExit(f"{lin.name}: max error {err} against the float32 reference (delta scale {scale})")
 

@@ -2,13 +2,14 @@
 
 Semantics: :data:`ADD_LORA`.
 
-Decode-sized batches (at most ``DECODE_MAX_TOKENS`` tokens) take one launch of the fused
-shrink+expand kernel (:mod:`loraplex.kernels.lora_fused`). Larger batches take the SGMV pair,
-two launches and no other kernel: the shrink writes split-K partial sums
+Every batch takes the SGMV pair, two launches and no other kernel: the shrink writes split-K partial sums
 (:func:`~loraplex.kernels.lora_shrink.shrink_partials`) into an uninitialised
 buffer and the expand adds them up, in a fixed order, as it loads ``v``. At
 decode (one token per adapter segment) the H reduction is what limits the
-shrink, so it is split into many short programs; see benchmarks/RESULTS.md.
+shrink, so it is split into many short programs; see benchmarks/RESULTS.md. The fused
+shrink+expand kernel (:mod:`loraplex.kernels.lora_fused`, ``fused=True``) measured 3.1-3.5x
+slower at decode sizes on an H200 (one layer, Llama-2-7B shapes: 140 vs 40 us at 1 token,
+325 vs 105 us at 32 tokens x 32 adapters; RESULTS.md, session 7), so it is not the default.
 Punica (Chen et al. 2023) and S-LoRA (Sheng et al. 2023) describe the SGMV
 shrink/expand pair.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_expand import DECODE_MAX_TOKENS, _launch_lora_expand, lora_expand_ref
+from loraplex.kernels.lora_expand import _launch_lora_expand, lora_expand_ref
 from loraplex.kernels.lora_fused import _launch_fused_lora
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import lora_shrink_ref, shrink_partials
@@ -39,15 +40,15 @@ def _launch_add_lora(
     expand_blocks: tuple[int, int, int] | None = None,
     fused: bool | None = None,
 ) -> None:
-    """Triton launch of :func:`add_lora_ref`: the fused kernel (``fused``; default: at most
-    ``DECODE_MAX_TOKENS`` tokens), else split-K shrink partials summed by the expand as it loads them.
+    """Triton launch of :func:`add_lora_ref`: split-K shrink partials summed by the expand as it loads
+    them, or the fused kernel with ``fused=True`` (benchmarks; slower at every decode size measured).
 
     ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides of the two-kernel path (benchmarks);
-    giving one selects that path by default, and with ``fused=True`` raises ``KernelArgumentError``.
+    with ``fused=True`` they raise ``KernelArgumentError``.
     """
     two_kernel_overrides = (split_k, shrink_blocks, expand_blocks) != (None, None, None)
     if fused is None:
-        fused = mapping.num_tokens <= DECODE_MAX_TOKENS and not two_kernel_overrides
+        fused = False
     if fused and two_kernel_overrides:
         raise KernelArgumentError("add_lora: split_k / shrink_blocks / expand_blocks apply to the two-kernel path "
                                   "(fused=False), not to the fused kernel")

@@ -1,8 +1,8 @@
 """Start-up self-check of the batched LoRA op on the serving device (``add_lora`` against its reference).
 
 The Triton kernels are tested under the CPU interpreter in CI; compiled on a GPU they take other launch
-shapes. Before an engine serves adapters on a GPU it runs the op once per layer shape, for a decode-sized
-and a prefill-sized token count (the fused and the two-kernel path), against the float32 reference:
+shapes. Before an engine serves adapters on a GPU it runs the op once per layer shape, for one decode token,
+a decode batch and a prompt chunk (each with its own launch shapes), against the float32 reference:
 a mismatch raises :class:`LoRAKernelMismatch` and the engine refuses to start, rather than serve wrong
 tokens. Semantics checked: :data:`~loraplex.kernels.lora_linear.ADD_LORA`.
 """
@@ -16,7 +16,7 @@ import torch
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_mapping import plan_segments
 
-TOKEN_COUNTS = (1, 32, 300)  # one decode token, a decode batch (fused kernel), a prompt chunk (two kernels)
+TOKEN_COUNTS = (1, 32, 300)  # one decode token, a decode batch, a prompt chunk (their own launch shapes)
 
 
 class LoRAKernelMismatch(RuntimeError):

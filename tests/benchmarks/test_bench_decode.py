@@ -18,6 +18,10 @@ def test_floor_bytes_for_llama2_7b():
     assert bd.adapter_bytes(bd.LLAMA2_7B) == 79_953_920
     # 6.74e9 parameters less 31,999 of the embedding's 32,000 rows
     assert bd.weight_bytes(bd.LLAMA2_7B, 1) == 2 * (6_738_415_616 - 31_999 * 4096)
+    # FP8 linears: 6.48e9 weights at 1 byte + a float32 scale per output channel (32 x 42,496)
+    linears = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert bd.weight_bytes(bd.LLAMA2_7B, 1, fp8_linears=True) == (
+        2 * (6_738_415_616 - 31_999 * 4096 - linears) + linears + 4 * 32 * 42_496)
     # 0.5 MiB of K and V per token of context
     assert bd.kv_bytes(bd.LLAMA2_7B, 32, 160) == 32 * 160 * 524_288
 

@@ -1,5 +1,5 @@
-"""``LinearWithLoRA`` with the Triton LoRA path (fused shrink+expand up to 256 tokens, else split-K
-shrink partials; work-item list) equals the float32 reference, eagerly and replayed from a CUDA
+"""``LinearWithLoRA`` with the Triton LoRA path (split-K shrink partials summed by the expand; work-item
+list) equals the float32 reference, eagerly and replayed from a CUDA
 graph, also when the graph itself groups the tokens by slot (as the engine's graphs do). GPU only.
 
 (An overlapped variant, the delta on a side stream next to the base GEMM, measured slower
