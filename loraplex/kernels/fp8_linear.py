@@ -98,8 +98,10 @@ def _block_sizes(num_tokens: int, device: torch.device) -> tuple[int, int, int, 
 
 
 def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launch of :func:`fp8_linear_ref`."""
+                       bias: torch.Tensor | None = None, *,
+                       config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Triton launch of :func:`fp8_linear_ref`. ``config``: (BLOCK_T, BLOCK_N, BLOCK_K, num_warps,
+    num_stages) override (benchmarks/bench_fp8_linear.py sweeps it)."""
     require_triton(_OP)
     _check_args(x, weight, scale, bias)
     check_last_dim_contiguous(_OP, "x", x)
@@ -109,7 +111,10 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    block_t, block_n, block_k, num_warps = _block_sizes(num_tokens, x.device)
+    if config is None:
+        block_t, block_n, block_k, num_warps, num_stages = *_block_sizes(num_tokens, x.device), 3
+    else:
+        block_t, block_n, block_k, num_warps, num_stages = config
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
     _fp8_linear_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out,
@@ -119,6 +124,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
