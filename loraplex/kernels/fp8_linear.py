@@ -84,17 +84,24 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
         check_device(_OP, "bias", bias, x.device)
 
 
-def _block_sizes(num_tokens: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps). Decode-sized token counts take the smallest
-    token tile tensor cores allow (16) and narrow column tiles so the grid covers every SM
-    while the weight is streamed once; prefill-sized ones take square-ish tiles."""
+def _block_sizes(num_tokens: int, out_features: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages).
+
+    On CUDA, from a sweep on an H200 (benchmarks/bench_fp8_linear.py; RESULTS.md, session 7) over
+    Llama-2-7B's linears: decode token counts take the smallest token tile that holds them, narrow
+    column tiles for narrow outputs (<= 8192 columns: more programs, each streaming long K tiles) and
+    64-column tiles for wide ones; prefill-sized counts take square-ish tiles."""
     if device.type != "cuda":
-        return 16, 32, 32, 4
+        return 16, 32, 32, 4, 3
+    narrow = out_features <= 8192
     if num_tokens <= 16:
-        return 16, 64, 256, 4
+        return (16, 32, 512, 4, 4) if narrow else (16, 64, 256, 4, 3)
     if num_tokens <= 64:
-        return 64, 64, 128, 4
-    return 128, 128, 64, 8
+        block_t = 32 if num_tokens <= 32 else 64
+        return (block_t, 16, 256, 4, 4) if narrow else (block_t, 64, 256, 4, 3)
+    if num_tokens <= 128 and narrow:
+        return 128, 32, 256, 4, 3
+    return 128, 128, 64, 8, 3
 
 
 def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -112,7 +119,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if num_tokens == 0:
         return out
     if config is None:
-        block_t, block_n, block_k, num_warps, num_stages = *_block_sizes(num_tokens, x.device), 3
+        block_t, block_n, block_k, num_warps, num_stages = _block_sizes(num_tokens, out_features, x.device)
     else:
         block_t, block_n, block_k, num_warps, num_stages = config
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
