@@ -12,6 +12,10 @@ by ``BLOCK_N * N_ITERS`` columns of ``B_i[s]``. Grid = ((segment, token tile) wo
 slice x column block); the column blocks of one (item, slice) each redo the small
 shrink (re-reading A, mostly from L2) so that there are enough programs to fill the
 device. All slices that share ``x`` (q/k/v, gate/up) run in this one launch.
+
+Not the model's path: on an H200 it measured 2.2-3.6x slower than the two-kernel SGMV pair up to
+128 tokens (benchmarks/RESULTS.md, session 7), so :data:`~loraplex.kernels.lora_linear.ADD_LORA`
+launches it only with ``fused=True`` (benchmarks).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ Every batch takes the SGMV pair, two launches and no other kernel: the shrink wr
 buffer and the expand adds them up, in a fixed order, as it loads ``v``. At
 decode (one token per adapter segment) the H reduction is what limits the
 shrink, so it is split into many short programs; see benchmarks/RESULTS.md. The fused
-shrink+expand kernel (:mod:`loraplex.kernels.lora_fused`, ``fused=True``) measured 3.1-3.5x
-slower at decode sizes on an H200 (one layer, Llama-2-7B shapes: 140 vs 40 us at 1 token,
+shrink+expand kernel (:mod:`loraplex.kernels.lora_fused`, ``fused=True``) measured 2.2-3.6x
+slower up to 128 tokens on an H200 (one layer, Llama-2-7B shapes: 140 vs 40 us at 1 token,
 325 vs 105 us at 32 tokens x 32 adapters; RESULTS.md, session 7), so it is not the default.
 Punica (Chen et al. 2023) and S-LoRA (Sheng et al. 2023) describe the SGMV
 shrink/expand pair.
