@@ -152,8 +152,8 @@ class EngineConfig:
     refuses to start where it is unavailable), nccl = NCCL (decode steps then run eagerly). On CPU: gloo."""
     async_scheduling: bool = False
     """Schedule and launch step N+1 while step N runs on the device (LLMEngine.step); sampled tokens of N enter
-    N+1 on the device. Off by default (opt-in, as vLLM's); on an H200 it made decode steps 5-11% faster
-    and the GPU busy 93-98% of a step instead of 77-86% (benchmarks/RESULTS.md, session 7). Not with
+    N+1 on the device. Off by default (opt-in, as vLLM's); on an H200 it made decode steps 5 to 11 percent faster
+    and the GPU busy for 0.93-0.98 of a step instead of 0.77-0.86 (benchmarks/RESULTS.md, session 7). Not with
     tensor_parallel_size > 1."""
 
     def __post_init__(self) -> None:

@@ -80,7 +80,7 @@ def test_every_engine_field_is_a_flag_and_a_setting_with_its_help_and_default():
     flags = {a.dest: a for a in serve_parser()._actions}
     for option in engine_options():
         assert option.help, f"EngineConfig.{option.name} needs a docstring (its --help)"
-        assert option.name in flags and option.help in flags[option.name].help
+        assert option.name in flags and option.help.replace("%", "%%") in flags[option.name].help
         setting = Settings.model_fields[option.name]
         assert setting.default == SERVER_DEFAULTS.get(option.name)
         assert option.help in setting.description
