@@ -96,7 +96,7 @@ def main() -> None:
             out = ref.generate(torch.tensor([p]), max_new_tokens=args.max_new_tokens, do_sample=False)
             answers.append(out[0, len(p):].tolist())
     calib_rows = [json.loads(x) for x in (ROOT / "examples/data/base_replies.jsonl").read_text().splitlines() if x]
-    calib = [tok.eos_token_id] if False else []
+    calib: list[int] = []
     for r in calib_rows[: args.calib]:
         calib += chat_ids(tok, r["question"]) + tok(r["reply"], add_special_tokens=False)["input_ids"]
     chunks = [torch.tensor([calib[i:i + 1024]]) for i in range(0, len(calib), 1024)]  # packed calibration
