@@ -47,7 +47,6 @@ def main() -> None:
     dst = torch.empty_like(src)
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
     bw = 2 * src.numel() / (copy_ms * 1e-3)
-    del src, dst
     results = []
     for tokens in TOKENS:
         for name, k, n in LINEARS:
@@ -87,7 +86,6 @@ def main() -> None:
             results.append(row)
             print(f"T={tokens:4d} {name:8s} floor {floor_us:7.1f} default {row['default_us']:7.1f} "
                   f"best {ok[best]:7.1f} {best}  cublas-bf16 {cublas:7.1f}", flush=True)
-            del ws, w16, scales
     out = {"copy_TBps": bw / 1e12, "device": torch.cuda.get_device_name(), "rows": results}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

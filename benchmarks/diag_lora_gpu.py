@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loraplex.kernels.lora_expand import _launch_lora_expand, lora_expand_ref  # noqa: E402
 from loraplex.kernels.lora_fused import FUSED_LORA  # noqa: E402
-from loraplex.kernels.lora_linear import ADD_LORA, add_lora_ref  # noqa: E402
+from loraplex.kernels.lora_linear import ADD_LORA  # noqa: E402
 from loraplex.kernels.lora_mapping import plan_segments  # noqa: E402
 from loraplex.kernels.lora_shrink import lora_shrink_ref, shrink_partials  # noqa: E402
 
@@ -95,8 +95,7 @@ def bench_repro() -> None:
         torch.manual_seed(0)
         blk.copy_bandwidth(DEV)
         if poison:
-            junk = torch.full(((4 << 30) if DEV.type == "cuda" else 1024,), float("nan"), dtype=torch.float32, device=DEV)
-            del junk
+            torch.full(((4 << 30) if DEV.type == "cuda" else 1024,), float("nan"), dtype=torch.float32, device=DEV)  # freed at once: the allocator hands this NaN-filled memory out next
         lins = blk.make_linears(blk.LLAMA2_7B_LAYER, 1, 1, 16, torch.bfloat16, DEV)
         m = plan_segments(blk.token_slots(1, 1).to(DEV), 1)
         for lin in lins:
