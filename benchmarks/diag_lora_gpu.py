@@ -95,7 +95,8 @@ def bench_repro() -> None:
         torch.manual_seed(0)
         blk.copy_bandwidth(DEV)
         if poison:
-            torch.full(((4 << 30) if DEV.type == "cuda" else 1024,), float("nan"), dtype=torch.float32, device=DEV)  # freed at once: the allocator hands this NaN-filled memory out next
+            # freed at once: the caching allocator hands this NaN-filled memory out next
+            torch.full(((4 << 30) if DEV.type == "cuda" else 1024,), float("nan"), device=DEV)
         lins = blk.make_linears(blk.LLAMA2_7B_LAYER, 1, 1, 16, torch.bfloat16, DEV)
         m = plan_segments(blk.token_slots(1, 1).to(DEV), 1)
         for lin in lins:
