@@ -210,23 +210,17 @@ class WallTimer:
 
 
 def copy_bandwidth_gbs(nbytes: int, device: torch.device, timer) -> float:
-    """Device-to-device copy bandwidth in GB/s, bytes read + bytes written per second: a byte copy of
-    ``nbytes`` timed eagerly with events over 10 copies after 3 warm-ups, as the other benchmarks measure it
-    (common.measure_copy_bandwidth). Session 7 measured 2.76 TB/s for a bf16 copy replayed from a CUDA graph
-    on the same H200 where this gives 4.1-4.2 TB/s, and reported fractions against the lower figure."""
+    """Device-to-device copy bandwidth in GB/s, bytes read + bytes written per second: on CUDA
+    ``common.measure_copy_bandwidth`` (a byte copy timed eagerly, as every other benchmark measures it;
+    session 7 measured 2.76 TB/s for a bf16 copy replayed from a CUDA graph on an H200 where that gives
+    4.1-4.2 TB/s), elsewhere one copy under ``timer``."""
+    if device.type == "cuda":
+        from common import measure_copy_bandwidth  # noqa: PLC0415 - benchmarks/ is on sys.path when run
+
+        return measure_copy_bandwidth(nbytes) / 1e9
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    if device.type != "cuda":
-        return 2 * nbytes / (timer([lambda: dst.copy_(src)]) * 1e-6) / 1e9
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
+    return 2 * nbytes / (timer([lambda: dst.copy_(src)]) * 1e-6) / 1e9
 
 
 def copy_same_bytes_us(nbytes: int, layers: int, device: torch.device, timer) -> float:
