@@ -263,20 +263,13 @@ def wall_timer(fn: Callable[[], object]) -> float:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write); a nominal 4.2e12 off CUDA."""
+    """Bytes/s of a 2 GiB device-to-device copy (read + write, ``common.measure_copy_bandwidth``); a nominal
+    4.2e12 off CUDA."""
     if device.type != "cuda":
         return 4.2e12
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 5 / (start.elapsed_time(end) * 1e-3)
+    from common import measure_copy_bandwidth  # noqa: PLC0415 - benchmarks/ is on sys.path when run
+
+    return measure_copy_bandwidth()
 
 
 def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool, with_vllm: bool = False) -> dict:
