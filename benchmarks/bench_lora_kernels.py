@@ -16,7 +16,10 @@ at every size; with ``--vllm``, vLLM's Triton ``lora_shrink``/``lora_expand`` (d
 ``vllm`` imports and its call checks out, else the reason. ``--sweep`` instead times fused-kernel tile shapes per
 projection at 32 adapters (1, 32 and 128 tokens) and reports the best.
 
-Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--vllm] [--sweep]`` (CUDA; the table alone
+``--dense`` adds ``dense`` = :func:`dense_impl` (LoRA through cuBLAS over every slot, a design not in the
+product; docs/ARCHITECTURE.md).
+
+Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--vllm] [--dense] [--sweep]`` (CUDA; the table alone
 compiles a dozen kernel variants and takes well under a minute on an H200);
 ``--smoke`` runs tiny shapes (on CPU under ``TRITON_INTERPRET=1``, wall-clock timer).
 """
@@ -141,6 +144,41 @@ def _fused(x, a, b, s, y, m):
     FUSED_LORA.triton(x, a, b, s, y, m)
 
 
+def dense_impl() -> Callable:
+    """The lever of docs/ARCHITECTURE.md (not in the product): LoRA at decode through cuBLAS over *every*
+    slot. Per linear: one GEMM ``v = x @ [A_0; ...; A_{n-1}]ᵀ`` (each slice's ``[S, R, H]`` slots viewed
+    as ``[S·R, H]``), one multiply by the step's one-hot slot mask (built once per step and shared by
+    every layer, so made outside the timing here), and per slice ``y_i += v_i @ B_iᵀ`` with B stored
+    ``[out_i, S·R]`` and the scaling folded in (layouts made once per linear, outside the timing, as an
+    install would). Reads every slot's A and B, used or not."""
+    prepared: dict[tuple[int, int], tuple] = {}
+    masks: dict[int, torch.Tensor] = {}
+
+    def run(x, a, b, scaling, y, mapping):
+        key = (a[0].data_ptr(), b[0].data_ptr())
+        prep = prepared.get(key)
+        if prep is None:
+            slots, rank, hidden = a[0].shape
+            a_all = torch.cat([t.reshape(slots * rank, hidden) for t in a], 0)
+            b_mats = [(t.float() * sc[:, None, None]).to(t.dtype).permute(1, 0, 2).reshape(t.shape[1], slots * rank)
+                      .contiguous() for t, sc in zip(b, scaling)]
+            prep = prepared[key] = (a_all, b_mats, slots, rank)
+        a_all, b_mats, slots, rank = prep
+        mask = masks.get(id(mapping))
+        if mask is None:
+            ids = torch.arange(slots, device=x.device, dtype=mapping.token_slots.dtype)
+            mask = masks[id(mapping)] = (mapping.token_slots[:, None] == ids[None, :]).to(x.dtype)
+        tokens = x.shape[0]
+        v = (x @ a_all.T).view(tokens, len(b_mats), slots, rank) * mask[:, None, :, None]
+        offset = 0
+        for i, bm in enumerate(b_mats):
+            width = bm.shape[0]
+            y[:, offset:offset + width].addmm_(v[:, i].reshape(tokens, slots * rank), bm.T)
+            offset += width
+
+    return run
+
+
 def vllm_impl() -> tuple[Callable | None, str]:
     """vLLM's Triton shrink/expand as ``fn(x, a, b, scaling, y, mapping)``, or (None, why not)."""
     try:
@@ -212,7 +250,7 @@ def sweep_fused(layer, num_tokens: int, adapters: int, rank: int, dtype, device,
 
 
 def format_table(rows: list[Row], header_note: str) -> str:
-    names = sorted({k for r in rows for k in r.times_us}, key=["old", "new", "fused", "vllm"].index)
+    names = sorted({k for r in rows for k in r.times_us}, key=["old", "new", "fused", "dense", "vllm"].index)
     lines = [header_note, "",
              "| tokens × adapters | LoRA tokens | bytes floor µs | " + " | ".join(f"{n} µs" for n in names)
              + " | new / floor |",
@@ -272,7 +310,8 @@ def copy_bandwidth(device: torch.device) -> float:
     return measure_copy_bandwidth()
 
 
-def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool, with_vllm: bool = False) -> dict:
+def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool, with_vllm: bool = False,
+        with_dense: bool = False) -> dict:
     """The side-by-side rows, or (``sweep``) only the fused-kernel tile sweep at the largest adapter count."""
     copy_bps = copy_bandwidth(device)
     if sweep:
@@ -280,6 +319,8 @@ def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool,
                 "sweep": {str(t): sweep_fused(layer, t, max(adapters), rank, dtype, device, timer)
                           for t in tokens if t <= 256}}
     impls: dict[str, Callable] = {"old": _old, "new": _new, "fused": _fused}
+    if with_dense:
+        impls["dense"] = dense_impl()
     if not with_vllm:
         vllm_fn, why = None, "not asked (--vllm)"
     else:
@@ -308,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep", action="store_true", help="instead of the table, time fused-kernel tile shapes "
                         "at 32 adapters")
     parser.add_argument("--vllm", action="store_true", help="add vLLM's kernels as a column when vllm imports")
+    parser.add_argument("--dense", action="store_true", help="add the cuBLAS-over-every-slot variant (dense_impl)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     parser.add_argument("--keep-going", action="store_true", help="record a failed check in the row, time anyway")
     args = parser.parse_args(argv)
@@ -323,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
         layer, tokens, adapters, rank, dtype = SMOKE_LAYER, (1, 5), (1, 3), 4, torch.float32
     else:
         raise SystemExit("bench_lora_kernels: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
-    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm)
+    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm, args.dense)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["device"] = name
     if args.sweep:

@@ -78,3 +78,17 @@ def test_sweep_times_every_tile_shape_and_names_the_best(monkeypatch):
     qkv = result["qkv"]
     assert len(qkv["all"]) == 2 + 3 * 3 * 3 == len(calls)  # default, default with 8 warps, K x N x stages
     assert qkv["best"] == "default" and qkv["best_us"] == qkv["default_us"] == 1e3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_variant_equals_the_reference_with_base_tokens_and_unused_slots(dtype):
+    """The cuBLAS-over-every-slot variant (``--dense``): base tokens get nothing, slots no token uses
+    contribute nothing, per-slot scalings hold (folded into B), y's slices are updated in place."""
+    mapping = bl.plan_segments(torch.tensor([2, -1, 0, 2, -1], dtype=torch.int32), 4)  # slots 1 and 3 unused
+    (lin,) = bl.make_linears(bl.SMOKE_LAYER[:1], 5, 4, 4, dtype, torch.device("cpu"))
+    lin.scaling = [torch.tensor([0.5, 3.0, 2.0, 7.0]) for _ in lin.lora_b]
+    bl.check(lin, mapping, bl.dense_impl())
+    ours = lin.y0.clone()
+    bl.dense_impl()(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping)
+    assert torch.equal(ours[[1, 4]], lin.y0[[1, 4]])  # base rows untouched
+    assert not torch.equal(ours[[0, 2, 3]], lin.y0[[0, 2, 3]])
