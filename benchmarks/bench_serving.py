@@ -225,21 +225,22 @@ def hf_peft_run(peft, prompts: list[list[int]], loras: list, out_len: int) -> di
             "output_tokens_per_s": len(prompts) * out_len / dt}
 
 
-def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict:
+def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts: list[int] | None = None,
+                 cold: bool = True) -> dict:
     """Issue 17 goal 3. Rows 1/8/64/512/2000 adapters (uniform) and a Zipf row with every adapter
     already in the host cache (files in the page cache too: the serving engine's steady state),
     each against the base model on the same requests (throughput and engine steps: the base's
     steps are the batch math's minimum); a cold-start row whose adapters are read for the first
     time inside the run (first reads hash the content), with its cause; disk -> slot ms."""
-    counts = [1, 8, 64] if quick else [1, 8, 64, 512, 2000]
+    counts = counts or ([1, 8, 64] if quick else [1, 8, 64, 512, 2000])
     num_requests, in_len, out_len = (64, 64, 16) if quick else (512, 128, 32)
-    num_cold = 64 if quick else 512
+    num_cold = (64 if quick else 512) if cold else 0
     qv = ["q_proj", "v_proj"]
     # r=16 on q_proj and v_proj: 16.8 MB per adapter in bf16 (Llama-2-7B shapes).
     t0 = time.perf_counter()
     adapters = make_adapters(root / "scaling", config, max(counts), distinct_files=16 if quick else 64, targets=qv)
-    cold = make_adapters(root / "cold", config, num_cold, distinct_files=16 if quick else 64, targets=qv,
-                         first_id=50001)
+    cold_adapters = make_adapters(root / "cold", config, num_cold, distinct_files=16 if quick else 64, targets=qv,
+                                  first_id=50001) if num_cold else []
     probes = make_adapters(root / "probe", config, 8, distinct_files=8, targets=qv, first_id=90001)
     print(f"[scaling] adapters written and hashed: {time.perf_counter() - t0:.1f} s", flush=True)
     rng = random.Random(1)
@@ -251,7 +252,7 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict
     pool = llm.engine.lora_pool
     warm_up(llm, make_adapters(root / "warm", config, 2, distinct_files=2, targets=qv, first_id=200001))
     t0 = time.perf_counter()
-    for a in adapters + cold + probes:
+    for a in adapters + cold_adapters + probes:
         llm.engine.add_lora(a)
     registered_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -290,8 +291,9 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool) -> dict
         row(str(count), [adapters[i % count] for i in range(n)], popularity="uniform")
     zipf = zipf_choices(random.Random(3), max(counts), num_requests)
     row(f"zipf-{max(counts)}", [adapters[k] for k in zipf], popularity="zipf s=1.1")
-    row(f"cold-{num_cold}", [cold[i % num_cold] for i in range(max(num_requests, num_cold))],
-        popularity="uniform, first reads inside the run")
+    if num_cold:
+        row(f"cold-{num_cold}", [cold_adapters[i % num_cold] for i in range(max(num_requests, num_cold))],
+            popularity="uniform, first reads inside the run")
     release(llm)
     return out
 
@@ -396,6 +398,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="scenarios,scaling,decode")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--scaling-counts", default=None,
+                    help="adapter counts of the scaling rows, e.g. 512,2000 (default 1,8,64,512,2000)")
+    ap.add_argument("--no-cold", action="store_true", help="scaling without the cold-start row (fewer adapters to write)")
     ap.add_argument("--host-cache", choices=["pinned", "pageable"], default="pinned",
                     help="host memory of the adapter cache (LoRASlotPool.pin_host_cache)")
     ap.add_argument("--cpu-check", action="store_true",
@@ -425,7 +430,9 @@ def main() -> None:
     if "scenarios" in parts or "decode" in parts:
         adapters = make_adapters(root / "zipf", config, count, distinct_files=min(count, 8 if args.quick else 16))
     jobs = {"scenarios": lambda: part_scenarios(model_dir, config, adapters, args.quick),
-            "scaling": lambda: part_scaling(model_dir, config, root, args.quick),
+            "scaling": lambda: part_scaling(model_dir, config, root, args.quick,
+                                            [int(c) for c in args.scaling_counts.split(",")] if args.scaling_counts
+                                            else None, not args.no_cold),
             "decode": lambda: part_decode(model_dir, adapters, floor_ms)}
     for part in parts:
         t0 = time.perf_counter()
