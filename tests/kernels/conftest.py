@@ -69,8 +69,9 @@ def triton_kernels(kernel_device: torch.device):
 
 @pytest.fixture(autouse=True)
 def _fresh_seed() -> None:
-    """Fresh random inputs every run; the seed is printed on failure for replay."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Fresh random inputs every run; the seed is printed on failure, and ``LORAPLEX_TEST_SEED=<seed>``
+    replays it."""
+    seed = int(os.environ.get("LORAPLEX_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(seed)
     print(f"torch seed {seed}")
 
