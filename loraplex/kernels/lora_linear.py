@@ -38,7 +38,7 @@ def _launch_add_lora(
     split_k: int | None = None,
     shrink_blocks: tuple[int, int] | None = None,
     expand_blocks: tuple[int, int, int] | None = None,
-    fused: bool | None = None,
+    fused: bool = False,
 ) -> None:
     """Triton launch of :func:`add_lora_ref`: split-K shrink partials summed by the expand as it loads
     them, or the fused kernel with ``fused=True`` (benchmarks; slower at every decode size measured).
@@ -47,8 +47,6 @@ def _launch_add_lora(
     with ``fused=True`` they raise ``KernelArgumentError``.
     """
     two_kernel_overrides = (split_k, shrink_blocks, expand_blocks) != (None, None, None)
-    if fused is None:
-        fused = False
     if fused and two_kernel_overrides:
         raise KernelArgumentError("add_lora: split_k / shrink_blocks / expand_blocks apply to the two-kernel path "
                                   "(fused=False), not to the fused kernel")
