@@ -157,6 +157,48 @@ def naive_lora_expand(
     return out
 
 
+def naive_lora_expand_magnitude(
+    v: torch.Tensor, lora_b: list[torch.Tensor], scaling: list[torch.Tensor], y: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """``|y[t, slice_i]| + |scaling_i[s]| * |v[i, t]| @ |B_i[s]|.T``: the size of the terms each expand output sums.
+
+    An expand that rounds ``v`` to B's dtype before the dot (the kernels' and PEFT's semantics) errs by up to
+    one ulp of that dtype times this, whatever the result's size: with cancellation the result can be
+    near 0 while the error is not.
+    """
+    out = y.float().cpu().abs()
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            continue
+        offset = 0
+        for i, b in enumerate(lora_b):
+            width = b.shape[1]
+            out[t, offset : offset + width] += abs(float(scaling[i][s])) * (
+                v[i, t].float().cpu().abs() @ b[s].float().cpu().abs().T
+            )
+            offset += width
+    return out
+
+
+def assert_lora_close(
+    actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> None:
+    """:func:`assert_close`'s tolerance plus two ulps of ``dtype`` times ``magnitude`` (rounding of ``v``).
+
+    ``magnitude`` comes from :func:`naive_lora_expand_magnitude`.
+    """
+    a, e = actual.float().cpu(), expected.float().cpu()
+    assert torch.isfinite(a).all(), "output has NaN/Inf (not fully written?)"
+    atol, rtol = TOLERANCES[dtype]
+    allowed = atol * scale + rtol * scale * e.abs() + 2 * ULP[dtype] * magnitude.float().cpu()
+    excess = (a - e).abs() - allowed
+    worst = int(excess.argmax())
+    assert excess.max().item() <= 0, (
+        f"max excess {excess.max().item():.3g} at flat index {worst}: "
+        f"actual {a.flatten()[worst].item():.6g} expected {e.flatten()[worst].item():.6g}"
+    )
+
+
 def zipf_slots(num_tokens: int, num_slots: int, exponent: float = 1.5) -> torch.Tensor:
     """``[T] int32`` slots drawn from a Zipf-like law (slot 0 most popular), shuffled."""
     weights = torch.tensor([1.0 / (k + 1) ** exponent for k in range(num_slots)])

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import assert_close, naive_lora_expand, naive_lora_shrink, zipf_slots
+from kernel_test_utils import (
+    assert_close,
+    assert_lora_close,
+    naive_lora_expand,
+    naive_lora_expand_magnitude,
+    naive_lora_shrink,
+    zipf_slots,
+)
 
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import lora_expand_ref
@@ -71,9 +78,10 @@ def test_shrink_expand_kernels_match_naive(kernel_device, triton_kernels, case, 
 
     y = torch.randn(x.shape[0], sum(WIDTHS)).to(device=device, dtype=dtype)
     expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    magnitude = naive_lora_expand_magnitude(v, lora_b, scaling, y, token_slots)
     y_before = y.clone()
     triton_kernels.lora_expand(v, lora_b, scaling, y, mapping, ranks=ranks)
-    assert_close(y, expected, dtype, scale=2.0)
+    assert_lora_close(y, expected, magnitude, dtype, scale=2.0)
     none = (token_slots < 0).cpu()
     assert torch.equal(y.cpu()[none], y_before.cpu()[none]), "rows without adapter must be untouched"
 
@@ -120,8 +128,9 @@ def test_references_match_naive(case, dtype):
     assert_close(v, naive_lora_shrink(x, lora_a, token_slots), dtype, scale=0.1)
     y = torch.randn(x.shape[0], sum(WIDTHS)).to(dtype)
     expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    magnitude = naive_lora_expand_magnitude(v, lora_b, scaling, y, token_slots)
     lora_expand_ref(v, lora_b, scaling, y, mapping, ranks=ranks)
-    assert_close(y, expected, dtype)
+    assert_lora_close(y, expected, magnitude, dtype)
 
 
 def test_ranks_skip_padded_rows():
@@ -285,9 +294,11 @@ def test_add_lora_bf16_matches_shrink_then_expand(kernel_device, backend):
     x = torch.randn(token_slots.shape[0], HIDDEN, device=device, dtype=torch.bfloat16)
     lora_a, lora_b, scaling, ranks = _weights(torch.bfloat16, device, mixed_ranks=True)
     y = torch.randn(x.shape[0], sum(WIDTHS), device=device, dtype=torch.bfloat16)
-    expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, y, token_slots)
+    v = naive_lora_shrink(x, lora_a, token_slots)
+    expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    magnitude = naive_lora_expand_magnitude(v, lora_b, scaling, y, token_slots)
     Kernels(backend).add_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
-    assert_close(y, expected, torch.bfloat16, scale=2.0)
+    assert_lora_close(y, expected, magnitude, torch.bfloat16, scale=2.0)
 
 
 @pytest.mark.interpreter
@@ -300,10 +311,12 @@ def test_add_lora_into_float32_delta_buffer(kernel_device, backend):
     x = torch.randn(token_slots.shape[0], HIDDEN, device=device, dtype=torch.bfloat16)
     lora_a, lora_b, scaling, _ = _weights(torch.bfloat16, device, mixed_ranks=False)
     delta = torch.zeros(x.shape[0], sum(WIDTHS), device=device)
-    expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, delta, token_slots)
+    v = naive_lora_shrink(x, lora_a, token_slots)
+    expected = naive_lora_expand(v, lora_b, scaling, delta, token_slots)
+    magnitude = naive_lora_expand_magnitude(v, lora_b, scaling, delta, token_slots)
     Kernels(backend).add_lora(x, lora_a, lora_b, scaling, delta, mapping)
     assert delta.dtype == torch.float32
-    assert_close(delta, expected, torch.bfloat16, scale=2.0)
+    assert_lora_close(delta, expected, magnitude, torch.bfloat16, scale=2.0)
 
 
 # -- fused shrink+expand (one launch) ---------------------------------------------------------------
@@ -322,9 +335,10 @@ def test_fused_kernel_matches_naive(kernel_device, triton_kernels, case, dtype):
     y = torch.randn(x.shape[0], sum(WIDTHS)).to(device=device, dtype=dtype)
     v = naive_lora_shrink(x, lora_a, token_slots).to(dtype).float()  # rounded to B's dtype, as PEFT
     expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    magnitude = naive_lora_expand_magnitude(v, lora_b, scaling, y, token_slots)
     y_before = y.clone()
     triton_kernels.fused_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
-    assert_close(y, expected, dtype, scale=2.0)
+    assert_lora_close(y, expected, magnitude, dtype, scale=2.0)
     none = (token_slots < 0).cpu()
     assert torch.equal(y.cpu()[none], y_before.cpu()[none]), "rows without adapter must be untouched"
 
