@@ -202,10 +202,13 @@ def vllm_impl() -> tuple[Callable | None, str]:
 
 
 def bench_row(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer, copy_bps: float,
-              impls: dict[str, Callable]) -> Row:
+              impls: dict[str, Callable], min_slots: int = 0) -> Row:
+    """One table row; the layer holds ``max(adapters, min_slots)`` slots (an engine's ``max_loras``: only the
+    dense variant reads the unused ones)."""
+    slots = max(adapters, min_slots)
     slots_host = token_slots(num_tokens, adapters)
-    mapping = plan_segments(slots_host.to(device), adapters)
-    linears = make_linears(layer, num_tokens, adapters, rank, dtype, device)
+    mapping = plan_segments(slots_host.to(device), slots)
+    linears = make_linears(layer, num_tokens, slots, rank, dtype, device)
     lora_tokens = int((slots_host >= 0).sum())
     distinct = len(set(slots_host.tolist()) - {-1})
     row = Row(num_tokens, adapters, lora_tokens, floor_bytes(layer, lora_tokens, distinct, rank) / copy_bps * 1e6)
@@ -247,6 +250,32 @@ def sweep_fused(layer, num_tokens: int, adapters: int, rank: int, dtype, device,
         best = min(times, key=times.get)
         results[lin.name] = {"default_us": times["default"], "best": best, "best_us": times[best], "all": times}
     return results
+
+
+def profile_kernels(layer, num_tokens: int, adapters: int, rank: int, dtype, device, fn: Callable,
+                    min_slots: int = 0, iters: int = 20) -> dict[str, dict[str, float]]:
+    """µs per call of each GPU kernel ``fn`` launches, per projection (torch.profiler, eager launches, warm
+    L2): where one layer's LoRA time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    slots = max(adapters, min_slots)
+    mapping = plan_segments(token_slots(num_tokens, adapters).to(device), slots)
+    out: dict[str, dict[str, float]] = {}
+    for lin in make_linears(layer, num_tokens, slots, rank, dtype, device):
+        for _ in range(3):
+            fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, lin.y, mapping)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, lin.y, mapping)
+            torch.cuda.synchronize()
+        per: dict[str, float] = {}
+        for evt in prof.key_averages():
+            total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+            if total and evt.count:
+                per[evt.key[:60]] = total / iters
+        out[lin.name] = per
+    return out
 
 
 def format_table(rows: list[Row], header_note: str) -> str:
@@ -311,7 +340,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool, with_vllm: bool = False,
-        with_dense: bool = False) -> dict:
+        with_dense: bool = False, min_slots: int = 0) -> dict:
     """The side-by-side rows, or (``sweep``) only the fused-kernel tile sweep at the largest adapter count."""
     copy_bps = copy_bandwidth(device)
     if sweep:
@@ -336,9 +365,9 @@ def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool,
     rows = []
     for t in tokens:
         for n in adapters:
-            rows.append(bench_row(layer, t, n, rank, dtype, device, timer, copy_bps, impls))
+            rows.append(bench_row(layer, t, n, rank, dtype, device, timer, copy_bps, impls, min_slots))
             print(json.dumps(asdict(rows[-1])), flush=True)
-    result = {"copy_TBps": copy_bps / 1e12, "rank": rank, "rows": [asdict(r) for r in rows],
+    result = {"copy_TBps": copy_bps / 1e12, "rank": rank, "min_slots": min_slots, "rows": [asdict(r) for r in rows],
               "vllm": "timed" if vllm_fn is not None else why, "sglang": "not wired in this benchmark"}
     return result
 
@@ -350,6 +379,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "at 32 adapters")
     parser.add_argument("--vllm", action="store_true", help="add vLLM's kernels as a column when vllm imports")
     parser.add_argument("--dense", action="store_true", help="add the cuBLAS-over-every-slot variant (dense_impl)")
+    parser.add_argument("--slots", type=int, default=0, help="slots per layer at least this many (an engine's "
+                        "max_loras; default: as many as the row's adapters); only --dense reads unused slots")
+    parser.add_argument("--profile", type=str, default="", help="TxA (e.g. 32x32): also print the µs per call "
+                        "of each kernel `add_lora` launches, per projection (CUDA only)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     parser.add_argument("--keep-going", action="store_true", help="record a failed check in the row, time anyway")
     args = parser.parse_args(argv)
@@ -365,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
         layer, tokens, adapters, rank, dtype = SMOKE_LAYER, (1, 5), (1, 3), 4, torch.float32
     else:
         raise SystemExit("bench_lora_kernels: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
-    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm, args.dense)
+    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm, args.dense, args.slots)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["device"] = name
     if args.sweep:
@@ -377,9 +410,15 @@ def main(argv: list[str] | None = None) -> dict:
             args.out.write_text(json.dumps(result, indent=2))
         return result
     note = (f"LoRA deltas of one layer's four projections, r={rank}, {BASE_FRACTION:.0%} base tokens, "
-            f"CUDA-graph replay, cold L2 ({name}, copy {result['copy_TBps']:.2f} TB/s; vllm: {result['vllm']})")
+            f"CUDA-graph replay, cold L2 ({name}, copy {result['copy_TBps']:.2f} TB/s; vllm: {result['vllm']}; "
+            f"slots per layer: {f'at least {args.slots}' if args.slots else 'as many as adapters'})")
     result["table"] = format_table([Row(**r) for r in result["rows"]], note)
     print(result["table"])
+    if args.profile and device.type == "cuda":
+        t, n = (int(v) for v in args.profile.lower().split("x"))
+        result["profile"] = profile_kernels(layer, t, n, rank, dtype, device, _new, args.slots)
+        for proj, per in result["profile"].items():
+            print(f"profile {t}x{n} {proj}: " + ", ".join(f"{k} {v:.1f} µs" for k, v in sorted(per.items())))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
