@@ -151,23 +151,29 @@ def dense_impl() -> Callable:
     every layer, so made outside the timing here), and per slice ``y_i += v_i @ B_iᵀ`` with B stored
     ``[out_i, S·R]`` and the scaling folded in (layouts made once per linear, outside the timing, as an
     install would). Reads every slot's A and B, used or not."""
-    prepared: dict[tuple[int, int], tuple] = {}
-    masks: dict[int, torch.Tensor] = {}
+    # Keyed by id() with the object kept in the value: a freed object's id (or address) can be reused by the
+    # next row's tensors, and a cache keyed by it alone served one row's layouts and masks to the next (the
+    # "WRONG" dense rows of the first run).
+    prepared: dict[int, tuple] = {}
+    masks: dict[int, tuple] = {}
 
     def run(x, a, b, scaling, y, mapping):
-        key = (a[0].data_ptr(), b[0].data_ptr())
+        key = id(a[0])
         prep = prepared.get(key)
+        if prep is not None and prep[0] is not a[0]:
+            prep = None
         if prep is None:
             slots, rank, hidden = a[0].shape
             a_all = torch.cat([t.reshape(slots * rank, hidden) for t in a], 0)
             b_mats = [(t.float() * sc[:, None, None]).to(t.dtype).permute(1, 0, 2).reshape(t.shape[1], slots * rank)
                       .contiguous() for t, sc in zip(b, scaling)]
-            prep = prepared[key] = (a_all, b_mats, slots, rank)
-        a_all, b_mats, slots, rank = prep
-        mask = masks.get(id(mapping))
-        if mask is None:
+            prep = prepared[key] = (a[0], a_all, b_mats, slots, rank)
+        _, a_all, b_mats, slots, rank = prep
+        held = masks.get(id(mapping))
+        if held is None or held[0] is not mapping:
             ids = torch.arange(slots, device=x.device, dtype=mapping.token_slots.dtype)
-            mask = masks[id(mapping)] = (mapping.token_slots[:, None] == ids[None, :]).to(x.dtype)
+            held = masks[id(mapping)] = (mapping, (mapping.token_slots[:, None] == ids[None, :]).to(x.dtype))
+        mask = held[1]
         tokens = x.shape[0]
         v = (x @ a_all.T).view(tokens, len(b_mats), slots, rank) * mask[:, None, :, None]
         offset = 0
@@ -185,15 +191,15 @@ def vllm_impl() -> tuple[Callable | None, str]:
         from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
     except Exception as exc:  # noqa: BLE001 - any import failure means: no column
         return None, f"vllm not importable: {type(exc).__name__}: {exc}"
-    metas: dict[int, object] = {}
+    metas: dict[int, tuple] = {}  # id -> (mapping kept alive, so its id is not reused; meta)
 
     def run(x, a, b, scaling, y, mapping):
-        key = id(mapping)
-        meta = metas.get(key)
-        if meta is None:
+        held = metas.get(id(mapping))
+        if held is None or held[0] is not mapping:
             meta = LoRAKernelMeta.make(a[0].shape[0], x.shape[0], x.device)
             meta.prepare_tensors(mapping.token_slots.long())
-            metas[key] = meta
+            held = metas[id(mapping)] = (mapping, meta)
+        meta = held[1]
         v = torch.zeros((len(a), x.shape[0], a[0].shape[1]), dtype=torch.float32, device=x.device)
         lora_shrink(x, a, v, *meta.meta_args(x.shape[0]), SCALING)  # one scaling for all slots
         lora_expand(v, b, y, *meta.meta_args(x.shape[0]), offset_start=0, add_inputs=True)
@@ -276,6 +282,45 @@ def profile_kernels(layer, num_tokens: int, adapters: int, rank: int, dtype, dev
                 per[evt.key[:60]] = total / iters
         out[lin.name] = per
     return out
+
+
+def sgmv_variants(num_tokens: int) -> dict[str, dict]:
+    """Launch overrides of ``ADD_LORA.triton``'s two-kernel path: split-K and shrink (BLOCK_M, BLOCK_K) with the
+    default expand, then expand (BLOCK_M, BLOCK_N, N_ITERS) with the default shrink; the default first."""
+    block_m = 16 if num_tokens <= 256 else 64
+    variants: dict[str, dict] = {"default": {}}
+    for split in (1, 2, 4, 8, 16, 32):
+        for bk in (64, 128, 256):
+            variants[f"split{split}-k{bk}"] = dict(split_k=split, shrink_blocks=(block_m, bk))
+    for bm in sorted({16, block_m}):
+        for bn in (32, 64, 128, 256):
+            for iters in (1, 2, 4, 8):
+                variants[f"exp-m{bm}-n{bn}x{iters}"] = dict(expand_blocks=(bm, bn, iters))
+    return variants
+
+
+def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer,
+               min_slots: int = 0) -> dict:
+    """µs per projection of each :func:`sgmv_variants` launch shape (each checked first); the best per part."""
+    slots = max(adapters, min_slots)
+    mapping = plan_segments(token_slots(num_tokens, adapters).to(device), slots)
+    results = {}
+    for lin in make_linears(layer, num_tokens, slots, rank, dtype, device):
+        times = {}
+        for name, kw in sgmv_variants(num_tokens).items():
+            def fn(x, a, b, s, y, m, kw=kw):
+                ADD_LORA.triton(x, a, b, s, y, m, **kw)
+            try:
+                check(lin, mapping, fn)
+            except (SystemExit, Exception) as exc:  # noqa: BLE001 - a shape that does not compile is skipped
+                times[name] = float("nan")
+                results.setdefault("_errors", {})[f"{lin.name}/{name}"] = str(exc)[:200]
+                continue
+            times[name] = timer(lambda fn=fn: fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, lin.y, mapping)) * 1e3
+        ok = {k: v for k, v in times.items() if v == v}
+        best = min(ok, key=ok.get)
+        results[lin.name] = {"default_us": times["default"], "best": best, "best_us": ok[best], "all": times}
+    return results
 
 
 def format_table(rows: list[Row], header_note: str) -> str:
@@ -381,8 +426,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dense", action="store_true", help="add the cuBLAS-over-every-slot variant (dense_impl)")
     parser.add_argument("--slots", type=int, default=0, help="slots per layer at least this many (an engine's "
                         "max_loras; default: as many as the row's adapters); only --dense reads unused slots")
-    parser.add_argument("--profile", type=str, default="", help="TxA (e.g. 32x32): also print the µs per call "
+    parser.add_argument("--profile", type=str, default="", help="TxA[,TxA] (e.g. 32x32): also print the µs per call "
                         "of each kernel `add_lora` launches, per projection (CUDA only)")
+    parser.add_argument("--sweep-sgmv", type=str, default="", help="TxA[,TxA]: also time the SGMV pair's launch "
+                        "shapes (split-K, shrink and expand tiles) per projection, each variant checked")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     parser.add_argument("--keep-going", action="store_true", help="record a failed check in the row, time anyway")
     args = parser.parse_args(argv)
@@ -414,11 +461,24 @@ def main(argv: list[str] | None = None) -> dict:
             f"slots per layer: {f'at least {args.slots}' if args.slots else 'as many as adapters'})")
     result["table"] = format_table([Row(**r) for r in result["rows"]], note)
     print(result["table"])
-    if args.profile and device.type == "cuda":
-        t, n = (int(v) for v in args.profile.lower().split("x"))
-        result["profile"] = profile_kernels(layer, t, n, rank, dtype, device, _new, args.slots)
-        for proj, per in result["profile"].items():
-            print(f"profile {t}x{n} {proj}: " + ", ".join(f"{k} {v:.1f} µs" for k, v in sorted(per.items())))
+    result["profile"] = {}
+    for spec in filter(None, args.profile.lower().split(",")):
+        if device.type != "cuda":
+            break
+        t, n = (int(v) for v in spec.split("x"))
+        per_proj = result["profile"][spec] = profile_kernels(layer, t, n, rank, dtype, device, _new, args.slots)
+        for proj, per in per_proj.items():
+            print(f"profile {spec} {proj}: " + ", ".join(f"{k} {v:.1f} µs" for k, v in sorted(per.items())))
+    result["sgmv_sweep"] = {}
+    for spec in filter(None, args.sweep_sgmv.lower().split(",")):
+        t, n = (int(v) for v in spec.split("x"))
+        per_proj = result["sgmv_sweep"][spec] = sweep_sgmv(layer, t, n, rank, dtype, device, timer, args.slots)
+        for proj, res in per_proj.items():
+            if proj == "_errors":
+                print(f"sgmv sweep {spec}: {len(res)} variants failed, e.g. {next(iter(res.items()))}")
+                continue
+            print(f"sgmv sweep {spec} {proj}: default {res['default_us']:.1f} µs, best {res['best']} "
+                  f"{res['best_us']:.1f} µs")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -92,3 +92,17 @@ def test_dense_variant_equals_the_reference_with_base_tokens_and_unused_slots(dt
     bl.dense_impl()(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping)
     assert torch.equal(ours[[1, 4]], lin.y0[[1, 4]])  # base rows untouched
     assert not torch.equal(ours[[0, 2, 3]], lin.y0[[0, 2, 3]])
+
+
+def test_dense_variant_stays_right_across_rows_whose_objects_reuse_ids(monkeypatch):
+    """One ``dense_impl`` serves every row of the table; each row's mapping and weights are freed before the
+    next is made, so the allocator hands their addresses to the next row's tensors. The variant's caches must not serve
+    one row's slot mask or weight layout to another (session 8's first GPU run: 7 rows "WRONG", one crash)."""
+    monkeypatch.setattr(bl, "KEEP_GOING", False)  # a wrong row raises SystemExit
+    fn = bl.dense_impl()
+    for tokens, adapters in [(5, 1), (5, 3), (7, 2), (5, 3), (3, 4)] * 3:
+        mapping = bl.plan_segments(bl.token_slots(tokens, adapters), max(adapters, 2))
+        (lin,) = bl.make_linears(bl.SMOKE_LAYER[:1], tokens, max(adapters, 2), 4, torch.float32,
+                                 torch.device("cpu"))
+        bl.check(lin, mapping, fn)
+        del mapping, lin  # freed: the next row's tensors may take their addresses (the old cache key)
