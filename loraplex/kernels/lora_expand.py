@@ -153,6 +153,18 @@ def _check_args(
     check_ranks(_OP, ranks, num_slots, y.device)
 
 
+# Bytes of one B tile ([BLOCK_N, BLOCK_R]) at most for the 256-column tiles: ranks above 64 (32 in fp32)
+# keep the 128-column tiles every rank used before those tiles were measured (session 8).
+_MAX_B_TILE_BYTES = 32768
+
+
+def cap_block_n(block_n: int, max_rank: int, itemsize: int) -> int:
+    """``block_n`` (from :func:`_block_sizes`) lowered to 128 when a ``[block_n, BLOCK_R]`` B tile would exceed
+    32 KiB."""
+    block_r = max(16, next_pow2(max_rank))
+    return block_n if block_n <= 128 or block_n * block_r * itemsize <= _MAX_B_TILE_BYTES else 128
+
+
 def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, N_ITERS): GPU-sized on CUDA, small under the CPU interpreter.
 
@@ -161,11 +173,12 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int, 
     """
     if device.type != "cuda":
         return 16, 16, 2
-    if mapping.num_tokens <= DECODE_MAX_TOKENS:
-        # Tuned on an H200 (benchmarks/bench_lora_decode.py --sweep): one 128-column tile per
-        # program for a handful of tokens, four beyond.
-        return DECODE_BLOCK_M, 128, (1 if mapping.num_tokens <= 8 else 4)
-    return 64, 128, 1
+    # Tuned on an H200 (benchmarks/bench_lora_kernels.py --sweep-sgmv, RESULTS.md session 8): one
+    # 128-column tile per program for a handful of tokens, one 256-column tile beyond (32 tokens x 32
+    # adapters: 112.6 -> 103.8 us per layer; 512 tokens: 16-row tiles instead of 64, 522 -> 305 us).
+    if mapping.num_tokens <= 8:
+        return DECODE_BLOCK_M, 128, 1
+    return DECODE_BLOCK_M, 256, 1
 
 
 def _launch_lora_expand(
@@ -198,6 +211,8 @@ def _launch_lora_expand(
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
     block_m, block_n, n_iters = blocks or _block_sizes(mapping, y.device)
+    if blocks is None:
+        block_n = cap_block_n(block_n, max_rank, lora_b[0].element_size())
     n_tiles = cdiv(max(widths), block_n * n_iters)
     tiles = mapping.tiles(block_m)
     _lora_expand_kernel[(tiles.shape[1], len(lora_b) * n_tiles)](

@@ -39,17 +39,19 @@ from loraplex.kernels.op import Op
 _OP = "lora_shrink"
 _MAX_SPLIT_K = 16
 _MAX_PARTIAL_SPLIT_K = 32
-# Decode-sized batches split the H reduction into chunks of this many elements
-# (see shrink_partials): many short programs instead of a few long serial loops.
-# Tuned on an H200 (benchmarks/bench_lora_decode.py --sweep, RESULTS.md).
-DECODE_K_PER_SPLIT = 512
+# On CUDA the H reduction is split into chunks of this many elements (see shrink_partials):
+# many short programs instead of a few long serial loops. Tuned on an H200 with 256-element K
+# tiles (benchmarks/bench_lora_kernels.py --sweep-sgmv, RESULTS.md session 8: one Llama-2-7B
+# layer at 32 adapters, 1 token 48.1 -> 42.0 us with 256 instead of 512, 32 tokens best at 512,
+# 512 tokens best at 1024).
+DECODE_K_PER_SPLIT = 256
 
 
 def decode_k_per_split(num_tokens: int) -> int:
-    """H elements per shrink program at decode: 512 up to 8 tokens, 1024 up to 128, else 2048."""
+    """H elements per shrink program on CUDA: 256 up to 8 tokens, 512 up to 256, else 1024."""
     if num_tokens <= 8:
         return DECODE_K_PER_SPLIT
-    return 2 * DECODE_K_PER_SPLIT if num_tokens <= 128 else 4 * DECODE_K_PER_SPLIT
+    return 2 * DECODE_K_PER_SPLIT if num_tokens <= DECODE_MAX_TOKENS else 4 * DECODE_K_PER_SPLIT
 
 
 # Per-step ints are not specialised (no recompile when a count becomes 1 or a multiple of 16).
@@ -131,8 +133,8 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return 16, 32
     if mapping.num_tokens <= DECODE_MAX_TOKENS:
-        return DECODE_BLOCK_M, 128
-    return 64, 128
+        return DECODE_BLOCK_M, 256
+    return 64, 256
 
 
 # Bytes of one A tile ([BLOCK_R, BLOCK_K]) at most: ranks up to 256 (and fp32) take shorter K tiles so
@@ -245,10 +247,10 @@ def _run_kernel(
 
 
 def partial_split_k(mapping: LoRAMapping, hidden_size: int, n_slices: int, device: torch.device) -> int:
-    """SPLIT for :func:`shrink_partials`: H in :func:`decode_k_per_split` chunks for decode-sized batches on
-    CUDA, else as :func:`choose_split_k` (1 once segments x tiles x slices fill the device)."""
+    """SPLIT for :func:`shrink_partials`: on CUDA, H in :func:`decode_k_per_split` chunks; elsewhere as
+    :func:`choose_split_k` (1 once segments x tiles x slices fill the device)."""
     block_m, block_k = _block_sizes(mapping, device)
-    if device.type == "cuda" and mapping.num_tokens <= DECODE_MAX_TOKENS:
+    if device.type == "cuda":
         return min(cdiv(hidden_size, decode_k_per_split(mapping.num_tokens)), _MAX_PARTIAL_SPLIT_K)
     programs = max_tiles(mapping.num_tokens, mapping.num_slots, block_m) * n_slices
     return choose_split_k(programs, hidden_size, block_k, device)

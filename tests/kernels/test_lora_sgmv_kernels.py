@@ -396,3 +396,29 @@ def test_add_lora_refuses_two_kernel_overrides_for_the_fused_path():
     x, y = torch.randn(token_slots.shape[0], HIDDEN), torch.randn(token_slots.shape[0], sum(WIDTHS))
     with pytest.raises(KernelArgumentError, match="not to the fused kernel"):
         ADD_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, split_k=2, fused=True)
+
+
+def test_cuda_launch_shapes_are_the_measured_ones():
+    """The H200 sweep of session 8 (RESULTS.md): shrink H chunks of 256 elements up to 8 tokens, 512 up to 256,
+    1024 beyond, in 256-element K tiles; expand 128-column tiles up to 8 tokens, 256 beyond, back to 128 when a
+    B tile would pass 32 KiB (large ranks). Chosen from the device type alone, so checked here on the CPU."""
+    from loraplex.kernels import lora_expand, lora_shrink
+
+    cuda = torch.device("cuda")
+
+    def mapping(tokens: int) -> LoRAMapping:
+        return LoRAMapping.from_token_slots(torch.arange(tokens, dtype=torch.int32) % 4, num_slots=4)
+
+    splits = {t: lora_shrink.partial_split_k(mapping(t), 4096, 3, cuda) for t in (1, 8, 9, 32, 256, 257, 512)}
+    assert splits == {1: 16, 8: 16, 9: 8, 32: 8, 256: 8, 257: 4, 512: 4}
+    assert lora_shrink.partial_split_k(mapping(512), 11008, 1, cuda) == 11
+    assert lora_shrink._block_sizes(mapping(32), cuda) == (16, 256)
+    assert lora_shrink._block_sizes(mapping(512), cuda) == (64, 256)
+    assert lora_expand._block_sizes(mapping(8), cuda) == (16, 128, 1)
+    assert lora_expand._block_sizes(mapping(32), cuda) == (16, 256, 1)
+    assert lora_expand._block_sizes(mapping(512), cuda) == (16, 256, 1)
+    assert lora_expand.cap_block_n(256, 16, 2) == 256
+    assert lora_expand.cap_block_n(256, 64, 2) == 256
+    assert lora_expand.cap_block_n(256, 128, 2) == 128
+    assert lora_expand.cap_block_n(256, 64, 4) == 128
+    assert lora_expand.cap_block_n(128, 256, 4) == 128
