@@ -189,3 +189,42 @@ def test_quick_run_end_to_end_matches_server_counters(tmp_path, capsys):
     printed = capsys.readouterr().out.rstrip().splitlines()
     assert printed[-1].startswith("highest rate with TTFT p99 < 1000 ms and ITL p99 < 50 ms")
     assert printed[-3].startswith("| 1.5 ") and printed[-2].startswith("| 3 ")
+
+
+def test_online_wheels_cover_every_module_level_import_of_the_benchmark():
+    """benchmarks/online_wheels.txt is what the GPU machine (no FastAPI there) gets: every third-party
+    distribution imported at module level by the modules ``bench_online`` loads (loraplex's, the
+    benchmark's own) is listed there or on the image's ``gpu-image:`` line. Session 8's GPU run died on
+    ``import sse_starlette``, a runtime import the list still called unneeded."""
+    import ast
+    import importlib.metadata
+
+    import loraplex.platform.main  # noqa: F401 - what bench_online's server imports
+
+    text = (BENCH_DIR / "online_wheels.txt").read_text()
+    listed = {line.split("==")[0].strip().lower() for line in text.splitlines() if "==" in line
+              and not line.startswith("#")}
+    image = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("# gpu-image:"))
+    provided = listed | {name.lower() for name in image}
+    owners = importlib.metadata.packages_distributions()
+    files = [Path(m.__file__) for name, m in list(sys.modules.items())
+             if name.startswith("loraplex") and getattr(m, "__file__", None)]
+    files += [BENCH_DIR / "bench_online.py", BENCH_DIR / "common.py"]
+    missing: dict[str, str] = {}
+    for path in files:
+        for stmt in ast.parse(path.read_text()).body:  # module level only (function bodies import lazily)
+            for node in ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt]:
+                if isinstance(node, ast.Import):
+                    tops = [alias.name.split(".")[0] for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    tops = [node.module.split(".")[0]]
+                else:
+                    continue
+                for top in tops:
+                    if top in sys.stdlib_module_names or top in ("loraplex", "__future__", "common", "bench_serving"):
+                        continue
+                    for dist in owners.get(top, [top]):
+                        if dist.lower().replace("_", "-") not in provided:
+                            missing[dist] = str(path)
+    assert "fastapi" in listed and "torch" in provided  # the parse found both lists
+    assert not missing, f"imported at module level but neither in online_wheels.txt nor on the image: {missing}"
