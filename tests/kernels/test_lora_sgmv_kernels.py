@@ -422,3 +422,64 @@ def test_cuda_launch_shapes_are_the_measured_ones():
     assert lora_expand.cap_block_n(256, 128, 2) == 128
     assert lora_expand.cap_block_n(256, 64, 4) == 128
     assert lora_expand.cap_block_n(128, 256, 4) == 128
+
+
+# -- dense shrink (prompt-sized chunks): cuBLAS over every slot, the expand picks each token's slot -------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["zipf", "some_none", "one_adapter", "all_none"])
+def test_add_lora_dense_shrink_matches_naive(kernel_device, case, dtype):
+    """``v_all = x @ [A_0; ...; A_{S-1}].T`` in x's dtype, then each token's own slot columns: equal to the
+    per-token float32 loop (mixed ranks with junk beyond each slot's rank, base tokens untouched)."""
+    token_slots = _slots(case).to(kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots, num_slots=SLOTS)
+    x = torch.randn(token_slots.shape[0], HIDDEN).to(device=kernel_device, dtype=dtype)
+    lora_a, lora_b, scaling, ranks = _weights(dtype, kernel_device, mixed_ranks=True)
+    junk_a = [a.clone() for a in lora_a]
+    junk_b = [b.clone() for b in lora_b]
+    for s in range(SLOTS):  # rows/columns beyond the slot's rank: junk the kernels must ignore
+        r = int(ranks[s])
+        for a, b in zip(junk_a, junk_b):
+            a[s, r:] = 7.0
+            b[s, :, r:] = -5.0
+    y = torch.randn(x.shape[0], sum(WIDTHS)).to(device=kernel_device, dtype=dtype)
+    v = naive_lora_shrink(x, lora_a, token_slots)
+    expected = naive_lora_expand(v, lora_b, scaling, y, token_slots)
+    magnitude = naive_lora_expand_magnitude(v, lora_b, scaling, y, token_slots)
+    y_before = y.clone()
+    ADD_LORA.triton(x, junk_a, junk_b, scaling, y, mapping, ranks=ranks, dense=True)
+    assert_lora_close(y, expected, magnitude, dtype, scale=2.0)
+    none = (token_slots < 0).cpu()
+    assert torch.equal(y.cpu()[none], y_before.cpu()[none]), "rows without adapter must be untouched"
+
+
+def test_dense_shrink_policy_and_its_refusals():
+    """Dense only on CUDA, past 256 tokens, with S * R <= 1024; forcing it with SGMV shrink overrides or the
+    fused kernel, or feeding the expand a v_all of the wrong width, raises a typed error."""
+    from loraplex.kernels.lora_expand import _launch_lora_expand_all_slots
+    from loraplex.kernels.lora_linear import use_dense_shrink
+
+    def mapping(tokens: int) -> LoRAMapping:
+        return LoRAMapping.from_token_slots(torch.zeros(tokens, dtype=torch.int32), num_slots=4)
+
+    a_small = [torch.zeros(4, 16, 8)]  # S * R = 64
+    a_big = [torch.zeros(128, 16, 8)]  # 2048
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_dense_shrink(mapping(257), a_small, cuda)
+    assert not use_dense_shrink(mapping(256), a_small, cuda)
+    assert not use_dense_shrink(mapping(257), a_big, cuda)
+    assert not use_dense_shrink(mapping(512), a_small, cpu)
+    assert use_dense_shrink(mapping(512), [torch.zeros(64, 16, 8)], cuda)  # 1024 rows: the bound itself
+
+    token_slots = torch.tensor([0, 4, -1], dtype=torch.int32)
+    m = LoRAMapping.from_token_slots(token_slots)
+    lora_a, lora_b, scaling, _ = _weights(torch.float32, cpu, mixed_ranks=False)
+    x, y = torch.randn(3, HIDDEN), torch.randn(3, sum(WIDTHS))
+    with pytest.raises(KernelArgumentError, match="dense=True has none"):
+        ADD_LORA.triton(x, lora_a, lora_b, scaling, y, m, dense=True, split_k=2)
+    with pytest.raises(KernelArgumentError, match="not to the fused kernel"):
+        ADD_LORA.triton(x, lora_a, lora_b, scaling, y, m, dense=True, fused=True)
+    with pytest.raises(KernelArgumentError, match="v.shape"):
+        _launch_lora_expand_all_slots(torch.zeros(len(WIDTHS), 3, RANK), lora_b, scaling, y, m)
