@@ -10,9 +10,8 @@ Timing: a CUDA graph of ``CALLS`` x (L2 flush, the layer's four LoRA deltas) min
 steps from graphs, and a layer's adapter weights are not in L2 when it starts). Columns (µs per
 layer): the bytes floor (the distinct adapters' A and B of the four projections, x read,
 y read and written for the LoRA tokens, at the copy bandwidth measured in the same run),
-``old`` = split-K shrink + expand (two launches per projection, the SGMV pair at every size), ``new`` =
-``add_lora`` as the model calls it (the SGMV pair; past 256 tokens with ``S * R <= 1024`` a cuBLAS shrink
-over every slot feeding the same expand), ``fused`` = the fused kernel
+``old`` = split-K shrink + expand (two launches per projection), ``new`` = ``add_lora``
+as the model calls it (fused shrink+expand up to 256 tokens), ``fused`` = the fused kernel
 at every size; with ``--vllm``, vLLM's Triton ``lora_shrink``/``lora_expand`` (default configs) when
 ``vllm`` imports and its call checks out, else the reason. ``--sweep`` instead times fused-kernel tile shapes per
 projection at 32 adapters (1, 32 and 128 tokens) and reports the best.
@@ -134,7 +133,7 @@ def check(lin: Linear, mapping: LoRAMapping, fn: Callable) -> None:
 
 
 def _old(x, a, b, s, y, m):
-    ADD_LORA.triton(x, a, b, s, y, m, fused=False, dense=False)  # the SGMV pair at every size
+    ADD_LORA.triton(x, a, b, s, y, m, fused=False)
 
 
 def _new(x, a, b, s, y, m):
@@ -310,7 +309,7 @@ def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, 
         times = {}
         for name, kw in sgmv_variants(num_tokens).items():
             def fn(x, a, b, s, y, m, kw=kw):
-                ADD_LORA.triton(x, a, b, s, y, m, dense=False, **kw)
+                ADD_LORA.triton(x, a, b, s, y, m, **kw)
             try:
                 check(lin, mapping, fn)
             except (SystemExit, Exception) as exc:  # noqa: BLE001 - a shape that does not compile is skipped

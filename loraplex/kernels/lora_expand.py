@@ -64,7 +64,6 @@ def _lora_expand_kernel(
     stride_v_split,
     stride_v_slice,
     stride_vt,
-    stride_v_slot,
     stride_yt,
     split_k,
     HAS_RANKS: tl.constexpr,
@@ -95,14 +94,12 @@ def _lora_expand_kernel(
     tok = tl.load(sorted_token_ids_ptr + seg_start + rows, mask=row_mask, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
-    # v is the sum of split_k partial shrink results, added in a fixed order (deterministic); with
-    # stride_v_slot > 0, v holds every slot's ranks per token ([n, T, S * R], the dense shrink's output)
-    # and the segment's slot picks its R columns.
-    v_ptrs = v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + slot * stride_v_slot + r[None, :]
+    # v is the sum of split_k partial shrink results, added in a fixed order (deterministic).
+    v_ptrs = v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + r[None, :]
     v_mask = row_mask[:, None] & r_mask[None, :]
     v = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for split in range(split_k):
-        v += tl.load(v_ptrs + split * stride_v_split, mask=v_mask, other=0.0).to(tl.float32)
+        v += tl.load(v_ptrs + split * stride_v_split, mask=v_mask, other=0.0)
     y_dtype = y_ptr.dtype.element_ty
     v = v.to(B_DTYPE).to(DOT_DTYPE)
     b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(B_DTYPE))
@@ -132,26 +129,16 @@ def _check_args(
     y: torch.Tensor,
     mapping: LoRAMapping,
     ranks: torch.Tensor | None,
-    *,
-    all_slots: bool = False,
 ) -> None:
-    """Argument checks of the expand; ``all_slots``: ``v`` is ``[n_slices, T, S * R]`` in a float dtype (the dense
-    shrink's output) instead of ``[n_slices, T, R]`` float32."""
     check_dtype(_OP, "y", y, FLOAT_DTYPES)
     check_shape(_OP, "y", y, (None, None))
-    check_dtype(_OP, "v", v, FLOAT_DTYPES if all_slots else (torch.float32,))
+    check_dtype(_OP, "v", v, (torch.float32,))
     # y is the layer output (B's dtype) or a float32 delta buffer.
     like = lora_b[0] if y.dtype == torch.float32 and isinstance(lora_b, (list, tuple)) and lora_b else y
-    if all_slots:  # every slice's R equal to the first's
-        first = lora_b[0] if isinstance(lora_b, (list, tuple)) and lora_b else None
-        last_dim = first.shape[-1] if first is not None and first.dim() == 3 else None
-    else:
-        last_dim = v.shape[-1] if v.dim() == 3 else None
-    check_weight_list(_OP, "lora_b", lora_b, like, last_dim)
+    check_weight_list(_OP, "lora_b", lora_b, like, v.shape[-1] if v.dim() == 3 else None)
     check_device(_OP, "y", y, lora_b[0].device)
     num_slots = lora_b[0].shape[0]
-    rows = num_slots * lora_b[0].shape[2] if all_slots else lora_b[0].shape[2]
-    check_shape(_OP, "v", v, (len(lora_b), y.shape[0], rows))
+    check_shape(_OP, "v", v, (len(lora_b), y.shape[0], lora_b[0].shape[2]))
     check_device(_OP, "v", v, y.device)
     if not isinstance(scaling, (list, tuple)) or len(scaling) != len(lora_b):
         raise KernelArgumentError(f"{_OP}: scaling must be a list of {len(lora_b)} tensors, got {scaling!r}")
@@ -218,44 +205,6 @@ def _launch_lora_expand(
         check_last_dim_contiguous(_OP, f"scaling[{i}]", s)
     if not v.is_contiguous():
         raise KernelArgumentError(f"{_OP}: v must be contiguous, got stride()={v.stride()}")
-    _run_kernel(v, split, (v.stride(0) if split > 1 else 0, v3.stride(0), v3.stride(1), 0), lora_b, scaling, y,
-                mapping, ranks, blocks)
-
-
-def _launch_lora_expand_all_slots(
-    v_all: torch.Tensor,
-    lora_b: list[torch.Tensor],
-    scaling: list[torch.Tensor],
-    y: torch.Tensor,
-    mapping: LoRAMapping,
-    *,
-    ranks: torch.Tensor | None = None,
-    blocks: tuple[int, int, int] | None = None,
-) -> None:
-    """The expand fed by a dense shrink: ``v_all [n_slices, T, S * R]`` (x's dtype, contiguous) holds
-    ``x[t] @ A_i[s].T`` for *every* slot s; token t's ``v`` is columns ``slot[t] * R .. + R``.
-    Same semantics as :data:`LORA_EXPAND` with ``v[i, t] = v_all[i, t, slot[t] * R : (slot[t] + 1) * R]``.
-
-    Raises:
-        KernelArgumentError: as :func:`lora_expand_ref`, or ``v_all`` not ``[n_slices, T, S * R]``, not
-            contiguous, not a float dtype.
-    """
-    require_triton(_OP)
-    _check_args(v_all, lora_b, scaling, y, mapping, ranks, all_slots=True)
-    if not v_all.is_contiguous():
-        raise KernelArgumentError(f"{_OP}: v_all must be contiguous, got stride()={v_all.stride()}")
-    max_rank = lora_b[0].shape[2]
-    check_last_dim_contiguous(_OP, "y", y)
-    for i, s in enumerate(scaling):
-        check_last_dim_contiguous(_OP, f"scaling[{i}]", s)
-    _run_kernel(v_all, 1, (0, v_all.stride(0), v_all.stride(1), max_rank), lora_b, scaling, y, mapping, ranks,
-                blocks)
-
-
-def _run_kernel(v: torch.Tensor, split: int, v_strides: tuple[int, int, int, int], lora_b: list[torch.Tensor],
-                scaling: list[torch.Tensor], y: torch.Tensor, mapping: LoRAMapping, ranks: torch.Tensor | None,
-                blocks: tuple[int, int, int] | None) -> None:
-    """One expand launch; ``v_strides`` = (split, slice, token, slot) element strides of ``v``."""
     max_rank = lora_b[0].shape[2]
     if not mapping.has_lora or max_rank == 0:
         return
@@ -282,7 +231,9 @@ def _run_kernel(v: torch.Tensor, split: int, v_strides: tuple[int, int, int, int
         ranks if ranks is not None else mapping.segment_slots,
         max_rank,
         n_tiles,
-        *v_strides,
+        v.stride(0) if split > 1 else 0,
+        v3.stride(0),
+        v3.stride(1),
         y.stride(0),
         split,
         HAS_RANKS=ranks is not None,

@@ -183,36 +183,6 @@ def test_lora_sgmv_llama_shapes(num_tokens, slices):
     assert_close(y, y_ref, BF16, scale=2.0)
 
 
-@pytest.mark.parametrize("num_tokens", [257, 512, 4096])
-@pytest.mark.parametrize("slices", [[4096, 4096, 4096], [4096, 1024, 1024], [11008, 11008]], ids=str)
-def test_add_lora_dense_shrink_llama_shapes(num_tokens, slices):
-    """Prompt-sized chunks with 32 slots x r16 take the dense shrink (cuBLAS over every slot); equal to the
-    float32 reference and to the SGMV pair (mixed ranks, base tokens)."""
-    from loraplex.kernels.lora_linear import ADD_LORA, add_lora_ref, use_dense_shrink
-
-    hidden, rank, slots = 4096, 16, 32
-    lora_a = [(torch.randn(slots, rank, hidden, device=CUDA) / hidden**0.5).to(BF16) for _ in slices]
-    lora_b = [(torch.randn(slots, w, rank, device=CUDA) / rank**0.5).to(BF16) for w in slices]
-    scaling = [torch.rand(slots, device=CUDA) + 0.5 for _ in slices]
-    ranks = torch.tensor([rank >> (s % 2) for s in range(slots)], dtype=torch.int32, device=CUDA)
-    for s in range(slots):
-        for a, b in zip(lora_a, lora_b):
-            a[s, int(ranks[s]) :] = 0
-            b[s, :, int(ranks[s]) :] = 0
-    token_slots = torch.randint(0, slots, (num_tokens,), device=CUDA, dtype=torch.int32)
-    token_slots[::5] = -1
-    mapping = LoRAMapping.from_token_slots(token_slots, slots)
-    assert use_dense_shrink(mapping, lora_a, CUDA)
-    x = torch.randn(num_tokens, hidden, device=CUDA).to(BF16)
-    y = torch.randn(num_tokens, sum(slices), device=CUDA).to(BF16)
-    y_sgmv, y_ref = y.clone(), y.float()
-    ops.add_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
-    ADD_LORA.triton(x, lora_a, lora_b, scaling, y_sgmv, mapping, ranks=ranks, dense=False)
-    add_lora_ref(x.float(), [a.float() for a in lora_a], [b.float() for b in lora_b], scaling, y_ref, mapping)
-    assert_close(y, y_ref, BF16, scale=2.0)
-    assert_close(y, y_sgmv, BF16, scale=2.0)
-
-
 @pytest.mark.parametrize("num_tokens", [1, 32, 256])
 @pytest.mark.parametrize("slices", [[4096, 4096, 4096], [4096, 1024, 1024], [11008, 11008]], ids=str)
 def test_fused_lora_llama_shapes(num_tokens, slices):
