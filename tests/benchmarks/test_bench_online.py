@@ -198,18 +198,23 @@ def test_online_wheels_cover_every_module_level_import_of_the_benchmark():
     ``import sse_starlette``, a runtime import the list still called unneeded."""
     import ast
     import importlib.metadata
+    import subprocess
 
-    import loraplex.platform.main  # noqa: F401 - what bench_online's server imports
-
+    # The loraplex modules a fresh interpreter loads for bench_online's server (this process has whatever
+    # the other tests imported: the console, the CLI).
+    probe = ("import sys, loraplex.platform.main\n"
+             "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items())\n"
+             "                 if n.startswith('loraplex') and getattr(m, '__file__', None)))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=BENCH_DIR.parent).stdout.split()
     text = (BENCH_DIR / "online_wheels.txt").read_text()
     listed = {line.split("==")[0].strip().lower() for line in text.splitlines() if "==" in line
               and not line.startswith("#")}
     image = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("# gpu-image:"))
     provided = listed | {name.lower() for name in image}
     owners = importlib.metadata.packages_distributions()
-    files = [Path(m.__file__) for name, m in list(sys.modules.items())
-             if name.startswith("loraplex") and getattr(m, "__file__", None)]
-    files += [BENCH_DIR / "bench_online.py", BENCH_DIR / "common.py"]
+    files = [Path(f) for f in loaded] + [BENCH_DIR / "bench_online.py", BENCH_DIR / "common.py"]
+    assert any(f.name == "completions.py" for f in files), "the probe did not load the API routes"
     missing: dict[str, str] = {}
     for path in files:
         for stmt in ast.parse(path.read_text()).body:  # module level only (function bodies import lazily)
