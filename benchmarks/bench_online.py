@@ -116,6 +116,7 @@ class Profile:
     warmup_timeout_s: float
     client_processes: int
     upload_threads: int
+    async_scheduling: bool = False  # the engine default; --async-scheduling turns it on
 
 
 FULL = Profile(
@@ -431,7 +432,7 @@ def build_engine(model_dir: Path, profile: Profile):
         model=str(model_dir), dtype=profile.dtype, device=profile.device, max_model_len=profile.max_model_len,
         gpu_memory_utilization=profile.gpu_memory_utilization, enable_lora=True, max_loras=profile.max_loras,
         max_lora_rank=profile.lora_rank, max_cpu_loras=profile.max_cpu_loras, max_num_seqs=profile.max_num_seqs,
-        max_num_batched_tokens=profile.max_num_batched_tokens)
+        max_num_batched_tokens=profile.max_num_batched_tokens, async_scheduling=profile.async_scheduling)
     return LLMEngine(config, dummy_weights=True)
 
 
@@ -662,6 +663,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated request rates per second (default: the profile's)")
     ap.add_argument("--seconds-per-rate", type=float, default=None, help="arrival window of each rate")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: $OUT/online.json or ./online.json)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the engine with async_scheduling=True (default: off, the engine default)")
     return ap.parse_args(argv)
 
 
@@ -679,7 +682,8 @@ def report(result: dict[str, Any], profile: Profile) -> None:
         print(f"routing: {routing['requests']} requests over {routing['labels']} models/adapters, "
               f"{len(routing['mismatches'])} label counts differing from the server's", flush=True)
     title = (f"Online serving via REST, {profile.num_adapters} adapters r={profile.lora_rank} Zipf + 20% base, "
-             f"prompt {profile.prompt_tokens} / output {profile.output_tokens} "
+             f"prompt {profile.prompt_tokens} / output {profile.output_tokens}, async scheduling "
+             f"{'on' if profile.async_scheduling else 'off'} "
              f"(commit {result['commit']}, {result['device']}, {result['model_id']})")
     format_table(result["rates"], title)
     skipped = f" (not run after saturation: {result['skipped_rates']})" if result["skipped_rates"] else ""
@@ -697,6 +701,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profile = QUICK if args.quick else FULL
     if args.seconds_per_rate is not None:
         profile = dataclasses.replace(profile, seconds_per_rate=args.seconds_per_rate)
+    if args.async_scheduling:
+        profile = dataclasses.replace(profile, async_scheduling=True)
     rates = args.rates or profile.rates_per_s
     if not all(r > 0 for r in rates):
         raise SystemExit(f"--rates={rates}: every rate must be > 0")
