@@ -144,17 +144,7 @@ def naive_lora_expand(
     v: torch.Tensor, lora_b: list[torch.Tensor], scaling: list[torch.Tensor], y: torch.Tensor, token_slots: torch.Tensor
 ) -> torch.Tensor:
     """``y[t, slice_i] + scaling_i[s] * v[i, t] @ B_i[s].T`` per token in float32; returns a float32 copy."""
-    out = y.float().cpu().clone()
-    for t, s in enumerate(token_slots.tolist()):
-        if s < 0:
-            continue
-        offset = 0
-        for i, b in enumerate(lora_b):
-            width = b.shape[1]
-            delta = float(scaling[i][s]) * (v[i, t].float().cpu() @ b[s].float().cpu().T)
-            out[t, offset : offset + width] += delta
-            offset += width
-    return out
+    return _expand_loop(v, lora_b, scaling, y, token_slots, lambda t: t)
 
 
 def naive_lora_expand_magnitude(
@@ -166,16 +156,20 @@ def naive_lora_expand_magnitude(
     one ulp of that dtype times this, whatever the result's size: with cancellation the result can be
     near 0 while the error is not.
     """
-    out = y.float().cpu().abs()
+    return _expand_loop(v, lora_b, scaling, y, token_slots, torch.abs)
+
+
+def _expand_loop(v, lora_b, scaling, y, token_slots, f) -> torch.Tensor:
+    """``f(y)[t, slice_i] + f(scaling_i[s]) * f(v[i, t]) @ f(B_i[s]).T`` per token in float32."""
+    out = f(y.float().cpu().clone())
     for t, s in enumerate(token_slots.tolist()):
         if s < 0:
             continue
         offset = 0
         for i, b in enumerate(lora_b):
             width = b.shape[1]
-            out[t, offset : offset + width] += abs(float(scaling[i][s])) * (
-                v[i, t].float().cpu().abs() @ b[s].float().cpu().abs().T
-            )
+            scale = float(f(scaling[i][s].float().cpu()))
+            out[t, offset : offset + width] += scale * (f(v[i, t].float().cpu()) @ f(b[s].float().cpu()).T)
             offset += width
     return out
 
