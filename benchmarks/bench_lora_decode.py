@@ -127,7 +127,7 @@ def main() -> None:
     args = ap.parse_args()
     copy_bps = measure_copy_bandwidth()
     results = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "copy_TBps": copy_bps / 1e12,
-               "decode_k_per_split": shrink_mod.DECODE_K_PER_SPLIT, "cases": []}
+               "shrink_k_per_split": shrink_mod.SHRINK_K_PER_SPLIT, "cases": []}
     for tokens, slots in ((1, 32), (32, 32), (128, 32), (256, 128)):
         for name, h, widths in LAYERS:
             results["cases"].append(run_case(name, h, widths, tokens, slots, copy_bps, args.sweep))

@@ -167,6 +167,9 @@ def dense_impl() -> Callable:
             a_all = torch.cat([t.reshape(slots * rank, hidden) for t in a], 0)
             b_mats = [(t.float() * sc[:, None, None]).to(t.dtype).permute(1, 0, 2).reshape(t.shape[1], slots * rank)
                       .contiguous() for t, sc in zip(b, scaling)]
+            if len(prepared) >= 8:  # one row's linears at a time; older rows' copies are freed
+                prepared.clear()
+                masks.clear()
             prep = prepared[key] = (a[0], a_all, b_mats, slots, rank)
         _, a_all, b_mats, slots, rank = prep
         held = masks.get(id(mapping))
@@ -279,7 +282,7 @@ def profile_kernels(layer, num_tokens: int, adapters: int, rank: int, dtype, dev
         for evt in prof.key_averages():
             total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
             if total and evt.count:
-                per[evt.key[:60]] = total / iters
+                per[evt.key] = per.get(evt.key, 0.0) + total / iters
         out[lin.name] = per
     return out
 
@@ -318,6 +321,8 @@ def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, 
                 continue
             times[name] = timer(lambda fn=fn: fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, lin.y, mapping)) * 1e3
         ok = {k: v for k, v in times.items() if v == v}
+        if not ok:
+            raise SystemExit(f"sweep_sgmv {lin.name}: every variant failed: {results.get('_errors')}")
         best = min(ok, key=ok.get)
         results[lin.name] = {"default_us": times["default"], "best": best, "best_us": ok[best], "all": times}
     return results
@@ -464,11 +469,12 @@ def main(argv: list[str] | None = None) -> dict:
     result["profile"] = {}
     for spec in filter(None, args.profile.lower().split(",")):
         if device.type != "cuda":
+            print("--profile: needs CUDA (torch.profiler's kernel times); skipped", flush=True)
             break
         t, n = (int(v) for v in spec.split("x"))
         per_proj = result["profile"][spec] = profile_kernels(layer, t, n, rank, dtype, device, _new, args.slots)
         for proj, per in per_proj.items():
-            print(f"profile {spec} {proj}: " + ", ".join(f"{k} {v:.1f} µs" for k, v in sorted(per.items())))
+            print(f"profile {spec} {proj}: " + ", ".join(f"{k[:60]} {v:.1f} µs" for k, v in sorted(per.items())))
     result["sgmv_sweep"] = {}
     for spec in filter(None, args.sweep_sgmv.lower().split(",")):
         t, n = (int(v) for v in spec.split("x"))

@@ -38,9 +38,9 @@ from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.op import Op
 
 _OP = "lora_expand"
-# Batches of at most this many tokens use the decode launch shapes (see _block_sizes).
+# Batches of at most this many tokens use the shrink's decode launch shapes (lora_shrink._block_sizes).
 DECODE_MAX_TOKENS = 256
-DECODE_BLOCK_M = 16  # token rows per program in decode-sized batches (shrink and expand)
+DECODE_BLOCK_M = 16  # token rows per program: the expand at every size, the shrink up to DECODE_MAX_TOKENS
 
 
 # Per-step ints are not specialised (no recompile when a count becomes 1 or a multiple of 16).
@@ -168,8 +168,9 @@ def cap_block_n(block_n: int, max_rank: int, itemsize: int) -> int:
 def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, N_ITERS): GPU-sized on CUDA, small under the CPU interpreter.
 
-    Decode-sized batches (few tokens per segment) get 16-row tiles and programs
-    that each cover ``BLOCK_N * N_ITERS`` columns, loading ``v`` once for them.
+    16-row tiles at every size; one 128-column tile per program up to 8 tokens, one 256-column tile beyond
+    (:func:`cap_block_n` lowers it for big ranks). ``N_ITERS`` > 1 (a program covering ``BLOCK_N * N_ITERS``
+    columns, loading ``v`` once for them) is a benchmark override only.
     """
     if device.type != "cuda":
         return 16, 16, 2

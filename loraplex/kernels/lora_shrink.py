@@ -44,14 +44,18 @@ _MAX_PARTIAL_SPLIT_K = 32
 # tiles (benchmarks/bench_lora_kernels.py --sweep-sgmv, RESULTS.md session 8: one Llama-2-7B
 # layer at 32 adapters, 1 token 48.1 -> 42.0 us with 256 instead of 512, 32 tokens best at 512,
 # 512 tokens best at 1024).
-DECODE_K_PER_SPLIT = 256
+SHRINK_K_PER_SPLIT = 256
+# Past DECODE_MAX_TOKENS the split-K partials ([SPLIT, n_slices, T, R] float32, read again by every
+# expand column tile) are kept under this many bytes: a long prompt chunk with a high rank already
+# fills the device and would only move more bytes (measured up to 512 tokens at r=16 only).
+PROMPT_PARTIALS_MAX_BYTES = 32 << 20
 
 
-def decode_k_per_split(num_tokens: int) -> int:
+def shrink_k_per_split(num_tokens: int) -> int:
     """H elements per shrink program on CUDA: 256 up to 8 tokens, 512 up to 256, else 1024."""
     if num_tokens <= 8:
-        return DECODE_K_PER_SPLIT
-    return 2 * DECODE_K_PER_SPLIT if num_tokens <= DECODE_MAX_TOKENS else 4 * DECODE_K_PER_SPLIT
+        return SHRINK_K_PER_SPLIT
+    return 2 * SHRINK_K_PER_SPLIT if num_tokens <= DECODE_MAX_TOKENS else 4 * SHRINK_K_PER_SPLIT
 
 
 # Per-step ints are not specialised (no recompile when a count becomes 1 or a multiple of 16).
@@ -246,12 +250,18 @@ def _run_kernel(
     )
 
 
-def partial_split_k(mapping: LoRAMapping, hidden_size: int, n_slices: int, device: torch.device) -> int:
-    """SPLIT for :func:`shrink_partials`: on CUDA, H in :func:`decode_k_per_split` chunks; elsewhere as
+def partial_split_k(mapping: LoRAMapping, hidden_size: int, n_slices: int, device: torch.device,
+                    max_rank: int = 16) -> int:
+    """SPLIT for :func:`shrink_partials`: on CUDA, H in :func:`shrink_k_per_split` chunks (past 256 tokens no
+    more splits than keep the partials under ``PROMPT_PARTIALS_MAX_BYTES``); elsewhere as
     :func:`choose_split_k` (1 once segments x tiles x slices fill the device)."""
     block_m, block_k = _block_sizes(mapping, device)
     if device.type == "cuda":
-        return min(cdiv(hidden_size, decode_k_per_split(mapping.num_tokens)), _MAX_PARTIAL_SPLIT_K)
+        split = min(cdiv(hidden_size, shrink_k_per_split(mapping.num_tokens)), _MAX_PARTIAL_SPLIT_K)
+        if mapping.num_tokens > DECODE_MAX_TOKENS:
+            per_split = n_slices * mapping.num_tokens * max(1, max_rank) * 4
+            split = max(1, min(split, PROMPT_PARTIALS_MAX_BYTES // per_split))
+        return split
     programs = max_tiles(mapping.num_tokens, mapping.num_slots, block_m) * n_slices
     return choose_split_k(programs, hidden_size, block_k, device)
 
@@ -286,7 +296,7 @@ def shrink_partials(
     _check_args(x, lora_a, mapping, ranks)
     check_last_dim_contiguous(_OP, "x", x)
     num_tokens, hidden_size = x.shape
-    split = split_k or partial_split_k(mapping, hidden_size, len(lora_a), x.device)
+    split = split_k or partial_split_k(mapping, hidden_size, len(lora_a), x.device, lora_a[0].shape[1])
     if not 1 <= split <= _MAX_PARTIAL_SPLIT_K:
         raise KernelArgumentError(f"{_OP}: split_k={split}, expected 1..{_MAX_PARTIAL_SPLIT_K}")
     block_m, block_k = blocks or _block_sizes(mapping, x.device)

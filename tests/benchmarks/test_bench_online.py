@@ -205,8 +205,10 @@ def test_online_wheels_cover_every_module_level_import_of_the_benchmark():
     probe = ("import sys, loraplex.platform.main\n"
              "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items())\n"
              "                 if n.startswith('loraplex') and getattr(m, '__file__', None)))")
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                            cwd=BENCH_DIR.parent).stdout.split()
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=BENCH_DIR.parent,
+                          timeout=300)
+    assert done.returncode == 0, f"importing the server failed:\n{done.stderr[-3000:]}"
+    loaded = done.stdout.split()
     text = (BENCH_DIR / "online_wheels.txt").read_text()
     listed = {line.split("==")[0].strip().lower() for line in text.splitlines() if "==" in line
               and not line.startswith("#")}

@@ -199,12 +199,12 @@ def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 3
     lora_b = [torch.zeros(slots, w, rank, dtype=dtype) for w in (4096, 1024, 1024)]
     scaling = [torch.ones(slots) for _ in range(3)]
     ranks = torch.full((slots,), rank, dtype=torch.int32)
-    for num_tokens in (32, 4096):  # decode (split-K shrink, BLOCK_M 16), prefill (BLOCK_M 64)
+    for num_tokens in (32, 4096):  # decode (shrink BLOCK_M 16), prefill (shrink BLOCK_M 64); expand BLOCK_M 16
         mapping = LoRAMapping.from_token_slots((torch.arange(num_tokens) % slots).to(torch.int32))
         x = torch.zeros(num_tokens, hidden, dtype=dtype)
         v = lora_shrink.LORA_SHRINK.triton(x, lora_a, mapping, ranks=ranks)
         lora_expand.LORA_EXPAND.triton(v, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
-        # The model path: split-K partials summed inside the expand (SPLIT_K > 1, N_ITERS 4 at decode).
+        # The model path: split-K partials summed inside the expand (SPLIT_K > 1; 256-column expand tiles).
         partials = lora_shrink.shrink_partials(x, lora_a, mapping)
         lora_expand.LORA_EXPAND.triton(partials, lora_b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping)
     for num_tokens in (1, 32, 256):  # the fused shrink+expand (decode sizes), default shapes and mixed ranks
