@@ -296,14 +296,15 @@ class CudaGraphRunner:
 
     def run_mixed(self, token_ids: list[int], positions, slot_mapping, query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], token_lora_slots: list[int] | None,
-                  dora: bool = False) -> torch.Tensor:
+                  dora: bool = False, input_fix=None) -> torch.Tensor:
         """Fill the static buffers for a mixed step of T tokens in B sequences and replay the smallest mixed
         graph that holds it; returns ``[T, hidden]``.
 
         ``positions`` / ``slot_mapping``: T ints each (lists or 1-D int64 host tensors / arrays);
         ``query_lens`` / ``seq_lens`` / ``block_tables``: per sequence; ``token_lora_slots``: adapter slot per
-        token (-1 = none), or None when no token uses an adapter; ``dora`` as in :meth:`run`. Raises
-        ``ValueError`` when no bucket holds the step (check :meth:`mixed_padded_size` first).
+        token (-1 = none), or None when no token uses an adapter; ``dora`` and ``input_fix`` (token indices,
+        device ids written over them after the upload: async scheduling's placeholders) as in :meth:`run`.
+        Raises ``ValueError`` when no bucket holds the step (check :meth:`mixed_padded_size` first).
         """
         t, b = len(token_ids), len(seq_lens)
         size = self.mixed_padded_size(t, b)
@@ -324,6 +325,8 @@ class CudaGraphRunner:
             self._fill_lora(size, token_lora_slots)
         self._i64.upload(self._i64.host.numel())
         self._i32.upload(self._i32.offsets["block_tables"] + num_seqs * self.table_width)
+        if input_fix is not None:
+            self.input_ids[input_fix[0]] = input_fix[1]
         entry = self.mixed_graphs[(size, with_lora, with_lora and dora)]
         entry.graph.replay()
         return entry.hidden[:t]

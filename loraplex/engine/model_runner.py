@@ -320,7 +320,8 @@ class ModelRunner:
         if step.use_graph:
             return self._run_graph(step, self._fixed_inputs(rows, src))
         if step.use_mixed_graph:
-            return self._run_mixed_graph(step)
+            ends = list(accumulate(step.q_lens))
+            return self._run_mixed_graph(step, self._fixed_inputs([ends[b] - 1 for b in rows], src))
         inputs = self.prepare_inputs(step)
         if rows:
             ends = inputs.sample_token_index
@@ -334,23 +335,29 @@ class ModelRunner:
 
     def _mixed_graph_fits(self, batch: ScheduledBatch) -> bool:
         """A step with prompt tokens replays a mixed graph when one holds it, no row asks for prompt
-        logprobs (those read every position's logits, outside the graph) and no input token is an
-        async-scheduling placeholder (the mixed graph takes host token ids)."""
+        logprobs (those read every position's logits, outside the graph) and every async-scheduling
+        placeholder among the input tokens is its row's last one (written over from the previous step's
+        device samples after the upload, as for decode graphs)."""
         if self.graphs is None or not self.graphs.mixed_sizes or any(s.prompt_logprobs for s in batch.seqs):
             return False
-        if any(item.seq.num_pending_tokens for item in batch.seqs):
-            return False
+        for item in batch.seqs:
+            if item.seq.num_pending_tokens:
+                end = item.start_position + item.num_new_tokens
+                if PLACEHOLDER_TOKEN in item.seq.token_ids[item.start_position:end - 1]:
+                    return False
         num_tokens = sum(s.num_new_tokens for s in batch.seqs)
         return self.graphs.mixed_padded_size(num_tokens, len(batch.seqs)) is not None
 
-    def _run_mixed_graph(self, step: StepPlan) -> torch.Tensor:
-        """Replay the mixed graph for the step; returns ``[T, hidden]``."""
+    def _run_mixed_graph(self, step: StepPlan, input_fix=None) -> torch.Tensor:
+        """Replay the mixed graph for the step; returns ``[T, hidden]``. ``input_fix``: as for
+        :meth:`CudaGraphRunner.run` (token indices of the step, their ids on the device)."""
         host = self._host_step(step)
         token_slots = None
         if step.lora_slots is not None:
             token_slots = _host_ints(step.lora_slots, torch.int32)[host.seq_index].tolist()
         return self.graphs.run_mixed(host.token_ids, host.positions.numpy(), host.slot_mapping.numpy(), host.q_lens,
-                                     host.seq_lens, host.tables, token_slots, dora=step.lora_dora)
+                                     host.seq_lens, host.tables, token_slots, dora=step.lora_dora,
+                                     input_fix=input_fix)
 
     def _run_graph(self, step: StepPlan, input_fix=None) -> torch.Tensor:
         bs = self.block_size
