@@ -154,8 +154,9 @@ class EngineConfig:
     """Schedule and launch step N+1 while step N runs on the device (LLMEngine.step); sampled tokens of N enter
     N+1 on the device. Off by default (opt-in, as vLLM's); on an H200 it made decode steps 5 to 11 percent faster
     and the GPU busy for 0.93-0.98 of a step instead of 0.77-0.86 (benchmarks/RESULTS.md, session 7), but behind
-    the REST API it raised the median time to first token from 28 to 172 ms at 16 requests/s (session 8, cause
-    not yet found). Not with tensor_parallel_size > 1."""
+    the REST API it raised the median time to first token from 28 to 172 ms at 16 requests/s (session 8: steps
+    carrying a prompt chunk ran eagerly while decode rows held placeholder tokens; they replay mixed CUDA graphs
+    since, not yet re-measured on a GPU). Not with tensor_parallel_size > 1."""
 
     def __post_init__(self) -> None:
         self.validate(dataclasses.asdict(self))
