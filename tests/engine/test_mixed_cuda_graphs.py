@@ -132,6 +132,19 @@ def test_mixed_graph_steps_equal_eager_steps(tiny_llama_dir, adapters):
                     assert list(g_pos.values()) == pytest.approx(list(e_pos.values()), abs=1e-4)
 
 
+def _overlappable_requests(adapters):
+    """Only rows whose steps can overlap (no logprobs, penalties or forks); prompts long enough to be chunked
+    next to the decodes of the requests admitted before them."""
+    rng = torch.Generator().manual_seed(8)
+    prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=rng).tolist()}
+               for n in (5, 9, 3, 14, 30, 7, 25, 11)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(max_tokens=m, temperature=0.9, seed=i, ignore_eos=True)
+              for i, m in enumerate((20, 12, 18, 9, 10, 16, 8, 14))]
+    loras = [None, adapters[0], adapters[1], None, adapters[0], adapters[1], None, adapters[0]]
+    return prompts, params, loras
+
+
 def test_async_mixed_steps_replay_graphs_with_placeholders_from_the_device(tiny_llama_dir, adapters):
     """Async scheduling: a step carrying a prompt chunk next to decode rows whose input token is still a
     placeholder (sampled by the step in flight) replays a mixed graph, each placeholder written from the
@@ -140,15 +153,7 @@ def test_async_mixed_steps_replay_graphs_with_placeholders_from_the_device(tiny_
     kw = {"model": str(tiny_llama_dir), "max_model_len": 64, "block_size": 4, "num_kv_blocks": 256,
           "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_num_seqs": 8,
           "max_num_batched_tokens": 20}
-    # Only rows whose steps can overlap (no logprobs, penalties or forks); prompts long enough to be chunked
-    # next to the decodes of the requests admitted before them.
-    rng = torch.Generator().manual_seed(8)
-    prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=rng).tolist()}
-               for n in (5, 9, 3, 14, 30, 7, 25, 11)]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
-              SamplingParams(max_tokens=m, temperature=0.9, seed=i, ignore_eos=True)
-              for i, m in enumerate((20, 12, 18, 9, 10, 16, 8, 14))]
-    loras = [None, adapters[0], adapters[1], None, adapters[0], adapters[1], None, adapters[0]]
+    prompts, params, loras = _overlappable_requests(adapters)
     expected = _run(LLM(**kw), prompts, params, loras)
     llm = LLM(**kw, async_scheduling=True)
     _, mixed = _emulate(llm)
@@ -191,6 +196,30 @@ def test_captured_mixed_graphs_equal_eager_on_gpu(tiny_llama_dir, adapters):
     graphs.run_mixed = lambda *a, **k: calls.append(len(a[0])) or run_mixed(*a, **k)
     got = _run(llm, prompts, params, loras)
     assert len(calls) >= 3
+    for exp_req, got_req in zip(expected, got):
+        for (e_ids, e_cum, _, e_fin), (g_ids, g_cum, _, g_fin) in zip(exp_req, got_req):
+            assert g_ids == e_ids and g_fin == e_fin
+            assert g_cum == pytest.approx(e_cum, abs=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_mixed_graphs_with_async_placeholders_on_gpu(tiny_llama_dir, adapters):
+    """On a GPU, float32, async scheduling: captured mixed graphs whose decode rows take their input token
+    from the step in flight (written into the graph's input buffer after the upload, same stream) give the
+    sync eager engine's tokens."""
+    kw = {"model": str(tiny_llama_dir), "device": "cuda", "dtype": "float32", "max_model_len": 64,
+          "block_size": 4, "num_kv_blocks": 256, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+          "max_num_seqs": 8, "max_num_batched_tokens": 20}
+    prompts, params, loras = _overlappable_requests(adapters)
+    expected = _run(LLM(**kw, enforce_eager=True), prompts, params, loras)
+    llm = LLM(**kw, async_scheduling=True)
+    graphs = llm.engine.runner.graphs
+    fixed = []
+    run_mixed = graphs.run_mixed
+    graphs.run_mixed = lambda *a, **k: fixed.append(k.get("input_fix") is not None) or run_mixed(*a, **k)
+    got = _run(llm, prompts, params, loras)
+    assert llm.engine.num_overlapped_steps > 0 and sum(fixed) >= 2
     for exp_req, got_req in zip(expected, got):
         for (e_ids, e_cum, _, e_fin), (g_ids, g_cum, _, g_fin) in zip(exp_req, got_req):
             assert g_ids == e_ids and g_fin == e_fin
