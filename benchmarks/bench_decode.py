@@ -18,6 +18,11 @@ on adapter i mod 32: 32 distinct r=16 adapters on all 7 projections, resident in
   time per class: GEMM (cuBLAS/cuBLASLt/CUTLASS/nvjet, FP8 linears), attention (paged attention kernels),
   LoRA (shrink/expand/fused/DoRA), other (norms, rotary, activation, sampling, copies).
 
+Adapter types (issue 19), ``--kinds base,mixed,dora,vocab,head-copy``: ``dora`` = 32 DoRA adapters,
+``vocab`` = 32 adapters that add LoRA on ``embed_tokens`` and ``lm_head``, ``head-copy`` = 4 adapters that
+add an ``lm_head`` ``modules_to_save`` copy (4 full-module slots); each floor counts its type's bytes
+(``kind_adapter_bytes``).
+
 Usage: ``python benchmarks/bench_decode.py [--batches 1 32 128] [--out-len 64]`` (CUDA; writes
 ``$OUT/decode.json`` and prints a markdown table last); ``--quick`` runs the logic on CPU with a tiny model
 (numbers mean nothing, no profile).
@@ -48,6 +53,14 @@ PROMPT_LEN = 128
 NUM_ADAPTERS = 32
 RANK = 16
 KINDS = ("base", "mixed")
+# Adapter types (issue 19), ``--kinds``: name -> (distinct adapters, make_random_adapter options, first int id).
+# Each is r=16 on all 7 projections plus its type's part; request i takes adapter i mod the count.
+ADAPTER_KINDS = {
+    "mixed": (NUM_ADAPTERS, {}, 1),
+    "dora": (NUM_ADAPTERS, {"use_dora": True}, 101),
+    "vocab": (NUM_ADAPTERS, {"vocab_lora": True}, 201),  # + LoRA on embed_tokens and lm_head
+    "head-copy": (4, {"head_copy": True}, 301),  # + an lm_head modules_to_save copy (4 full-module slots)
+}
 CLASSES = ("gemm", "attention", "lora", "other")
 
 
@@ -91,17 +104,39 @@ def adapter_bytes(config: dict, rank: int = RANK, itemsize: int = 2) -> int:
     return itemsize * layers * rank * sum(a + b for a, b in pairs)
 
 
-def make_adapters(root: Path, config: dict, count: int):
-    """``count`` r=16 all-projection adapters (4 weight files, the rest linked with their own config)."""
+def make_adapters(root: Path, config: dict, count: int, first_id: int = 1, **adapter_kw):
+    """``count`` r=16 all-projection adapters (4 weight files, the rest linked with their own config);
+    ``adapter_kw``: ``make_random_adapter``'s type options."""
     import bench_serving  # noqa: PLC0415 - the shared maker
 
-    return bench_serving.make_adapters(root, config, count, distinct_files=min(count, 4))
+    return bench_serving.make_adapters(root, config, count, distinct_files=min(count, 4), first_id=first_id,
+                                       **adapter_kw)
+
+
+def kind_adapter_bytes(config: dict, kind: str, rank: int = RANK, itemsize: int = 2) -> int:
+    """Bytes one adapter of ``kind`` adds to a decode step: A and B of the 7 projections, plus for ``dora`` the
+    float32 magnitudes, for ``vocab`` the head's A and B and the embedding's B (its A: one row per token,
+    left out), for ``head-copy`` the whole ``[V, H]`` head copy."""
+    h, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    total = adapter_bytes(config, rank, itemsize)
+    if kind == "dora":
+        d = h // config["num_attention_heads"]
+        kv = config["num_key_value_heads"] * d
+        total += 4 * layers * (h + 2 * kv + h + 2 * config["intermediate_size"] + h)
+    elif kind == "vocab":
+        total += itemsize * rank * (h + vocab + h)
+    elif kind == "head-copy":
+        total += itemsize * vocab * h
+    return total
 
 
 def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw: dict,
-          quantization: str | None = None) -> LLM:
+          quantization: str | None = None, kinds: tuple[str, ...] = KINDS) -> LLM:
+    adapters = sum(ADAPTER_KINDS[k][0] for k in kinds if k in ADAPTER_KINDS)
+    full_slots = ADAPTER_KINDS["head-copy"][0] if "head-copy" in kinds else 0
     return LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len, gpu_memory_utilization=0.85,
-               quantization=quantization, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, max_cpu_loras=2 * NUM_ADAPTERS,
+               quantization=quantization, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
+               max_cpu_loras=max(2 * NUM_ADAPTERS, adapters), max_full_module_slots=full_slots,
                max_num_seqs=256, max_num_batched_tokens=8192, async_scheduling=async_scheduling, **device_kw)
 
 
@@ -191,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--async-modes", default="off,on")
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 (e4m3) base linears")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"rows per batch, comma-separated, of base,{','.join(ADAPTER_KINDS)} (issue 19's adapter "
+                         "types: DoRA, LoRA on embed_tokens + lm_head, an lm_head modules_to_save copy)")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
@@ -203,9 +241,14 @@ def main(argv: list[str] | None = None) -> dict:
         args.profile_steps = 0
     elif not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU (--quick checks the logic on CPU)")
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = [k for k in kinds if k != "base" and k not in ADAPTER_KINDS]
+    if unknown:
+        raise SystemExit(f"--kinds: unknown {unknown}; choose from base,{','.join(ADAPTER_KINDS)}")
     root = Path(tempfile.mkdtemp())
     model_dir = make_model_dir(root / "model", config)
-    adapters = make_adapters(root / "adapters", config, NUM_ADAPTERS)
+    adapters_of = {k: make_adapters(root / k, config, ADAPTER_KINDS[k][0], ADAPTER_KINDS[k][2], **ADAPTER_KINDS[k][1])
+                   for k in kinds if k in ADAPTER_KINDS}
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization,
@@ -214,24 +257,30 @@ def main(argv: list[str] | None = None) -> dict:
     top = config["vocab_size"] - 1
     mean_ctx = PROMPT_LEN + args.out_len / 2
     for mode in args.async_modes.split(","):
-        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization)
-        for a in adapters:
-            llm.engine.preload_lora(a)
+        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization, kinds)
+        for kind_adapters in adapters_of.values():
+            for a in kind_adapters:
+                llm.engine.preload_lora(a)
         # warm-up: compiles the kernel variants of every row (not measured)
         for b in args.batches:
-            run_once(llm, [[rng.randrange(10, top) for _ in range(PROMPT_LEN)] for _ in range(b)],
-                     [adapters[i % NUM_ADAPTERS] if i % 2 else None for i in range(b)], 4)
+            for kind_adapters in adapters_of.values() or [[]]:
+                run_once(llm, [[rng.randrange(10, top) for _ in range(PROMPT_LEN)] for _ in range(b)],
+                         [kind_adapters[i % len(kind_adapters)] if i % 2 and kind_adapters else None
+                          for i in range(b)], 4)
         for b in args.batches:
             prompts = [[rng.randrange(10, top) for _ in range(PROMPT_LEN)] for _ in range(b)]
-            for kind in KINDS:
-                loras = [None] * b if kind == "base" else [adapters[i % NUM_ADAPTERS] for i in range(b)]
+            for kind in kinds:
+                pool = adapters_of.get(kind, [])
+                loras = [None] * b if kind == "base" else [pool[i % len(pool)] for i in range(b)]
                 row = {"batch": b, "kind": kind + ("-fp8" if args.quantization else ""), "async": mode}
                 row.update(run_once(llm, prompts, loras, args.out_len))
                 if args.profile_steps:
                     row["profile"] = run_once(llm, prompts, loras, min(args.out_len, 24),
                                               args.profile_steps).get("profile")
-                distinct = 0 if kind == "base" else min(b, NUM_ADAPTERS)
-                floor_bytes = weight_bytes(config, b, fp8_linears=args.quantization == "fp8") + kv_bytes(config, b, mean_ctx) + distinct * adapter_bytes(config)
+                distinct = 0 if kind == "base" else min(b, len(pool))
+                per_adapter = kind_adapter_bytes(config, kind) if distinct else 0
+                floor_bytes = (weight_bytes(config, b, fp8_linears=args.quantization == "fp8")
+                               + kv_bytes(config, b, mean_ctx) + distinct * per_adapter)
                 row["floor_ms"] = floor_bytes / bw * 1e3
                 row["floor_fraction"] = row["floor_ms"] / row["step_ms"]
                 result["rows"].append(row)

@@ -55,8 +55,12 @@ def make_model_dir(path: Path, config: dict) -> Path:
 
 
 def make_random_adapter(path: Path, config: dict, rank: int, seed: int, targets=ALL_TARGETS,
-                        dtype=torch.bfloat16) -> Path:
-    """A PEFT-format LoRA adapter with random A and B for every layer and target."""
+                        dtype=torch.bfloat16, *, use_dora: bool = False, vocab_lora: bool = False,
+                        head_copy: bool = False) -> Path:
+    """A PEFT-format LoRA adapter with random A and B for every layer and target; ``use_dora``: DoRA
+    magnitude vectors too; ``vocab_lora``: LoRA on ``embed_tokens`` and ``lm_head`` as well (PEFT's embedding
+    LoRA ``lora_embedding_A [r, V]`` / ``lora_embedding_B [H, r]``, linear LoRA on the head);
+    ``head_copy``: an ``lm_head`` ``modules_to_save`` copy ``[V, H]``."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
@@ -73,11 +77,29 @@ def make_random_adapter(path: Path, config: dict, rank: int, seed: int, targets=
             fin, fout = shapes[m]
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fin, generator=gen) / fin ** 0.5).to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fout, rank, generator=gen) * 0.01).to(dtype)
+            if use_dora:
+                tensors[f"{prefix}.lora_magnitude_vector"] = 1.0 + 0.1 * torch.rand(fout, generator=gen)
+    vocab = config["vocab_size"]
+    cfg_targets = list(targets)
+    if vocab_lora:
+        emb, head = "base_model.model.model.embed_tokens", "base_model.model.lm_head"
+        tensors[f"{emb}.lora_embedding_A"] = torch.randn(rank, vocab, generator=gen).to(dtype)
+        tensors[f"{emb}.lora_embedding_B"] = (torch.randn(h, rank, generator=gen) * 0.01).to(dtype)
+        tensors[f"{head}.lora_A.weight"] = (torch.randn(rank, h, generator=gen) / h ** 0.5).to(dtype)
+        tensors[f"{head}.lora_B.weight"] = (torch.randn(vocab, rank, generator=gen) * 0.01).to(dtype)
+        cfg_targets += ["embed_tokens", "lm_head"]
+    if head_copy:
+        tensors["base_model.model.lm_head.weight"] = (torch.randn(vocab, h, generator=gen) * 0.02).to(dtype)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "dummy"}))
+    adapter_config = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": cfg_targets,
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "dummy"}
+    if use_dora:
+        adapter_config["use_dora"] = True
+    if head_copy:
+        adapter_config["modules_to_save"] = ["lm_head"]
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config))
     return path
 
 

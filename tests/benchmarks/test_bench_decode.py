@@ -47,3 +47,46 @@ def test_quick_run_times_decode_steps_of_every_row(tmp_path):
     assert all(r["decode_steps_timed"] >= 2 and r["step_ms"] > 0 for r in rows)
     assert all(r["of_base"] == 1.0 for r in rows if r["kind"] == "base")
     assert (tmp_path / "d.json").exists()
+
+
+def test_adapter_type_bytes_for_llama2_7b():
+    lora = bd.adapter_bytes(bd.LLAMA2_7B)
+    # DoRA: a float32 magnitude per output channel of the 7 projections, 32 layers
+    assert bd.kind_adapter_bytes(bd.LLAMA2_7B, "dora") == lora + 4 * 32 * (4 * 4096 + 2 * 11008 + 4096)
+    # LoRA on the head (A [16, 4096], B [32000, 16]) and the embedding's B [4096, 16]
+    assert bd.kind_adapter_bytes(bd.LLAMA2_7B, "vocab") == lora + 2 * 16 * (4096 + 32000 + 4096)
+    # a modules_to_save copy of lm_head: [32000, 4096] bf16 = 262 MB
+    assert bd.kind_adapter_bytes(bd.LLAMA2_7B, "head-copy") == lora + 2 * 32000 * 4096
+    assert bd.kind_adapter_bytes(bd.LLAMA2_7B, "mixed") == lora
+
+
+def test_adapter_type_files_are_what_the_engine_reads_them_as(tmp_path):
+    """The benchmark's DoRA / vocabulary-LoRA / head-copy adapters pass the engine's header checks as those
+    types (so their rows measure what they are named after)."""
+    from common import make_random_adapter
+
+    from loraplex.adapters import BaseModelSpec, inspect_peft_adapter
+    from transformers import LlamaConfig
+
+    config = dict(bd.LLAMA2_7B, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=512)
+    spec = BaseModelSpec.from_hf_config(LlamaConfig(**{k: v for k, v in config.items()
+                                                       if k not in ("architectures", "model_type", "torch_dtype")}))
+    layouts = {kind: inspect_peft_adapter(make_random_adapter(tmp_path / kind, config, 16, 0, **kw), spec, 16)
+               for kind, (_, kw, _) in bd.ADAPTER_KINDS.items()}
+    assert layouts["dora"].config.use_dora and not layouts["mixed"].config.use_dora
+    assert len(layouts["dora"].modules) == len(layouts["mixed"].modules) == 2 * 7
+    assert [plan.module for plan in layouts["vocab"].vocab_lora] == ["embed_tokens", "lm_head"]
+    assert [module for module, _ in layouts["head-copy"].full_modules] == ["lm_head"]
+    assert not layouts["mixed"].vocab_lora and not layouts["mixed"].full_modules
+
+
+def test_quick_run_of_the_adapter_type_rows(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU logic check; a GPU runs the real benchmark")
+    result = bd.main(["--quick", "--batches", "3", "--out-len", "6", "--async-modes", "off",
+                      "--kinds", "base,dora,vocab,head-copy", "--out", str(tmp_path / "d.json")])
+    assert [r["kind"] for r in result["rows"]] == ["base", "dora", "vocab", "head-copy"]
+    assert all(r["decode_steps_timed"] >= 2 and r["step_ms"] > 0 for r in result["rows"])
+    with pytest.raises(SystemExit, match="unknown"):
+        bd.main(["--quick", "--kinds", "base,qlora"])
