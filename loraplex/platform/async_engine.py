@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -55,6 +56,15 @@ T = TypeVar("T")
 
 class EngineStoppedError(RuntimeError):
     """The engine thread is not running (never started, shut down, or crashed)."""
+
+
+def _run_in_order(calls: list[Callable[[], None]]) -> None:
+    """Run a delivery batch on its event loop; one failing call is logged and does not stop the others."""
+    for call in calls:
+        try:
+            call()
+        except Exception:  # noqa: BLE001 - the loop would log it too; the rest must still run
+            logger.exception("stream delivery callback failed")
 
 
 @dataclass
@@ -291,8 +301,7 @@ class AsyncEngine:
             logger.exception("engine.step() failed; failing the requests in flight")
             self._fail_all(exc)
             return
-        for output in outputs:
-            self._deliver(output)
+        self._deliver_all(outputs)
         if self._deadlines:
             self._expire_queued()
         self._refresh_snapshot(force=any(o.finished for o in outputs))
@@ -309,13 +318,26 @@ class AsyncEngine:
         if stream.lora_int_id is not None:
             self._lora_users[stream.lora_int_id] = self._lora_users.get(stream.lora_int_id, 0) + 1
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        stream.put(output)
-        if output.finished:
-            self._forget(output.request_id)
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams with one ``call_soon_threadsafe`` per event loop, not one per
+        output (each is a lock and a self-pipe write, and a step can advance hundreds of streams: 256 outputs
+        took 1.1-3.9 ms of this thread one by one, 0.1 ms batched, on the 2-core development machine). The
+        loop runs the queue puts, and the ``on_done`` of each finished stream right after its last output,
+        in the order of ``outputs``."""
+        batches: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            todo = batches.setdefault(stream.loop, [])
+            todo.append(functools.partial(stream.queue.put_nowait, output))
+            if output.finished:
+                self._forget(output.request_id, todo)
+        for loop, todo in batches.items():
+            try:
+                loop.call_soon_threadsafe(_run_in_order, todo)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._streams:
@@ -337,14 +359,19 @@ class AsyncEngine:
                                              "before being scheduled (the server is busy)",
                                              retry_after_s=retry_after))
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str, todo: list[Callable[[], None]] | None = None) -> None:
+        """Drop the request's stream; its ``on_done`` runs on the stream's loop (appended to ``todo``, the
+        batch :meth:`_deliver_all` hands that loop, when given)."""
         stream = self._streams.pop(request_id)
         self._deadlines.pop(request_id, None)
         if stream.on_done is not None:
-            try:
-                stream.loop.call_soon_threadsafe(stream.on_done)
-            except RuntimeError:  # the loop is closed
-                pass
+            if todo is not None:
+                todo.append(stream.on_done)
+            else:
+                try:
+                    stream.loop.call_soon_threadsafe(stream.on_done)
+                except RuntimeError:  # the loop is closed
+                    pass
         lora_int_id = stream.lora_int_id
         if lora_int_id is None:
             return
