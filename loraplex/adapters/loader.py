@@ -244,12 +244,14 @@ class AdapterLoader:
         return slot_image_from_adapter(adapter, self.spec, self.max_lora_rank, self.dtype,
                                        pin_memory=self._pin_images(), allocate=self._arena().empty)
 
-    def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None) -> SlotImage:
+    def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None,
+                       check_finite: bool = True) -> SlotImage:
         """Header checks (unless ``layout`` holds them), then the tensors straight into a slot
-        image; nothing hashed."""
+        image; nothing hashed (``check_finite``: as ``read_slot_image``)."""
         layout = layout or inspect_peft_adapter(path, self.spec, self.max_lora_rank)
         return read_slot_image(layout, self.spec, self.max_lora_rank, self.dtype,
-                               version_id=version_id, pin_memory=self._pin_images(), allocate=self._arena().empty)
+                               version_id=version_id, pin_memory=self._pin_images(), allocate=self._arena().empty,
+                               check_finite=check_finite)
 
     def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None,
               layout: AdapterLayout | None = None, verified: bool = False) -> _Read:
@@ -264,7 +266,9 @@ class AdapterLoader:
         try:
             before = adapter_files_signature(path)
             if verified and before is not None and before == signature:
-                image = self._read_declared(path, version_id, layout)
+                # Verified: this content was hashed, matched and scanned for NaN/Inf (as self.dtype) when
+                # first read, and the files' stat is unchanged since, so the scan is not repeated.
+                image = self._read_declared(path, version_id, layout, check_finite=False)
                 if adapter_files_signature(path) == before:
                     return _Read(image, before)
             adapter = load_peft_adapter(path, self.spec, self.max_lora_rank, serving_dtype=self.dtype)

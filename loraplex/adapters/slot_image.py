@@ -152,11 +152,13 @@ def read_slot_image(
     version_id: str,
     pin_memory: bool,
     allocate: Allocate | None = None,
+    check_finite: bool = True,
 ) -> SlotImage:
     """Read the tensors of the adapter ``layout`` (checked by ``inspect_peft_adapter``)
     straight into a ``SlotImage`` of ``dtype``; nothing is hashed (``version_id`` is trusted).
     ``allocate`` gives the image's buffer (e.g. ``HostArena.empty``); default a new tensor,
-    page-locked when ``pin_memory``.
+    page-locked when ``pin_memory``. ``check_finite=False`` skips the NaN/Inf scan, for a re-read of
+    content already hashed, matched and scanned as ``dtype`` (the loader's verified re-reads).
 
     When every tensor is stored in ``dtype`` with rank R, the image *is* the file's data
     section: one ``pread`` (the GIL released throughout) and the offsets taken from the
@@ -180,7 +182,8 @@ def read_slot_image(
     finally:
         os.close(fd)
     _set_scalings(image, layout, spec)
-    _check_finite(image, names, dtype)
+    if check_finite:
+        _check_finite(image, names, dtype)
     if layout.vocab_lora or layout.full_modules:
         image = dataclasses.replace(image, vocab=_read_vocab(path, layout, max_rank, dtype, pin_memory))
     return image

@@ -264,6 +264,40 @@ def test_undeclared_registration_never_evicts_and_reloads_trust_the_stat_signatu
     assert spy.counts[1] == 4
 
 
+def test_verified_rereads_skip_the_nan_scan_until_the_files_change(make_adapters, monkeypatch):
+    """The NaN/Inf scan of a slot image runs with every hashed read and not with a re-read the stat signature
+    vouches for (the same bytes, scanned as the same dtype when they were hashed); once the files change the
+    read is hashed and scanned again."""
+    from loraplex.adapters import slot_image
+
+    scans = []
+    real = slot_image._check_finite
+    monkeypatch.setattr(slot_image, "_check_finite", lambda *a: scans.append(1) or real(*a))
+    made = make_adapters(2)
+    pool = make_pool(max_loras=1, max_cpu_loras=1)
+    for request, _ in made:
+        pool.add_lora(request)
+    pool.pin(1)  # first use: hashed, scanned
+    pool.unpin(1)
+    assert len(scans) == 1
+    pool.pin(2)  # evicts ad1 from the host cache and the slot
+    pool.unpin(2)
+    assert len(scans) == 2
+    pool.pin(1)  # verified re-read: not hashed, not scanned
+    pool.unpin(1)
+    assert len(scans) == 2
+    assert_slot_holds(pool, 0, made[0][1])
+    pool.pin(2)  # ad2's verified re-read: not scanned either
+    pool.unpin(2)
+    assert len(scans) == 2
+    weights = Path(made[0][0].lora_path) / "adapter_model.safetensors"
+    signature = adapter_files_signature(made[0][0].lora_path)
+    os.utime(weights, ns=(signature[1][1] + 10**9, signature[1][1] + 10**9))
+    pool.pin(1)  # the files changed (stat): hashed and scanned again
+    assert len(scans) == 3
+    assert_slot_holds(pool, 0, made[0][1])
+
+
 # ---------------------------------------------------------------- background loads
 
 
