@@ -317,16 +317,17 @@ class ModelRunner:
         placeholder, the previous launched step's sample row holding it) — async scheduling, driver only."""
         self.kv_cache.apply(step.block_copies)
         rows, src = placeholders or ([], [])
+        fix = None
+        if rows:  # a placeholder is its row's last input token: the row the step samples from
+            last = step.sample_token_index
+            fix = self._fixed_inputs([last[b] for b in rows], src)
         if step.use_graph:
-            return self._run_graph(step, self._fixed_inputs(rows, src))
+            return self._run_graph(step, fix)
         if step.use_mixed_graph:
-            ends = list(accumulate(step.q_lens))
-            return self._run_mixed_graph(step, self._fixed_inputs([ends[b] - 1 for b in rows], src))
+            return self._run_mixed_graph(step, fix)
         inputs = self.prepare_inputs(step)
-        if rows:
-            ends = inputs.sample_token_index
-            index, values = self._fixed_inputs([ends[b] for b in rows], src)
-            inputs.input_ids[index] = values
+        if fix is not None:
+            inputs.input_ids[fix[0]] = fix[1]
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.lora)
 
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
@@ -335,16 +336,11 @@ class ModelRunner:
 
     def _mixed_graph_fits(self, batch: ScheduledBatch) -> bool:
         """A step with prompt tokens replays a mixed graph when one holds it, no row asks for prompt
-        logprobs (those read every position's logits, outside the graph) and every async-scheduling
-        placeholder among the input tokens is its row's last one (written over from the previous step's
-        device samples after the upload, as for decode graphs)."""
+        logprobs (those read every position's logits, outside the graph). Async-scheduling placeholders
+        (always their row's last and only new token, see :meth:`_placeholder_inputs`) are written over from the
+        previous step's device samples after the upload, as for decode graphs."""
         if self.graphs is None or not self.graphs.mixed_sizes or any(s.prompt_logprobs for s in batch.seqs):
             return False
-        for item in batch.seqs:
-            if item.seq.num_pending_tokens:
-                end = item.start_position + item.num_new_tokens
-                if PLACEHOLDER_TOKEN in item.seq.token_ids[item.start_position:end - 1]:
-                    return False
         num_tokens = sum(s.num_new_tokens for s in batch.seqs)
         return self.graphs.mixed_padded_size(num_tokens, len(batch.seqs)) is not None
 
