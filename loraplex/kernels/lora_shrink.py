@@ -251,7 +251,7 @@ def _run_kernel(
 
 
 def partial_split_k(mapping: LoRAMapping, hidden_size: int, n_slices: int, device: torch.device,
-                    max_rank: int = 16) -> int:
+                    max_rank: int) -> int:
     """SPLIT for :func:`shrink_partials`: on CUDA, H in :func:`shrink_k_per_split` chunks (past 256 tokens no
     more splits than keep the partials under ``PROMPT_PARTIALS_MAX_BYTES``); elsewhere as
     :func:`choose_split_k` (1 once segments x tiles x slices fill the device)."""

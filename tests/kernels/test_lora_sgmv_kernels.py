@@ -409,9 +409,9 @@ def test_cuda_launch_shapes_are_the_measured_ones():
     def mapping(tokens: int) -> LoRAMapping:
         return LoRAMapping.from_token_slots(torch.arange(tokens, dtype=torch.int32) % 4, num_slots=4)
 
-    splits = {t: lora_shrink.partial_split_k(mapping(t), 4096, 3, cuda) for t in (1, 8, 9, 32, 256, 257, 512)}
+    splits = {t: lora_shrink.partial_split_k(mapping(t), 4096, 3, cuda, 16) for t in (1, 8, 9, 32, 256, 257, 512)}
     assert splits == {1: 16, 8: 16, 9: 8, 32: 8, 256: 8, 257: 4, 512: 4}
-    assert lora_shrink.partial_split_k(mapping(512), 11008, 1, cuda) == 11
+    assert lora_shrink.partial_split_k(mapping(512), 11008, 1, cuda, 16) == 11
     # Past 256 tokens the partials stay under 32 MiB: a long high-rank chunk is not split at all.
     assert lora_shrink.partial_split_k(mapping(8192), 4096, 3, cuda, max_rank=256) == 1  # 25 MiB per split
     assert lora_shrink.partial_split_k(mapping(8192), 4096, 3, cuda, max_rank=16) == 4  # 1.5 MiB per split
