@@ -95,13 +95,16 @@ def kv_bytes(config: dict, batch: int, mean_context_tokens: float, itemsize: int
     return batch * mean_context_tokens * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * d * itemsize
 
 
+def projection_shapes(config: dict) -> list[tuple[int, int]]:
+    """(in, out) features of the 7 projections of a layer: q, k, v, o, gate, up, down."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    return [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+
+
 def adapter_bytes(config: dict, rank: int = RANK, itemsize: int = 2) -> int:
     """A and B of one adapter on all 7 projections."""
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    d = h // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * d
-    pairs = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
-    return itemsize * layers * rank * sum(a + b for a, b in pairs)
+    return itemsize * config["num_hidden_layers"] * rank * sum(a + b for a, b in projection_shapes(config))
 
 
 def make_adapters(root: Path, config: dict, count: int, first_id: int = 1, **adapter_kw):
@@ -120,9 +123,7 @@ def kind_adapter_bytes(config: dict, kind: str, rank: int = RANK, itemsize: int 
     h, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
     total = adapter_bytes(config, rank, itemsize)
     if kind == "dora":
-        d = h // config["num_attention_heads"]
-        kv = config["num_key_value_heads"] * d
-        total += 4 * layers * (h + 2 * kv + h + 2 * config["intermediate_size"] + h)
+        total += 4 * layers * sum(out for _, out in projection_shapes(config))
     elif kind == "vocab":
         total += itemsize * rank * (h + vocab + h)
     elif kind == "head-copy":

@@ -114,6 +114,16 @@ def make_linears(layer, num_tokens: int, slots: int, rank: int, dtype, device) -
     return out
 
 
+def workload(layer, num_tokens: int, adapters: int, rank: int, dtype, device, min_slots: int = 0):
+    """A row's inputs: the token slots (host), their segment mapping and the layer's linears, with
+    ``max(adapters, min_slots)`` slots per linear (an engine's ``max_loras``: only the dense variant reads the
+    unused ones)."""
+    slots = max(adapters, min_slots)
+    slots_host = token_slots(num_tokens, adapters)
+    return (slots_host, plan_segments(slots_host.to(device), slots),
+            make_linears(layer, num_tokens, slots, rank, dtype, device))
+
+
 KEEP_GOING = False  # --keep-going: a failed check is recorded in the row and timing goes on
 
 
@@ -212,12 +222,8 @@ def vllm_impl() -> tuple[Callable | None, str]:
 
 def bench_row(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer, copy_bps: float,
               impls: dict[str, Callable], min_slots: int = 0) -> Row:
-    """One table row; the layer holds ``max(adapters, min_slots)`` slots (an engine's ``max_loras``: only the
-    dense variant reads the unused ones)."""
-    slots = max(adapters, min_slots)
-    slots_host = token_slots(num_tokens, adapters)
-    mapping = plan_segments(slots_host.to(device), slots)
-    linears = make_linears(layer, num_tokens, slots, rank, dtype, device)
+    """One table row over :func:`workload`."""
+    slots_host, mapping, linears = workload(layer, num_tokens, adapters, rank, dtype, device, min_slots)
     lora_tokens = int((slots_host >= 0).sum())
     distinct = len(set(slots_host.tolist()) - {-1})
     row = Row(num_tokens, adapters, lora_tokens, floor_bytes(layer, lora_tokens, distinct, rank) / copy_bps * 1e6)
@@ -236,10 +242,9 @@ def bench_row(layer, num_tokens: int, adapters: int, rank: int, dtype, device, t
 
 def sweep_fused(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer) -> dict:
     """µs per projection of the fused kernel for each tile shape; the default shape first."""
-    slots_host = token_slots(num_tokens, adapters)
-    mapping = plan_segments(slots_host.to(device), adapters)
+    _, mapping, linears = workload(layer, num_tokens, adapters, rank, dtype, device)
     results = {}
-    for lin in make_linears(layer, num_tokens, adapters, rank, dtype, device):
+    for lin in linears:
         widths = [b.shape[1] for b in lin.lora_b]
         block_m, block_k, block_n = _block_sizes(lin.x.shape[1], rank, device)
         n_iters, _ = fused_launch_shape(mapping, widths, device, block_m, block_n)
@@ -267,10 +272,9 @@ def profile_kernels(layer, num_tokens: int, adapters: int, rank: int, dtype, dev
     L2): where one layer's LoRA time goes, kernel by kernel."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    slots = max(adapters, min_slots)
-    mapping = plan_segments(token_slots(num_tokens, adapters).to(device), slots)
+    _, mapping, linears = workload(layer, num_tokens, adapters, rank, dtype, device, min_slots)
     out: dict[str, dict[str, float]] = {}
-    for lin in make_linears(layer, num_tokens, slots, rank, dtype, device):
+    for lin in linears:
         for _ in range(3):
             fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, lin.y, mapping)
         torch.cuda.synchronize()
@@ -305,10 +309,9 @@ def sgmv_variants(num_tokens: int) -> dict[str, dict]:
 def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer,
                min_slots: int = 0) -> dict:
     """µs per projection of each :func:`sgmv_variants` launch shape (each checked first); the best per part."""
-    slots = max(adapters, min_slots)
-    mapping = plan_segments(token_slots(num_tokens, adapters).to(device), slots)
+    _, mapping, linears = workload(layer, num_tokens, adapters, rank, dtype, device, min_slots)
     results = {}
-    for lin in make_linears(layer, num_tokens, slots, rank, dtype, device):
+    for lin in linears:
         times = {}
         for name, kw in sgmv_variants(num_tokens).items():
             def fn(x, a, b, s, y, m, kw=kw):
