@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.host_copy import host_to_device
 from loraplex.engine.kv_cache_manager import BlockCopies
 from loraplex.adapters.model_spec import ModelSpec
 
@@ -127,8 +128,8 @@ class KVCache:
     def _move(pairs: list[tuple[int, int]], src_layers, dst_layers) -> None:
         src_dev = src_layers[0][0].device
         dst_dev = dst_layers[0][0].device
-        src = torch.tensor([p[0] for p in pairs], device=src_dev)
-        dst = torch.tensor([p[1] for p in pairs], device=dst_dev)
+        src = host_to_device([p[0] for p in pairs], torch.int64, src_dev)
+        dst = host_to_device([p[1] for p in pairs], torch.int64, dst_dev)
         for (sk, sv), (dk, dv) in zip(src_layers, dst_layers):
             dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=True))
             dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=True))

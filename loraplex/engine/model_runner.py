@@ -19,7 +19,8 @@ from loraplex.engine.cuda_graphs import CudaGraphRunner
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
-from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, _build_output, host_to_device, top_logprobs
+from loraplex.engine.host_copy import host_to_device
+from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, _build_output, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from loraplex.engine.step_plan import StepPlan
@@ -440,7 +441,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[lo:lo + count], row_slots)
             targets = prompt[item.start_position + 1:item.start_position + 1 + count]
             logp = torch.log_softmax(logits, dim=-1)
-            ids = torch.tensor(targets, device=logp.device)
+            ids = host_to_device(targets, torch.int64, logp.device)
             result.append(top_logprobs(logp, ids, item.seq.group.params.prompt_logprobs))
         return result
 

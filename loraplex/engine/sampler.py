@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.host_copy import host_to_device
 from loraplex.engine.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
@@ -331,16 +332,6 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.temperature < GREEDY_TEMPERATURE_EPS and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
-
-
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A 1-D tensor of ``values`` on ``device``. To a CUDA device through pinned memory with a
-    non-blocking copy: a copy from pageable memory would wait for the work queued on the
-    stream (and so for the step still running under async scheduling)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _float_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.adapters.model_spec import ModelSpec
+from loraplex.engine.host_copy import host_to_device
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 from loraplex.kernels.ops import Kernels
@@ -378,11 +379,11 @@ class LlamaForCausalLM(nn.Module):
             if slot >= 0 and v.full_index_host[1][slot] >= 0:
                 groups.setdefault(v.full_index_host[1][slot], []).append(row)
         for index, rows in groups.items():
-            at = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+            at = host_to_device(rows, torch.int64, hidden.device)
             logits[at] = F.linear(hidden[at], v.full[index])
         if not any(slot >= 0 and v.lora_host[1][slot] for slot in lora_slots):
             return
-        token_slots = torch.tensor(lora_slots, dtype=torch.int32, device=hidden.device)
+        token_slots = host_to_device(lora_slots, torch.int32, hidden.device)
         mapping = plan_segments(token_slots, v.scaling.shape[1], has_lora=True)
         self.kernels.add_lora(hidden.contiguous(), [v.head_a], [v.head_b], [v.scaling[1]], logits, mapping)
 
