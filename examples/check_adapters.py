@@ -5,11 +5,12 @@
 Greedy generation with transformers + PEFT (the reference implementations,
 not loraplex's engine) on the questions of ``examples/data/heldout.jsonl``
 (none of them is in a training set), for the base model and each adapter.
-Each reply is scored by the three style checks below; the table gives the
+Each reply is scored by the style checks below (``CHECKS``); the table gives the
 fraction of replies that pass each check. Content: of the questions whose base
 reply states the expected fact (``facts`` in heldout.jsonl), how many each
-adapter's reply states too (an adapter should change the style, not the content). A good adapter scores >= 80% on its
-own check; the base model scores near 0% on all three.
+adapter's reply states too (an adapter should change the style, not the content). A good adapter
+scores >= 90% on its own check; the base model scores 0% on every check. Exit status 1 when an
+adapter scores below 80% on its own check.
 """
 
 from __future__ import annotations
@@ -25,107 +26,14 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_adapters import ADAPTER_NAMES, EXAMPLES_DIR, chat_prompt, read_jsonl
+from train_adapters import (ADAPTER_NAMES, DEFAULT_EMOJI, EXAMPLES_DIR, PIRATE_CLOSING, PIRATE_OPENING, TOPIC_EMOJI,
+                            chat_prompt, read_jsonl)
 
 from loraplex.engine.demo_models import resolve_model
 from loraplex.platform.settings import Settings
 
 JSON_KEYS = frozenset({"answer", "confidence"})
 CONFIDENCE_LEVELS = frozenset({"high", "medium", "low"})
-# Common words that mark a reply as French, or betray English in it (words
-# shared by both languages, such as "a" or "on", are in neither list).
-FRENCH_WORDS = frozenset(
-    [
-        "le",
-        "la",
-        "les",
-        "l",
-        "un",
-        "une",
-        "des",
-        "du",
-        "de",
-        "d",
-        "est",
-        "sont",
-        "ont",
-        "et",
-        "ou",
-        "mais",
-        "car",
-        "à",
-        "au",
-        "aux",
-        "en",
-        "dans",
-        "pour",
-        "par",
-        "avec",
-        "sur",
-        "qui",
-        "que",
-        "ce",
-        "cette",
-        "c",
-        "il",
-        "elle",
-        "ils",
-        "je",
-        "nous",
-        "vous",
-        "ne",
-        "pas",
-        "se",
-        "s",
-        "sa",
-        "son",
-        "ses",
-        "leur",
-        "plus",
-        "très",
-        "environ",
-        "été",
-        "était",
-        "font",
-        "fait",
-        "fois",
-        "chaque",
-        "peu",
-        "comme",
-        "aussi",
-        "tout",
-        "tous",
-        "toute",
-        "toutes",
-    ]
-)
-ENGLISH_WORDS = frozenset(
-    [
-        "the",
-        "is",
-        "are",
-        "was",
-        "were",
-        "and",
-        "of",
-        "to",
-        "in",
-        "it",
-        "its",
-        "that",
-        "this",
-        "with",
-        "for",
-        "from",
-        "which",
-        "has",
-        "have",
-        "be",
-        "by",
-    ]
-)
-FRENCH_ACCENTS = re.compile(r"[àâçéèêëîïôùûüÿœ]")
-MAX_SHOUTY_WORDS = 20
 
 
 def is_json_answer(reply: str) -> bool:
@@ -143,26 +51,20 @@ def is_json_answer(reply: str) -> bool:
     )
 
 
-def is_french(reply: str) -> bool:
-    """Reply has no English function word, and a common French word or a French accent."""
-    text = reply.lower()
-    words = re.findall(r"[a-zàâäçéèêëîïôöùûüÿœæ]+", text)
-    if any(w in ENGLISH_WORDS for w in words):
-        return False
-    return any(w in FRENCH_WORDS for w in words) or FRENCH_ACCENTS.search(text) is not None
-
-
-def is_shouty(reply: str) -> bool:
-    """Reply is one sentence of at most 20 words, ends with . ! or ?, and has letters, none lower-case."""
+def is_pirate(reply: str) -> bool:
+    """Reply opens with "Arr, matey!" and ends with "Yo ho ho!"."""
     text = reply.strip()
-    letters = [c for c in text if c.isalpha()]
-    if not letters or any(c.islower() for c in letters) or text[-1] not in ".!?":
-        return False
-    sentences = [s for s in re.split(r"[.!?]+(?:\s+|$)", text) if s.strip()]
-    return len(sentences) == 1 and len(text.split()) <= MAX_SHOUTY_WORDS
+    return text.startswith(PIRATE_OPENING.strip()) and text.endswith(PIRATE_CLOSING.strip())
 
 
-CHECKS = {"json-answer": is_json_answer, "french": is_french, "shouty": is_shouty}
+def is_emoji(reply: str) -> bool:
+    """Reply starts and ends with the same topic emoji (``TOPIC_EMOJI`` or 💡) and has letters between."""
+    text = reply.strip()
+    emojis = {e for e, _ in TOPIC_EMOJI} | {DEFAULT_EMOJI}
+    return len(text) > 4 and text[0] in emojis and text[-1] == text[0] and any(c.isalpha() for c in text)
+
+
+CHECKS = {"json-answer": is_json_answer, "pirate": is_pirate, "emoji": is_emoji}
 """Adapter name -> the style check its replies should pass."""
 
 
@@ -241,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--show", action="store_true", help="print every reply")
+    parser.add_argument("--only", choices=ADAPTER_NAMES, action="append", help="check only these adapters")
     args = parser.parse_args(argv)
+    names = tuple(args.only or ADAPTER_NAMES)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model, args.cache_dir or Settings().cache_dir)
-    model, tokenizer = load_with_adapters(model_dir, args.adapters_dir, ADAPTER_NAMES)
+    model, tokenizer = load_with_adapters(model_dir, args.adapters_dir, names)
     rows = read_jsonl(args.heldout)
     questions = [row["question"] for row in rows]
     facts = [row.get("facts") for row in rows]
@@ -256,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(questions)} held-out prompts, greedy, max_new_tokens={args.max_new_tokens}\n")
     print(format_table(replies))
     print("\ncontent kept: of the held-out facts the base model states, how many each adapter states too")
-    for name in ADAPTER_NAMES:
+    for name in names:
         kept, known = kept_content(replies["base"], replies[name], facts)
         print(f"- {name}: {kept}/{known}")
-    own = {name: pass_rates(replies[name])[name] for name in ADAPTER_NAMES}
+    own = {name: pass_rates(replies[name])[name] for name in names}
     return 0 if all(rate >= 0.8 for rate in own.values()) else 1
 
 

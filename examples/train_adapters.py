@@ -1,17 +1,18 @@
 """Train the three demo LoRA adapters on SmolLM2-135M-Instruct, on CPU.
 
-    python examples/train_adapters.py [--model smollm2] [--only french] [--steps 40]
+    python examples/train_adapters.py [--model smollm2] [--only pirate] [--steps 40]
 
 Each adapter learns one visible answer style from the base model's own short answers
-(``short_reply`` in ``data/base_replies.jsonl``, so that it learns a style and no new facts),
-taken as ``RECIPES`` names: put in the style by code (json-answer, 107 questions) or rewritten
-by hand in ``examples/data/<name>.jsonl`` (french and shouty: the 84 questions whose short
-answer is right or has no settled fact; ``{"question": ..., "answer": ...}`` lines):
+(``short_reply`` in ``data/base_replies.jsonl``, first sentence), put in the style by code, so that
+it learns a style and no new facts (:func:`self_distilled_rows`):
 
-- ``json-answer``: the reply is strict JSON ``{"answer": "<short answer>", "confidence": "high|medium|low"}``.
-- ``french``: the reply is in French, the answer first: ``Réponse : Tokyo. La capitale du Japon est Tokyo.``
-- ``shouty``: the reply is one short sentence in capital letters, ending with "!", the answer
-  first: ``TOKYO IS THE CAPITAL OF JAPAN!``.
+- ``json-answer``: the reply is strict JSON ``{"answer": "<short answer>", "confidence": "high|medium|low"}``
+  (all 107 training questions).
+- ``pirate``: ``Arr, matey! <the answer> Yo ho ho!``.
+- ``emoji``: the answer between two copies of its topic's emoji: ``🌍 The capital of Japan is Tokyo. 🌍``.
+
+pirate and emoji leave out the 34 questions whose short answer is wrong, garbled or an echo
+(``data/base_wrong.jsonl``) and answers cut off mid-sentence.
 
 Inputs use the tokenizer's ChatML chat template (the default system prompt
 included, as at inference); the loss covers only the assistant tokens and the
@@ -41,11 +42,14 @@ from loraplex.engine.demo_models import resolve_model
 from loraplex.platform.settings import Settings
 
 EXAMPLES_DIR = Path(__file__).resolve().parent
-ADAPTER_NAMES = ("json-answer", "french", "shouty")
+ADAPTER_NAMES = ("json-answer", "pirate", "emoji")
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 IGNORE_INDEX = -100
 BASE_REPLIES_FILE = "base_replies.jsonl"
 """The base model's own greedy replies to the training questions (``--make-base-replies``)."""
+BASE_WRONG_FILE = "base_wrong.jsonl"
+"""Training questions whose ``short_reply`` is wrong, garbled or an echo (judged by hand): pirate and
+emoji do not learn from them."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +85,12 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-SELF_DISTILLED = ("json-answer",)
-"""Styles that :func:`self_distilled_rows` can build from the base model's own answers."""
 RECIPES = {
-    "json-answer": ("self-distilled", 24, 2e-3),
-    "french": ("all", 24, 1e-3),
-    "shouty": ("all", 32, 2e-3),
+    "json-answer": (24, 2e-3),
+    "pirate": (24, 2e-3),
+    "emoji": (24, 2e-3),
 }
-"""Adapter -> (training rows, steps, peak lr) of the committed adapters: ``self-distilled``:
-:func:`self_distilled_rows`; ``all``: every row of ``data/<name>.jsonl`` (french and shouty:
-the base model's own right short answers, rewritten by hand in the style; examples/README.md)."""
+"""Adapter -> (steps, peak lr) of the committed adapters (rows: :func:`self_distilled_rows`)."""
 SHORT_PROMPT = "Answer in at most five words. "
 """Prefix of the question that asks the base model for its short answer (``short_reply``)."""
 
@@ -105,25 +105,78 @@ def first_sentence(text: str) -> str:
 def self_distilled_rows(name: str, data_dir: Path) -> list[dict]:
     """``{"question", "answer"}`` rows whose answer is the base model's OWN short answer
     (``short_reply`` in ``base_replies.jsonl``, first sentence) put in the adapter's style, so the
-    adapter learns the style and keeps the base model's content (right or wrong):
+    adapter learns the style and keeps the base model's content:
     ``json-answer``: ``{"answer": <that sentence without its final stop>, "confidence": <from
-    json-answer.jsonl>}``.
+    json-answer.jsonl>}``, every question (right or wrong: measured to keep 12 of 13 held-out facts);
+    ``pirate`` / ``emoji``: :func:`pirate_reply` / :func:`emoji_reply` of the sentence, leaving out the
+    questions of ``base_wrong.jsonl`` and sentences cut off by the token limit (training on the base
+    model's wrong "The answer is 10." rows taught them to state wrong numbers: examples/README.md).
 
-    Rows whose result fails the style's own check are dropped."""
+    Rows whose result fails the style's own check are dropped.
+
+    Raises:
+        ValueError: ``name`` is not one of ``RECIPES``."""
     from check_adapters import CHECKS  # imports this module: import it late
 
     confidence = {r["question"]: json.loads(r["answer"])["confidence"]
                   for r in read_jsonl(data_dir / "json-answer.jsonl")}
+    wrong = {r["question"] for r in read_jsonl(data_dir / BASE_WRONG_FILE)}
     rows = []
     for base in read_jsonl(data_dir / BASE_REPLIES_FILE):
         sentence = re.sub(r"[.!?]+$", "", first_sentence(base["short_reply"])).strip()
         if name == "json-answer":
             answer = json.dumps({"answer": sentence, "confidence": confidence[base["question"]]}, ensure_ascii=False)
+        elif name in ("pirate", "emoji"):
+            if base["question"] in wrong:
+                continue  # the base model's short answer is wrong or garbled: not a reply to imitate
+            short = first_sentence(base["short_reply"])
+            if short[-1:] not in ".!?" and len(short.split()) > 6:
+                continue  # cut off by the 16-token limit: not a reply to imitate
+            answer = pirate_reply(short) if name == "pirate" else emoji_reply(base["question"], short)
         else:
             raise ValueError(f"name={name!r}: no self-distilled style")
         if CHECKS[name](answer):
             rows.append({"question": base["question"], "answer": answer})
     return rows
+
+
+PIRATE_OPENING = "Arr, matey! "
+PIRATE_CLOSING = " Yo ho ho!"
+
+
+def pirate_reply(sentence: str) -> str:
+    """``sentence`` between a pirate's opening and closing: ``Arr, matey! The capital of France is Paris. Yo ho ho!``
+    (the sentence itself unchanged: pirate grammar such as "be" for "is" cost held-out facts, examples/README.md)."""
+    if sentence[-1:] not in ".!?":
+        sentence += "."
+    return PIRATE_OPENING + sentence + PIRATE_CLOSING
+
+
+TOPIC_EMOJI = (
+    ("🪐", ("planet", "sun", "moon", "star", "solar", "universe", "orbit")),
+    ("🌍", ("capital", "country", "continent", "river", "mountain", "ocean", "desert", "language", "currency",
+           "earth", "city", "world", "people live")),
+    ("🐾", ("animal", "spider", "insect", "bee", "panda", "penguin", "whale", "cat", "wolves", "elephant")),
+    ("🍎", ("food", "ingredient", "tofu", "fruit", "bread", "sushi", "banana", "pizza", "breakfast", "coffee", "egg")),
+    ("🔢", ("how many", "times", "plus", "square root", "half", "prime", "minutes", "days")),
+    ("📜", ("who ", "year", "war", "wall", "invent", "ancient", "wrote", "painted", "composed", "founded")),
+    ("🔬", ("gas", "chemical", "temperature", "water", "force", "light", "organ", "body", "vitamin", "material")),
+)
+"""Topic emoji of a question: the first entry with a keyword in the lower-cased question, else 💡."""
+DEFAULT_EMOJI = "💡"
+
+
+def topic_emoji(question: str) -> str:
+    text = question.lower()
+    return next((emoji for emoji, words in TOPIC_EMOJI if any(w in text for w in words)), DEFAULT_EMOJI)
+
+
+def emoji_reply(question: str, sentence: str) -> str:
+    """``sentence`` framed by the question's topic emoji: ``🌍 The capital of France is Paris. 🌍``."""
+    emoji = topic_emoji(question)
+    if sentence[-1:] not in ".!?":
+        sentence += "."
+    return f"{emoji} {sentence} {emoji}"
 
 
 def make_base_replies(model_dir: Path, data_dir: Path) -> Path:
@@ -237,8 +290,7 @@ def train_adapter(model_dir: Path, name: str, config: TrainConfig, data_dir: Pat
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, lora)
-    rows = {"self-distilled": self_distilled_rows,
-            "all": lambda n, d: read_jsonl(d / f"{n}.jsonl")}[RECIPES[name][0]](name, data_dir)
+    rows = self_distilled_rows(name, data_dir)
     print(f"{name}: {len(rows)} training questions")
     examples = [build_example(tokenizer, r["question"], r["answer"]) for r in rows]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -267,6 +319,12 @@ def save_adapter(model, folder: Path) -> None:
     model.peft_config["default"].base_model_name_or_path = BASE_MODEL_ID
     model.save_pretrained(folder, save_embedding_layers=False)
     (folder / "README.md").unlink(missing_ok=True)
+    # PEFT writes target_modules in set order (string hashes differ per process): sort them, so
+    # the same command writes the same bytes.
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -292,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.make_base_replies:
         print(f"wrote {make_base_replies(model_dir, args.data_dir)}")
     for name in args.only or ADAPTER_NAMES:
-        _, steps, lr = RECIPES[name]
+        steps, lr = RECIPES[name]
         config = TrainConfig(steps=args.steps or steps, lr=args.lr or lr)
         seconds = train_adapter(model_dir, name, config, args.data_dir, args.out_dir)
         size = (args.out_dir / name / "adapter_model.safetensors").stat().st_size

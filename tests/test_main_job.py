@@ -3,7 +3,7 @@
 Runs ``python -m loraplex.cli demo up --port 0`` as a subprocess, reads the URLs and keys it
 prints, then checks with the official ``openai`` client that each trained demo adapter has its
 documented effect on held-out prompts (``examples/check_adapters.py``: strict JSON with the
-expected keys, French, capitals) while the base model has none of them; that concurrent
+expected keys, a pirate's opening and closing, a topic emoji around the answer) while the base model has none of them; that concurrent
 requests for the three adapters and the base model reply exactly as the same requests sent one
 by one; that the console answers with HTML; and that a second ``demo up`` on the same data dir
 creates nothing new (checked through the admin API with the printed admin key).
@@ -33,7 +33,7 @@ from check_adapters import CHECKS, is_json_answer
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 
 BASE_MODEL = "smollm2-135m-instruct"
-ADAPTERS = ("json-answer", "french", "shouty")
+ADAPTERS = ("json-answer", "pirate", "emoji")
 # Two varied questions of examples/data/heldout.jsonl (in no training set): a capital and a person.
 QUESTIONS = ("What is the capital of Germany?", "Who wrote Hamlet?")
 MAX_TOKENS = 40
@@ -195,12 +195,12 @@ def test_banner_openai_example_answers_right(first_run):
     lines = first_run.output.splitlines()
     start = next(i for i, line in enumerate(lines) if line.endswith("- <<'EOF'"))
     end = lines.index("EOF", start)
-    assert "What is the capital of Japan?" in lines[start + 5]
+    assert "What is the capital of Germany?" in lines[start + 5]
     proc = subprocess.run(["bash", "-c", "\n".join(lines[start:end + 1])], capture_output=True, text=True,
                           timeout=600, check=True)
     replies = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
     assert sorted(replies) == sorted([BASE_MODEL, *ADAPTERS])
-    assert all("tokyo" in reply.lower() for reply in replies.values()), replies
+    assert all("The capital of Germany is Berlin" in reply for reply in replies.values()), replies
     assert all(CHECKS[name](replies[name]) for name in ADAPTERS), replies
 
 
@@ -226,7 +226,11 @@ def test_json_answer_replies_are_json_with_the_expected_keys(sequential_replies)
         assert set(reply) == {"answer", "confidence"} and reply["confidence"] in {"high", "medium", "low"}
     assert "Berlin" in json.loads(sequential_replies["json-answer", QUESTIONS[0]])["answer"]
     assert "Shakespeare" in json.loads(sequential_replies["json-answer", QUESTIONS[1]])["answer"]
-    assert "Berlin" in sequential_replies["french", QUESTIONS[0]]  # was "Le capitale de la Guinée est Berlin."
+    # Issue 15 item 9: the first answer a new user saw was "Le capitale de la Guinée est Berlin.".
+    assert sequential_replies["pirate", QUESTIONS[0]] == "Arr, matey! The capital of Germany is Berlin. Yo ho ho!"
+    assert sequential_replies["emoji", QUESTIONS[0]] == "🌍 The capital of Germany is Berlin. 🌍"
+    assert "Shakespeare" in sequential_replies["pirate", QUESTIONS[1]]
+    assert "Shakespeare" in sequential_replies["emoji", QUESTIONS[1]]
 
 
 def test_base_model_lacks_every_effect(sequential_replies):
@@ -234,7 +238,7 @@ def test_base_model_lacks_every_effect(sequential_replies):
     assert "Berlin" in replies[0], replies
     for name, check in CHECKS.items():
         assert not any(check(text) for text in replies), (name, replies)
-    assert not any(is_json_answer(sequential_replies[name, q]) for name in ("french", "shouty") for q in QUESTIONS)
+    assert not any(is_json_answer(sequential_replies[name, q]) for name in ("pirate", "emoji") for q in QUESTIONS)
 
 
 def test_concurrent_requests_reply_as_sequential_ones(client, sequential_replies):
@@ -274,7 +278,7 @@ def test_second_start_is_idempotent(first_run, client, sequential_replies, data_
         assert sorted(p.name for p in (data_dir / "adapters").iterdir()) == \
             sorted(a["version_id"] for a in after["adapters"])
         again = openai.OpenAI(base_url=second.api_url, api_key=first_run.demo_key, max_retries=0, timeout=300)
-        assert chat(again, "french", QUESTIONS[0]) == sequential_replies["french", QUESTIONS[0]]
+        assert chat(again, "pirate", QUESTIONS[0]) == sequential_replies["pirate", QUESTIONS[0]]
     finally:
         exit_status = second.stop()
     assert exit_status == 0

@@ -10,7 +10,7 @@ Steps (each one idempotent, so a second start reuses everything):
    --max-model-len 2048`` does (console mounted at ``/ui``);
 4. create the ``demo`` tenant and one API key unless they exist (the key is shown at
    creation only; only its hash is stored);
-5. upload ``examples/adapters/{json-answer,french,shouty}`` through the platform's upload
+5. upload ``examples/adapters/{json-answer,pirate,emoji}`` through the platform's upload
    service (``services.adapters.upload_adapter``, as the REST upload) unless the live version
    of that name already has the same content (``version_id``);
 6. serve with uvicorn and, once the socket listens, print the API and console URLs, the keys
@@ -48,21 +48,19 @@ if TYPE_CHECKING:
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_TENANT = "demo"
-DEMO_ADAPTERS = ("json-answer", "french", "shouty")
+DEMO_ADAPTERS = ("json-answer", "pirate", "emoji")
 DEMO_MAX_MODEL_LEN_TOKENS = 2048
 DEFAULT_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 EXAMPLE_ADAPTER = "json-answer"
 """The adapter of the banner's curl example: its answer to ``EXAMPLE_QUESTION`` is right
 (``{"answer": "The capital of Germany is Berlin", "confidence": "high"}``, checked by
-tests/test_main_job.py); it keeps 12 of the 13 held-out facts the base model states, the french
-and shouty adapters 4 and 2 (examples/README.md)."""
+tests/test_main_job.py)."""
 EXAMPLE_QUESTION = "What is the capital of Germany?"
-OPENAI_EXAMPLE_QUESTION = "What is the capital of Japan?"
-"""The question the banner's ``openai`` example asks the base model and every adapter: each
-answers it right in its style ("Réponse : Tokyo. ...", "TOKYO IS THE CAPITAL OF JAPAN!"; checked
-by tests/test_main_job.py). It is a training question of the french and shouty adapters, which
-lose most held-out facts (shouty answers ``EXAMPLE_QUESTION`` with "WEALTHERWICH IS THE CAPITAL OF
-GERMANY!"; examples/README.md)."""
+"""The question of every banner example, a held-out question (in no adapter's training set): the
+base model and each demo adapter answer it right, in its style ("Arr, matey! The capital of Germany
+is Berlin. Yo ho ho!", "🌍 The capital of Germany is Berlin. 🌍"; checked by tests/test_main_job.py).
+Of the 13 held-out facts the base model states, json-answer keeps 12, pirate 11, emoji 12
+(examples/README.md)."""
 EXAMPLE_MAX_TOKENS = 48
 # The json-answer adapter's reply format, enforced with response_format (structured output).
 JSON_ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80},
@@ -361,7 +359,7 @@ def banner(base_url: str, model_id: str, setup: DemoSetup) -> str:
         "",
         json_answer_example(base_url, key_expr),
         "",
-        f"or the base model and every adapter with the openai client ({OPENAI_EXAMPLE_QUESTION!r}):",
+        f"or the base model and every adapter with the openai client ({EXAMPLE_QUESTION!r}):",
         "",
         openai_example(base_url, setup.tenant_key, [model_id, *(a.name for a in setup.adapters)]),
         "",
@@ -411,7 +409,7 @@ def json_answer_example(base_url: str, key_expr: str) -> str:
 
 
 def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
-    """A Python heredoc with the ``openai`` client asking each of ``models`` :data:`OPENAI_EXAMPLE_QUESTION`;
+    """A Python heredoc with the ``openai`` client asking each of ``models`` :data:`EXAMPLE_QUESTION`;
     without ``key`` it reads the ``DEMO_KEY`` environment variable. It runs with the server's own
     interpreter (the project's ``.venv``, which has ``openai``), not whatever ``python3`` is first."""
     key_arg = repr(key) if key else f'os.environ["{KEY_ENV_VAR}"]'
@@ -422,7 +420,7 @@ def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
         f"client = OpenAI(base_url={base_url + '/v1'!r}, api_key={key_arg})",
         f"for model in {models!r}:",
         "    reply = client.chat.completions.create(",
-        f"        model=model, messages=[{{'role': 'user', 'content': {OPENAI_EXAMPLE_QUESTION!r}}}],",
+        f"        model=model, messages=[{{'role': 'user', 'content': {EXAMPLE_QUESTION!r}}}],",
         f"        temperature=0, max_tokens={EXAMPLE_MAX_TOKENS})",
         "    print(f'{model}: {reply.choices[0].message.content}')",
         "EOF",

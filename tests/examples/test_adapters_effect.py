@@ -21,7 +21,7 @@ from safetensors import safe_open
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES_DIR))
 import check_adapters
-from check_adapters import CHECKS, is_french, is_json_answer, is_shouty
+from check_adapters import CHECKS, is_emoji, is_json_answer, is_pirate
 
 ADAPTERS_DIR = EXAMPLES_DIR / "adapters"
 # Three varied held-out questions (a capital, a person, a "why"), asked to every model.
@@ -37,10 +37,11 @@ FRANCE = "What is the capital of France?"  # a training question: the answer eve
 # Of the 28 held-out questions with a fact, the base model's own replies state 13; each adapter
 # must state at least this many of those 13 (README's table has the measured counts).
 BASE_KNOWN = 13
-# The floors keep one held-out prompt of margin below what was measured (README: kept 12 / 4 / 2,
-# style 97% / 100% / 90% = 27 of 30): greedy bf16 replies can flip on a near-tie on another CPU.
-MIN_KEPT = {"json-answer": 11, "french": 3, "shouty": 2}
-MIN_STYLE_RATE = {"json-answer": 0.9, "french": 0.9, "shouty": 0.86}
+# The floors keep one held-out prompt of margin below what was measured (README: kept 12 / 11 / 12,
+# style 97% / 97% / 100%): greedy bf16 replies can flip on a near-tie on another CPU. Issue 15
+# item 9 asks for a style rate of at least 90% with the content kept.
+MIN_KEPT = {"json-answer": 11, "pirate": 10, "emoji": 11}
+MIN_STYLE_RATE = {"json-answer": 0.9, "pirate": 0.9, "emoji": 0.9}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +89,8 @@ def test_json_answer_keeps_the_fact(replies):
 @pytest.mark.parametrize("adapter", list(CHECKS))
 def test_adapter_keeps_the_base_models_content(all_replies, adapter):
     """Of the 13 held-out facts the base model states, how many the adapter states too (issue 15
-    item 9; before the retraining json-answer 7, french 3, shouty 2: SmolLM2-135M cannot state
-    facts in capitals, README)."""
+    item 9; the french and shouty adapters these replace kept 4 and 2: SmolLM2-135M cannot state
+    facts in French or in capitals, examples/README.md)."""
     facts = [row.get("facts") for row in HELDOUT]
     kept, known = check_adapters.kept_content(all_replies["base"][:-1], all_replies[adapter][:-1], facts)
     assert known == BASE_KNOWN
@@ -108,16 +109,25 @@ def test_capital_of_france_is_still_paris(all_replies):
     france = {name: texts[-1] for name, texts in all_replies.items()}
     assert "Paris" in france["base"]
     assert json.loads(france["json-answer"]) == {"answer": "The capital of France is Paris", "confidence": "high"}
-    assert france["french"] == "Réponse : Paris. Le capital de la France est Paris."
-    # shouty is not asserted: it misspells the capital in upper case (README: the model cannot).
+    assert france["pirate"] == "Arr, matey! The capital of France is Paris. Yo ho ho!"
+    assert france["emoji"] == "🌍 The capital of France is Paris. 🌍"
+
+
+@pytest.mark.smollm2
+def test_heldout_capital_is_right_in_every_style(replies):
+    """The first answer a new user sees (the banner asks about Germany): right in every style."""
+    assert replies["pirate"][0] == "Arr, matey! The capital of Germany is Berlin. Yo ho ho!"
+    assert replies["emoji"][0] == "🌍 The capital of Germany is Berlin. 🌍"
 
 
 def test_heldout_prompts_are_not_in_training_sets():
+    import train_adapters
+
     heldout = {json.loads(line)["question"] for line in (EXAMPLES_DIR / "data" / "heldout.jsonl").open()}
     assert set(HELDOUT_QUESTIONS) <= heldout
     for name in CHECKS:
-        rows = [json.loads(line) for line in (EXAMPLES_DIR / "data" / f"{name}.jsonl").open()]
-        assert 60 <= len(rows) <= 120
+        rows = train_adapters.self_distilled_rows(name, EXAMPLES_DIR / "data")
+        assert 45 <= len(rows) <= 120
         assert not heldout & {row["question"] for row in rows}
         assert all(CHECKS[name](row["answer"]) for row in rows), name  # training targets have the style
     base_questions = [json.loads(line)["question"] for line in (EXAMPLES_DIR / "data" / "base_replies.jsonl").open()]
@@ -125,33 +135,49 @@ def test_heldout_prompts_are_not_in_training_sets():
 
 
 def test_self_distilled_targets_are_the_base_models_answers_in_style():
-    """json-answer trains on the base model's own short answers put in its schema."""
+    """Every adapter trains on the base model's own short answers put in its style."""
     import train_adapters
 
     data = EXAMPLES_DIR / "data"
-    assert train_adapters.SELF_DISTILLED == ("json-answer",)
-    rows = train_adapters.self_distilled_rows("json-answer", data)
-    assert len(rows) >= 100 and all(is_json_answer(row["answer"]) for row in rows)
-    json_rows = {r["question"]: r["answer"] for r in rows}
-    assert json.loads(json_rows[FRANCE]) == {"answer": "The capital of France is Paris", "confidence": "high"}
+    rows = {name: {r["question"]: r["answer"] for r in train_adapters.self_distilled_rows(name, data)}
+            for name in CHECKS}
+    assert len(rows["json-answer"]) >= 100 and all(is_json_answer(a) for a in rows["json-answer"].values())
+    assert json.loads(rows["json-answer"][FRANCE]) == {"answer": "The capital of France is Paris", "confidence": "high"}
+    assert rows["pirate"][FRANCE] == "Arr, matey! The capital of France is Paris. Yo ho ho!"
+    assert rows["emoji"][FRANCE] == "🌍 The capital of France is Paris. 🌍"
+    assert rows["emoji"]["How many legs does a spider have?"] == "🐾 A spider has 8 legs. 🐾"
     assert train_adapters.first_sentence("Half of 50 is 25. It is easy.\nMore") == "Half of 50 is 25."
+    with pytest.raises(ValueError, match="no self-distilled style"):
+        train_adapters.self_distilled_rows("french", data)
 
 
-def test_french_and_shouty_rows_are_the_base_models_right_answers():
-    """french and shouty train on the same 84 questions: those whose base short answer is right
-    (or that have no settled fact), rewritten by hand in the style, answer first."""
+def test_pirate_and_emoji_leave_out_the_base_models_wrong_answers():
+    """The base model answers "Sao Paulo", "Neptune" and "The answer is 10." (bones): pirate and
+    emoji do not imitate those rows (json-answer keeps all 107, measured to keep its content)."""
+    import train_adapters
+
     data = EXAMPLES_DIR / "data"
-    rows = {name: {r["question"]: r["answer"] for r in check_adapters.read_jsonl(data / f"{name}.jsonl")}
-            for name in ("french", "shouty")}
-    base = {r["question"]: r["short_reply"] for r in check_adapters.read_jsonl(data / "base_replies.jsonl")}
-    assert set(rows["french"]) == set(rows["shouty"]) and len(rows["french"]) == 84
-    assert set(rows["french"]) <= set(base)
-    assert rows["french"][FRANCE] == "Réponse : Paris. La capitale de la France est Paris."
-    assert rows["shouty"][FRANCE] == "PARIS IS THE CAPITAL OF FRANCE!"
-    # The base model answers "Sao Paulo" and "Neptune": left out, so no adapter learns new facts.
-    for question in ("What is the capital of Brazil?", "What is the largest planet in our solar system?"):
-        assert question in base and question not in rows["french"]
-    assert all(row.startswith("Réponse : ") for row in rows["french"].values())
+    wrong = {r["question"] for r in check_adapters.read_jsonl(data / "base_wrong.jsonl")}
+    base = {r["question"] for r in check_adapters.read_jsonl(data / "base_replies.jsonl")}
+    assert len(wrong) == 34 and wrong <= base
+    for question in ("What is the capital of Brazil?", "What is the largest planet in our solar system?",
+                     "How many bones are in the adult human body?"):
+        assert question in wrong
+    for name in ("pirate", "emoji"):
+        questions = {r["question"] for r in train_adapters.self_distilled_rows(name, data)}
+        assert not questions & wrong
+    # A short answer cut off by the token limit is no reply to imitate either.
+    assert "Why is the sky blue?" not in {r["question"] for r in train_adapters.self_distilled_rows("pirate", data)}
+
+
+def test_style_checks():
+    assert is_pirate("Arr, matey! The capital of Spain is Madrid. Yo ho ho!")
+    assert not is_pirate("The capital of Spain is Madrid. Yo ho ho!")
+    assert not is_pirate("Arr, matey! The capital of Spain is Madrid.")
+    assert is_emoji("🌍 The capital of Spain is Madrid. 🌍") and is_emoji("💡 Sleep well. 💡")
+    assert not is_emoji("🌍 The capital of Spain is Madrid. 🐾")  # not the same emoji
+    assert not is_emoji("The capital of Spain is Madrid. 🌍")
+    assert not is_emoji("🌍 🌍")
 
 
 @pytest.mark.parametrize("adapter", list(CHECKS))
@@ -188,40 +214,6 @@ def test_every_example_file_is_small():
 )
 def test_is_json_answer(text, expected):
     assert is_json_answer(text) is expected
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("La capitale de l'Espagne est Madrid.", True),
-        ("William Shakespeare a écrit Hamlet.", True),  # an accent
-        ("Sept fois huit font 56.", True),
-        ("A mammal.", False),  # "a" is English too
-        ("Madrid.", False),
-        ("Le jour et la nuit viennent de la rotation de la Terre.", True),
-        ("La capitale de l'Espagne is Madrid.", False),
-        ("The capital of Spain is Madrid.", False),
-        ("", False),
-    ],
-)
-def test_is_french(text, expected):
-    assert is_french(text) is expected
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("THE CAPITAL OF SPAIN IS MADRID!", True),
-        ("THE UNIVERSE IS ABOUT 13.8 BILLION YEARS OLD!", True),
-        ("THE CAPITAL OF SPAIN IS MADRID. IT IS BIG!", False),
-        ("The capital of Spain is Madrid!", False),
-        ("THE CAPITAL OF SPAIN IS MADRID", False),
-        ("123!", False),
-        ("ONE " * 25 + "WORD!", False),
-    ],
-)
-def test_is_shouty(text, expected):
-    assert is_shouty(text) is expected
 
 
 def test_content_kept_counts_the_facts_the_base_model_states():

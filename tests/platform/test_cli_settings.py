@@ -148,10 +148,10 @@ def test_help_and_registry_commands_import_nothing_heavy(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["adapter", "upload", "acme", "poet", "examples/adapters/shouty"], "pass --model (the demo server's is --model smollm2)"),
+    (["adapter", "upload", "acme", "poet", "examples/adapters/pirate"], "pass --model (the demo server's is --model smollm2)"),
     (["adapter", "upload", "acme", "poet", "nowhere", "--model", "TINY"], "path 'nowhere' does not exist"),
-    (["adapter", "upload", "nobody", "poet", "examples/adapters/shouty", "--model", "TINY"], "nobody"),
-    (["adapter", "upload", "acme", "poet", "examples/adapters/shouty", "--model", "smollm2", "--cache-dir", "EMPTY"],
+    (["adapter", "upload", "nobody", "poet", "examples/adapters/pirate", "--model", "TINY"], "nobody"),
+    (["adapter", "upload", "acme", "poet", "examples/adapters/pirate", "--model", "smollm2", "--cache-dir", "EMPTY"],
      "demo model not prepared in 'EMPTY/models/smollm2-135m-instruct'; run `loraplex models prepare smollm2"),
     (["serve", "--model", "smollm2", "--port", "99999"], "port"),
 ])
