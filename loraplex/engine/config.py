@@ -152,11 +152,12 @@ class EngineConfig:
     refuses to start where it is unavailable), nccl = NCCL (decode steps then run eagerly). On CPU: gloo."""
     async_scheduling: bool = False
     """Schedule and launch step N+1 while step N runs on the device (LLMEngine.step); sampled tokens of N enter
-    N+1 on the device. Off by default (opt-in, as vLLM's); on an H200 it made decode steps 5 to 11 percent faster
-    and the GPU busy for 0.93-0.98 of a step instead of 0.77-0.86 (benchmarks/RESULTS.md, session 7), but behind
-    the REST API it raised the median time to first token from 28 to 172 ms at 16 requests/s (session 8: steps
-    carrying a prompt chunk ran eagerly while decode rows held placeholder tokens; they replay mixed CUDA graphs
-    since, not yet re-measured on a GPU). Not with tensor_parallel_size > 1."""
+    N+1 on the device. Off by default (opt-in, as vLLM's; ``loraplex serve --async-scheduling``). On an H200 it
+    made decode steps 5 to 11 percent faster and the GPU busy for 0.93-0.98 of a step instead of 0.77-0.86
+    (benchmarks/RESULTS.md, session 7); behind the REST API (session 9) it lowered inter-token p99 at 32
+    requests/s from 39.6 to 21.7 ms and raised saturation from ~42 to ~55 requests/s, with time to first token
+    p50 within 4 ms of sync up to 16 requests/s (one outlier: TTFT p99 252 ms at 4 requests/s). Not with
+    tensor_parallel_size > 1."""
 
     def __post_init__(self) -> None:
         self.validate(dataclasses.asdict(self))
