@@ -73,6 +73,8 @@ import httpx
 BENCH_DIR = Path(__file__).resolve().parent
 TTFT_SLO_MS = 1000.0
 ITL_SLO_MS = 50.0
+SERVER_THREADS = ("loraplex-engine", "uvicorn")
+"""The server's threads that ``--sample-stacks`` prints: the engine loop and uvicorn's event loop."""
 BASE_FRACTION = 0.2
 SATURATED_TTFT_P99_MS = 5000.0
 SATURATED_ERROR_FRACTION = 0.1
@@ -578,21 +580,34 @@ def warm_up(pool, served: Served, w: Workload, profile: Profile) -> list[dict[st
 
 
 def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tuple[float, ...],
-                  rows: list[dict[str, Any]], skipped: list[float]) -> None:
+                  rows: list[dict[str, Any]], skipped: list[float], sample_stacks: tuple[float, ...] = ()) -> None:
     """Append one row per rate (lowest first) to ``rows``; the rates above a saturated one go
-    to ``skipped`` unmeasured."""
+    to ``skipped`` unmeasured. At the rates in ``sample_stacks`` the server process's threads are
+    sampled while the rate runs (``stack_sampler.StackSampler``; the row's ``stack_profile``)."""
+    from stack_sampler import StackSampler, format_report
+
     for i, rate in enumerate(rates):
         count = requests_per_rate(profile, rate)
         specs = workload_specs(w, profile, count, poisson_offsets_s(w.rng, rate, count))
         before = engine_counters(served.ctx)
+        sampler = StackSampler().start() if rate in sample_stacks else None
         t0 = time.perf_counter()
-        results = run_specs(pool, profile.client_processes, served.base_url, specs, profile.output_tokens,
-                            profile.drain_timeout_s)
+        try:
+            results = run_specs(pool, profile.client_processes, served.base_url, specs, profile.output_tokens,
+                                profile.drain_timeout_s)
+        finally:
+            if sampler is not None:
+                sampler.stop()
         row = summarize_rate(rate, results)
+        if sampler is not None:
+            row["stack_profile"] = sampler.report(top=25)
+            print(f"[rate {rate:g}/s] server threads, sampled every {1e3 * sampler.interval_s:g} ms:\n"
+                  + format_report(row["stack_profile"], SERVER_THREADS, top=20), flush=True)
         row["wall_s"] = time.perf_counter() - t0
         row["engine"] = counter_delta(engine_counters(served.ctx), before)
         rows.append(row)
-        print(f"[rate {rate:g}/s] {json.dumps({k: v for k, v in row.items() if k != 'requests_by_target'})}",
+        print(f"[rate {rate:g}/s] "
+              f"{json.dumps({k: v for k, v in row.items() if k not in ('requests_by_target', 'stack_profile')})}",
               flush=True)
         if saturated(row):
             skipped.extend(rates[i + 1:])
@@ -606,7 +621,8 @@ def prepare_adapters(root: Path, config: dict, profile: Profile) -> list[Path]:
     return [Path(lora.lora_path) for lora in loras]
 
 
-def run(profile: Profile, rates: tuple[float, ...], root: Path, result: dict[str, Any]) -> None:
+def run(profile: Profile, rates: tuple[float, ...], root: Path, result: dict[str, Any],
+        sample_stacks: tuple[float, ...] = ()) -> None:
     """Start the server, register tenants and adapters, warm up, measure, filling ``result``
     (the JSON) as it goes, so that a failure part-way still leaves what was measured."""
     from common import make_model_dir
@@ -633,7 +649,7 @@ def run(profile: Profile, rates: tuple[float, ...], root: Path, result: dict[str
             result["warmup"] = warm_up(pool, served, w, profile)
             timings["warmup_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            measure_rates(pool, served, w, profile, rates, result["rates"], result["skipped_rates"])
+            measure_rates(pool, served, w, profile, rates, result["rates"], result["skipped_rates"], sample_stacks)
             timings["rates_s"] = time.perf_counter() - t0
         result["engine_totals"] = engine_counters(served.ctx)
         result["routing"] = routing_check(result["warmup"] + result["rates"], routed_counts(served.ctx))
@@ -665,6 +681,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: $OUT/online.json or ./online.json)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the engine with async_scheduling=True (default: off, the engine default)")
+    ap.add_argument("--sample-stacks", type=lambda s: tuple(float(x) for x in s.split(",")), default=(),
+                    help="comma-separated rates (of --rates) at which the server's Python threads are sampled "
+                         "(stack_sampler.py): per thread, the functions holding its time")
     return ap.parse_args(argv)
 
 
@@ -706,11 +725,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rates = args.rates or profile.rates_per_s
     if not all(r > 0 for r in rates):
         raise SystemExit(f"--rates={rates}: every rate must be > 0")
+    if not set(args.sample_stacks) <= set(rates):
+        raise SystemExit(f"--sample-stacks={args.sample_stacks}: each must be one of the rates {rates}")
     result = new_result(profile, device_name(profile), os.environ.get("LORAPLEX_COMMIT") or git_commit())
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="loraplex-online-") as tmp:
-            run(profile, tuple(sorted(rates)), Path(tmp), result)
+            run(profile, tuple(sorted(rates)), Path(tmp), result, args.sample_stacks)
     except Exception as exc:  # noqa: BLE001 - keep what was measured
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"
