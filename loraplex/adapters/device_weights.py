@@ -78,6 +78,8 @@ class LoRADeviceWeights:
                                 for layer in range(spec.num_layers)]
         self._gain_columns = {m: (columns[i], columns[i + 1]) for i, m in enumerate(shapes)}
         self.dora_slots: set[int] = set()  # slots whose adapter is a DoRA one (gains not all 1)
+        self._staging: torch.Tensor | None = None  # write_many's device staging buffer, kept between installs
+        self._staging_view_cache: dict[tuple, list[torch.Tensor]] = {}
         self._base_weight: BaseWeightRows | None = None
         self._init_vocab(max_full_module_slots)
 
@@ -184,11 +186,11 @@ class LoRADeviceWeights:
 
     def write_many(self, writes: list[tuple[int, SlotImage]], *, staging_bytes: int) -> None:
         """Overwrite several slots at once (distinct slots), as ``write`` would one by one, with
-        one host-to-device copy per image and one device-side ``index_copy_`` per targeted
-        (layer, module) factor and group of up to ``staging_bytes`` of images sharing a layout
-        (instead of two small host-to-device copies per module and image): the images are
-        copied whole into a device staging buffer ``[n, numel]`` and scattered from there; the
-        scalings of a group take one copy. Enqueued without waiting. If a copy raises, every
+        one host-to-device copy per image and one device-side ``torch._foreach_copy_`` per group of
+        up to ``staging_bytes`` of images sharing a layout (instead of two small host-to-device
+        copies per module and image): the images are copied whole into a device staging buffer
+        ``[n, numel]`` (kept between calls) and scattered from there; the scalings of a group take
+        one copy. Enqueued without waiting. If a copy raises, every
         slot of ``writes`` is marked unknown (see ``invalidate``)."""
         groups: dict[tuple, list[tuple[int, SlotImage]]] = {}
         for slot, image in writes:
@@ -215,21 +217,51 @@ class LoRADeviceWeights:
             self._written[slot] = frozenset(image.offsets)
 
     def _scatter(self, members: list[tuple[int, SlotImage]]) -> None:
-        """Images of one layout -> staging ``[n, numel]`` on the device -> their slots."""
+        """Images of one layout -> a staging buffer on the device (one host-to-device copy per image) -> their
+        slots with one ``torch._foreach_copy_`` (a few multi-tensor kernels on CUDA, where two ``index_copy_``
+        per (layer, module) cost ~900 launches per install). The staging buffer is kept between installs
+        (stream order protects its reuse), so an install allocates no device memory."""
         first = members[0][1]
-        staging = torch.empty(len(members), first.data.numel(), dtype=self.dtype, device=self.device)
+        numel = first.data.numel()
+        staging = self._staging_rows(len(members), numel)
         for row, (_, image) in enumerate(members):
             staging[row].copy_(image.data, non_blocking=True)
+        keys = tuple(first.offsets)
+        destinations: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for row, (slot, _) in enumerate(members):
+            destinations += [self.a[layer][module][slot] for layer, module in keys]
+            destinations += [self.b[layer][module][slot] for layer, module in keys]
+            sources += self._staging_views(first, row)
+        if keys:  # an adapter only on embed_tokens / lm_head has none
+            torch._foreach_copy_(destinations, sources, non_blocking=True)
         slots = self._to_device(torch.tensor([slot for slot, _ in members], dtype=torch.int64))
-        R = self.max_lora_rank
-        for (layer, module), (a_offset, b_offset) in first.offsets.items():
-            in_features, out_features = self.spec.module_shapes[module]
-            self.a[layer][module].index_copy_(
-                0, slots, staging[:, a_offset : a_offset + R * in_features].unflatten(1, (R, in_features)))
-            self.b[layer][module].index_copy_(
-                0, slots, staging[:, b_offset : b_offset + out_features * R].unflatten(1, (out_features, R)))
         scalings = torch.stack([image.scaling for _, image in members], dim=-1)  # [L, M, n] fp32
         self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
+
+    def _staging_rows(self, rows: int, numel: int) -> torch.Tensor:
+        """``[rows, numel]`` view of the kept staging buffer, grown (and its cached views dropped) when too small."""
+        if self._staging is None or self._staging.numel() < rows * numel:
+            self._staging = torch.empty(rows * numel, dtype=self.dtype, device=self.device)
+            self._staging_view_cache.clear()
+        return self._staging[: rows * numel].view(rows, numel)
+
+    def _staging_views(self, image: SlotImage, row: int) -> list[torch.Tensor]:
+        """Views of staging row ``row`` (rows of ``image.data.numel()`` elements) shaped as ``image``'s A factors
+        ``[R, in]`` then B factors ``[out, R]``, in ``image.offsets`` order; cached per layout and row."""
+        numel = image.data.numel()
+        key = (numel, tuple(image.offsets.items()), row)
+        views = self._staging_view_cache.get(key)
+        if views is None:
+            flat = self._staging[row * numel:(row + 1) * numel]
+            R = self.max_lora_rank
+            shapes = self.spec.module_shapes
+            views = ([flat[a_off:a_off + R * shapes[m][0]].view(R, shapes[m][0])
+                      for (_, m), (a_off, _) in image.offsets.items()]
+                     + [flat[b_off:b_off + shapes[m][1] * R].view(shapes[m][1], R)
+                        for (_, m), (_, b_off) in image.offsets.items()])
+            self._staging_view_cache[key] = views
+        return views
 
     def _write_gains(self, slot: int, image: SlotImage) -> None:
         """DoRA: ``gain[l][m][slot] = m / ||W + scaling * B @ A||_row`` for each module of ``image.magnitude``,
