@@ -378,9 +378,11 @@ def _admin_key_line(setup: DemoSetup) -> str:
 
 def _tenant_key_line(setup: DemoSetup) -> str:
     if setup.tenant_key:
-        return f"{setup.tenant_key}   (tenant {setup.tenant!r}; shown once: only its hash is stored)"
+        return (f"{setup.tenant_key}   (tenant {setup.tenant!r}; shown once: only its hash is stored; later starts'\n"
+                f"              examples read it from ${KEY_ENV_VAR}: `export {KEY_ENV_VAR}={setup.tenant_key}`)")
     return (f"printed at first start (only its hash is stored); "
-            f"`export {KEY_ENV_VAR}=<that key>` for the examples below")
+            f"`export {KEY_ENV_VAR}=<that key>` for the examples below\n"
+            f"              (lost it? `loraplex key create {setup.tenant}` makes a new one)")
 
 
 def curl_example(base_url: str, key_expr: str, model: str) -> str:
@@ -412,10 +414,15 @@ def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
     """A Python heredoc with the ``openai`` client asking each of ``models`` :data:`EXAMPLE_QUESTION`;
     without ``key`` it reads the ``DEMO_KEY`` environment variable. It runs with the server's own
     interpreter (the project's ``.venv``, which has ``openai``), not whatever ``python3`` is first."""
-    key_arg = repr(key) if key else f'os.environ["{KEY_ENV_VAR}"]'
+    key_arg = repr(key) if key else KEY_ENV_VAR.lower()
+    read_key = [] if key else [
+        "import os, sys",
+        f"{KEY_ENV_VAR.lower()} = os.environ.get({KEY_ENV_VAR!r}) or sys.exit("
+        f"'set {KEY_ENV_VAR} to the demo key printed at first start (`loraplex key create demo` makes a new one)')",
+    ]
     return "\n".join([
         f"{shlex.quote(sys.executable)} - <<'EOF'",
-        *([] if key else ["import os"]),
+        *read_key,
         "from openai import OpenAI",
         f"client = OpenAI(base_url={base_url + '/v1'!r}, api_key={key_arg})",
         f"for model in {models!r}:",
