@@ -2,13 +2,15 @@
 
 Every ``interval_s`` a daemon thread reads every other thread's current stack
 (``sys._current_frames``, the method of py-spy and of the standard library's ``faulthandler``,
-without ptrace) and counts, per thread name, one *self* sample for the innermost frame's function
-and one *total* sample for each distinct function on the stack. A thread blocked in a C call
+without ptrace) and credits, per thread name, the seconds since its previous sample to the
+innermost frame's function (*self*) and to each distinct function on the stack (*total*). A thread blocked in a C call
 (``select``, a lock, a CUDA synchronize) shows that call's Python caller as its innermost frame,
 so idle time is visible as such (e.g. ``threading.py:wait``). The sampler needs the GIL for each
-sample, so it runs when another thread releases it: at a blocking call or at the interpreter's
-switch interval (5 ms) of a thread running Python; shares are of wall time, not of CPU time, and a
-thread running Python is seen at those switch points.
+sample, so samples come every ``interval_s`` while the other threads are blocked but only at the
+interpreter's switch interval (5 ms) while one runs Python: counting samples would over-weight
+blocked time 3-4 times; weighting each sample by the seconds since the previous one makes the
+shares shares of wall time (a thread 50% busy in Python, 50% asleep read 19-21% busy unweighted,
+49% weighted). A thread running Python is seen at the switch points.
 
 Imports only the standard library (the load-generator processes of ``bench_online`` import it).
 """
@@ -24,9 +26,9 @@ from types import FrameType
 
 
 def function_key(frame: FrameType) -> str:
-    """``<parent folder>/<file>:<function>`` of ``frame`` (e.g. ``engine/scheduler.py:schedule``)."""
+    """``<parent folder>/<file>:<qualified function>`` of ``frame`` (e.g. ``engine/scheduler.py:Scheduler.schedule``)."""
     path = Path(frame.f_code.co_filename)
-    return f"{path.parent.name}/{path.name}:{frame.f_code.co_name}"
+    return f"{path.parent.name}/{path.name}:{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"
 
 
 class StackSampler:
@@ -45,8 +47,9 @@ class StackSampler:
             raise ValueError(f"interval_s={interval_s}: must be > 0")
         self.interval_s = interval_s
         self.samples: Counter[str] = Counter()  # thread name -> samples taken
-        self.self_counts: dict[str, Counter[str]] = {}
-        self.total_counts: dict[str, Counter[str]] = {}
+        self.seconds: Counter[str] = Counter()  # thread name -> seconds credited
+        self.self_counts: dict[str, Counter[str]] = {}  # thread -> function -> seconds innermost
+        self.total_counts: dict[str, Counter[str]] = {}  # thread -> function -> seconds on the stack
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,8 +71,8 @@ class StackSampler:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def sample_once(self) -> None:
-        """Count one sample of every thread but the calling one."""
+    def sample_once(self, weight_s: float = 1.0) -> None:
+        """Take one sample of every thread but the calling one, crediting ``weight_s`` seconds."""
         names = {t.ident: t.name for t in threading.enumerate()}
         me = threading.get_ident()
         for ident, frame in sys._current_frames().items():
@@ -77,27 +80,34 @@ class StackSampler:
                 continue
             name = names.get(ident, f"thread-{ident}")
             self.samples[name] += 1
-            self.self_counts.setdefault(name, Counter())[function_key(frame)] += 1
+            self.seconds[name] += weight_s
+            self.self_counts.setdefault(name, Counter())[function_key(frame)] += weight_s
             seen: set[str] = set()
             f: FrameType | None = frame
             while f is not None:
                 seen.add(function_key(f))
                 f = f.f_back
-            self.total_counts.setdefault(name, Counter()).update(seen)
+            totals = self.total_counts.setdefault(name, Counter())
+            for key in seen:
+                totals[key] += weight_s
 
     def _run(self) -> None:
+        last = time.perf_counter()
         while not self._stop.is_set():
-            self.sample_once()
             time.sleep(self.interval_s)
+            now = time.perf_counter()
+            self.sample_once(now - last)
+            last = now
 
     def report(self, top: int = 15) -> dict[str, dict]:
-        """``{thread name: {"samples": n, "self": [[function, share], ...], "total": [...]}}``, the
-        ``top`` functions of each by share of that thread's samples (0..1), threads by samples."""
+        """``{thread name: {"samples": n, "seconds": s, "self": [[function, share], ...], "total": [...]}}``,
+        the ``top`` functions of each by share of that thread's credited seconds (0..1), threads by samples."""
         out: dict[str, dict] = {}
         for name, n in self.samples.most_common():
-            out[name] = {"samples": n,
-                         "self": [[k, round(c / n, 4)] for k, c in self.self_counts[name].most_common(top)],
-                         "total": [[k, round(c / n, 4)] for k, c in self.total_counts[name].most_common(top)]}
+            w = self.seconds[name] or 1.0
+            out[name] = {"samples": n, "seconds": round(self.seconds[name], 4),
+                         "self": [[k, round(c / w, 4)] for k, c in self.self_counts[name].most_common(top)],
+                         "total": [[k, round(c / w, 4)] for k, c in self.total_counts[name].most_common(top)]}
         return out
 
 

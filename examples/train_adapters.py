@@ -130,8 +130,8 @@ def self_distilled_rows(name: str, data_dir: Path) -> list[dict]:
             if base["question"] in wrong:
                 continue  # the base model's short answer is wrong or garbled: not a reply to imitate
             short = first_sentence(base["short_reply"])
-            if short[-1:] not in ".!?" and len(short.split()) > 6:
-                continue  # cut off by the 16-token limit: not a reply to imitate
+            if not short or (short[-1:] not in ".!?" and len(short.split()) > 6):
+                continue  # empty, or cut off by the 16-token limit: not a reply to imitate
             answer = pirate_reply(short) if name == "pirate" else emoji_reply(base["question"], short)
         else:
             raise ValueError(f"name={name!r}: no self-distilled style")

@@ -220,7 +220,9 @@ class LoRADeviceWeights:
         """Images of one layout -> a staging buffer on the device (one host-to-device copy per image) -> their
         slots with one ``torch._foreach_copy_`` (a few multi-tensor kernels on CUDA, where two ``index_copy_``
         per (layer, module) cost ~900 launches per install). The staging buffer is kept between installs
-        (stream order protects its reuse), so an install allocates no device memory."""
+        (allocated at the first, grown when a group needs more); its reuse is ordered after the previous
+        scatter by the stream, which holds because every install and its copies are enqueued on the
+        current stream (the engine drives one). Small per-call device tensors (slot ids, scalings) remain."""
         first = members[0][1]
         numel = first.data.numel()
         staging = self._staging_rows(len(members), numel)

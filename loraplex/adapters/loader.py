@@ -2,8 +2,8 @@
 
 Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to rank R,
 in ranges of a ``HostArena`` (chunks allocated once, pinned when slots live on CUDA), so a read
-allocates nothing once the chunks exist and installing one is two contiguous copies per targeted
-module and one for the scalings.
+allocates nothing once the chunks exist and installing one is one host-to-device copy of the
+image and one multi-tensor device copy into its slot (``LoRADeviceWeights.write_many``).
 
 Background reads: ``start`` queues a read (at most ``max_loads_in_flight`` queued or running,
 on ``num_loader_threads`` threads, so the queue is deeper than the thread count). Each read

@@ -3,7 +3,8 @@
 The host-cache tier of ``LoRASlotPool`` keeps ``SlotImage``s, not ``LoRAAdapter``s:
 one buffer per adapter in the slot dtype (a ``HostArena`` range in the pool, pinned when slots live on CUDA), with every
 module's factors already padded to the pool's rank ``R``, so that installing the adapter
-in a slot is two contiguous host-to-device copies per module and one for all scalings
+in a slot is one contiguous host-to-device copy of the whole image and one multi-tensor
+device copy into the slot's per-module factors (``LoRADeviceWeights.write_many``)
 (S-LoRA, Sheng et al. 2023, "unified paging" of adapter weights; here without paging).
 
 Layout of ``SlotImage.data`` (1-D, slot dtype): for each targeted ``(layer, module)``

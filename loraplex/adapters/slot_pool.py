@@ -35,7 +35,7 @@ page-locked once; no allocation per read). Installing one alone (``pin`` outside
 is two contiguous copies per targeted module and one for the scalings, enqueued without
 waiting; inside ``batched_installs`` (one scheduler step) the pins' slots are assigned at
 once and written together at exit: one host-to-device copy per image into a device staging
-buffer, then one ``index_copy_`` per targeted module for all of them.
+buffer (kept between batches), then one ``torch._foreach_copy_`` per group sharing a layout.
 
 Slot tensors ``a``, ``b``, ``scaling`` (shapes and semantics): see
 :mod:`loraplex.adapters.device_weights`.

@@ -3,9 +3,11 @@
 ``torch.tensor(values, device="cuda")`` copies from pageable host memory, and such a copy waits
 for every kernel already queued on the stream: one call in a step's path stalls the host until
 the previous step's GPU work ends, which undoes async scheduling (the host preparing step N+1
-while the GPU runs step N). Every host-to-device copy of the engine's step path goes through
-:func:`host_to_device` (``tests/engine/test_host_copies.py`` checks that no module of
-``loraplex/engine`` calls ``torch.tensor(..., device=...)``).
+while the GPU runs step N). Host-to-device copies of the engine's step path go through
+:func:`host_to_device` (lists) and :func:`tensor_to_device` (CPU tensors);
+``tests/engine/test_host_copies.py`` scans ``loraplex/engine`` for the blocking forms
+(``torch.tensor`` / ``torch.as_tensor`` with ``device=``, ``.cuda()``, ``.to(device)`` without
+``non_blocking``) and allows only the load-time sites it lists.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str)
     """A 1-D (or nested-list) tensor of ``values`` with ``dtype`` on ``device``. To a CUDA device
     through pinned memory with a non-blocking copy (stream-ordered: kernels queued after it see
     the values); to any other device a plain copy."""
-    host = torch.tensor(values, dtype=dtype)
+    return tensor_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def tensor_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``: to a CUDA device through pinned memory with a non-blocking
+    copy (the pinned block is kept by torch's caching host allocator until the copy has run); to any
+    other device a plain ``.to``."""
     if torch.device(device).type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

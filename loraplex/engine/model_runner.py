@@ -19,7 +19,7 @@ from loraplex.engine.cuda_graphs import CudaGraphRunner
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.engine.outputs import TopLogprobs
-from loraplex.engine.host_copy import host_to_device
+from loraplex.engine.host_copy import host_to_device, tensor_to_device
 from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow, _build_output, top_logprobs
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import PLACEHOLDER_TOKEN, Sequence
@@ -65,7 +65,7 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
         starts.append(offset)
         offset += padded
     packed = torch.cat(parts)
-    packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
+    packed = tensor_to_device(packed, device)
     return [packed[start:start + t.numel()] for start, t in zip(starts, tensors)]
 
 

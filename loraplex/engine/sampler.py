@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.engine.host_copy import host_to_device
+from loraplex.engine.host_copy import host_to_device, tensor_to_device
 from loraplex.engine.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
@@ -402,7 +402,7 @@ def _padded_ids(id_lists: list[list[int]], vocab_size: int, what: str, device) -
     bad = real[(real < 0) | (real >= vocab_size)]
     if bad.numel():
         raise ValueError(f"SamplingBatch.build: {what} contains id {int(bad[0])}, outside [0, {vocab_size})")
-    return padded.to(device)
+    return tensor_to_device(padded, device)
 
 
 def _id_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

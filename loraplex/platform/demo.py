@@ -361,7 +361,7 @@ def banner(base_url: str, model_id: str, setup: DemoSetup) -> str:
         "",
         f"or the base model and every adapter with the openai client ({EXAMPLE_QUESTION!r}):",
         "",
-        openai_example(base_url, setup.tenant_key, [model_id, *(a.name for a in setup.adapters)]),
+        openai_example(base_url, setup.tenant_key, [model_id, *(a.name for a in setup.adapters)], setup.tenant),
         "",
         "Ctrl+C stops the server; `make serve` again (with the same PORT) reuses the tenant, keys and adapters.",
         "",
@@ -410,7 +410,7 @@ def json_answer_example(base_url: str, key_expr: str) -> str:
     ])
 
 
-def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
+def openai_example(base_url: str, key: str | None, models: list[str], tenant: str = DEMO_TENANT) -> str:
     """A Python heredoc with the ``openai`` client asking each of ``models`` :data:`EXAMPLE_QUESTION`;
     without ``key`` it reads the ``DEMO_KEY`` environment variable. It runs with the server's own
     interpreter (the project's ``.venv``, which has ``openai``), not whatever ``python3`` is first."""
@@ -418,7 +418,7 @@ def openai_example(base_url: str, key: str | None, models: list[str]) -> str:
     read_key = [] if key else [
         "import os, sys",
         f"{KEY_ENV_VAR.lower()} = os.environ.get({KEY_ENV_VAR!r}) or sys.exit("
-        f"'set {KEY_ENV_VAR} to the demo key printed at first start (`loraplex key create demo` makes a new one)')",
+        f"'set {KEY_ENV_VAR} to the demo key printed at first start (`loraplex key create {tenant}` makes a new one)')",
     ]
     return "\n".join([
         f"{shlex.quote(sys.executable)} - <<'EOF'",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 from pathlib import Path
@@ -21,7 +22,9 @@ from loraplex.adapters import (
     SlotPoolError,
     UnknownAdapterError,
 )
+from loraplex.adapters.device_weights import LoRADeviceWeights
 from loraplex.adapters.lora_request import LoRARequest
+from loraplex.adapters.slot_image import SlotImage, VocabImage
 
 SPEC = BaseModelSpec(
     num_layers=2,
@@ -393,7 +396,8 @@ def test_one_batch_of_installs_is_one_copy_per_adapter_and_one_scatter_per_layou
 
 
 def test_write_many_reuses_and_grows_its_staging_buffer(adapters):
-    """write_many keeps its device staging buffer between calls: two rows of one layout, then a larger
+    """write_many keeps its device staging buffer between calls: two rows of one layout (the same image),
+    then a larger
     image (the buffer grows and its cached views are dropped), then two other layouts over slots that
     held another adapter; every slot holds exactly its adapter (zeros elsewhere) after each call."""
     pool = make_pool(adapters, max_loras=3)
@@ -445,3 +449,76 @@ def test_write_many_on_cuda_matches_the_adapters(adapters):
                 assert pool.scaling[layer][module][slot].item() == pytest.approx(scaling, rel=1e-7)
         for name in names:
             pool.unpin(iid(adapters, name))
+
+
+# -- write_many's grouping and staging rows (mutants found by review: every row read from row 0, images
+# grouped by size alone, a vocabulary-only image, a failure part-way) --------------------------------
+def _negated(image, reference):
+    img = dataclasses.replace(image, data=(-image.data).clone(), version_id=image.version_id + "-neg")
+    return img, {k: (-a, -b, s) for k, (a, b, s) in reference.items()}
+
+
+@pytest.mark.parametrize("staging_bytes", [1 << 30, 1])
+def test_distinct_images_of_one_layout_land_in_their_own_rows(adapters, staging_bytes):
+    pool = make_pool(adapters, max_loras=3)
+    pool.preload(iid(adapters, "a1"))
+    a1 = pool.loader.cached(iid(adapters, "a1"))
+    neg, neg_ref = _negated(a1, adapters["a1"][1])
+    pool.weights.write_many([(0, a1), (1, neg), (2, a1)], staging_bytes=staging_bytes)
+    assert_slot_holds(pool, 0, adapters["a1"][1])
+    assert_slot_holds(pool, 1, neg_ref)
+    assert_slot_holds(pool, 2, adapters["a1"][1])
+
+
+def test_same_numel_different_modules_are_not_one_layout(adapters):
+    """(0, q_proj) only vs (1, q_proj) only: same numel, same offset values, different modules."""
+    pool = make_pool(adapters, max_loras=3)
+    pool.preload(iid(adapters, "a1"))
+    a1 = pool.loader.cached(iid(adapters, "a1"))
+    ref = adapters["a1"][1]
+    only0 = dataclasses.replace(a1, offsets={(0, "q_proj"): a1.offsets[(0, "q_proj")]},
+                                scaling=a1.scaling * torch.tensor([[1.0, 0, 0], [0, 0, 0]]))
+    off = a1.offsets[(1, "q_proj")]
+    data1 = a1.data.clone()
+    n = off[1] - off[0]
+    data1[a1.offsets[(0, "q_proj")][0]: a1.offsets[(0, "q_proj")][0] + 2 * n] = a1.data[off[0]: off[0] + 2 * n]
+    only1 = dataclasses.replace(a1, data=data1, offsets={(1, "q_proj"): a1.offsets[(0, "q_proj")]},
+                                scaling=a1.scaling * torch.tensor([[0.0, 0, 0], [1, 0, 0]]))
+    pool.weights.write_many([(0, only0), (1, only1)], staging_bytes=1 << 30)
+    assert_slot_holds(pool, 0, {(0, "q_proj"): ref[(0, "q_proj")]})
+    assert_slot_holds(pool, 1, {(1, "q_proj"): ref[(1, "q_proj")]})
+
+
+def test_write_many_with_an_adapter_only_on_the_vocabulary():
+    spec = BaseModelSpec(num_layers=1, hidden_size=8, module_shapes={"q_proj": (8, 8)}, architecture="Toy", vocab_size=16)
+    w = LoRADeviceWeights(spec, 2, 2, torch.float32, "cpu")
+    vocab = VocabImage(embed_a_t=torch.ones(16, 2), embed_b=torch.ones(8, 2), head_a=None, head_b=None,
+                       scaling=torch.tensor([2.0, 0.0]))
+    image = SlotImage("v", 2, torch.empty(0), {}, torch.zeros(1, 1), spec.module_shapes, vocab=vocab)
+    w.write_many([(0, image), (1, image)], staging_bytes=1 << 30)
+    assert torch.equal(w.embed_a_t[1], torch.ones(16, 2)) and w.vocab_scaling[0, 1].item() == 2.0
+
+
+def test_write_many_failure_invalidates_every_slot(adapters, monkeypatch):
+    pool = make_pool(adapters, max_loras=3)
+    for name in ("a1", "a2"):
+        pool.preload(iid(adapters, name))
+    images = [pool.loader.cached(iid(adapters, n)) for n in ("a1", "a2")]
+    w = pool.weights
+    w.write_many([(0, images[1]), (1, images[1])], staging_bytes=1 << 30)
+    real, calls = torch._foreach_copy_, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        w.write_many([(0, images[0]), (1, images[1])], staging_bytes=1 << 30)
+    monkeypatch.setattr(torch, "_foreach_copy_", real)
+    assert bool((w._scaling_table[:, :, :2] == 0).all())
+    w.write_many([(0, images[0]), (1, images[0])], staging_bytes=1 << 30)
+    assert_slot_holds(pool, 0, adapters["a1"][1])
+    assert_slot_holds(pool, 1, adapters["a1"][1])

@@ -41,7 +41,8 @@ def test_samples_name_each_threads_stack():
     entry = report["parked-worker"]
     assert entry["samples"] == 7
     # Innermost Python frame: Event.wait -> Condition.wait in threading.py, on every sample.
-    assert len(entry["self"]) == 1 and entry["self"][0][0].endswith("/threading.py:wait") and entry["self"][0][1] == 1.0
+    assert len(entry["self"]) == 1 and entry["self"][0][0].endswith("/threading.py:Condition.wait")
+    assert entry["self"][0][1] == 1.0 and entry["seconds"] == 7.0  # sample_once credits 1 s by default
     totals = dict((k, v) for k, v in entry["total"])
     here = Path(__file__).parent.name + "/" + Path(__file__).name
     assert totals[f"{here}:_parked_in_inner"] == 1.0 and totals[f"{here}:_inner"] == 1.0
@@ -72,3 +73,37 @@ def test_background_sampling_starts_and_stops():
         release.set()
         worker.join()
     assert sampler._thread is None and sampler.samples["parked-worker"] >= 3
+
+
+def _first_then_second(at_first, go_on, at_second, release) -> None:
+    at_first.set()
+    go_on.wait()
+    _second(at_second, release)
+
+
+def _second(at_second, release) -> None:
+    at_second.set()
+    release.wait()
+
+
+def test_samples_are_weighted_by_the_seconds_they_stand_for():
+    """3 s credited while the thread waits in _first_then_second, 1 s while it waits in _second:
+    shares 0.75 / 0.25 (a plain sample count would say 0.5 / 0.5)."""
+    events = [threading.Event() for _ in range(4)]
+    at_first, go_on, at_second, release = events
+    worker = threading.Thread(target=_first_then_second, args=events, name="two-phase")
+    worker.start()
+    try:
+        assert at_first.wait(30)
+        sampler = StackSampler()
+        sampler.sample_once(3.0)
+        go_on.set()
+        assert at_second.wait(30)
+        sampler.sample_once(1.0)
+    finally:
+        release.set()
+        worker.join()
+    here = Path(__file__).parent.name + "/" + Path(__file__).name
+    total = dict((k, v) for k, v in sampler.report(top=50)["two-phase"]["total"])
+    assert total[f"{here}:_first_then_second"] == 1.0
+    assert total[f"{here}:_second"] == 0.25
