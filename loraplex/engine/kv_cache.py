@@ -130,6 +130,10 @@ class KVCache:
         dst_dev = dst_layers[0][0].device
         src = host_to_device([p[0] for p in pairs], torch.int64, src_dev)
         dst = host_to_device([p[1] for p in pairs], torch.int64, dst_dev)
+        # Into host memory (swap-out) the copy must be complete before the CPU's index_copy_ reads it: a
+        # non-blocking device-to-host copy returns before its bytes arrive. Device-bound copies stay
+        # non-blocking (stream-ordered).
+        non_blocking = dst_dev.type != "cpu"
         for (sk, sv), (dk, dv) in zip(src_layers, dst_layers):
-            dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=True))
-            dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=True))
+            dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
+            dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
