@@ -311,7 +311,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
     parser.add_argument("--kinds", nargs="+", default=["final_only", "cumulative"],
-                        choices=["final_only", "cumulative"])
+                        choices=["final_only", "cumulative", "delta"])
     parser.add_argument("--loras", nargs="+", default=["base", "lora"], choices=["base", "lora"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=48)
