@@ -717,8 +717,9 @@ def _check_tensor(
 def _build_adapter(
     layout: AdapterLayout, tensors: dict[str, torch.Tensor], version_id: str | None, serving_dtype: torch.dtype
 ) -> LoRAAdapter:
-    _check_finite(tensors)
-    _check_scaled_finite(layout, tensors, serving_dtype)
+    rank_max = _rank_abs_max(layout, tensors)
+    _check_finite(tensors, rank_max)
+    _check_scaled_finite(layout, rank_max, tensors, serving_dtype)
     weights = {
         (plan.layer, plan.module): LoRAWeight(
             a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(), scaling=plan.hyper.scaling,
@@ -754,16 +755,32 @@ def _vocab_weights(layout: AdapterLayout, tensors: dict[str, torch.Tensor]) -> V
                         full={module: tensors[name].float() for module, name in layout.full_modules})
 
 
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+def _rank_abs_max(layout: AdapterLayout, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per LoRA factor, ``max |value|`` per rank index (``[r]``: lora_A's rows, lora_B's columns) in the
+    stored dtype: abs and max are exact in any float dtype, and max propagates NaN, so one pass serves the
+    finiteness check and the overflow bound (converting whole tensors to float64 took most of a first read)."""
+    out: dict[str, torch.Tensor] = {}
+    for plan in layout.modules + layout.vocab_lora:
+        out[plan.a_name] = tensors[plan.a_name].abs().amax(dim=1)
+        out[plan.b_name] = tensors[plan.b_name].abs().amax(dim=0)
+    return out
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], rank_max: dict[str, torch.Tensor]) -> None:
+    """Every tensor finite, in name order; a LoRA factor through its ``rank_max`` (NaN and Inf survive ``max``).
+
+    Raises ``AdapterFormatError`` naming the first tensor with a NaN or Inf."""
     for name in sorted(tensors):
-        if not bool(torch.isfinite(tensors[name]).all()):
+        values = rank_max.get(name)
+        if not bool(torch.isfinite(tensors[name] if values is None else values).all()):
             raise AdapterFormatError(f"tensor {name!r} contains NaN or Inf values")
 
 
-def _check_scaled_finite(layout: AdapterLayout, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def _check_scaled_finite(layout: AdapterLayout, rank_max: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                         dtype: torch.dtype) -> None:
     """Per module: the scaling finite in float32 (the slot scaling table), and
     ``|scaling| * sum_k max_i |B[i, k]| * max_j |A[k, j]|`` (a bound of every entry of
-    ``scaling * B @ A``, computed in float64) at most the largest finite value of ``dtype``."""
+    ``scaling * B @ A``, computed in float64 from ``rank_max``) at most the largest finite value of ``dtype``."""
     fp32_max = torch.finfo(torch.float32).max
     limit = torch.finfo(dtype).max
     for plan in layout.modules + layout.vocab_lora:
@@ -774,8 +791,8 @@ def _check_scaled_finite(layout: AdapterLayout, tensors: dict[str, torch.Tensor]
                 f"{CONFIG_NAME}: {where}: scaling {scaling:.4g} (lora_alpha={plan.hyper.alpha:.4g}, "
                 f"{plan.hyper.rank_field}={plan.hyper.rank}) is not finite in float32"
             )
-        a_max = tensors[plan.a_name].double().abs().amax(dim=1)  # [r]
-        b_max = tensors[plan.b_name].double().abs().amax(dim=0)  # [r]
+        a_max = rank_max[plan.a_name].double()  # [r]
+        b_max = rank_max[plan.b_name].double()  # [r]
         bound = abs(scaling) * float((a_max * b_max).sum())
         largest = max(float(a_max.max()), float(b_max.max()))
         if not (bound <= limit and largest <= limit):
