@@ -463,3 +463,17 @@ def test_scaled_product_beyond_float16_refused_only_there(adapter_copy, spec, ed
     with pytest.raises(AdapterIncompatibleError, match="entries up to 7.2e\\+05"):
         validate_adapter_dir(adapter_copy, spec, MAX_RANK, serving_dtype=torch.float16)
     assert validate_adapter_dir(adapter_copy, spec, MAX_RANK, serving_dtype=torch.bfloat16).rank == 4
+
+
+@pytest.mark.parametrize("name, index, value", [(Q0_A, (2, 40), float("inf")), (Q0_A, (0, 0), float("-inf")),
+                                                (Q0_A, (3, 63), float("nan")), (Q0_B, (0, 0), float("-inf"))])
+def test_non_finite_value_anywhere_in_a_factor_refused(adapter_copy, spec, edit_tensors, name, index, value):
+    """One NaN or Inf anywhere in lora_A or lora_B (checked through its per-rank abs-max: max keeps NaN and
+    Inf) refuses the adapter, naming the first such tensor in name order."""
+    def poison(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name][index] = value
+        return tensors
+
+    edit_tensors(adapter_copy, poison)
+    refused(adapter_copy, spec, AdapterFormatError, f"tensor '{name}' contains NaN or Inf values", needs_data=True)
