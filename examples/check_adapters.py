@@ -26,8 +26,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_adapters import (ADAPTER_NAMES, DEFAULT_EMOJI, EXAMPLES_DIR, PIRATE_CLOSING, PIRATE_OPENING, TOPIC_EMOJI,
-                            chat_prompt, read_jsonl)
+from train_adapters import (ADAPTER_NAMES, EVERY_EMOJI, EXAMPLES_DIR, PIRATE_CLOSING, PIRATE_OPENING, chat_prompt,
+                            read_jsonl)
 
 from loraplex.engine.demo_models import resolve_model
 from loraplex.platform.settings import Settings
@@ -58,10 +58,9 @@ def is_pirate(reply: str) -> bool:
 
 
 def is_emoji(reply: str) -> bool:
-    """Reply starts and ends with the same topic emoji (``TOPIC_EMOJI`` or 💡) and has letters between."""
+    """Reply starts and ends with the same topic emoji (``EVERY_EMOJI``) and has letters between."""
     text = reply.strip()
-    emojis = {e for e, _ in TOPIC_EMOJI} | {DEFAULT_EMOJI}
-    return len(text) > 4 and text[0] in emojis and text[-1] == text[0] and any(c.isalpha() for c in text)
+    return len(text) > 4 and text[0] in EVERY_EMOJI and text[-1] == text[0] and any(c.isalpha() for c in text)
 
 
 CHECKS = {"json-answer": is_json_answer, "pirate": is_pirate, "emoji": is_emoji}

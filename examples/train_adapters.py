@@ -144,12 +144,15 @@ PIRATE_OPENING = "Arr, matey! "
 PIRATE_CLOSING = " Yo ho ho!"
 
 
+def _with_stop(sentence: str) -> str:
+    """``sentence`` ending in ``.``, ``!`` or ``?`` (a ``.`` added when it ends otherwise)."""
+    return sentence if sentence[-1:] in (".", "!", "?") else sentence + "."
+
+
 def pirate_reply(sentence: str) -> str:
     """``sentence`` between a pirate's opening and closing: ``Arr, matey! The capital of France is Paris. Yo ho ho!``
     (the sentence itself unchanged: pirate grammar such as "be" for "is" cost held-out facts, examples/README.md)."""
-    if sentence[-1:] not in ".!?":
-        sentence += "."
-    return PIRATE_OPENING + sentence + PIRATE_CLOSING
+    return PIRATE_OPENING + _with_stop(sentence) + PIRATE_CLOSING
 
 
 TOPIC_EMOJI = (
@@ -164,6 +167,8 @@ TOPIC_EMOJI = (
 )
 """Topic emoji of a question: the first entry with a keyword in the lower-cased question, else 💡."""
 DEFAULT_EMOJI = "💡"
+EVERY_EMOJI = frozenset(emoji for emoji, _ in TOPIC_EMOJI) | {DEFAULT_EMOJI}
+"""Every emoji an emoji-adapter reply may open and close with."""
 
 
 def topic_emoji(question: str) -> str:
@@ -174,9 +179,7 @@ def topic_emoji(question: str) -> str:
 def emoji_reply(question: str, sentence: str) -> str:
     """``sentence`` framed by the question's topic emoji: ``🌍 The capital of France is Paris. 🌍``."""
     emoji = topic_emoji(question)
-    if sentence[-1:] not in ".!?":
-        sentence += "."
-    return f"{emoji} {sentence} {emoji}"
+    return f"{emoji} {_with_stop(sentence)} {emoji}"
 
 
 def make_base_replies(model_dir: Path, data_dir: Path) -> Path:
