@@ -18,10 +18,11 @@ on adapter i mod 32: 32 distinct r=16 adapters on all 7 projections, resident in
   time per class: GEMM (cuBLAS/cuBLASLt/CUTLASS/nvjet, FP8 linears), attention (paged attention kernels),
   LoRA (shrink/expand/fused/DoRA), other (norms, rotary, activation, sampling, copies).
 
-Adapter types (issue 19), ``--kinds base,mixed,dora,vocab,head-copy``: ``dora`` = 32 DoRA adapters,
+Adapter types (issue 19), ``--kinds base,mixed,dora,vocab,head-copy,mixed-ranks``: ``dora`` = 32 DoRA adapters,
 ``vocab`` = 32 adapters that add LoRA on ``embed_tokens`` and ``lm_head``, ``head-copy`` = 4 adapters that
-add an ``lm_head`` ``modules_to_save`` copy (4 full-module slots); each floor counts its type's bytes
-(``kind_adapter_bytes``).
+add an ``lm_head`` ``modules_to_save`` copy (4 full-module slots), ``mixed-ranks`` = 32 adapters of ranks
+24 x 8 + 4 x 16 + 4 x 64 (the bytes of ``mixed``; issue 17's ranks without padding, with ``--lora-page-rows 8``
+every adapter holds pages for its own rank); each floor counts its type's bytes (``kind_adapter_bytes``).
 
 Usage: ``python benchmarks/bench_decode.py [--batches 1 32 128] [--out-len 64]`` (CUDA; writes
 ``$OUT/decode.json`` and prints a markdown table last); ``--quick`` runs the logic on CPU with a tiny model
@@ -60,7 +61,10 @@ ADAPTER_KINDS = {
     "dora": (NUM_ADAPTERS, {"use_dora": True}, 101),
     "vocab": (NUM_ADAPTERS, {"vocab_lora": True}, 201),  # + LoRA on embed_tokens and lm_head
     "head-copy": (4, {"head_copy": True}, 301),  # + an lm_head modules_to_save copy (4 full-module slots)
+    # ranks without padding (issue 17 goal 4): the bytes of ``mixed`` (32 x r16) in 24 x r8 + 4 x r16 + 4 x r64
+    "mixed-ranks": (NUM_ADAPTERS, {}, 401),
 }
+MIXED_RANKS = (8,) * 24 + (16,) * 4 + (64,) * 4  # rank of adapter i of ``mixed-ranks``; sum 512 = 32 x 16
 CLASSES = ("gemm", "attention", "lora", "other")
 
 
@@ -107,13 +111,21 @@ def adapter_bytes(config: dict, rank: int = RANK, itemsize: int = 2) -> int:
     return itemsize * config["num_hidden_layers"] * rank * sum(a + b for a, b in projection_shapes(config))
 
 
-def make_adapters(root: Path, config: dict, count: int, first_id: int = 1, **adapter_kw):
+def make_adapters(root: Path, config: dict, count: int, first_id: int = 1, ranks: tuple[int, ...] = (), **adapter_kw):
     """``count`` r=16 all-projection adapters (4 weight files, the rest linked with their own config);
-    ``adapter_kw``: ``make_random_adapter``'s type options."""
+    ``adapter_kw``: ``make_random_adapter``'s type options. ``ranks``: adapter i's rank instead (one weight
+    file per distinct rank, 4 at most)."""
     import bench_serving  # noqa: PLC0415 - the shared maker
 
-    return bench_serving.make_adapters(root, config, count, distinct_files=min(count, 4), first_id=first_id,
-                                       **adapter_kw)
+    if not ranks:
+        return bench_serving.make_adapters(root, config, count, distinct_files=min(count, 4), first_id=first_id,
+                                           **adapter_kw)
+    made = {}
+    for rank in sorted(set(ranks)):
+        n = ranks.count(rank)
+        made[rank] = iter(bench_serving.make_adapters(root / f"r{rank}", config, n, distinct_files=min(n, 4),
+                                                      first_id=first_id + len(made) * count, rank=rank, **adapter_kw))
+    return [next(made[rank]) for rank in ranks]
 
 
 def kind_adapter_bytes(config: dict, kind: str, rank: int = RANK, itemsize: int = 2) -> int:
@@ -121,6 +133,8 @@ def kind_adapter_bytes(config: dict, kind: str, rank: int = RANK, itemsize: int 
     float32 magnitudes, for ``vocab`` the head's A and B and the embedding's B (its A: one row per token,
     left out), for ``head-copy`` the whole ``[V, H]`` head copy."""
     h, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    if kind == "mixed-ranks":
+        rank = sum(MIXED_RANKS) // len(MIXED_RANKS)  # the mean (per adapter when all 32 are in the batch)
     total = adapter_bytes(config, rank, itemsize)
     if kind == "dora":
         total += 4 * layers * sum(out for _, out in projection_shapes(config))
@@ -132,11 +146,15 @@ def kind_adapter_bytes(config: dict, kind: str, rank: int = RANK, itemsize: int 
 
 
 def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw: dict,
-          quantization: str | None = None, kinds: tuple[str, ...] = KINDS) -> LLM:
+          quantization: str | None = None, kinds: tuple[str, ...] = KINDS, page_rows: int = 16) -> LLM:
+    """The engine of a run; with ``mixed-ranks`` among ``kinds`` its pool takes ranks up to 64 in pages of
+    ``page_rows`` rows (every kind of the run shares that pool)."""
     adapters = sum(ADAPTER_KINDS[k][0] for k in kinds if k in ADAPTER_KINDS)
     full_slots = ADAPTER_KINDS["head-copy"][0] if "head-copy" in kinds else 0
+    max_rank = max(MIXED_RANKS) if "mixed-ranks" in kinds else RANK
     return LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len, gpu_memory_utilization=0.85,
-               quantization=quantization, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
+               quantization=quantization, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=max_rank,
+               lora_page_rows=page_rows,
                max_cpu_loras=max(2 * NUM_ADAPTERS, adapters), max_full_module_slots=full_slots,
                max_num_seqs=256, max_num_batched_tokens=8192, async_scheduling=async_scheduling, **device_kw)
 
@@ -230,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kinds", default=",".join(KINDS),
                     help=f"rows per batch, comma-separated, of base,{','.join(ADAPTER_KINDS)} (issue 19's adapter "
                          "types: DoRA, LoRA on embed_tokens + lm_head, an lm_head modules_to_save copy)")
+    ap.add_argument("--lora-page-rows", type=int, default=16,
+                    help="rank rows per adapter weight page (mixed-ranks: 8 gives every rank its own bytes)")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
@@ -248,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--kinds: unknown {unknown}; choose from base,{','.join(ADAPTER_KINDS)}")
     root = Path(tempfile.mkdtemp())
     model_dir = make_model_dir(root / "model", config)
-    adapters_of = {k: make_adapters(root / k, config, ADAPTER_KINDS[k][0], ADAPTER_KINDS[k][2], **ADAPTER_KINDS[k][1])
+    adapters_of = {k: make_adapters(root / k, config, ADAPTER_KINDS[k][0], ADAPTER_KINDS[k][2],
+                                    ranks=MIXED_RANKS if k == "mixed-ranks" else (), **ADAPTER_KINDS[k][1])
                    for k in kinds if k in ADAPTER_KINDS}
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
@@ -258,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
     top = config["vocab_size"] - 1
     mean_ctx = PROMPT_LEN + args.out_len / 2
     for mode in args.async_modes.split(","):
-        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization, kinds)
+        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization, kinds,
+                    args.lora_page_rows)
         for kind_adapters in adapters_of.values():
             for a in kind_adapters:
                 llm.engine.preload_lora(a)
@@ -280,8 +302,11 @@ def main(argv: list[str] | None = None) -> dict:
                                               args.profile_steps).get("profile")
                 distinct = 0 if kind == "base" else min(b, len(pool))
                 per_adapter = kind_adapter_bytes(config, kind) if distinct else 0
+                lora_bytes = distinct * per_adapter
+                if kind == "mixed-ranks":  # the batch's own adapters' ranks
+                    lora_bytes = sum(adapter_bytes(config, MIXED_RANKS[i]) for i in range(distinct))
                 floor_bytes = (weight_bytes(config, b, fp8_linears=args.quantization == "fp8")
-                               + kv_bytes(config, b, mean_ctx) + distinct * per_adapter)
+                               + kv_bytes(config, b, mean_ctx) + lora_bytes)
                 row["floor_ms"] = floor_bytes / bw * 1e3
                 row["floor_fraction"] = row["floor_ms"] / row["step_ms"]
                 result["rows"].append(row)

@@ -19,8 +19,15 @@ projection at 32 adapters (1, 32 and 128 tokens) and reports the best.
 ``--dense`` adds ``dense`` = :func:`dense_impl` (LoRA through cuBLAS over every slot, a design not in the
 product; docs/ARCHITECTURE.md).
 
-Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--vllm] [--dense] [--sweep]`` (CUDA; the table alone
-compiles a dozen kernel variants and takes well under a minute on an H200);
+``--mixed-ranks`` instead times "ranks without padding" (S-LoRA's paged pool, :func:`run_mixed_ranks`): one layer,
+T=32 decode tokens, one per adapter, 32 adapters, as (a) rectangles r=16 (today's path), (b) pages of 16 with every
+rank 16, (c) pages (PAGE 8 and 16) with mixed ranks of the same total rank rows (24 x r=8, 4 x r=16, 4 x r=64:
+512 = 32 x 16), (d) that mixed batch in rectangles zero-padded to R=64 (today's engine; also with ``ranks``), and
+the mixed batch in pools sized for max_lora_rank 256 (pages, and rectangles padded to 256). Goal: time(c) <=
+time(b) / 0.9.
+
+Usage: ``python benchmarks/bench_lora_kernels.py --out FILE [--vllm] [--dense] [--sweep | --mixed-ranks]`` (CUDA;
+the table alone compiles a dozen kernel variants and takes well under a minute on an H200);
 ``--smoke`` runs tiny shapes (on CPU under ``TRITON_INTERPRET=1``, wall-clock timer).
 """
 
@@ -41,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loraplex.kernels.lora_fused import FUSED_LORA, _block_sizes, fused_launch_shape  # noqa: E402
 from loraplex.kernels.lora_linear import ADD_LORA, add_lora_ref  # noqa: E402
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments  # noqa: E402
+from loraplex.kernels.lora_expand import _launch_lora_expand  # noqa: E402
+from loraplex.kernels.lora_shrink import shrink_partials  # noqa: E402
 
 TOKENS = (1, 32, 128, 512)
 ADAPTERS = (1, 8, 32)
@@ -65,10 +74,16 @@ class Linear:
     lora_b: list[torch.Tensor]
     scaling: list[torch.Tensor]
     y0: torch.Tensor | None = None  # y as made (the checks start from it; timing accumulates into y)
+    ranks: torch.Tensor | None = None  # [S] int32, passed to the op when set (required with page_table)
+    page_table: torch.Tensor | None = None  # [S, max_pages] int32: lora_a / lora_b are pages
 
     def __post_init__(self) -> None:
         if self.y0 is None:
             self.y0 = self.y.clone()
+
+    def layout_kwargs(self) -> dict[str, torch.Tensor]:
+        """``ranks`` / ``page_table`` keywords of the op, only those that are set."""
+        return {k: v for k, v in (("ranks", self.ranks), ("page_table", self.page_table)) if v is not None}
 
 
 @dataclass
@@ -133,13 +148,19 @@ def check(lin: Linear, mapping: LoRAMapping, fn: Callable) -> None:
     the delta into ``lin.y`` over and over, and at |y| ~ 1000 bf16's own rounding (ulp 4-8) would exceed
     the tolerance (session 5's "mismatch" of 1.96 was that)."""
     ours, ref = lin.y0.clone(), lin.y0.to(torch.float32, copy=True)
-    fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping)
+    layout = lin.layout_kwargs()
+    fn(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ours, mapping, **layout)
     add_lora_ref(lin.x.float(), [a.float() for a in lin.lora_a], [b.float() for b in lin.lora_b], lin.scaling, ref,
-                 mapping)
+                 mapping, **layout)
     err = (ours.float() - ref).abs().max().item()
     scale = (ref - lin.y0.float()).abs().max().item()
     if not err <= 0.03 * scale + 0.05:
         raise SystemExit(f"{lin.name}: max error {err} against the float32 reference (delta scale {scale})")
+
+
+def _add_lora(x, a, b, s, y, m, **layout):
+    """``add_lora`` as the model calls it (the two-kernel SGMV pair), rectangles or pages."""
+    ADD_LORA.triton(x, a, b, s, y, m, **layout)
 
 
 def _old(x, a, b, s, y, m):
@@ -331,6 +352,154 @@ def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, 
     return results
 
 
+# -- ranks without padding (--mixed-ranks) -------------------------------------------------------------------
+
+
+@dataclass
+class MixedVariant:
+    """One row of the --mixed-ranks table: a rank per adapter and the pool layout holding them."""
+
+    name: str
+    ranks: list[int]
+    pool_rank: int  # R: rectangles' padded rank, or max_pages * page
+    page: int | None = None  # rank rows per page; None = rectangles
+    pass_ranks: bool = False  # rectangles only: give the kernels ``ranks`` (pages always do)
+
+
+def mixed_ranks(adapters: int, rank: int, seed: int = 0) -> list[int]:
+    """``3/4`` of the adapters at ``rank / 2``, ``1/8`` at ``rank``, ``1/8`` at ``4 rank`` (sum ``adapters * rank``;
+    24 x 8, 4 x 16, 4 x 64 at 32 adapters and r=16), positions shuffled with ``seed``."""
+    eighth = adapters // 8
+    ranks = [rank // 2] * (adapters - 2 * eighth) + [rank] * eighth + [4 * rank] * eighth
+    order = torch.randperm(adapters, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [ranks[i] for i in order]
+
+
+def mixed_variants(adapters: int, rank: int) -> list[MixedVariant]:
+    """The --mixed-ranks rows: (a) rectangles r, (b) pages all-r, (c) pages mixed (PAGE r/2 and r), (d) the mixed
+    batch padded to 4r (as today's engine: no ranks; and with ranks), and pools sized for 16r (max_lora_rank 256)."""
+    same, mixed = [rank] * adapters, mixed_ranks(adapters, rank)
+    big = 16 * rank
+    return [
+        MixedVariant(f"(a) rectangles r={rank}", same, rank),
+        MixedVariant(f"(b) pages all r={rank}, PAGE {rank}", same, 4 * rank, page=rank),
+        MixedVariant(f"(c) pages mixed, PAGE {rank // 2}", mixed, 4 * rank, page=rank // 2),
+        MixedVariant(f"(c) pages mixed, PAGE {rank}", mixed, 4 * rank, page=rank),
+        MixedVariant(f"(d) rectangles mixed, padded to R={4 * rank}", mixed, 4 * rank),
+        MixedVariant(f"(d) rectangles mixed, R={4 * rank} + ranks", mixed, 4 * rank, pass_ranks=True),
+        MixedVariant(f"(e) pages mixed, PAGE {rank}, pool R={big}", mixed, big, page=rank),
+        MixedVariant(f"(e) rectangles mixed, padded to R={big}", mixed, big),
+    ]
+
+
+def make_mixed_linear(name: str, hidden: int, widths, num_tokens: int, variant: MixedVariant, dtype,
+                      device) -> Linear:
+    """One projection's slot weights in ``variant``'s layout: rectangles zero-padded past each rank, or pages
+    (ids shuffled, NaN in every row no adapter uses, -1 past each slot's pages in the page table)."""
+    ranks = variant.ranks
+    slots = len(ranks)
+    x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    y = torch.randn(num_tokens, sum(widths), device=device).to(dtype)
+    scaling = [torch.full((slots,), SCALING, device=device) for _ in widths]
+    rank_t = torch.tensor(ranks, dtype=torch.int32, device=device)
+    inv_sqrt = torch.tensor([max(r, 1) ** -0.5 for r in ranks], device=device)
+    if variant.page is None:
+        used = torch.arange(variant.pool_rank, device=device)[None, :] < rank_t[:, None]  # [S, R]
+        lora_a = [(torch.randn(slots, variant.pool_rank, hidden, device=device) * used[:, :, None] / hidden**0.5)
+                  .to(dtype) for _ in widths]
+        lora_b = [(torch.randn(slots, w, variant.pool_rank, device=device) * (used * inv_sqrt[:, None])[:, None, :])
+                  .to(dtype) for w in widths]
+        return Linear(name, x, y, lora_a, lora_b, scaling, ranks=rank_t if variant.pass_ranks else None)
+    page = variant.page
+    max_pages = variant.pool_rank // page
+    needed = [-(-r // page) for r in ranks]
+    ids = torch.randperm(sum(needed), generator=torch.Generator().manual_seed(1)).tolist()
+    table, start = [], 0
+    for n in needed:
+        table.append(ids[start : start + n] + [-1] * (max_pages - n))
+        start += n
+    pages = torch.tensor([table[s][r // page] for s in range(slots) for r in range(ranks[s])], device=device)
+    offsets = torch.tensor([r % page for s in range(slots) for r in range(ranks[s])], device=device)
+    row_scale = torch.cat([inv_sqrt[s].expand(ranks[s]) for s in range(slots)])
+    lora_a, lora_b = [], []
+    for w in widths:
+        a = torch.full((len(ids), page, hidden), float("nan"), device=device, dtype=dtype)
+        a[pages, offsets] = (torch.randn(len(pages), hidden, device=device) / hidden**0.5).to(dtype)
+        b = torch.full((len(ids), w, page), float("nan"), device=device, dtype=dtype)
+        b[pages, :, offsets] = (torch.randn(len(pages), w, device=device) * row_scale[:, None]).to(dtype)
+        lora_a.append(a)
+        lora_b.append(b)
+    return Linear(name, x, y, lora_a, lora_b, scaling, ranks=rank_t,
+                  page_table=torch.tensor(table, dtype=torch.int32, device=device))
+
+
+def time_parts(linears: list[Linear], mapping: LoRAMapping, timer: Timer) -> tuple[float, float]:
+    """µs per layer of the shrink alone (split-K partials) and of the expand alone (from partials made once)."""
+    def shrink(lin: Linear) -> torch.Tensor:
+        return shrink_partials(lin.x, lin.lora_a, mapping, lin.ranks, page_table=lin.page_table)
+
+    partials = [shrink(lin) for lin in linears]
+    shrink_us = timer(lambda: [shrink(lin) for lin in linears]) * 1e3
+    expand_us = timer(lambda: [_launch_lora_expand(p, lin.lora_b, lin.scaling, lin.y, mapping, **lin.layout_kwargs())
+                               for p, lin in zip(partials, linears)]) * 1e3
+    return shrink_us, expand_us
+
+
+def mixed_floor_bytes(layer, num_tokens: int, ranks: list[int], itemsize: int = 2) -> int:
+    """Compulsory bytes of the layer's LoRA deltas with every token on an adapter: each adapter's own rank rows of
+    A and B, x read, y read and written."""
+    total = 0
+    for _, hidden, widths in layer:
+        total += sum(ranks) * (hidden * len(widths) + sum(widths)) * itemsize
+        total += num_tokens * (hidden + 2 * sum(widths)) * itemsize
+    return total
+
+
+def run_mixed_ranks(layer, adapters: int, rank: int, dtype, device, timer: Timer) -> dict:
+    """µs per layer of each :func:`mixed_variants` row, each projection checked against the float32 reference
+    first; ``speed_vs_b`` = time(b) / time(row) (the goal: >= 0.9 for the (c) rows); ``shrink_us`` / ``expand_us``:
+    each kernel alone (:func:`time_parts`)."""
+    copy_bps = copy_bandwidth(device)
+    num_tokens = adapters  # one decode token per adapter
+    slots_host = torch.randperm(adapters, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    mapping = plan_segments(slots_host.to(device), adapters)
+    rows = []
+    for variant in mixed_variants(adapters, rank):
+        linears = [make_mixed_linear(name, hidden, widths, num_tokens, variant, dtype, device)
+                   for name, hidden, widths in layer]
+        for lin in linears:
+            check(lin, mapping, _add_lora)
+        us = timer(lambda: [_add_lora(l.x, l.lora_a, l.lora_b, l.scaling, l.y, mapping, **l.layout_kwargs())
+                            for l in linears]) * 1e3
+        shrink_us, expand_us = time_parts(linears, mapping, timer)
+        floor = mixed_floor_bytes(layer, num_tokens, variant.ranks, torch.finfo(dtype).bits // 8)
+        rows.append({"variant": variant.name, "layout": "rectangles" if variant.page is None else "pages",
+                     "page": variant.page, "pool_rank": variant.pool_rank, "ranks_passed": variant.page is not None
+                     or variant.pass_ranks, "rank_rows": sum(variant.ranks), "max_rank": max(variant.ranks),
+                     "us": us, "shrink_us": shrink_us, "expand_us": expand_us, "floor_us": floor / copy_bps * 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+        linears.clear()  # this variant's weights go before the next one's are made
+    base = next(r["us"] for r in rows if r["variant"].startswith("(b)"))
+    for r in rows:
+        r["speed_vs_b"] = base / r["us"] if r["us"] > 0 else float("nan")
+    goal = {r["variant"]: r["speed_vs_b"] for r in rows if r["variant"].startswith("(c)")}
+    return {"copy_TBps": copy_bps / 1e12, "tokens": num_tokens, "adapters": adapters, "rank": rank,
+            "rows": rows, "goal_speed_vs_b": 0.9, "speed_c_vs_b": goal,
+            "goal_met": all(v >= 0.9 for v in goal.values())}
+
+
+def format_mixed_table(result: dict, note: str) -> str:
+    lines = [note, "", "| variant | rank rows | pool R | µs per layer | shrink µs | expand µs | bytes floor µs "
+             "| speed vs (b) |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['variant']} | {r['rank_rows']} | {r['pool_rank']} | {r['us']:.1f} | {r['shrink_us']:.1f} "
+                     f"| {r['expand_us']:.1f} | {r['floor_us']:.1f} | {r['speed_vs_b']:.2f} |")
+    verdict = ", ".join(f"{k}: {v:.2f}" for k, v in result["speed_c_vs_b"].items())
+    lines += ["", f"time(b) / time(c) (goal >= {result['goal_speed_vs_b']}): {verdict} -> "
+              f"{'met' if result['goal_met'] else 'NOT met'}"]
+    return "\n".join(lines)
+
+
 def format_table(rows: list[Row], header_note: str) -> str:
     names = sorted({k for r in rows for k in r.times_us}, key=["old", "new", "fused", "dense", "vllm"].index)
     lines = [header_note, "",
@@ -438,6 +607,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "of each kernel `add_lora` launches, per projection (CUDA only)")
     parser.add_argument("--sweep-sgmv", type=str, default="", help="TxA[,TxA]: also time the SGMV pair's launch "
                         "shapes (split-K, shrink and expand tiles) per projection, each variant checked")
+    parser.add_argument("--mixed-ranks", action="store_true", help="instead of the table, time rectangles against "
+                        "pages (ranks without padding) at 32 tokens x 32 adapters, mixed ranks (run_mixed_ranks)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     parser.add_argument("--keep-going", action="store_true", help="record a failed check in the row, time anyway")
     args = parser.parse_args(argv)
@@ -453,6 +624,8 @@ def main(argv: list[str] | None = None) -> dict:
         layer, tokens, adapters, rank, dtype = SMOKE_LAYER, (1, 5), (1, 3), 4, torch.float32
     else:
         raise SystemExit("bench_lora_kernels: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    if args.mixed_ranks:
+        return mixed_main(args, layer, rank, dtype, device, timer)
     result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm, args.dense, args.slots)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["device"] = name
@@ -488,6 +661,22 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             print(f"sgmv sweep {spec} {proj}: default {res['default_us']:.1f} µs, best {res['best']} "
                   f"{res['best_us']:.1f} µs")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def mixed_main(args, layer, rank: int, dtype, device, timer: Timer) -> dict:
+    """--mixed-ranks: 32 adapters (8 with --smoke), print the table, write ``--out``."""
+    result = run_mixed_ranks(layer, 8 if args.smoke else 32, rank, dtype, device, timer)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    result["device"] = name
+    timing = "CUDA-graph replay, cold L2" if device.type == "cuda" else "wall clock"
+    note = (f"LoRA deltas of one layer's four projections, {result['tokens']} decode tokens, one per adapter, "
+            f"{str(dtype).removeprefix('torch.')}, {timing} ({name}, copy {result['copy_TBps']:.2f} TB/s)")
+    result["table"] = format_mixed_table(result, note)
+    print(result["table"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -58,7 +58,7 @@ def zipf_choices(rng: random.Random, n_items: int, count: int, s: float = 1.1) -
 
 
 def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
-                  targets=ALL_TARGETS, first_id: int = 1, **adapter_kw) -> list[LoRARequest]:
+                  targets=ALL_TARGETS, first_id: int = 1, rank: int = 16, **adapter_kw) -> list[LoRARequest]:
     """``count`` adapters; the first ``distinct_files`` have their own weights, the rest
     link to one of them but have their own config (so their own version id), declared as the
     platform declares its registry's content hash (registration reads only the config and the
@@ -71,7 +71,7 @@ def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
     for i in range(count):
         path = root / f"a{i}"
         if i < distinct_files:
-            make_random_adapter(path, config, 16, seed=first_id + i, targets=targets, **adapter_kw)
+            make_random_adapter(path, config, rank, seed=first_id + i, targets=targets, **adapter_kw)
         else:
             path.mkdir(parents=True, exist_ok=True)
             src = root / f"a{i % distinct_files}"

@@ -1,14 +1,25 @@
-"""The stacked LoRA A/B slot tensors on the device and their writes.
+"""The paged LoRA A/B weight pool on the device, its page table and its writes.
 
-Per layer ``l`` and module ``m`` (S = max_loras, R = max_lora_rank):
+Adapters' weights live in pages of ``P`` rank rows (``page_rows``) from one pool per layer ``l`` and
+module ``m`` (S = max_loras adapter slots, N = num_pages pages, R = max_lora_rank):
 
-- ``a[l][m]``: ``[S, R, in_features]`` in ``dtype`` (lora_A, rows ``r..R`` zero),
-- ``b[l][m]``: ``[S, out_features, R]`` in ``dtype`` (lora_B, columns ``r..R`` zero),
+- ``a[l][m]``: ``[N, P, in_features]`` in ``dtype`` (rows of lora_A),
+- ``b[l][m]``: ``[N, out_features, P]`` in ``dtype`` (columns of lora_B),
+- ``page_table``: ``[S, ceil(R / P)] int32``: the pages of slot ``s``'s adapter in rank order (-1 past them);
+  the same pages in every ``(l, m)``, so one table serves every layer; ``ranks``: ``[S] int32``, the rank
+  rows slot ``s`` uses (its image rank, a multiple of ``P``; 0 for an empty or disabled slot),
 - ``scaling[l][m]``: ``[S] fp32`` (0 where the slot's adapter does not target ``(l, m)``), views of
   one ``[L, M, S]`` table so that one copy writes a slot's scalings.
 
-Semantics: ``y[t] += scaling[l][m][s] * (x[t] @ a[l][m][s].T) @ b[l][m][s].T`` for ``s = slot(t)``,
-nothing when ``s == -1``. Zero padding makes the rank-R product equal the rank-r one.
+An adapter of rank ``r`` takes ``ceil(r / P)`` pages (S-LoRA, Sheng et al. 2023, "unified paging"; the
+pool is sized beside the KV cache, not shared with it): memory proportional to its own rank, not to
+``max_lora_rank``. With ``P = R`` and ``N = S`` (the defaults) every adapter takes one page: the padded
+``[S, R, in]`` / ``[S, out, R]`` slot rectangles of a pool without paging.
+
+Semantics: ``y[t] += scaling[l][m][s] * (x[t] @ A_s.T) @ B_s.T`` for ``s = slot(t)``, nothing when
+``s == -1``, where ``A_s = concat_j a[l][m][page_table[s, j]]`` (``[ranks[s], in]``) and
+``B_s = concat_j b[l][m][page_table[s, j]]`` along the rank (``[out, ranks[s]]``); zero rows past an
+adapter's rank make the padded product equal the rank-r one.
 
 Vocabulary-sized modules (when ``spec.vocab_size`` is set; V = vocab, H = hidden, K = full-module slots):
 
@@ -45,31 +56,62 @@ _FULL_ROWS = {"embed_tokens": 0, "lm_head": 1}  # row of full_index
 # (layer, module, first row, end row) -> those rows of the base weight W [rows, in_features], any float dtype
 BaseWeightRows = Callable[[int, str, int, int], torch.Tensor]
 _NORM_CHUNK_ELEMENTS = 1 << 23  # rows of W + scaling * B @ A materialised at once (32 MiB in float32)
+Write = tuple[int, SlotImage, tuple[int, ...]]  # (slot, image, its pages in rank order)
+
+
+def page_runs(pages: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(first image page, first pool page, length)`` of each run of consecutive pool pages in ``pages``."""
+    runs: list[tuple[int, int, int]] = []
+    for j, page in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == page:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((j, page, 1))
+    return runs
 
 
 class LoRADeviceWeights:
-    """Zeroed slot tensors for ``num_slots`` adapters of rank <= ``max_lora_rank`` on model ``spec``.
+    """A zeroed pool of ``num_pages`` weight pages of ``page_rows`` rank rows for ``num_slots`` adapters of
+    rank <= ``max_lora_rank`` on model ``spec`` (module docstring). ``page_rows`` defaults to
+    ``max_lora_rank`` and ``num_pages`` to ``num_slots * ceil(max_lora_rank / page_rows)`` (every slot can
+    hold a max-rank adapter at once).
 
-    Raises ``ValueError`` for a ``dtype`` other than fp16, bf16 or fp32.
+    Raises ``ValueError`` for a ``dtype`` other than fp16, bf16 or fp32, a ``page_rows`` that is not a power
+    of two in ``1..max_lora_rank``, or ``num_pages < 1``.
     """
 
     def __init__(self, spec: BaseModelSpec, num_slots: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device | str, max_full_module_slots: int = 0) -> None:
+                 device: torch.device | str, max_full_module_slots: int = 0, *, page_rows: int | None = None,
+                 num_pages: int | None = None) -> None:
         if dtype not in SLOT_DTYPES:
             raise ValueError(f"LoRASlotPool.dtype={dtype!r}: must be one of {list(SLOT_DTYPES)}")
+        page_rows = page_rows or max_lora_rank
+        if page_rows & (page_rows - 1) or not 1 <= page_rows <= max_lora_rank:
+            raise ValueError(f"LoRADeviceWeights: page_rows={page_rows} must be a power of two in "
+                             f"1..max_lora_rank={max_lora_rank}")
+        max_pages = -(-max_lora_rank // page_rows)
+        num_pages = num_slots * max_pages if num_pages is None else num_pages
+        if num_pages < 1:
+            raise ValueError(f"LoRADeviceWeights: num_pages={num_pages} must be >= 1")
         self.spec = spec
         self.num_slots = num_slots
         self.max_lora_rank = max_lora_rank
+        self.page_rows = page_rows
+        self.num_pages = num_pages
         self.dtype = dtype
         self.device = torch.device(device)
-        S, R = num_slots, max_lora_rank
+        S, N, P = num_slots, num_pages, page_rows
         shapes = spec.module_shapes
         self._scaling_table = self._zeros(spec.num_layers, len(shapes), S, dtype=torch.float32)
-        self.a: _PerLayer = [{m: self._zeros(S, R, i) for m, (i, _) in shapes.items()} for _ in range(spec.num_layers)]
-        self.b: _PerLayer = [{m: self._zeros(S, o, R) for m, (_, o) in shapes.items()} for _ in range(spec.num_layers)]
+        self.a: _PerLayer = [{m: self._zeros(N, P, i) for m, (i, _) in shapes.items()} for _ in range(spec.num_layers)]
+        self.b: _PerLayer = [{m: self._zeros(N, o, P) for m, (_, o) in shapes.items()} for _ in range(spec.num_layers)]
         self.scaling: _PerLayer = [{m: self._scaling_table[layer, i] for i, m in enumerate(shapes)}
                                    for layer in range(spec.num_layers)]
-        self._written: list[frozenset[ModuleKey]] = [frozenset()] * S  # (layer, module)s non-zero per slot
+        self.page_table = torch.full((S, max_pages), -1, dtype=torch.int32, device=self.device)
+        self.ranks = self._zeros(S, dtype=torch.int32)
+        self._slot_pages: list[tuple[int, ...]] = [()] * S  # host mirror of page_table (pages of the last write)
+        self._written: list[frozenset[ModuleKey]] = [frozenset()] * N  # (layer, module)s non-zero per page
         columns = [0]
         for _, out in shapes.values():
             columns.append(columns[-1] + out)
@@ -161,64 +203,125 @@ class LoRADeviceWeights:
             raise ValueError(f"gain_columns: modules {modules} are not consecutive in {list(self.spec.module_shapes)}")
         return self._gain_table[layer, :, spans[0][0]:spans[-1][1]]
 
-    def write(self, slot: int, image: SlotImage) -> None:
-        """Overwrite ``slot`` with ``image``: two contiguous copies per targeted module (already
-        rank-padded), zeros for modules an earlier occupant wrote and this one does not
-        target, one copy for all scalings; enqueued without waiting. Nothing of a previous
-        adapter survives. If a copy raises, the slot is marked unknown (see ``invalidate``)."""
+    def pages_needed(self, image: SlotImage) -> int:
+        """Pages ``image`` takes here. Raises ``ValueError`` if it was built for another page size."""
+        if image.max_rank and image.page_rows != self.page_rows:
+            raise ValueError(f"LoRADeviceWeights: image of {image.page_rows}-row pages, the pool's are "
+                             f"{self.page_rows} rows")
+        return image.num_pages
+
+    def write(self, slot: int, image: SlotImage, pages: tuple[int, ...]) -> None:
+        """Overwrite ``slot`` with ``image`` in ``pages`` (free pool pages, ``pages_needed(image)`` of them, in rank
+        order): one copy per targeted module and run of consecutive pages from the image, zeros for modules an
+        earlier holder of a page wrote and this adapter does not target, one copy for all scalings; enqueued
+        without waiting. Nothing of a previous adapter survives. Raises ``ValueError`` for a wrong page count; if
+        a copy raises, the slot is marked unknown (see ``invalidate``)."""
+        self._check_pages(image, pages)
+        self._slot_pages[slot] = pages
         try:
-            for layer, module in self._written[slot] - image.offsets.keys():
-                self.a[layer][module][slot].zero_()
-                self.b[layer][module][slot].zero_()
+            self._zero_stale([(slot, image, pages)])
             keys = list(image.offsets)
-            destinations = [self.a[l][m][slot] for l, m in keys] + [self.b[l][m][slot] for l, m in keys]
-            sources = [image.a(key) for key in keys] + [image.b(key) for key in keys]
+            destinations: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            a_sources = [image.a(key).view(image.num_pages, self.page_rows, -1) for key in keys]
+            b_sources = [image.b_pages(key) for key in keys]
+            self._page_copies(keys, pages, a_sources + b_sources, destinations, sources)
             if keys:  # an adapter only on embed_tokens / lm_head has none
                 torch._foreach_copy_(destinations, sources, non_blocking=True)  # one call, not 2 per module
             self._scaling_table[:, :, slot].copy_(image.scaling, non_blocking=True)
+            self._set_page_tables([(slot, image, pages)])
             self._write_vocab(slot, image)
             self._gain_table[:, slot] = 1.0
             self._write_gains(slot, image)
         except Exception:
             self.invalidate(slot)
             raise
-        self._written[slot] = frozenset(image.offsets)
+        self._mark_written([(slot, image, pages)])
 
-    def write_many(self, writes: list[tuple[int, SlotImage]], *, staging_bytes: int) -> None:
-        """Overwrite several slots at once (distinct slots), as ``write`` would one by one, with
+    def write_many(self, writes: list[Write], *, staging_bytes: int) -> None:
+        """Overwrite several slots at once (distinct slots and pages), as ``write`` would one by one, with
         one host-to-device copy per image and one device-side ``torch._foreach_copy_`` per group of
         up to ``staging_bytes`` of images sharing a layout (instead of two small host-to-device
         copies per module and image): the images are copied whole into a device staging buffer
-        ``[n, numel]`` (kept between calls) and scattered from there; the scalings of a group take
-        one copy. Enqueued without waiting. If a copy raises, every
-        slot of ``writes`` is marked unknown (see ``invalidate``)."""
-        groups: dict[tuple, list[tuple[int, SlotImage]]] = {}
-        for slot, image in writes:
-            layout = (image.data.numel(), tuple(sorted(image.offsets.items())))
-            groups.setdefault(layout, []).append((slot, image))
+        ``[n, numel]`` (kept between calls) and scattered from there into their pages; the scalings and page
+        tables of a group take one copy each. Enqueued without waiting. Raises ``ValueError`` for a wrong page
+        count; if a copy raises, every slot of ``writes`` is marked unknown (see ``invalidate``)."""
+        for slot, image, pages in writes:
+            self._check_pages(image, pages)
+            self._slot_pages[slot] = pages
+        groups: dict[tuple, list[Write]] = {}
+        for write in writes:
+            image = write[1]
+            layout = (image.data.numel(), image.max_rank, tuple(sorted(image.offsets.items())))
+            groups.setdefault(layout, []).append(write)
         try:
-            for slot, image in writes:
-                for layer, module in self._written[slot] - image.offsets.keys():
-                    self.a[layer][module][slot].zero_()
-                    self.b[layer][module][slot].zero_()
+            self._zero_stale(writes)
             for members in groups.values():
                 per_chunk = max(1, staging_bytes // max(1, members[0][1].nbytes))
                 for start in range(0, len(members), per_chunk):
                     self._scatter(members[start : start + per_chunk])
-            self._gain_table.index_fill_(1, self._to_device(torch.tensor([slot for slot, _ in writes])), 1.0)
-            for slot, image in writes:
+            self._set_page_tables(writes)
+            self._gain_table.index_fill_(1, self._to_device(torch.tensor([slot for slot, _, _ in writes])), 1.0)
+            for slot, image, _ in writes:
                 self._write_vocab(slot, image)
                 self._write_gains(slot, image)
         except Exception:
-            for slot, _ in writes:
+            for slot, _, _ in writes:
                 self.invalidate(slot)
             raise
-        for slot, image in writes:
-            self._written[slot] = frozenset(image.offsets)
+        self._mark_written(writes)
 
-    def _scatter(self, members: list[tuple[int, SlotImage]]) -> None:
+    def _check_pages(self, image: SlotImage, pages: tuple[int, ...]) -> None:
+        needed = self.pages_needed(image)
+        if len(pages) != needed or any(not 0 <= p < self.num_pages for p in pages):
+            raise ValueError(f"LoRADeviceWeights: adapter {image.version_id[:12]} needs {needed} pages of "
+                             f"0..{self.num_pages - 1}, given {list(pages)}")
+
+    def _zero_stale(self, writes: list[Write]) -> None:
+        """Zero, in each page given to a write, the modules an earlier holder wrote and this image does not target
+        (one multi-tensor call)."""
+        stale: list[torch.Tensor] = []
+        for _, image, pages in writes:
+            for page in pages:
+                for layer, module in self._written[page] - image.offsets.keys():
+                    stale += [self.a[layer][module][page], self.b[layer][module][page]]
+        if stale:
+            torch._foreach_zero_(stale)
+
+    def _mark_written(self, writes: list[Write]) -> None:
+        for _, image, pages in writes:
+            for page in pages:
+                self._written[page] = frozenset(image.offsets)
+
+    def _page_copies(self, keys: list[ModuleKey], pages: tuple[int, ...], sources: list[torch.Tensor],
+                     destinations: list[torch.Tensor], source_views: list[torch.Tensor]) -> None:
+        """Append the (destination, source) pairs that put an image's pages into ``pages``: ``sources`` are its A
+        factors as ``[pages, P, in]`` then its B factors as ``[pages, out, P]``, in ``keys`` order; one pair per
+        factor and run of consecutive pool pages."""
+        runs = page_runs(pages)
+        pools = [self.a[layer][module] for layer, module in keys] + [self.b[layer][module] for layer, module in keys]
+        if len(runs) == 1:  # the common case: one contiguous run
+            _, start, length = runs[0]
+            destinations += [pool[start : start + length] for pool in pools]
+            source_views += sources
+            return
+        for pool, source in zip(pools, sources):
+            for first, start, length in runs:
+                destinations.append(pool[start : start + length])
+                source_views.append(source[first : first + length])
+
+    def _set_page_tables(self, writes: list[Write]) -> None:
+        """``page_table`` rows and ``ranks`` of the written slots (one host-to-device copy each)."""
+        width = self.page_table.shape[1]
+        rows = torch.tensor([list(pages) + [-1] * (width - len(pages)) for _, _, pages in writes], dtype=torch.int32)
+        ranks = torch.tensor([image.max_rank for _, image, _ in writes], dtype=torch.int32)
+        slots = self._to_device(torch.tensor([slot for slot, _, _ in writes], dtype=torch.int64))
+        self.page_table.index_copy_(0, slots, self._to_device(rows))
+        self.ranks.index_copy_(0, slots, self._to_device(ranks))
+
+    def _scatter(self, members: list[Write]) -> None:
         """Images of one layout -> a staging buffer on the device (one host-to-device copy per image) -> their
-        slots with one ``torch._foreach_copy_`` (a few multi-tensor kernels on CUDA, where two ``index_copy_``
+        pages with one ``torch._foreach_copy_`` (a few multi-tensor kernels on CUDA, where two ``index_copy_``
         per (layer, module) cost ~900 launches per install). The staging buffer is kept between installs
         (allocated at the first, grown when a group needs more); its reuse is ordered after the previous
         scatter by the stream, which holds because every install and its copies are enqueued on the
@@ -226,19 +329,17 @@ class LoRADeviceWeights:
         first = members[0][1]
         numel = first.data.numel()
         staging = self._staging_rows(len(members), numel)
-        for row, (_, image) in enumerate(members):
+        for row, (_, image, _) in enumerate(members):
             staging[row].copy_(image.data, non_blocking=True)
-        keys = tuple(first.offsets)
+        keys = list(first.offsets)
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        for row, (slot, _) in enumerate(members):
-            destinations += [self.a[layer][module][slot] for layer, module in keys]
-            destinations += [self.b[layer][module][slot] for layer, module in keys]
-            sources += self._staging_views(first, row)
+        for row, (_, _, pages) in enumerate(members):
+            self._page_copies(keys, pages, self._staging_views(first, row), destinations, sources)
         if keys:  # an adapter only on embed_tokens / lm_head has none
             torch._foreach_copy_(destinations, sources, non_blocking=True)
-        slots = self._to_device(torch.tensor([slot for slot, _ in members], dtype=torch.int64))
-        scalings = torch.stack([image.scaling for _, image in members], dim=-1)  # [L, M, n] fp32
+        slots = self._to_device(torch.tensor([slot for slot, _, _ in members], dtype=torch.int64))
+        scalings = torch.stack([image.scaling for _, image, _ in members], dim=-1)  # [L, M, n] fp32
         self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
 
     def _staging_rows(self, rows: int, numel: int) -> torch.Tensor:
@@ -250,20 +351,30 @@ class LoRADeviceWeights:
 
     def _staging_views(self, image: SlotImage, row: int) -> list[torch.Tensor]:
         """Views of staging row ``row`` (rows of ``image.data.numel()`` elements) shaped as ``image``'s A factors
-        ``[R, in]`` then B factors ``[out, R]``, in ``image.offsets`` order; cached per layout and row."""
+        ``[pages, P, in]`` then B factors ``[pages, out, P]``, in ``image.offsets`` order; cached per layout and
+        row."""
         numel = image.data.numel()
-        key = (numel, tuple(image.offsets.items()), row)
+        key = (numel, image.max_rank, tuple(image.offsets.items()), row)
         views = self._staging_view_cache.get(key)
         if views is None:
             flat = self._staging[row * numel:(row + 1) * numel]
-            R = self.max_lora_rank
+            R, n, P = image.max_rank, image.num_pages, self.page_rows
             shapes = self.spec.module_shapes
-            views = ([flat[a_off:a_off + R * shapes[m][0]].view(R, shapes[m][0])
+            views = ([flat[a_off:a_off + R * shapes[m][0]].view(n, P, shapes[m][0])
                       for (_, m), (a_off, _) in image.offsets.items()]
-                     + [flat[b_off:b_off + shapes[m][1] * R].view(shapes[m][1], R)
+                     + [flat[b_off:b_off + shapes[m][1] * R].view(n, shapes[m][1], P)
                         for (_, m), (_, b_off) in image.offsets.items()])
             self._staging_view_cache[key] = views
         return views
+
+    def slot_factors(self, slot: int, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A [r, in], B [out, r])`` of ``slot``'s adapter for ``(layer, module)`` gathered from its pages
+        (copies; ``r`` = its page count x ``page_rows``; for DoRA installs and tests)."""
+        pages = list(self._slot_pages[slot])
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        a = self.a[layer][module].index_select(0, index).flatten(0, 1)
+        b = self.b[layer][module].index_select(0, index).permute(1, 0, 2).flatten(1, 2)
+        return a, b
 
     def _write_gains(self, slot: int, image: SlotImage) -> None:
         """DoRA: ``gain[l][m][slot] = m / ||W + scaling * B @ A||_row`` for each module of ``image.magnitude``,
@@ -279,8 +390,8 @@ class LoRADeviceWeights:
         for (layer, module), magnitude in image.magnitude.items():
             in_features, out_features = self.spec.module_shapes[module]
             scaling = float(image.scaling[layer, columns.index(module)])
-            a = self.a[layer][module][slot].float()  # [R, in]
-            b = self.b[layer][module][slot].float()  # [out, R]
+            a, b = self.slot_factors(slot, layer, module)
+            a, b = a.float(), b.float()  # [r, in], [out, r]
             norm = torch.empty(out_features, dtype=torch.float32, device=self.device)
             rows = max(1, _NORM_CHUNK_ELEMENTS // in_features)
             for start in range(0, out_features, rows):
@@ -298,9 +409,11 @@ class LoRADeviceWeights:
         return host.to(self.device, non_blocking=True)
 
     def disable(self, slot: int) -> None:
-        """Zero ``slot``'s scalings and set its DoRA gains to 1: tokens mapped to it get no LoRA delta and
-        no rescale (A/B left as they are), and its rows use the base ``embed_tokens`` / ``lm_head``."""
+        """Zero ``slot``'s scalings and rank and set its DoRA gains to 1: tokens mapped to it get no LoRA delta
+        and no rescale and read none of its pages (A/B left as they are; its pages may be given to another
+        adapter), and its rows use the base ``embed_tokens`` / ``lm_head``."""
         self._scaling_table[:, :, slot] = 0.0
+        self.ranks[slot] = 0
         self._gain_table[:, slot] = 1.0
         self.dora_slots.discard(slot)
         if self.vocab_scaling is not None:
@@ -309,15 +422,17 @@ class LoRADeviceWeights:
         self.clear_full(slot)
 
     def invalidate(self, slot: int) -> None:
-        """``slot``'s contents are unknown (a write failed): scalings zero, every module re-zeroed at the next write."""
+        """``slot``'s contents are unknown (a write failed): scalings and rank zero, every module of its pages
+        re-zeroed at their next write."""
         self.disable(slot)
-        self._written[slot] = frozenset((layer, m) for layer in range(self.spec.num_layers)
-                                        for m in self.spec.module_shapes)
+        every = frozenset((layer, m) for layer in range(self.spec.num_layers) for m in self.spec.module_shapes)
+        for page in self._slot_pages[slot]:
+            self._written[page] = every
 
     def memory_bytes(self) -> int:
         """Device memory of the slot tensors, in bytes."""
         tensors = [t for group in (self.a, self.b, self.scaling) for per_layer in group for t in per_layer.values()]
-        tensors += [self._gain_table]
+        tensors += [self._gain_table, self.page_table, self.ranks]
         if self.has_vocab:
             vocab = (self.embed_a_t, self.embed_b, self.head_a, self.head_b, self.vocab_scaling, self.full, self.full_index)
             tensors += [t for t in vocab if t is not None]

@@ -68,9 +68,10 @@ class AdapterLoader:
     def __init__(self, spec: BaseModelSpec, max_lora_rank: int, dtype: torch.dtype, device: torch.device,
                  max_cpu_loras: int, *, background_loads: bool, max_loads_in_flight: int, num_loader_threads: int,
                  pin_host_cache: bool, executor: concurrent.futures.Executor | None = None,
-                 host_arena_chunk_bytes: int = 256 << 20) -> None:
+                 host_arena_chunk_bytes: int = 256 << 20, page_rows: int | None = None) -> None:
         self.spec = spec
         self.max_lora_rank = max_lora_rank
+        self.page_rows = page_rows  # images padded to their own rank in pages of this many rows (None: max_lora_rank)
         self.dtype = dtype
         self.device = device
         self.background_loads = background_loads
@@ -242,7 +243,8 @@ class AdapterLoader:
 
     def _image_of(self, adapter: LoRAAdapter) -> SlotImage:
         return slot_image_from_adapter(adapter, self.spec, self.max_lora_rank, self.dtype,
-                                       pin_memory=self._pin_images(), allocate=self._arena().empty)
+                                       pin_memory=self._pin_images(), allocate=self._arena().empty,
+                                       page_rows=self.page_rows)
 
     def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None,
                        check_finite: bool = True) -> SlotImage:
@@ -251,7 +253,7 @@ class AdapterLoader:
         layout = layout or inspect_peft_adapter(path, self.spec, self.max_lora_rank)
         return read_slot_image(layout, self.spec, self.max_lora_rank, self.dtype,
                                version_id=version_id, pin_memory=self._pin_images(), allocate=self._arena().empty,
-                               check_finite=check_finite)
+                               check_finite=check_finite, page_rows=self.page_rows)
 
     def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None,
               layout: AdapterLayout | None = None, verified: bool = False) -> _Read:

@@ -2,14 +2,19 @@
 
 The host-cache tier of ``LoRASlotPool`` keeps ``SlotImage``s, not ``LoRAAdapter``s:
 one buffer per adapter in the slot dtype (a ``HostArena`` range in the pool, pinned when slots live on CUDA), with every
-module's factors already padded to the pool's rank ``R``, so that installing the adapter
-in a slot is one contiguous host-to-device copy of the whole image and one multi-tensor
-device copy into the slot's per-module factors (``LoRADeviceWeights.write_many``)
-(S-LoRA, Sheng et al. 2023, "unified paging" of adapter weights; here without paging).
+module's factors already padded to the image's rank ``R`` and laid out in weight pages of ``P`` rank rows
+(``page_rows``), so that installing the adapter is one contiguous host-to-device copy of the whole image
+and one multi-tensor device copy into its pages of the pool's per-module factors
+(``LoRADeviceWeights.write_many``; S-LoRA, Sheng et al. 2023, "unified paging" of adapter weights).
+
+``R`` is the adapter's own largest module rank rounded up to a multiple of ``P`` (the image takes
+``R / P`` pages); built without ``page_rows`` (``P = R``) it is the pool's ``max_lora_rank``, one page.
 
 Layout of ``SlotImage.data`` (1-D, slot dtype): for each targeted ``(layer, module)``
 in (layer, ``LORA_MODULE_NAMES``) order, ``A`` padded to ``[R, in_features]`` (rows
-``r..R`` zero) then ``B`` padded to ``[out_features, R]`` (columns ``r..R`` zero).
+``r..R`` zero; page ``j`` is rows ``jP..(j+1)P``) then ``B`` page by page, ``[R / P, out_features, P]``
+(page ``j`` holds columns ``jP..(j+1)P`` of PEFT's ``[out_features, r]``, columns ``r..R`` zero). With one
+page ``B`` is PEFT's ``[out_features, R]`` itself.
 
 Semantics (per module): ``delta(x) = scaling * (x @ A.T) @ B.T``; the zero padding
 makes the rank-R product equal the rank-r one. A DoRA adapter's magnitude vectors ride
@@ -105,7 +110,8 @@ class SlotImage:
     """One adapter ready to be copied into a GPU slot.
 
     - ``version_id``: the adapter's content id (as registered).
-    - ``max_rank``: the pool rank ``R`` every module is padded to.
+    - ``max_rank``: the image rank ``R`` every module is padded to (a multiple of ``page_rows``; 0 when the
+      adapter has LoRA on ``embed_tokens`` / ``lm_head`` only).
     - ``data``: ``[numel]`` in the slot dtype; see the module docstring for the layout.
     - ``offsets``: ``(layer, module) -> (a_offset, b_offset)`` element offsets into ``data``
       for the targeted modules only.
@@ -115,6 +121,7 @@ class SlotImage:
     - ``vocab``: the ``embed_tokens`` / ``lm_head`` parts, or None.
     - ``magnitude``: DoRA only: ``(layer, module) -> m [out_features] fp32`` for every targeted
       module; empty for plain LoRA.
+    - ``page_rows``: rank rows per weight page ``P`` (0: ``max_rank``, one page).
     """
 
     version_id: str
@@ -125,6 +132,18 @@ class SlotImage:
     module_shapes: dict[str, tuple[int, int]]
     vocab: VocabImage | None = None
     magnitude: dict[ModuleKey, torch.Tensor] = field(default_factory=dict)
+    page_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_rows == 0:
+            object.__setattr__(self, "page_rows", max(1, self.max_rank))
+        if self.max_rank % self.page_rows:
+            raise ValueError(f"SlotImage: max_rank={self.max_rank} is not a multiple of page_rows={self.page_rows}")
+
+    @property
+    def num_pages(self) -> int:
+        """Weight pages the image fills: ``max_rank / page_rows``."""
+        return self.max_rank // self.page_rows
 
     @property
     def nbytes(self) -> int:
@@ -137,11 +156,29 @@ class SlotImage:
         start = self.offsets[key][0]
         return self.data[start : start + self.max_rank * in_features].view(self.max_rank, in_features)
 
-    def b(self, key: ModuleKey) -> torch.Tensor:
-        """``B`` of ``key`` padded to ``[out_features, R]`` (a view of ``data``). Raises ``KeyError`` if untargeted."""
+    def b_pages(self, key: ModuleKey) -> torch.Tensor:
+        """``B`` of ``key`` as its pages, ``[R / P, out_features, P]`` (a view of ``data``). Raises ``KeyError``
+        if untargeted."""
         _, out_features = self.module_shapes[key[1]]
         start = self.offsets[key][1]
-        return self.data[start : start + out_features * self.max_rank].view(out_features, self.max_rank)
+        return self.data[start : start + out_features * self.max_rank].view(self.num_pages, out_features,
+                                                                            self.page_rows)
+
+    def b(self, key: ModuleKey) -> torch.Tensor:
+        """``B`` of ``key`` padded to ``[out_features, R]``: a view of ``data`` with one page, a copy with several
+        (write through :meth:`set_b`). Raises ``KeyError`` if untargeted."""
+        pages = self.b_pages(key)
+        if self.num_pages == 1:
+            return pages[0]
+        return pages.permute(1, 0, 2).reshape(pages.shape[1], self.max_rank)
+
+    def set_b(self, key: ModuleKey, source: torch.Tensor) -> None:
+        """Copy PEFT's ``lora_B`` ``source [out_features, r]`` (``r <= R``) into the first ``r`` columns of ``key``'s
+        pages (converted to the image dtype); the other columns are left as they are."""
+        pages, rank, step = self.b_pages(key), source.shape[1], self.page_rows
+        for j in range(-(-rank // step)):
+            width = min(step, rank - j * step)
+            pages[j, :, :width].copy_(source[:, j * step : j * step + width])
 
 
 def read_slot_image(
@@ -154,14 +191,18 @@ def read_slot_image(
     pin_memory: bool,
     allocate: Allocate | None = None,
     check_finite: bool = True,
+    page_rows: int | None = None,
 ) -> SlotImage:
     """Read the tensors of the adapter ``layout`` (checked by ``inspect_peft_adapter``)
     straight into a ``SlotImage`` of ``dtype``; nothing is hashed (``version_id`` is trusted).
+    ``max_rank``: the pool's rank (``embed_tokens`` / ``lm_head`` parts are padded to it); ``page_rows``:
+    the pool's weight-page rows, the projections padded to the adapter's own rank rounded up to a multiple of
+    it (None: padded to ``max_rank``, one page).
     ``allocate`` gives the image's buffer (e.g. ``HostArena.empty``); default a new tensor,
     page-locked when ``pin_memory``. ``check_finite=False`` skips the NaN/Inf scan, for a re-read of
     content already hashed, matched and scanned as ``dtype`` (the loader's verified re-reads).
 
-    When every tensor is stored in ``dtype`` with rank R, the image *is* the file's data
+    When every tensor is stored in ``dtype`` with rank R and R is one page, the image *is* the file's data
     section: one ``pread`` (the GIL released throughout) and the offsets taken from the
     header. Otherwise a tensor stored in ``dtype`` whose image rows are contiguous (every
     ``lora_A``; a ``lora_B`` of rank R) is read directly into its place, and the others go
@@ -176,8 +217,9 @@ def read_slot_image(
     names = {(plan.layer, plan.module): (plan.a_name, plan.b_name) for plan in layout.modules}
     fd = _open(path)
     try:
-        target = _Target(spec, max_rank, dtype, version_id, allocate or _new_tensor(pin_memory))
-        read = _read_verbatim if _is_verbatim(layout, stored, max_rank, dtype) else _read_per_tensor
+        rank = image_rank([plan.hyper.rank for plan in layout.modules], max_rank, page_rows)
+        target = _Target(spec, rank, dtype, version_id, allocate or _new_tensor(pin_memory), page_rows or rank)
+        read = _read_verbatim if _is_verbatim(layout, stored, target) else _read_per_tensor
         image = read(fd, layout, stored, target)
         _read_magnitudes(fd, layout, stored, image)
     finally:
@@ -204,17 +246,27 @@ def _read_vocab(path: Path, layout: AdapterLayout, max_rank: int, dtype: torch.d
     return vocab_image(lora.get("embed_tokens"), lora.get("lm_head"), full, max_rank, dtype, pin_memory=pin_memory)
 
 
+def image_rank(ranks: Iterable[int], max_rank: int, page_rows: int | None) -> int:
+    """The rank an image pads its projections to: the largest of ``ranks`` rounded up to a multiple of
+    ``page_rows`` (0 for none), or ``max_rank`` without ``page_rows``."""
+    if page_rows is None:
+        return max_rank
+    return -(-max(ranks, default=0) // page_rows) * page_rows
+
+
 def slot_image_from_adapter(
     adapter: LoRAAdapter, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype, *, pin_memory: bool,
-    allocate: Allocate | None = None,
+    allocate: Allocate | None = None, page_rows: int | None = None,
 ) -> SlotImage:
-    """The ``SlotImage`` of a loaded (validated, finite) ``adapter`` (buffer from ``allocate``, as
-    in ``read_slot_image``).
+    """The ``SlotImage`` of a loaded (validated, finite) ``adapter`` (buffer from ``allocate``; ``max_rank``
+    and ``page_rows`` as in ``read_slot_image``).
 
     Raises ``AdapterFormatError`` if a value overflows to Inf in ``dtype``.
     """
     ranks = {key: weight.rank for key, weight in adapter.weights.items()}
-    image = _empty_image(ranks, spec, max_rank, dtype, adapter.version_id, allocate or _new_tensor(pin_memory))
+    rank = image_rank(ranks.values(), max_rank, page_rows)
+    image = _empty_image(ranks, spec, rank, dtype, adapter.version_id, allocate or _new_tensor(pin_memory),
+                         page_rows or rank)
     for key, weight in adapter.weights.items():
         _fill(image, key, weight.a, weight.b, weight.scaling, spec)
         if weight.magnitude is not None:
@@ -228,11 +280,12 @@ def slot_image_from_adapter(
     return image
 
 
-def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_rank: int, dtype: torch.dtype) -> bool:
-    """Every module has rank R and every tensor is stored in ``dtype`` at an aligned offset (DoRA magnitudes
+def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> bool:
+    """The image is one page, every module has rank R and every tensor is stored in ``dtype`` at an aligned offset (DoRA magnitudes
     included: the data section read may span them, and the image's finite-value scan reads it as ``dtype``), and
     no ``embed_tokens`` / ``lm_head`` tensor lies in the file's data, which the one read would copy."""
-    if layout.vocab_lora or layout.full_modules:
+    max_rank, dtype = target.max_rank, target.dtype
+    if layout.vocab_lora or layout.full_modules or target.page_rows != max_rank:
         return False
     if any(plan.hyper.rank != max_rank for plan in layout.modules):
         return False
@@ -246,13 +299,15 @@ def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], max_ran
 
 @dataclass(frozen=True)
 class _Target:
-    """What an image is built for: model shapes, pool rank R, slot dtype, id, where its buffer comes from."""
+    """What an image is built for: model shapes, image rank R, slot dtype, id, where its buffer comes from,
+    rank rows per page."""
 
     spec: BaseModelSpec
     max_rank: int
     dtype: torch.dtype
     version_id: str
     allocate: Allocate
+    page_rows: int
 
 
 def _new_tensor(pin_memory: bool) -> Allocate:
@@ -277,18 +332,24 @@ def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTenso
         offsets[(plan.layer, plan.module)] = ((a.offset_bytes - start) // dtype.itemsize,
                                               (b.offset_bytes - start) // dtype.itemsize)
     scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
-    return SlotImage(target.version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes))
+    return SlotImage(target.version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes),
+                     page_rows=target.page_rows)
 
 
 def _read_per_tensor(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
     """A padded image filled tensor by tensor (direct reads where the layout allows)."""
     ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
     image = _empty_image(ranks, target.spec, target.max_rank, target.dtype, target.version_id,
-                         target.allocate)
+                         target.allocate, target.page_rows)
     for plan in layout.modules:
         key, rank = (plan.layer, plan.module), plan.hyper.rank
         _read_into(fd, plan.a_name, stored, image.a(key)[:rank])
-        _read_into(fd, plan.b_name, stored, image.b(key)[:, :rank])
+        if image.num_pages == 1:
+            _read_into(fd, plan.b_name, stored, image.b(key)[:, :rank])
+        else:  # PEFT's [out, r] spread over the pages
+            b = torch.empty(image.module_shapes[plan.module][1], rank, dtype=image.data.dtype)
+            _read_into(fd, plan.b_name, stored, b)
+            image.set_b(key, b)
     return image
 
 
@@ -351,8 +412,10 @@ def _empty_image(
     dtype: torch.dtype,
     version_id: str,
     allocate: Allocate,
+    page_rows: int,
 ) -> SlotImage:
-    """An image for the modules in ``ranks``; zero-filled only if some module needs rank padding."""
+    """An image of rank ``max_rank`` (pages of ``page_rows``) for the modules in ``ranks``; zero-filled only if
+    some module needs rank padding."""
     offsets: dict[ModuleKey, tuple[int, int]] = {}
     numel = 0
     for key in _ordered(ranks, spec.module_shapes):
@@ -363,7 +426,7 @@ def _empty_image(
     if any(rank != max_rank for rank in ranks.values()):
         data.zero_()
     scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
-    return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes))
+    return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes), page_rows=page_rows)
 
 
 def _ordered(keys: Iterable[ModuleKey], module_order: Iterable[str]) -> list[ModuleKey]:
@@ -377,7 +440,7 @@ def _fill(
 ) -> None:
     rank = a.shape[0]
     image.a(key)[:rank].copy_(a)
-    image.b(key)[:, :rank].copy_(b)
+    image.set_b(key, b)
     image.scaling[key[0], list(spec.module_shapes).index(key[1])] = scaling
 
 

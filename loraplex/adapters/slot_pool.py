@@ -65,7 +65,7 @@ from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import adapter_files_signature
 from loraplex.adapters.registry import AdapterRegistry, Registration
-from loraplex.adapters.slot_image import SlotImage
+from loraplex.adapters.slot_image import SlotImage, image_rank
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec
 
@@ -151,8 +151,9 @@ class LoRASlotPool:
         self.max_lora_rank = config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras
         # ``weights``: slot tensors built by the caller (a tensor-parallel rank's slices); else full-size ones.
-        self.weights = weights if weights is not None else LoRADeviceWeights(spec, config.max_loras, config.max_lora_rank,
-                                                                             dtype, device, config.max_full_module_slots)
+        self.weights = weights if weights is not None else LoRADeviceWeights(
+            spec, config.max_loras, config.max_lora_rank, dtype, device, config.max_full_module_slots,
+            page_rows=config.page_rows, num_pages=config.num_pages)
         self.dtype = dtype
         self.device = self.weights.device
         self.a, self.b, self.scaling = self.weights.a, self.weights.b, self.weights.scaling
@@ -162,9 +163,12 @@ class LoRASlotPool:
             background_loads=config.background_loads, max_loads_in_flight=config.max_loads_in_flight,
             num_loader_threads=config.num_loader_threads, pin_host_cache=config.pin_host_cache,
             executor=read_executor, host_arena_chunk_bytes=config.host_arena_chunk_bytes,
+            page_rows=self.weights.page_rows,
         )
-        self.slots = SlotTable(config.max_loras)
-        self._pending_writes: dict[int, SlotImage] | None = None  # slot -> image, inside ``batched_installs``
+        self.slots = SlotTable(config.max_loras, self.weights.num_pages)
+        self._page_needs: dict[int, int] = {}  # int id -> weight pages its image takes
+        # slot -> (image, pages), inside ``batched_installs``
+        self._pending_writes: dict[int, tuple[SlotImage, tuple[int, ...]]] | None = None
         self.install_batches = 0  # device write batches issued (one per ``batched_installs`` with installs)
         self._slot_loads = 0
         self._slot_evictions = 0
@@ -224,6 +228,8 @@ class LoRASlotPool:
                 self.weights.check_dora(request.lora_name)
             self.registry.add(Registration(request, request.version_id, signature, layout))
             self._set_full_needs(request.lora_int_id, tuple(m for m, _ in layout.full_modules))
+            rank = image_rank([plan.hyper.rank for plan in layout.modules], self.max_lora_rank, self.weights.page_rows)
+            self._page_needs[request.lora_int_id] = rank // self.weights.page_rows
             return True
         image = self.loader.load_new(request.lora_path)
         vocab = image.vocab
@@ -233,6 +239,7 @@ class LoRASlotPool:
             self.weights.check_dora(request.lora_name)
         self.registry.add(Registration(request, image.version_id, signature, verified=True))
         self._set_full_needs(request.lora_int_id, full)
+        self._page_needs[request.lora_int_id] = self.weights.pages_needed(image)
         self.loader.cache.put_if_room(request.lora_int_id, image)
         return True
 
@@ -363,13 +370,20 @@ class LoRASlotPool:
         """
         registration = self.registry.accepting(int_id)
         if self.slots.slot_of(int_id) is None:
-            slot = self.slots.choose()
-            if slot is None:
+            pages = self._page_needs.get(int_id, 0)
+            placement = self.slots.plan(pages)
+            if placement is None:
                 request = registration.request
+                if not self.slots.has_room():
+                    raise NoFreeSlotError(
+                        f"all max_loras={self.max_loras} adapter slots are pinned (lora_int_ids "
+                        f"{self.slots.pinned_ids()}); adapter {request.lora_name!r} (lora_int_id={int_id}) "
+                        f"must wait for an unpin"
+                    )
                 raise NoFreeSlotError(
-                    f"all max_loras={self.max_loras} adapter slots are pinned (lora_int_ids "
-                    f"{self.slots.pinned_ids()}); adapter {request.lora_name!r} (lora_int_id={int_id}) "
-                    f"must wait for an unpin"
+                    f"adapter {request.lora_name!r} (lora_int_id={int_id}) needs {pages} weight pages of "
+                    f"{self.weights.page_rows} rank rows; {self.slots.free_pages} of num_pages={self.weights.num_pages} "
+                    f"are free and pinned adapters hold the others; it must wait for an unpin"
                 )
             needs = self._full_needs.get(int_id, ())
             if len(needs) > self._freeable_full():
@@ -380,9 +394,25 @@ class LoRASlotPool:
                     f"{list(needs)!r}) and adapters in use hold them; it must wait for an unpin"
                 )
             image = self.loader.host_copy(registration)
-            self._install(slot, int_id, image)
-            self._install_full(slot, needs, image)
+            if self.weights.pages_needed(image) != pages:
+                raise SlotPoolError(f"adapter {registration.request.lora_name!r}: its image takes "
+                                    f"{self.weights.pages_needed(image)} pages, {pages} were planned")
+            for victim in placement.evict:  # _install evicts the slot's own occupant
+                if self.slots.slot_of(victim) != placement.slot:
+                    self._evict(victim)
+            self._install(placement.slot, int_id, image)
+            self._install_full(placement.slot, needs, image)
         return self.slots.pin(int_id)
+
+    def _evict(self, int_id: int) -> None:
+        """Empty the slot of unpinned resident ``int_id`` (its pages freed, its weights disabled)."""
+        slot = self.slots.slot_of(int_id)
+        self.slots.clear(slot)
+        self._slot_evictions += 1
+        if self._pending_writes is not None:
+            self._pending_writes.pop(slot, None)
+        self.weights.disable(slot)
+        self._release_full(slot)
 
     def _freeable_full(self) -> int:
         """Full-module slots free or held by an adapter slot that is empty or unpinned."""
@@ -405,14 +435,12 @@ class LoRASlotPool:
         for victim in holders:
             if len(free) >= len(needs):
                 break
-            if (self.slots.occupant(victim) or (0, 0))[1] == 0:
-                if self.slots.clear(victim) is not None:
-                    self._slot_evictions += 1
-                if self._pending_writes is not None:
-                    self._pending_writes.pop(victim, None)
-                self.weights.disable(victim)
+            occupant = self.slots.occupant(victim)
+            if occupant is None:
                 self._release_full(victim)
-                free = [k for k, owner in enumerate(self._full_owner) if owner is None]
+            elif occupant[1] == 0:
+                self._evict(occupant[0])
+            free = [k for k, owner in enumerate(self._full_owner) if owner is None]
         for module, index in zip(needs, free, strict=False):
             self._full_owner[index] = slot
             self.weights.write_full(slot, module, index, image.vocab.full[module])
@@ -434,10 +462,11 @@ class LoRASlotPool:
             if pending:
                 self._flush(pending)
 
-    def _flush(self, pending: dict[int, SlotImage]) -> None:
+    def _flush(self, pending: dict[int, tuple[SlotImage, tuple[int, ...]]]) -> None:
         self.install_batches += 1
         try:
-            self.weights.write_many(list(pending.items()), staging_bytes=self.config.install_staging_bytes)
+            self.weights.write_many([(slot, image, pages) for slot, (image, pages) in pending.items()],
+                                    staging_bytes=self.config.install_staging_bytes)
         except Exception:
             for slot in pending:
                 self.slots.clear(slot)  # partly overwritten: they hold no adapter now
@@ -469,13 +498,23 @@ class LoRASlotPool:
             return True
         return len(self._full_needs.get(int_id, ())) <= self._freeable_full()
 
+    def pages_fit(self, int_id: int) -> bool:
+        """Whether ``int_id``'s weight pages would be found now (resident, or enough pages free or held by
+        unpinned adapters, with a slot to put it in). Raises nothing."""
+        return self.slots.slot_of(int_id) is not None or self.slots.has_room(self._page_needs.get(int_id, 0))
+
+    def resources_fit(self, int_id: int) -> bool:
+        """``pages_fit`` and ``full_modules_fit``: what the scheduler asks before admitting a request on a
+        non-resident adapter (the slot count it keeps itself). Raises nothing."""
+        return self.pages_fit(int_id) and self.full_modules_fit(int_id)
+
     def can_pin(self, int_id: int) -> bool:
-        """Whether ``pin(int_id)`` would find a slot now (resident, a free slot, or an unpinned one).
+        """Whether ``pin(int_id)`` would find a slot and its pages now (resident, a free slot, or an unpinned one).
 
         Raises ``UnknownAdapterError`` like ``pin``.
         """
         self.registry.accepting(int_id)
-        return self.slots.slot_of(int_id) is not None or (self.slots.has_room() and self.full_modules_fit(int_id))
+        return self.resources_fit(int_id)
 
     def stats(self) -> SlotPoolStats:
         """A snapshot of slots, host cache and counters."""
@@ -497,16 +536,19 @@ class LoRASlotPool:
     # ------------------------------------------------------------------ internals
 
     def _install(self, slot: int, int_id: int, image: SlotImage) -> None:
+        occupant = self.slots.occupant(slot)
+        if occupant is not None:
+            self._evict(occupant[0])
+        self.slots.assign(slot, int_id, self.weights.pages_needed(image))
+        pages = self.slots.pages_of(slot)
         if self._pending_writes is not None:
-            self._pending_writes[slot] = image  # written at the end of ``batched_installs``
+            self._pending_writes[slot] = (image, pages)  # written at the end of ``batched_installs``
         else:
             try:
-                self.weights.write(slot, image)
+                self.weights.write(slot, image, pages)
             except Exception:
                 self.slots.clear(slot)  # partly overwritten: it holds no adapter now
                 raise
-        if self.slots.assign(slot, int_id) is not None:
-            self._slot_evictions += 1
         self._slot_loads += 1
 
     def _drop(self, int_id: int) -> None:
@@ -514,6 +556,7 @@ class LoRASlotPool:
         self.registry.remove(int_id)
         self.loader.drop(int_id)
         self._full_needs.pop(int_id, None)
+        self._page_needs.pop(int_id, None)
         slot = self.slots.slot_of(int_id)
         if slot is not None:
             self.slots.clear(slot)

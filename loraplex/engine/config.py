@@ -118,7 +118,15 @@ class EngineConfig:
     max_loras: int = knob(4, greater_than(0))
     """Adapter slots on the device (distinct adapters in one step)."""
     max_lora_rank: int = knob(16, one_of(*POWERS_OF_TWO_TO_128, 256))
-    """Largest adapter rank accepted; slots are padded to it."""
+    """Largest adapter rank accepted."""
+    lora_page_rows: int = knob(16, one_of(*POWERS_OF_TWO_TO_128, 256))
+    """Rank rows per page of the adapter weight pool (used as min(lora_page_rows, max_lora_rank)): an adapter of
+    rank r takes ceil(r / lora_page_rows) pages, device memory in proportion to its own rank (S-LoRA's paging);
+    lora_page_rows = max_lora_rank pads every adapter to max_lora_rank."""
+    max_lora_pages: int | None = knob(None, greater_than(0))
+    """Pages of the adapter weight pool (None: max_loras * max_lora_rank / page rows, room for max_loras adapters
+    of max_lora_rank). Fewer pages take less memory; an adapter whose pages cannot be freed from unpinned adapters
+    waits like one without a free slot."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))
@@ -215,7 +223,8 @@ class EngineConfig:
 
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras, background_loads=device.type == "cuda",
-                          max_full_module_slots=self.max_full_module_slots)
+                          max_full_module_slots=self.max_full_module_slots,
+                          page_rows=min(self.lora_page_rows, self.max_lora_rank), num_pages=self.max_lora_pages)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The compute dtype: ``dtype``, or bfloat16 on CUDA / float32 on CPU for ``"auto"``."""

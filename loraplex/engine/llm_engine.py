@@ -48,7 +48,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence
 from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputManager
-from loraplex.engine.worker import TensorParallelDriver
+from loraplex.engine.worker import TensorParallelDriver, bind_lora
 from loraplex.kernels.ops import Kernels, default_backend
 
 if TYPE_CHECKING:
@@ -181,10 +181,7 @@ class LLMEngine:
 
         pool = LoRASlotPool(self.adapter_spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device),
                             weights=self.tp.state.lora_weights if self.tp is not None else None)
-        for layer, lin in self.model.lora_linears():
-            lin.bind_lora([pool.a[layer][m] for m in lin.module_names], [pool.b[layer][m] for m in lin.module_names],
-                          [pool.scaling[layer][m] for m in lin.module_names],
-                          pool.weights.gain_columns(layer, lin.module_names))
+        bind_lora(self.model, pool.weights)
         if self.tp is None:  # DoRA installs read the base weights (refused with tensor parallelism)
             pool.weights.bind_base_weights(self.model.base_weight_rows)
         weights = pool.weights
@@ -196,7 +193,8 @@ class LLMEngine:
             from loraplex.kernels.self_check import check_add_lora
 
             shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for _, lin in self.model.lora_linears()}
-            check_add_lora(sorted(shapes), self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device)
+            check_add_lora(sorted(shapes), self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device,
+                           page_rows=pool.weights.page_rows)
         return pool
 
     def _build_kv_cache(self) -> None:

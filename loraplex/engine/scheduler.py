@@ -210,8 +210,8 @@ class AdapterPins(Protocol):
         """Pins inside it write the device slots once, together, at exit (one step's admissions)."""
         ...
 
-    def full_modules_fit(self, lora_int_id: int) -> bool:
-        """Whether the adapter's ``modules_to_save`` copies (if any) would get full-module slots now."""
+    def resources_fit(self, lora_int_id: int) -> bool:
+        """Whether the adapter's weight pages and ``modules_to_save`` copies (if any) would find room now."""
         ...
 
 
@@ -241,7 +241,7 @@ class _AdapterGate:
         free_slots = self.max_loras - len(self.active)
         if self.reserved_for and lora != self.reserved_for and self.reserved_for not in self.active:
             free_slots -= 1  # one free slot stays kept for the starved adapter; others may take the rest
-        return ready and free_slots > 0 and (self.pins is None or self.pins.full_modules_fit(lora))
+        return ready and free_slots > 0 and (self.pins is None or self.pins.resources_fit(lora))
 
     def blocked_on_slot(self, lora: int) -> bool:
         """``lora`` is an adapter that needs a slot none is free for (aging candidate)."""

@@ -95,20 +95,21 @@ class TensorShard:
         offsets: dict[tuple[int, str], tuple[int, int]] = {}
         numel = 0
         for key in image.offsets:  # in the image's (layer, module) order
-            a, b = image.a(key), image.b(key)
+            a, b = image.a(key), image.b_pages(key)  # [R, in], [pages, out, P]
             module = key[1]
             if module in _ROW_MODULES:
                 a = a.chunk(self.world_size, dim=1)[self.rank]
             else:
-                b = torch.cat([part.chunk(self.world_size, dim=0)[self.rank]
-                               for part in b.split(self.fused_sizes(module), dim=0)])
+                b = torch.cat([part.chunk(self.world_size, dim=1)[self.rank]
+                               for part in b.split(self.fused_sizes(module), dim=1)], dim=1)
             offsets[key] = (numel, numel + a.numel())
             numel += a.numel() + b.numel()
             pieces += [a.reshape(-1), b.reshape(-1)]
         data = torch.cat(pieces) if pieces else image.data.new_empty(0)
         if image.data.is_pinned():
             data = data.pin_memory()
-        return SlotImage(image.version_id, image.max_rank, data, offsets, image.scaling, dict(local_shapes))
+        return SlotImage(image.version_id, image.max_rank, data, offsets, image.scaling, dict(local_shapes),
+                         page_rows=image.page_rows)
 
 
 def shard_spec(spec: ModelSpec, world_size: int) -> ModelSpec:
@@ -137,11 +138,12 @@ class ShardedLoRADeviceWeights(LoRADeviceWeights):
     (the driver's slot table decides; workers follow)."""
 
     def __init__(self, shard: TensorShard, local_spec: ModelSpec, num_slots: int, max_lora_rank: int,
-                 dtype: torch.dtype, device: torch.device | str, forward_write=None, forward_disable=None) -> None:
+                 dtype: torch.dtype, device: torch.device | str, forward_write=None, forward_disable=None, *,
+                 page_rows: int | None = None, num_pages: int | None = None) -> None:
         # No embed_tokens / lm_head LoRA or full-module slots: not implemented with tensor parallelism (the
         # pool refuses such adapters, naming it).
         super().__init__(dataclasses.replace(local_spec.adapter_spec, vocab_size=None), num_slots, max_lora_rank,
-                         dtype, device)
+                         dtype, device, page_rows=page_rows, num_pages=num_pages)
         self.shard = shard
         self.forward_write = forward_write
         self.forward_disable = forward_disable
@@ -155,17 +157,17 @@ class ShardedLoRADeviceWeights(LoRADeviceWeights):
             "every rank's weight slice); serve it with tensor_parallel_size=1"
         )
 
-    def write(self, slot: int, image: SlotImage) -> None:
-        super().write(slot, self.shard.shard_slot_image(image, self.spec.module_shapes))
+    def write(self, slot: int, image: SlotImage, pages: tuple[int, ...]) -> None:
+        super().write(slot, self.shard.shard_slot_image(image, self.spec.module_shapes), pages)
         if self.forward_write is not None:
-            self.forward_write(slot, image)
+            self.forward_write(slot, image, pages)
 
-    def write_many(self, writes: list[tuple[int, SlotImage]], *, staging_bytes: int) -> None:
-        super().write_many([(slot, self.shard.shard_slot_image(image, self.spec.module_shapes))
-                            for slot, image in writes], staging_bytes=staging_bytes)
+    def write_many(self, writes: list[tuple[int, SlotImage, tuple[int, ...]]], *, staging_bytes: int) -> None:
+        super().write_many([(slot, self.shard.shard_slot_image(image, self.spec.module_shapes), pages)
+                            for slot, image, pages in writes], staging_bytes=staging_bytes)
         if self.forward_write is not None:
-            for slot, image in writes:
-                self.forward_write(slot, image)
+            for slot, image, pages in writes:
+                self.forward_write(slot, image, pages)
 
     def disable(self, slot: int) -> None:
         super().disable(slot)

@@ -54,6 +54,7 @@ class _Init:
 class _LoRAWrite:
     slot: int
     image: SlotImage
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -114,18 +115,22 @@ class RankState:
             layer.mlp.down_proj.all_reduce = functools.partial(self.group.all_reduce, buffer=1)
         self.lora_weights = None
         if config.enable_lora:
+            lora = config.lora_config(self.device)
             self.lora_weights = ShardedLoRADeviceWeights(self.shard, self.local_spec, config.max_loras,
                                                          config.max_lora_rank, self.dtype, self.device,
-                                                         forward_write, forward_disable)
+                                                         forward_write, forward_disable, page_rows=lora.page_rows,
+                                                         num_pages=lora.num_pages)
             bind_lora(self.model, self.lora_weights)
 
 
 def bind_lora(model: LlamaForCausalLM, weights) -> None:
-    """Point every LoRA-capable linear of ``model`` at its slices of the slot tensors ``weights``."""
+    """Point every LoRA-capable linear of ``model`` at its slices of the adapter weight pool ``weights``
+    (a ``LoRADeviceWeights``: pages, scalings, DoRA gains, ranks and page table)."""
     for layer, lin in model.lora_linears():
         lin.bind_lora([weights.a[layer][m] for m in lin.module_names], [weights.b[layer][m] for m in lin.module_names],
                       [weights.scaling[layer][m] for m in lin.module_names],
-                      weights.gain_columns(layer, lin.module_names))
+                      weights.gain_columns(layer, lin.module_names), ranks=weights.ranks,
+                      page_table=weights.page_table)
 
 
 class TensorParallelDriver:
@@ -173,8 +178,8 @@ class TensorParallelDriver:
         _agree_on_graphs(self.group, runner)
         runner.on_step = self.group.broadcast
 
-    def _send_lora_write(self, slot: int, image: SlotImage) -> None:
-        self.group.broadcast(_LoRAWrite(slot, image))
+    def _send_lora_write(self, slot: int, image: SlotImage, pages: tuple[int, ...]) -> None:
+        self.group.broadcast(_LoRAWrite(slot, image, pages))
 
     def _send_lora_disable(self, slot: int) -> None:
         self.group.broadcast(_LoRADisable(slot))
@@ -222,7 +227,7 @@ def _worker_main(config: EngineConfig, model_path: str, rank: int, init_method: 
             if isinstance(message, StepPlan):
                 runner.forward(message)
             elif isinstance(message, _LoRAWrite):
-                state.lora_weights.write(message.slot, message.image)
+                state.lora_weights.write(message.slot, message.image, message.pages)
             elif isinstance(message, _LoRADisable):
                 state.lora_weights.disable(message.slot)
             else:

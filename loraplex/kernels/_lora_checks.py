@@ -1,4 +1,9 @@
-"""Argument checks shared by the LoRA shrink/expand launchers and references."""
+"""Argument checks shared by the LoRA shrink/expand launchers and references.
+
+Two layouts of the slot weights: *rectangles* (``lora_a[i]`` ``[S, R, H]``, ``lora_b[i]`` ``[S, out_i, R]``,
+lower ranks zero-padded) and *pages* (``lora_a[i]`` ``[P, PAGE, H]``, ``lora_b[i]`` ``[P, out_i, PAGE]``, slot s's
+rank rows found through ``page_table [S, max_pages]``). Only :func:`paged_rows` (the references) reads contents.
+"""
 
 from __future__ import annotations
 
@@ -44,3 +49,52 @@ def check_ranks(op: str, ranks: torch.Tensor | None, num_slots: int, device: tor
     check_shape(op, "ranks", ranks, (num_slots,))
     check_device(op, "ranks", ranks, device)
     check_contiguous(op, "ranks", ranks)
+
+
+MAX_PAGE_ROWS = 256
+
+
+def check_paging(op: str, page_table: torch.Tensor, ranks: torch.Tensor | None, page_rows: int,
+                 device: torch.device) -> int:
+    """A paged pool's metadata: ``page_table`` ``[S, max_pages] int32`` contiguous on ``device``, ``ranks`` (required)
+    ``[S] int32``, ``page_rows`` (PAGE, the weights' rank rows per page) a power of two in ``1..256``. Returns S."""
+    if not isinstance(page_table, torch.Tensor):
+        raise KernelArgumentError(f"{op}: page_table has type {type(page_table).__name__}, expected a tensor")
+    check_dtype(op, "page_table", page_table, (torch.int32,))
+    check_shape(op, "page_table", page_table, (None, None))
+    check_device(op, "page_table", page_table, device)
+    check_contiguous(op, "page_table", page_table)
+    if ranks is None:
+        raise KernelArgumentError(f"{op}: ranks is required with a page_table ([S] int32, S = page_table.shape[0])")
+    check_ranks(op, ranks, page_table.shape[0], device)
+    if not 1 <= page_rows <= MAX_PAGE_ROWS or page_rows & (page_rows - 1):
+        raise KernelArgumentError(f"{op}: page size (rank rows per page)={page_rows}, expected a power of two in "
+                                  f"1..{MAX_PAGE_ROWS}")
+    return page_table.shape[0]
+
+
+def check_same_pages(op: str, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]) -> None:
+    """Paged A ``[P, PAGE, H]`` and B ``[P, out_i, PAGE]`` slices share P (pages) and PAGE (rank rows per page)."""
+    pages_a = {(a.shape[0], a.shape[1]) for a in lora_a if a.dim() == 3}
+    pages_b = {(b.shape[0], b.shape[2]) for b in lora_b if isinstance(b, torch.Tensor) and b.dim() == 3}
+    if len(pages_a | pages_b) > 1:
+        raise KernelArgumentError(f"{op}: paged lora_a [P, PAGE, H] and lora_b [P, out_i, PAGE] differ in (P, PAGE): "
+                                  f"lora_a {sorted(pages_a)}, lora_b {sorted(pages_b)}")
+
+
+def paged_rows(op: str, page_table: torch.Tensor, ranks: torch.Tensor, num_pages: int, page_rows: int
+               ) -> list[tuple[list[int], list[int]]]:
+    """Per slot s: ``(pages, offsets)`` of its rank rows ``r < ranks[s]`` (``page_table[s, r // PAGE]``,
+    ``r % PAGE``), read on the host (the torch references). Raises :class:`KernelArgumentError` for a rank
+    outside ``0..max_pages * PAGE`` or a used page id outside ``0..P-1``."""
+    max_rank = page_table.shape[1] * page_rows
+    table, rank_host = page_table.tolist(), ranks.tolist()
+    out = []
+    for s, rank in enumerate(rank_host):
+        if not 0 <= rank <= max_rank:
+            raise KernelArgumentError(f"{op}: ranks[{s}]={rank}, expected 0..{max_rank} (max_pages * PAGE)")
+        used = table[s][: -(-rank // page_rows)]
+        if any(not 0 <= p < num_pages for p in used):
+            raise KernelArgumentError(f"{op}: page_table[{s}] uses pages {used}, expected ids in 0..{num_pages - 1}")
+        out.append(([used[r // page_rows] for r in range(rank)], [r % page_rows for r in range(rank)]))
+    return out

@@ -15,7 +15,8 @@ device. All slices that share ``x`` (q/k/v, gate/up) run in this one launch.
 
 Not the model's path: on an H200 it measured 2.2-3.6x slower than the two-kernel SGMV pair up to
 128 tokens (benchmarks/RESULTS.md, session 7), so :data:`~loraplex.kernels.lora_linear.ADD_LORA`
-launches it only with ``fused=True`` (benchmarks).
+launches it only with ``fused=True`` (benchmarks). Rectangles only (``[S, R, H]`` / ``[S, out_i, R]``): it has no
+paged form, and ``ADD_LORA`` refuses ``fused=True`` with a ``page_table``.
 """
 
 from __future__ import annotations

@@ -12,18 +12,26 @@ slower up to 128 tokens on an H200 (one layer, Llama-2-7B shapes: 140 vs 40 us a
 325 vs 105 us at 32 tokens x 32 adapters; RESULTS.md, session 7), so it is not the default.
 Punica (Chen et al. 2023) and S-LoRA (Sheng et al. 2023) describe the SGMV
 shrink/expand pair.
+
+The slot weights are rectangles (``[S, R, H]`` / ``[S, out_i, R]``, lower ranks zero-padded) or, with a
+``page_table``, pages of a paged pool (``[P, PAGE, H]`` / ``[P, out_i, PAGE]``; S-LoRA's unified paging), where
+each adapter's work and memory follow its own rank. The fused kernel takes rectangles only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from loraplex.kernels._lora_checks import check_same_pages
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import _launch_lora_expand, lora_expand_ref
 from loraplex.kernels.lora_fused import _launch_fused_lora
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import lora_shrink_ref, shrink_partials
 from loraplex.kernels.op import Op
+
+
+_OP = "add_lora"
 
 
 def _launch_add_lora(
@@ -35,6 +43,7 @@ def _launch_add_lora(
     mapping: LoRAMapping,
     *,
     ranks: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
     split_k: int | None = None,
     shrink_blocks: tuple[int, int] | None = None,
     expand_blocks: tuple[int, int, int] | None = None,
@@ -44,19 +53,25 @@ def _launch_add_lora(
     them, or the fused kernel with ``fused=True`` (benchmarks; slower at every decode size measured).
 
     ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides of the two-kernel path (benchmarks);
-    with ``fused=True`` they raise ``KernelArgumentError``.
+    with ``fused=True`` they raise ``KernelArgumentError``, and so does a ``page_table`` (the fused kernel is
+    benchmark-only and takes rectangles only).
     """
     two_kernel_overrides = (split_k, shrink_blocks, expand_blocks) != (None, None, None)
     if fused and two_kernel_overrides:
-        raise KernelArgumentError("add_lora: split_k / shrink_blocks / expand_blocks apply to the two-kernel path "
+        raise KernelArgumentError(f"{_OP}: split_k / shrink_blocks / expand_blocks apply to the two-kernel path "
                                   "(fused=False), not to the fused kernel")
+    if fused and page_table is not None:
+        raise KernelArgumentError(f"{_OP}: fused=True is a benchmark-only kernel, rectangles only: no page_table")
     if fused:
         _launch_fused_lora(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks)
         return
+    if page_table is not None:
+        check_same_pages(_OP, lora_a, lora_b)
     if not mapping.has_lora:
         return
-    partials = shrink_partials(x, lora_a, mapping, ranks, split_k, shrink_blocks)
-    _launch_lora_expand(partials, lora_b, scaling, y, mapping, ranks=ranks, blocks=expand_blocks)
+    partials = shrink_partials(x, lora_a, mapping, ranks, split_k, shrink_blocks, page_table=page_table)
+    _launch_lora_expand(partials, lora_b, scaling, y, mapping, ranks=ranks, page_table=page_table,
+                        blocks=expand_blocks)
 
 
 def add_lora_ref(
@@ -68,30 +83,41 @@ def add_lora_ref(
     mapping: LoRAMapping,
     *,
     ranks: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> None:
     """One LoRA linear's batched delta, in place on ``y`` (plain torch: float32 matmuls per segment).
 
     Args:
         x: ``[T, H]`` fp16/bf16/fp32 layer input (last dim stride 1 for Triton).
-        lora_a: ``n_slices`` contiguous ``[S, R, H]`` tensors, dtype of ``x``.
-        lora_b: ``n_slices`` contiguous ``[S, out_i, R]`` tensors, dtype of ``y``.
+        lora_a: ``n_slices`` contiguous tensors, dtype of ``x``: ``[S, R, H]`` rectangles, or with ``page_table``
+            ``[P, PAGE, H]`` pages.
+        lora_b: ``n_slices`` contiguous tensors, dtype of ``y``: ``[S, out_i, R]``, or with ``page_table``
+            ``[P, out_i, PAGE]`` (the P and PAGE of ``lora_a``).
         scaling: ``n_slices`` ``[S]`` float32 tensors.
         y: ``[T, sum(out_i)]`` base-layer output (or a float32 delta buffer), updated in place.
         mapping: the step's :class:`LoRAMapping`.
-        ranks: optional ``[S] int32`` upper bounds of each slot's rank.
+        ranks: ``[S] int32`` upper bounds of each slot's rank; optional for rectangles, required with pages.
+        page_table: optional ``[S, max_pages] int32``: slot s's rank row r < ranks[s] is row ``r % PAGE`` of page
+            ``page_table[s, r // PAGE]`` in every A and B slice (see
+            :func:`~loraplex.kernels.lora_shrink.lora_shrink_ref`).
 
     Raises:
         KernelArgumentError: as :func:`~loraplex.kernels.lora_shrink.lora_shrink_ref` and
-            :func:`~loraplex.kernels.lora_expand.lora_expand_ref`.
+            :func:`~loraplex.kernels.lora_expand.lora_expand_ref`; with pages also A and B of different
+            (P, PAGE); in the Triton launcher ``fused=True`` with a ``page_table``.
         TritonUnavailableError: Triton backend without triton installed.
     """
-    v = lora_shrink_ref(x, lora_a, mapping, ranks=ranks)
-    lora_expand_ref(v, lora_b, scaling, y, mapping, ranks=ranks)
+    if page_table is not None:
+        check_same_pages(_OP, lora_a, lora_b)
+    v = lora_shrink_ref(x, lora_a, mapping, ranks=ranks, page_table=page_table)
+    lora_expand_ref(v, lora_b, scaling, y, mapping, ranks=ranks, page_table=page_table)
 
 
 ADD_LORA = Op(
-    name="add_lora",
-    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T, s = slot[t]; none for s == -1",
+    name=_OP,
+    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T, s = slot[t]; none for s == -1; "
+    "with pages A_i[s] / B_i[s] = rank rows r < ranks[s] of pages page_table[s] (page_table[s, r // PAGE], "
+    "row r % PAGE)",
     reference=add_lora_ref,
     triton=_launch_add_lora,
 )

@@ -4,12 +4,14 @@ The Triton kernels are tested under the CPU interpreter in CI; compiled on a GPU
 shapes. Before an engine serves adapters on a GPU it runs the op once per layer shape, for one decode token,
 a decode batch and a prompt chunk (each with its own launch shapes), against the float32 reference:
 a mismatch raises :class:`LoRAKernelMismatch` and the engine refuses to start, rather than serve wrong
-tokens. Semantics checked: :data:`~loraplex.kernels.lora_linear.ADD_LORA`.
+tokens. Semantics checked: :data:`~loraplex.kernels.lora_linear.ADD_LORA`, on rectangles or (``page_rows``)
+on a paged pool with mixed ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,11 +26,15 @@ class LoRAKernelMismatch(RuntimeError):
 
 
 def check_add_lora(shapes: Sequence[tuple[int, Sequence[int]]], num_slots: int, rank: int, dtype: torch.dtype,
-                   device: torch.device, *, seed: int = 0) -> None:
+                   device: torch.device, *, seed: int = 0, page_rows: int | None = None) -> None:
     """Run ``ADD_LORA.triton`` for each ``(in_features, out_widths)`` in ``shapes`` at every count of
     :data:`TOKEN_COUNTS` (20% of the tokens without adapter, the rest over ``min(num_slots, 4)`` slots)
     and compare with ``ADD_LORA.reference`` in float32: ``max |ours - ref| <= 0.03 * max |delta| + 0.05``
-    (bf16 rounding of the shrink result and of y). Raises :class:`LoRAKernelMismatch`."""
+    (bf16 rounding of the shrink result and of y). Raises :class:`LoRAKernelMismatch`.
+
+    Without ``page_rows`` the slots are ``[S, rank, H]`` / ``[S, out, rank]`` rectangles. With ``page_rows``
+    (PAGE, a power of two in 1..256) they are a paged pool (:func:`paged_pool`): mixed ranks, shuffled pages,
+    NaN in every row no slot uses, so a kernel that reads one fails the check."""
     gen = torch.Generator().manual_seed(seed)
     slots_used = max(1, min(num_slots, 4))
     for hidden, widths in shapes:
@@ -39,17 +45,63 @@ def check_add_lora(shapes: Sequence[tuple[int, Sequence[int]]], num_slots: int, 
             mapping = plan_segments(token_slots, num_slots)
             x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
             y = torch.randn(tokens, sum(widths), generator=gen).to(device, dtype)
-            a = [(torch.randn(num_slots, rank, hidden, generator=gen) / hidden**0.5).to(device, dtype) for _ in widths]
-            b = [(torch.randn(num_slots, w, rank, generator=gen) / rank**0.5).to(device, dtype) for w in widths]
+            if page_rows is None:
+                a = [(torch.randn(num_slots, rank, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+                     for _ in widths]
+                b = [(torch.randn(num_slots, w, rank, generator=gen) / rank**0.5).to(device, dtype) for w in widths]
+                paging = {}
+            else:
+                pool = paged_pool(hidden, widths, num_slots, rank, page_rows, gen)
+                a = [t.to(device, dtype) for t in pool.lora_a]
+                b = [t.to(device, dtype) for t in pool.lora_b]
+                paging = dict(ranks=pool.ranks.to(device), page_table=pool.page_table.to(device))
             scaling = [torch.full((num_slots,), 2.0, device=device) for _ in widths]
             ours, ref = y.clone(), y.to(torch.float32, copy=True)
-            ADD_LORA.triton(x, a, b, scaling, ours, mapping)
-            ADD_LORA.reference(x.float(), [t.float() for t in a], [t.float() for t in b], scaling, ref, mapping)
+            ADD_LORA.triton(x, a, b, scaling, ours, mapping, **paging)
+            ADD_LORA.reference(x.float(), [t.float() for t in a], [t.float() for t in b], scaling, ref, mapping,
+                               **paging)
             err = (ours.float() - ref).abs().max().item()
             delta = (ref - y.float()).abs().max().item()
             if not err <= 0.03 * delta + 0.05:
+                layout = f"pages of {page_rows} rows, ranks {paging['ranks'].tolist()}" if paging else "rectangles"
                 raise LoRAKernelMismatch(
                     f"add_lora on {device} ({dtype}): max error {err:.4g} against the float32 reference "
                     f"(delta scale {delta:.4g}) for {tokens} tokens, in_features={hidden}, widths={list(widths)}, "
-                    f"rank={rank}, slots={num_slots}; refusing to serve adapters with a wrong LoRA kernel "
+                    f"rank={rank}, slots={num_slots}, {layout}; refusing to serve adapters with a wrong LoRA kernel "
                     "(enable_lora=False serves the base model)")
+
+
+@dataclass(frozen=True)
+class PagedPool:
+    """A paged LoRA pool for one linear (CPU, float32): ``lora_a`` ``n x [P, PAGE, H]``, ``lora_b``
+    ``n x [P, out_i, PAGE]``, ``ranks`` ``[S] int32``, ``page_table`` ``[S, max_pages] int32`` (-1 past a slot's
+    pages)."""
+
+    lora_a: list[torch.Tensor]
+    lora_b: list[torch.Tensor]
+    ranks: torch.Tensor
+    page_table: torch.Tensor
+
+
+def paged_pool(hidden: int, widths: Sequence[int], num_slots: int, rank: int, page_rows: int,
+               gen: torch.Generator, spare_pages: int = 2) -> PagedPool:
+    """Slot s has rank ``(rank, rank // 2, max(1, rank // 4))[s % 3]`` and ``ceil(rank_s / page_rows)`` pages; page
+    ids are shuffled over ``sum of pages + spare_pages`` pages; rows no slot uses (the tail of a last page, the
+    spare pages) hold NaN. ``max_pages = ceil(rank / page_rows)``."""
+    ranks = [(rank, rank // 2, max(1, rank // 4))[s % 3] for s in range(num_slots)]
+    needed = [-(-r // page_rows) for r in ranks]
+    max_pages = max(1, -(-rank // page_rows))
+    ids = torch.randperm(sum(needed) + spare_pages, generator=gen).tolist()
+    table, start = [], 0
+    for n in needed:
+        table.append(ids[start : start + n] + [-1] * (max_pages - n))
+        start += n
+    num_pages = len(ids)
+    lora_a = [torch.full((num_pages, page_rows, hidden), float("nan")) for _ in widths]
+    lora_b = [torch.full((num_pages, w, page_rows), float("nan")) for w in widths]
+    for s, r in enumerate(ranks):
+        pages, offsets = [table[s][i // page_rows] for i in range(r)], [i % page_rows for i in range(r)]
+        for a, b in zip(lora_a, lora_b):
+            a[pages, offsets] = torch.randn(r, hidden, generator=gen) / hidden**0.5
+            b[pages, :, offsets] = torch.randn(r, b.shape[1], generator=gen) / max(r, 1) ** 0.5
+    return PagedPool(lora_a, lora_b, torch.tensor(ranks, dtype=torch.int32), torch.tensor(table, dtype=torch.int32))

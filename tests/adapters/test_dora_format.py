@@ -144,10 +144,10 @@ def test_install_gains_equal_peft(dora, peft_adapter, spec, batched):
         for gain in table.values():
             gain[:2].fill_(float("nan"))
     if batched:
-        weights.write_many([(1, image), (0, plain)], staging_bytes=1 << 20)
+        weights.write_many([(1, image, (1,)), (0, plain, (0,))], staging_bytes=1 << 20)
     else:
-        weights.write(1, image)
-        weights.write(0, plain)
+        weights.write(1, image, (1,))
+        weights.write(0, plain, (0,))
     assert weights.dora_slots == {1}
     for layer in range(spec.num_layers):
         for module in ALL:
@@ -161,10 +161,10 @@ def test_install_gains_equal_peft(dora, peft_adapter, spec, batched):
     with pytest.raises(ValueError, match="not consecutive"):
         weights.gain_columns(0, ["q_proj", "v_proj"])
     # A plain adapter over the DoRA slot, and disabling: gains back to 1.
-    weights.write(1, plain)
+    weights.write(1, plain, (1,))
     assert weights.dora_slots == set() and all(torch.equal(g[1], torch.ones_like(g[1]))
                                                for t in weights.gain for g in t.values())
-    weights.write(2, image)
+    weights.write(2, image, (2,))
     weights.disable(2)
     assert weights.dora_slots == set() and all(torch.equal(g[2], torch.ones_like(g[2]))
                                                for t in weights.gain for g in t.values())

@@ -111,8 +111,8 @@ def assert_slot_holds(pool, slot, reference):
                 a, b, expected_scaling = reference[(layer, module)]
                 expected_a[: a.shape[0]] = a
                 expected_b[:, : b.shape[1]] = b
-            assert torch.equal(pool.a[layer][module][slot], expected_a), (slot, layer, module)
-            assert torch.equal(pool.b[layer][module][slot], expected_b), (slot, layer, module)
+            assert torch.equal(pool.weights.slot_factors(slot, layer, module)[0], expected_a), (slot, layer, module)
+            assert torch.equal(pool.weights.slot_factors(slot, layer, module)[1], expected_b), (slot, layer, module)
             assert pool.scaling[layer][module][slot].item() == pytest.approx(expected_scaling, rel=1e-7)
 
 

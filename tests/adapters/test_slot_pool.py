@@ -83,8 +83,8 @@ def assert_slot_holds(pool, slot, reference):
                 a, b, expected_scaling = reference[(layer, module)]
                 expected_a[: a.shape[0]] = a
                 expected_b[:, : b.shape[1]] = b
-            assert torch.equal(pool.a[layer][module][slot], expected_a.to(pool.dtype)), (slot, layer, module)
-            assert torch.equal(pool.b[layer][module][slot], expected_b.to(pool.dtype)), (slot, layer, module)
+            assert torch.equal(pool.weights.slot_factors(slot, layer, module)[0], expected_a.to(pool.dtype)), (slot, layer, module)
+            assert torch.equal(pool.weights.slot_factors(slot, layer, module)[1], expected_b.to(pool.dtype)), (slot, layer, module)
             assert pool.scaling[layer][module][slot].item() == pytest.approx(expected_scaling, rel=1e-7)
 
 
@@ -102,7 +102,7 @@ def test_slot_tensor_shapes_and_dtypes(adapters):
         assert pool.weights.gain[layer]["v_proj"].shape == (3 + 1, 8)  # DoRA gains: a row per slot, then ones
     per_slot = 2 * (MAX_RANK * (16 + 16) + MAX_RANK * (16 + 8) + MAX_RANK * (24 + 16))
     gains = 2 * (3 + 1) * (16 + 8 + 16) * 4  # [L, S + 1, sum(out)] float32
-    assert pool.stats().slot_memory_bytes == 3 * (per_slot * 2 + 2 * 3 * 4) + gains
+    assert pool.stats().slot_memory_bytes == 3 * (per_slot * 2 + 2 * 3 * 4) + gains + 3 * 4 * 2  # + page table, ranks
 
 
 def test_pin_takes_lowest_free_slot_and_reuses_resident(adapters):
@@ -390,7 +390,7 @@ def test_one_batch_of_installs_is_one_copy_per_adapter_and_one_scatter_per_layou
     assert keys == 11
     assert count.calls.get("copy_") == 3
     assert count.calls.get("_foreach_copy_") == 3  # three layouts here
-    assert count.calls.get("index_copy_") == 3  # the scalings
+    assert count.calls.get("index_copy_") == 3 + 2  # the scalings (per layout), page-table rows and ranks (once)
     for slot, name in enumerate(("a1", "a2", "a5")):
         assert_slot_holds(pool, slot, adapters[name][1])
 
@@ -405,22 +405,22 @@ def test_write_many_reuses_and_grows_its_staging_buffer(adapters):
         pool.preload(iid(adapters, name))
     image = {name: pool.loader.cached(iid(adapters, name)) for name in ("a1", "a2", "a3", "a5")}
     weights = pool.weights
-    weights.write_many([(0, image["a3"]), (1, image["a3"])], staging_bytes=1 << 30)
+    weights.write_many([(0, image["a3"], (0,)), (1, image["a3"], (1,))], staging_bytes=1 << 30)
     first_buffer = weights._staging
     assert first_buffer.numel() == 2 * image["a3"].data.numel()
     assert_slot_holds(pool, 0, adapters["a3"][1])
     assert_slot_holds(pool, 1, adapters["a3"][1])
-    weights.write_many([(2, image["a2"])], staging_bytes=1 << 30)
+    weights.write_many([(2, image["a2"], (2,))], staging_bytes=1 << 30)
     assert image["a2"].data.numel() > 2 * image["a3"].data.numel()
     assert weights._staging is not first_buffer  # grown
     first_buffer.fill_(7.0)  # a view left on the old buffer would now copy 7s
     assert_slot_holds(pool, 2, adapters["a2"][1])
-    weights.write_many([(0, image["a1"]), (1, image["a5"])], staging_bytes=1 << 30)
+    weights.write_many([(0, image["a1"], (0,)), (1, image["a5"], (1,))], staging_bytes=1 << 30)
     assert_slot_holds(pool, 0, adapters["a1"][1])
     assert_slot_holds(pool, 1, adapters["a5"][1])
     assert_slot_holds(pool, 2, adapters["a2"][1])
     grown = weights._staging
-    weights.write_many([(2, image["a3"]), (0, image["a3"])], staging_bytes=1 << 30)  # fits: kept
+    weights.write_many([(2, image["a3"], (2,)), (0, image["a3"], (0,))], staging_bytes=1 << 30)  # fits: kept
     assert weights._staging is grown
     assert_slot_holds(pool, 2, adapters["a3"][1])
     assert_slot_holds(pool, 0, adapters["a3"][1])
@@ -444,8 +444,8 @@ def test_write_many_on_cuda_matches_the_adapters(adapters):
             slot = pool.slot_of(iid(adapters, name))
             for (layer, module), (a, b, scaling) in adapters[name][1].items():
                 rank = a.shape[0]
-                assert torch.equal(pool.a[layer][module][slot][:rank].cpu(), a.to(torch.bfloat16))
-                assert torch.equal(pool.b[layer][module][slot][:, :rank].cpu(), b.to(torch.bfloat16))
+                assert torch.equal(pool.weights.slot_factors(slot, layer, module)[0][:rank].cpu(), a.to(torch.bfloat16))
+                assert torch.equal(pool.weights.slot_factors(slot, layer, module)[1][:, :rank].cpu(), b.to(torch.bfloat16))
                 assert pool.scaling[layer][module][slot].item() == pytest.approx(scaling, rel=1e-7)
         for name in names:
             pool.unpin(iid(adapters, name))
@@ -464,7 +464,7 @@ def test_distinct_images_of_one_layout_land_in_their_own_rows(adapters, staging_
     pool.preload(iid(adapters, "a1"))
     a1 = pool.loader.cached(iid(adapters, "a1"))
     neg, neg_ref = _negated(a1, adapters["a1"][1])
-    pool.weights.write_many([(0, a1), (1, neg), (2, a1)], staging_bytes=staging_bytes)
+    pool.weights.write_many([(0, a1, (0,)), (1, neg, (1,)), (2, a1, (2,))], staging_bytes=staging_bytes)
     assert_slot_holds(pool, 0, adapters["a1"][1])
     assert_slot_holds(pool, 1, neg_ref)
     assert_slot_holds(pool, 2, adapters["a1"][1])
@@ -484,7 +484,7 @@ def test_same_numel_different_modules_are_not_one_layout(adapters):
     data1[a1.offsets[(0, "q_proj")][0]: a1.offsets[(0, "q_proj")][0] + 2 * n] = a1.data[off[0]: off[0] + 2 * n]
     only1 = dataclasses.replace(a1, data=data1, offsets={(1, "q_proj"): a1.offsets[(0, "q_proj")]},
                                 scaling=a1.scaling * torch.tensor([[0.0, 0, 0], [1, 0, 0]]))
-    pool.weights.write_many([(0, only0), (1, only1)], staging_bytes=1 << 30)
+    pool.weights.write_many([(0, only0, (0,)), (1, only1, (1,))], staging_bytes=1 << 30)
     assert_slot_holds(pool, 0, {(0, "q_proj"): ref[(0, "q_proj")]})
     assert_slot_holds(pool, 1, {(1, "q_proj"): ref[(1, "q_proj")]})
 
@@ -495,7 +495,7 @@ def test_write_many_with_an_adapter_only_on_the_vocabulary():
     vocab = VocabImage(embed_a_t=torch.ones(16, 2), embed_b=torch.ones(8, 2), head_a=None, head_b=None,
                        scaling=torch.tensor([2.0, 0.0]))
     image = SlotImage("v", 2, torch.empty(0), {}, torch.zeros(1, 1), spec.module_shapes, vocab=vocab)
-    w.write_many([(0, image), (1, image)], staging_bytes=1 << 30)
+    w.write_many([(0, image, (0,)), (1, image, (1,))], staging_bytes=1 << 30)
     assert torch.equal(w.embed_a_t[1], torch.ones(16, 2)) and w.vocab_scaling[0, 1].item() == 2.0
 
 
@@ -505,7 +505,7 @@ def test_write_many_failure_invalidates_every_slot(adapters, monkeypatch):
         pool.preload(iid(adapters, name))
     images = [pool.loader.cached(iid(adapters, n)) for n in ("a1", "a2")]
     w = pool.weights
-    w.write_many([(0, images[1]), (1, images[1])], staging_bytes=1 << 30)
+    w.write_many([(0, images[1], (0,)), (1, images[1], (1,))], staging_bytes=1 << 30)
     real, calls = torch._foreach_copy_, []
 
     def flaky(*args, **kwargs):
@@ -516,9 +516,9 @@ def test_write_many_failure_invalidates_every_slot(adapters, monkeypatch):
 
     monkeypatch.setattr(torch, "_foreach_copy_", flaky)
     with pytest.raises(RuntimeError, match="boom"):
-        w.write_many([(0, images[0]), (1, images[1])], staging_bytes=1 << 30)
+        w.write_many([(0, images[0], (0,)), (1, images[1], (1,))], staging_bytes=1 << 30)
     monkeypatch.setattr(torch, "_foreach_copy_", real)
     assert bool((w._scaling_table[:, :, :2] == 0).all())
-    w.write_many([(0, images[0]), (1, images[0])], staging_bytes=1 << 30)
+    w.write_many([(0, images[0], (0,)), (1, images[0], (1,))], staging_bytes=1 << 30)
     assert_slot_holds(pool, 0, adapters["a1"][1])
     assert_slot_holds(pool, 1, adapters["a1"][1])

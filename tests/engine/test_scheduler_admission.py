@@ -46,7 +46,7 @@ class FakePins:
     def batched_installs(self):
         return contextlib.nullcontext()
 
-    def full_modules_fit(self, lora_int_id: int) -> bool:
+    def resources_fit(self, lora_int_id: int) -> bool:
         return True
 
     def is_ready(self, lora_int_id: int) -> bool:

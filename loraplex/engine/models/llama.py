@@ -121,6 +121,8 @@ class LinearWithLoRA(nn.Module):
         self.lora_b: list[torch.Tensor] = []
         self.lora_scaling: list[torch.Tensor] = []
         self.lora_gain: torch.Tensor | None = None  # [S + 1, sum(out_sizes)] fp32 DoRA gains
+        self.lora_ranks: torch.Tensor | None = None  # [S] int32 rank rows per slot
+        self.lora_page_table: torch.Tensor | None = None  # [S, max_pages] int32 pages per slot
         self.qweight: torch.Tensor | None = None  # FP8 weight [out, in] once quantize_fp8() ran
         self.weight_scale: torch.Tensor | None = None  # its per-output-channel scale [out] float32
         # Row-parallel (tensor parallelism): sums the ranks' partial outputs, LoRA delta included; the
@@ -145,11 +147,15 @@ class LinearWithLoRA(nn.Module):
         self.weight = None
 
     def bind_lora(self, a: list[torch.Tensor], b: list[torch.Tensor], scaling: list[torch.Tensor],
-                  gain: torch.Tensor | None = None) -> None:
-        """Point at the adapter slot pool's stacked weights ([S,R,in], [S,out_i,R], [S]) and DoRA gains
-        ([S+1, sum(out_i)] fp32)."""
+                  gain: torch.Tensor | None = None, *, ranks: torch.Tensor | None = None,
+                  page_table: torch.Tensor | None = None) -> None:
+        """Point at the adapter weight pool (``loraplex.adapters.device_weights``): pages ``[N, P, in]`` and
+        ``[N, out_i, P]`` per slice, scalings ``[S]``, DoRA gains ``[S + 1, sum(out_i)] fp32``, ``ranks [S] int32``
+        and ``page_table [S, max_pages] int32`` (without a page table: slot rectangles ``[S, R, in]``,
+        ``[S, out_i, R]``)."""
         self.lora_a, self.lora_b, self.lora_scaling = a, b, scaling
         self.lora_gain = gain
+        self.lora_ranks, self.lora_page_table = ranks, page_table
 
     def weight_rows(self, module: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start..stop`` of slice ``module``'s weight: ``[stop - start, in_features]`` in the model
@@ -172,7 +178,8 @@ class LinearWithLoRA(nn.Module):
         else:
             y = F.linear(x, self.weight, bias)
         if lora is not None and self.lora_a and lora.mapping.has_lora:
-            self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping)
+            self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping,
+                                  ranks=self.lora_ranks, page_table=self.lora_page_table)
         if reduce is not None:
             y = reduce(y)
         if dora:
@@ -388,8 +395,8 @@ class LlamaForCausalLM(nn.Module):
         self.kernels.add_lora(hidden.contiguous(), [v.head_a], [v.head_b], [v.scaling[1]], logits, mapping)
 
     def num_lora_slots(self) -> int:
-        """Adapter slots of the bound LoRA weights (S of ``[S, R, in]``), 0 when none are bound."""
-        return next((lin.lora_a[0].shape[0] for _, lin in self.lora_linears() if lin.lora_a), 0)
+        """Adapter slots of the bound LoRA weights (S of the scalings ``[S]``), 0 when none are bound."""
+        return next((lin.lora_scaling[0].shape[0] for _, lin in self.lora_linears() if lin.lora_a), 0)
 
     def base_weight_rows(self, layer: int, module: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start..stop`` of the base weight of ``module`` in layer ``layer`` (``LinearWithLoRA.weight_rows``);
