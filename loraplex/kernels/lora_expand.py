@@ -137,6 +137,10 @@ def _lora_expand_kernel(
     if (m_tile * BLOCK_M >= seg_len) | (n_first >= width):
         return
     slot = tl.load(segment_slots_ptr + seg).to(tl.int64)
+    # scaling 0: a module the slot's adapter does not target adds nothing (v, B and y unread)
+    scale = tl.load(tl.load(scaling_ptrs + slice_id).to(tl.pointer_type(tl.float32)) + slot)
+    if scale == 0.0:
+        return
     rank = max_rank
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
@@ -161,8 +165,6 @@ def _lora_expand_kernel(
                     row_mask[:, None] & r_mask[None, :], split_k, stride_v_split, BLOCK_M, BLOCK_R)
         v = v.to(B_DTYPE).to(DOT_DTYPE)
         b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(B_DTYPE))
-        scale_ptr = tl.load(scaling_ptrs + slice_id).to(tl.pointer_type(tl.float32))
-        scale = tl.load(scale_ptr + slot)
         offset = tl.load(slice_offsets_ptr + slice_id)
         wslot = slot
         if SLOT_PAGE:
@@ -183,8 +185,6 @@ def _lora_expand_kernel(
         # (all of a rank <= BLOCK_R), the rest in a loop, summed in one float32 accumulator.
         v_row = v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt
         b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(B_DTYPE))
-        scale_ptr = tl.load(scaling_ptrs + slice_id).to(tl.pointer_type(tl.float32))
-        scale = tl.load(scale_ptr + slot)
         offset = tl.load(slice_offsets_ptr + slice_id)
         page_stride = width.to(tl.int64) * PAGE
         for it in tl.static_range(N_ITERS):
@@ -392,6 +392,9 @@ def lora_expand_ref(
         offset = 0
         for i, b in enumerate(lora_b):
             width = b.shape[1]
+            if scaling_host[i][slot] == 0.0:  # an untargeted module: nothing added, its weights unread
+                offset += width
+                continue
             if rows is not None:
                 pages, offsets = rows[slot]
                 weight = b[pages, :, offsets].float()  # [rank, out_i]: only the slot's rank columns
@@ -407,7 +410,8 @@ def lora_expand_ref(
 
 LORA_EXPAND = Op(
     name=_OP,
-    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T, s = slot[t]; nothing for s == -1; "
+    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t] @ B_i[s].T, s = slot[t]; nothing for s == -1 "
+    "or scaling_i[s] == 0; "
     "with pages B_i[s] = columns r < ranks[s] of pages page_table[s] (column r: lora_b[i][page_table[s, r // PAGE], "
     ":, r % PAGE])",
     reference=lora_expand_ref,

@@ -69,7 +69,8 @@ def _launch_add_lora(
         check_same_pages(_OP, lora_a, lora_b)
     if not mapping.has_lora:
         return
-    partials = shrink_partials(x, lora_a, mapping, ranks, split_k, shrink_blocks, page_table=page_table)
+    partials = shrink_partials(x, lora_a, mapping, ranks, split_k, shrink_blocks, page_table=page_table,
+                               scaling=scaling)
     _launch_lora_expand(partials, lora_b, scaling, y, mapping, ranks=ranks, page_table=page_table,
                         blocks=expand_blocks)
 
@@ -115,7 +116,8 @@ def add_lora_ref(
 
 ADD_LORA = Op(
     name=_OP,
-    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T, s = slot[t]; none for s == -1; "
+    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T, s = slot[t]; none for s == -1 "
+    "or scaling_i[s] == 0; "
     "with pages A_i[s] / B_i[s] = rank rows r < ranks[s] of pages page_table[s] (page_table[s, r // PAGE], "
     "row r % PAGE)",
     reference=add_lora_ref,

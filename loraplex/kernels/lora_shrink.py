@@ -110,6 +110,7 @@ def _lora_shrink_kernel(
     segment_slots_ptr,
     ranks_ptr,
     page_table_ptr,
+    scaling_ptrs,
     hidden_size,
     max_rank,
     k_per_split,
@@ -125,6 +126,7 @@ def _lora_shrink_kernel(
     ZERO_TAIL: tl.constexpr,  # pages: also write 0 to columns ranks[s]..R-1 (else left unwritten)
     RANK_PROGRAMS: tl.constexpr,  # pages: programs sharing a slot's rank tiles (tile t -> program t % RANK_PROGRAMS)
     SLOT_PAGE: tl.constexpr,  # PAGE == 0 with one page per slot: the rectangle is page page_table[slot, 0]
+    SKIP_ZERO_SCALE: tl.constexpr,  # scaling_ptrs given: a (slot, slice) whose scaling is 0 is not computed
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -140,6 +142,10 @@ def _lora_shrink_kernel(
     if m_tile * BLOCK_M >= seg_len:
         return
     slot = tl.load(segment_slots_ptr + seg).to(tl.int64)
+    if SKIP_ZERO_SCALE:  # a module the slot's adapter does not target: its delta is 0, its (zero) weights unread
+        scale_ptr = tl.load(scaling_ptrs + slice_id).to(tl.pointer_type(tl.float32))
+        if tl.load(scale_ptr + slot) == 0.0:
+            return
     rank = max_rank
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
@@ -310,6 +316,7 @@ def _run_kernel(
     k_per_split: int,
     blocks: tuple[int, int],
     zero_tail: bool = False,
+    scaling: list[torch.Tensor] | None = None,
 ) -> None:
     """Launch over ``target`` = ``[n_slices, T, R]`` (one split) or ``[SPLIT, n_slices, T, R]`` fp32. With pages
     the columns ``ranks[s]..R-1`` of LoRA rows are written (zeros) only with ``zero_tail``."""
@@ -330,6 +337,7 @@ def _run_kernel(
         mapping.segment_slots,
         ranks if ranks is not None else mapping.segment_slots,
         page_table if page_table is not None else mapping.segment_slots,
+        pointer_table(scaling) if scaling is not None else mapping.segment_slots,
         x.shape[1],
         max_rank,
         k_per_split,
@@ -345,6 +353,7 @@ def _run_kernel(
         ZERO_TAIL=zero_tail and paged,
         RANK_PROGRAMS=rank_programs,
         SLOT_PAGE=page_table is not None and not paged,
+        SKIP_ZERO_SCALE=scaling is not None,
         BLOCK_M=block_m,
         BLOCK_R=PAGED_BLOCK_R if paged else max(16, next_pow2(max_rank)),
         BLOCK_K=block_k,
@@ -379,13 +388,17 @@ def shrink_partials(
     blocks: tuple[int, int] | None = None,
     *,
     page_table: torch.Tensor | None = None,
+    scaling: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Split-K shrink without the reduction: ``p[k, i, t] = x[t, Hk] @ A_i[slot[t]][:, Hk].T``.
 
     ``sum_k p[k]`` is :data:`LORA_SHRINK`'s ``v`` on rows of LoRA tokens; the
     expand kernel forms that sum while loading (so there is no zero-fill and no
     sum kernel). Rows of slot -1 tokens are left unwritten (uninitialised); with
-    pages so are (some of) the columns ``r >= ranks[slot]`` (the expand never reads them).
+    pages so are (some of) the columns ``r >= ranks[slot]`` (the expand never reads them). With ``scaling``
+    (the expand's ``[S]`` float32 per slice) the rows of slice ``i`` for tokens whose slot has
+    ``scaling[i][s] == 0`` (a module its adapter does not target) are left unwritten too, and their A
+    unread: the expand skips those (slot, slice) pairs as well.
 
     Args:
         x, lora_a, mapping, ranks, page_table: as :func:`lora_shrink_ref`.
@@ -413,7 +426,8 @@ def shrink_partials(
     split = cdiv(hidden_size, k_per_split)
     out = torch.empty((split, len(lora_a), num_tokens, max_rank), dtype=torch.float32, device=x.device)
     if mapping.has_lora and max_rank > 0:
-        _run_kernel(x, lora_a, mapping, out, ranks, page_table, max_rank, k_per_split, (block_m, block_k))
+        _run_kernel(x, lora_a, mapping, out, ranks, page_table, max_rank, k_per_split, (block_m, block_k),
+                    scaling=scaling)
     return out
 
 

@@ -371,3 +371,31 @@ def test_reference_refuses_ranks_and_pages_outside_the_pool(ranks, table, fragme
     with pytest.raises(KernelArgumentError, match=fragment):
         ADD_LORA.reference(x, a, b, scaling, y, mapping, **kw)
 
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("paged", [True, False], ids=["pages", "one-page"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_untargeted_module_weights_are_not_read(kernel_device, backend, paged):
+    """``scaling_i[s] == 0`` (adapter s does not target slice i): that slice of s's tokens gets nothing and its A/B
+    (NaN here) are never read, in the shrink or the expand; every other (slot, slice) as the per-token loop."""
+    ranks = [8, 16, 64] if paged else [8, 16, 3]
+    hidden, widths = QKV
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    pool = make_pool(ranks, 8 if paged else 16, hidden, widths, torch.float32, device)
+    pool.scaling[1][1] = 0.0  # slot 1 leaves the k slice alone
+    pool.scaling[0][2] = 0.0  # slot 2 leaves the q slice alone
+    expected_pool = PagedPool(**{**pool.__dict__, "lora_a": [a.clone() for a in pool.lora_a],
+                                 "lora_b": [b.clone() for b in pool.lora_b]})
+    for slice_id, slot in ((1, 1), (0, 2)):
+        pages = [p for p in pool.table[slot] if p >= 0]
+        pool.lora_a[slice_id][pages] = float("nan")
+        pool.lora_b[slice_id][pages] = float("nan")
+    slots = torch.tensor([0, 1, 2, -1, 1, 2, 0], dtype=torch.int32).to(device)
+    mapping = LoRAMapping.from_token_slots(slots, len(ranks))
+    x = torch.randn(7, hidden).to(device)
+    y = torch.randn(7, sum(widths)).to(device)
+    _, expected, magnitude = naive_paged(x, expected_pool, y, slots)
+    Kernels(backend).add_lora(x, pool.lora_a, pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
+                              page_table=pool.page_table)
+    _check_y(y, expected, magnitude, torch.float32)
