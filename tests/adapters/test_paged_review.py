@@ -133,15 +133,15 @@ class Fuzz:
             self.add(rng.choice(sorted(self.adapters)))
         elif op < 0.5:
             self.pin(rng.choice(sorted(self.registered)))
-        elif op < 0.72 and self.pins:
+        elif op < 0.8 and self.pins:
             self.unpin(rng.choice(sorted(self.pins)))
-        elif op < 0.8:
+        elif op < 0.86:
             self.remove(rng.choice(sorted(self.registered)))
         else:
             self.log.append("batch {")
             with self.pool.batched_installs():
                 for _ in range(rng.randint(1, 4)):
-                    if self.registered and rng.random() < 0.8:
+                    if self.registered and rng.random() < 0.6:
                         self.pin(rng.choice(sorted(self.registered)))
                     elif self.pins:
                         self.unpin(rng.choice(sorted(self.pins)))
@@ -207,9 +207,10 @@ def test_fuzz_pool_matches_peft(tmp_path, write_adapter, seed, page_rows, num_pa
         original_remove(int_id)
 
     fuzz.remove = remove
-    for _ in range(180):
+    for _ in range(250):
         fuzz.step()
         fuzz.check()
+    assert fuzz.pool.stats().slot_evictions >= 5  # page / slot pressure was exercised
 
 
 def test_write_many_equals_one_by_one_writes_on_scattered_pages(tmp_path, write_adapter):

@@ -156,6 +156,8 @@ def drive_launchers() -> None:
     _elementwise(bf16)
     _lora(bf16)
     _lora(torch.float32)
+    _paged_lora(bf16)
+    _paged_lora(torch.float32)
 
 
 def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16) -> None:
@@ -227,6 +229,26 @@ def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 3
     mapping = LoRAMapping.from_token_slots((torch.arange(32) % slots).to(torch.int32), slots)
     lora_fused.FUSED_LORA.triton(torch.zeros(32, 11008, dtype=dtype), down_a, lora_b[:1], scaling[:1],
                                  torch.zeros(32, 4096, dtype=dtype), mapping)
+
+
+def _paged_lora(dtype: torch.dtype, hidden: int = 4096, slots: int = 32, pages: int = 64) -> None:
+    """The engine's model path (``add_lora``: split-K partials, untargeted slices skipped by scaling) over paged
+    pools: several pages per slot (PAGE 8 / 16 / 32, rank tiles gathered from the table) and one page per slot
+    (the rectangle kernel through the table), plus the paged shrink launcher."""
+    from loraplex.kernels.lora_linear import ADD_LORA
+
+    for page, max_pages in ((8, 8), (16, 4), (32, 8), (16, 1), (64, 1)):
+        a = [torch.zeros(pages, page, hidden, dtype=dtype) for _ in range(3)]
+        b = [torch.zeros(pages, w, page, dtype=dtype) for w in (4096, 1024, 1024)]
+        scaling = [torch.ones(slots) for _ in range(3)]
+        ranks = torch.full((slots,), 16, dtype=torch.int32)
+        table = torch.zeros(slots, max_pages, dtype=torch.int32)
+        for num_tokens in (32, 4096):
+            mapping = LoRAMapping.from_token_slots((torch.arange(num_tokens) % slots).to(torch.int32), slots)
+            x = torch.zeros(num_tokens, hidden, dtype=dtype)
+            ADD_LORA.triton(x, a, b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping, ranks=ranks,
+                            page_table=table)
+            lora_shrink.LORA_SHRINK.triton(x, a, mapping, ranks=ranks, page_table=table)
 
 
 def main() -> int:
