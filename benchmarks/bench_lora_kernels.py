@@ -20,9 +20,9 @@ projection at 32 adapters (1, 32 and 128 tokens) and reports the best.
 product; docs/ARCHITECTURE.md).
 
 ``--mixed-ranks`` instead times "ranks without padding" (S-LoRA's paged pool, :func:`run_mixed_ranks`): one layer,
-T=32 decode tokens, one per adapter, 32 adapters, as (a) rectangles r=16 (today's path), (b) pages of 16 with every
+T=32 decode tokens, one per adapter, 32 adapters, as (a) rectangles r=16 (the path of a pool with one page per slot), (b) pages of 16 with every
 rank 16, (c) pages (PAGE 8 and 16) with mixed ranks of the same total rank rows (24 x r=8, 4 x r=16, 4 x r=64:
-512 = 32 x 16), (d) that mixed batch in rectangles zero-padded to R=64 (today's engine; also with ``ranks``), and
+512 = 32 x 16), (d) that mixed batch in rectangles zero-padded to R=64 (a padded pool; also with ``ranks``), and
 the mixed batch in pools sized for max_lora_rank 256 (pages, and rectangles padded to 256). Goal: time(c) <=
 time(b) / 0.9.
 
@@ -377,7 +377,7 @@ def mixed_ranks(adapters: int, rank: int, seed: int = 0) -> list[int]:
 
 def mixed_variants(adapters: int, rank: int) -> list[MixedVariant]:
     """The --mixed-ranks rows: (a) rectangles r, (b) pages all-r, (c) pages mixed (PAGE r/2 and r), (d) the mixed
-    batch padded to 4r (as today's engine: no ranks; and with ranks), and pools sized for 16r (max_lora_rank 256)."""
+    batch padded to 4r (as a padded pool: no ranks; and with ranks), and pools sized for 16r (max_lora_rank 256)."""
     same, mixed = [rank] * adapters, mixed_ranks(adapters, rank)
     big = 16 * rank
     return [

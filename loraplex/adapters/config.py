@@ -21,9 +21,10 @@ class LoRAConfig:
     ``r`` takes ``ceil(r / page_rows)`` pages, device memory in proportion to its own rank. None:
     ``max_lora_rank`` (one page per adapter, every adapter padded to ``max_lora_rank``)."""
     num_pages: int | None = None
-    """Pages in the adapter weight pool (``loraplex.adapters.device_weights``). None: ``max_loras *
-    ceil(max_lora_rank / page_rows)``, so every slot can hold a max-rank adapter; fewer pages hold fewer
-    high-rank adapters at once (an adapter whose pages cannot be freed waits like one without a slot)."""
+    """Pages in the adapter weight pool (``loraplex.adapters.device_weights``), at least one max-rank adapter's.
+    None: ``max_loras * ceil(max_lora_rank / page_rows)``, so every slot can hold a max-rank adapter; fewer pages
+    hold fewer high-rank adapters at once (an adapter whose pages cannot be freed waits, with the scheduler's
+    aging bound, like one without a slot)."""
     max_cpu_loras: int = 4
     """Adapters kept in the host-memory LRU cache (``SlotImage``s); evicted ones are re-read from disk."""
     background_loads: bool = True
@@ -62,13 +63,6 @@ class LoRAConfig:
             "install_staging_bytes": self.install_staging_bytes,
             "host_arena_chunk_bytes": self.host_arena_chunk_bytes,
         }
-        for name in ("page_rows", "num_pages"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"LoRAConfig.{name}={value!r}: must be None or an integer >= 1")
-        if self.page_rows is not None and (self.page_rows & (self.page_rows - 1) or self.page_rows > self.max_lora_rank):
-            raise ValueError(f"LoRAConfig.page_rows={self.page_rows}: must be a power of two <= "
-                             f"max_lora_rank={self.max_lora_rank}")
         if isinstance(self.max_full_module_slots, bool) or not isinstance(self.max_full_module_slots, int) \
                 or self.max_full_module_slots < 0:
             raise ValueError(
@@ -76,3 +70,16 @@ class LoRAConfig:
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LoRAConfig.{name}={value!r}: must be an integer >= 1")
+        for name in ("page_rows", "num_pages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"LoRAConfig.{name}={value!r}: must be None or an integer >= 1")
+        if self.page_rows is not None and self.page_rows != self.max_lora_rank and (
+                self.page_rows & (self.page_rows - 1) or self.page_rows > self.max_lora_rank):
+            raise ValueError(f"LoRAConfig.page_rows={self.page_rows}: must be a power of two <= "
+                             f"max_lora_rank={self.max_lora_rank}")
+        max_pages = -(-self.max_lora_rank // (self.page_rows or self.max_lora_rank))
+        if self.num_pages is not None and self.num_pages < max_pages:
+            raise ValueError(f"LoRAConfig.num_pages={self.num_pages}: an adapter of max_lora_rank={self.max_lora_rank} "
+                             f"takes {max_pages} pages of {self.page_rows} rank rows; give at least {max_pages} "
+                             "(or lower max_lora_rank)")

@@ -77,8 +77,8 @@ class LoRADeviceWeights:
     ``max_lora_rank`` and ``num_pages`` to ``num_slots * ceil(max_lora_rank / page_rows)`` (every slot can
     hold a max-rank adapter at once).
 
-    Raises ``ValueError`` for a ``dtype`` other than fp16, bf16 or fp32, a ``page_rows`` that is not a power
-    of two in ``1..max_lora_rank``, or ``num_pages < 1``.
+    Raises ``ValueError`` for a ``dtype`` other than fp16, bf16 or fp32, a ``page_rows`` that is neither
+    ``max_lora_rank`` nor a power of two below it, or fewer pages than one max-rank adapter takes.
     """
 
     def __init__(self, spec: BaseModelSpec, num_slots: int, max_lora_rank: int, dtype: torch.dtype,
@@ -87,13 +87,14 @@ class LoRADeviceWeights:
         if dtype not in SLOT_DTYPES:
             raise ValueError(f"LoRASlotPool.dtype={dtype!r}: must be one of {list(SLOT_DTYPES)}")
         page_rows = page_rows or max_lora_rank
-        if page_rows & (page_rows - 1) or not 1 <= page_rows <= max_lora_rank:
+        if page_rows != max_lora_rank and (page_rows & (page_rows - 1) or not 1 <= page_rows <= max_lora_rank):
             raise ValueError(f"LoRADeviceWeights: page_rows={page_rows} must be a power of two in "
-                             f"1..max_lora_rank={max_lora_rank}")
+                             f"1..max_lora_rank={max_lora_rank} (or max_lora_rank itself: one page per adapter)")
         max_pages = -(-max_lora_rank // page_rows)
         num_pages = num_slots * max_pages if num_pages is None else num_pages
-        if num_pages < 1:
-            raise ValueError(f"LoRADeviceWeights: num_pages={num_pages} must be >= 1")
+        if num_pages < max_pages:
+            raise ValueError(f"LoRADeviceWeights: num_pages={num_pages} is fewer than the {max_pages} pages of one "
+                             f"adapter of max_lora_rank={max_lora_rank}")
         self.spec = spec
         self.num_slots = num_slots
         self.max_lora_rank = max_lora_rank

@@ -21,8 +21,9 @@ return it to the uploader unchanged.
   - ``AdapterChangedError``: an adapter re-read from disk no longer has the
     ``version_id`` it was registered with.
 - ``SlotPoolError(RuntimeError)``: misuse of the slot pool (unpin without pin).
-  - ``NoFreeSlotError``: every GPU adapter slot is pinned by other adapters;
-    the caller (scheduler) should wait until a request finishes.
+  - ``NoFreeSlotError``: every GPU adapter slot, or the weight pages the adapter
+    needs, are held by pinned adapters; the caller (scheduler) should wait until a
+    request finishes.
 """
 
 from __future__ import annotations

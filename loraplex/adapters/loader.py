@@ -1,9 +1,9 @@
 """Adapter reads from disk (inline or on loader threads) and the host-memory tier behind the slots.
 
-Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to rank R,
-in ranges of a ``HostArena`` (chunks allocated once, pinned when slots live on CUDA), so a read
-allocates nothing once the chunks exist and installing one is one host-to-device copy of the
-image and one multi-tensor device copy into its slot (``LoRADeviceWeights.write_many``).
+Host copies are ``SlotImage``s: the pool's page layout in the slot dtype, padded to the adapter's own rank
+rounded up to the page rows, in ranges of a ``HostArena`` (chunks allocated once, pinned when slots live on
+CUDA), so a read allocates nothing once the chunks exist and installing one is one host-to-device copy of the
+image and one multi-tensor device copy into its pages (``LoRADeviceWeights.write_many``).
 
 Background reads: ``start`` queues a read (at most ``max_loads_in_flight`` queued or running,
 on ``num_loader_threads`` threads, so the queue is deeper than the thread count). Each read

@@ -29,13 +29,15 @@ synchronously (waiting for its in-flight read if any). A failed read raises its
 ``AdapterError`` from the ``ensure_ready``/``pin`` call that claims it, once; the next
 call starts a new read. With ``background_loads=False`` ``ensure_ready`` reads inline.
 
-Host copies are ``SlotImage``s: the slot's layout in the slot dtype, already padded to
-rank R, in ranges of a ``HostArena`` (chunks allocated and, when slots live on CUDA,
-page-locked once; no allocation per read). Installing one alone (``pin`` outside a batch)
-is two contiguous copies per targeted module and one for the scalings, enqueued without
-waiting; inside ``batched_installs`` (one scheduler step) the pins' slots are assigned at
-once and written together at exit: one host-to-device copy per image into a device staging
-buffer (kept between batches), then one ``torch._foreach_copy_`` per group sharing a layout.
+Host copies are ``SlotImage``s: the pool's page layout in the slot dtype, padded to the
+adapter's own rank rounded up to the page rows, in ranges of a ``HostArena`` (chunks allocated
+and, when slots live on CUDA, page-locked once; no allocation per read). An adapter takes a
+slot and ``ceil(rank / page_rows)`` weight pages (``SlotTable``). Installing one alone (``pin``
+outside a batch) is two copies per targeted module and run of consecutive pages and one for the
+scalings, enqueued without waiting; inside ``batched_installs`` (one scheduler step) the pins'
+slots and pages are assigned at once and written together at exit: one host-to-device copy per
+image into a device staging buffer (kept between batches), then one ``torch._foreach_copy_`` per
+group sharing a layout.
 
 Slot tensors ``a``, ``b``, ``scaling`` (shapes and semantics): see
 :mod:`loraplex.adapters.device_weights`.
@@ -359,14 +361,15 @@ class LoRASlotPool:
     def pin(self, int_id: int) -> int:
         """Make ``int_id`` resident in a GPU slot, increment its pin count and return the slot index.
 
-        Slot choice (``SlotTable.choose``): its current slot if resident; else the lowest free
-        slot; else the least recently used unpinned slot (its adapter is evicted). The weights
+        Placement (``SlotTable.plan``): its current slot if resident; else the lowest free
+        slot, else the least recently used unpinned slot (its adapter is evicted), then more
+        least recently used unpinned adapters evicted until its weight pages are free. The weights
         come from the host cache, else from its in-flight background read (waited for), else
         are read from disk now.
 
         Raises ``UnknownAdapterError`` (not registered or being removed), ``NoFreeSlotError``
-        (every slot pinned by other adapters), ``AdapterChangedError`` or another
-        ``AdapterError`` if a read from disk fails; the slots are then unchanged.
+        (every slot, or the pages it needs, held by pinned adapters), ``AdapterChangedError`` or
+        another ``AdapterError`` if a read from disk fails; the slots are then unchanged.
         """
         registration = self.registry.accepting(int_id)
         if self.slots.slot_of(int_id) is None:

@@ -125,8 +125,8 @@ class EngineConfig:
     lora_page_rows = max_lora_rank pads every adapter to max_lora_rank."""
     max_lora_pages: int | None = knob(None, greater_than(0))
     """Pages of the adapter weight pool (None: max_loras * max_lora_rank / page rows, room for max_loras adapters
-    of max_lora_rank). Fewer pages take less memory; an adapter whose pages cannot be freed from unpinned adapters
-    waits like one without a free slot."""
+    of max_lora_rank; at least one max_lora_rank adapter's pages). Fewer pages take less memory; an adapter whose
+    pages cannot be freed from unpinned adapters waits like one without a free slot (aging included)."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))
@@ -185,7 +185,10 @@ class EngineConfig:
         for name, value in values.items():
             described[name].check(value)
         max_cpu_loras = merged["max_cpu_loras"] if merged["max_cpu_loras"] is not None else merged["max_loras"]
+        pages_per_max_rank = -(-merged["max_lora_rank"] // min(merged["lora_page_rows"], merged["max_lora_rank"]))
         across = [
+            (merged["max_lora_pages"] is None or merged["max_lora_pages"] >= pages_per_max_rank, "max_lora_pages",
+             f"must be >= {pages_per_max_rank}, the pages of one max_lora_rank={merged['max_lora_rank']} adapter"),
             (max_cpu_loras >= merged["max_loras"], "max_cpu_loras", f"must be >= max_loras={merged['max_loras']}"),
             (merged["fair_prompt_token_weight"] + merged["fair_output_token_weight"] > 0, "fair_output_token_weight",
              "the two token weights must not both be 0"),

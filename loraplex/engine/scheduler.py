@@ -41,7 +41,11 @@ on a slot has waited more than ``max_adapter_wait_steps`` steps, one running
 adapter is *drained*: it admits no new (or swapped) sequence, and the slot it
 frees is reserved for the starved request's adapter (no other new adapter
 may take the last free slot while the starved one does not run; other free
-slots stay usable). The drained adapter is the one with the fewest running
+slots stay usable). An adapter refused for weight pages or full-module slots
+(``AdapterPins.resources_fit``) ages the same way, except that while it is
+the starved one no other new adapter starts at all (each would take pages),
+and once a drained adapter has emptied without freeing enough, the next
+running adapter drains. The drained adapter is the one with the fewest running
 sequences, ties broken by the oldest last admission (it empties soonest).
 Bound: a request blocked only on a slot gets one after at most
 ``max_adapter_wait_steps`` + (the longest remaining run of the drained
@@ -228,6 +232,8 @@ class _AdapterGate:
         self.failed: dict[int, str] = {}
         self.draining = 0  # adapter admitting nothing new (its slot drains); 0 = none
         self.reserved_for = 0  # adapter the next free slot is kept for; 0 = none
+        self.reserve_all = False  # reserved_for waits for pages / full-module slots: no other new adapter starts
+        self.resource_blocked: set[int] = set()  # ready adapters refused this step for pages / full-module slots
 
     def admits(self, lora: int) -> bool:
         """Whether a sequence on adapter ``lora`` (0 = base model) may start running now."""
@@ -240,12 +246,26 @@ class _AdapterGate:
         ready = self._is_ready(lora)  # asked even when no slot is free: a prefetch ahead of time
         free_slots = self.max_loras - len(self.active)
         if self.reserved_for and lora != self.reserved_for and self.reserved_for not in self.active:
-            free_slots -= 1  # one free slot stays kept for the starved adapter; others may take the rest
-        return ready and free_slots > 0 and (self.pins is None or self.pins.resources_fit(lora))
+            # one free slot stays kept for the starved adapter (others may take the rest); when it waits for
+            # weight pages or full-module slots, no other adapter starts (each would take some)
+            free_slots = 0 if self.reserve_all else free_slots - 1
+        if not (ready and free_slots > 0):
+            return False
+        if not self.resources_fit(lora):
+            self.resource_blocked.add(lora)
+            return False
+        return True
 
-    def blocked_on_slot(self, lora: int) -> bool:
-        """``lora`` is an adapter that needs a slot none is free for (aging candidate)."""
-        return bool(lora) and lora not in self.active and lora not in self.failed and len(self.active) >= self.max_loras
+    def resources_fit(self, lora: int) -> bool:
+        """The adapter's weight pages and full-module slots would be found now (always without a pool)."""
+        return self.pins is None or self.pins.resources_fit(lora)
+
+    def blocked_on_slot(self, lora: int, resource_blocked: set[int] = frozenset()) -> bool:
+        """``lora`` is an adapter that needs a slot none is free for, or one of ``resource_blocked`` (refused for
+        weight pages or full-module slots at the last admission): an aging candidate."""
+        if not lora or lora in self.active or lora in self.failed:
+            return False
+        return len(self.active) >= self.max_loras or lora in resource_blocked
 
     def admitted(self, lora: int) -> None:
         if lora:
@@ -303,6 +323,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_steps = 0
         self._drain: tuple[int, int] | None = None  # (drained adapter, adapter it drains for)
+        self._resource_blocked: set[int] = set()  # adapters the last step refused for pages / full-module slots
         self._last_admit_step: dict[int, int] = {}
         self.fair = config.policy == "fair"
         self.vtc = VirtualTokenCounter(config.prompt_token_weight, config.output_token_weight)
@@ -484,6 +505,7 @@ class Scheduler:
                 budget = self._schedule_swapped(planned, budget, gate)
                 self._schedule_waiting(planned, budget, gate)
             self._prefetch(gate)
+            self._resource_blocked = gate.resource_blocked
             failures = self._fail_adapters(gate.failed)
         return ScheduledBatch(tuple(planned), self.kv.take_pending(), preempted, failures)
 
@@ -535,35 +557,54 @@ class Scheduler:
         return preempted
 
     def _age(self, gate: _AdapterGate) -> None:
-        """Aging rule: drain one running adapter for a request blocked on a slot too long."""
+        """Aging rule: drain running adapters for a request blocked on a slot (or on weight pages or full-module
+        slots) too long: one at a time, the next once the previous one has drained while the starved adapter
+        still does not fit."""
         if self._drain is not None:
             victim, starved = self._drain
             pending = any(s.group.lora_int_id == starved for q in (self.waiting, self.swapped) for s in q)
             if starved in gate.active or not pending:
                 self._drain = None
             else:  # until the starved adapter runs: the victim admits nothing, the freed slot is kept
+                if victim not in gate.active and not gate.resources_fit(starved):
+                    # drained, and its pages were not enough: the next running adapter drains too
+                    victim = self._drain_victim(exclude=starved) or victim
+                    self._drain = (victim, starved)
                 gate.draining, gate.reserved_for = victim, starved
+                gate.reserve_all = not gate.resources_fit(starved)
                 return
-        if len(gate.active) < self.config.max_loras:
+        blocked = self._resource_blocked
+        if len(gate.active) < self.config.max_loras and not blocked:
             return
         oldest = None
         for queue in (self.swapped, self.waiting):
             for i, seq in enumerate(queue):
                 if i >= self.config.max_waiting_scan:
                     break
-                if gate.blocked_on_slot(seq.group.lora_int_id) and (
+                if gate.blocked_on_slot(seq.group.lora_int_id, blocked) and (
                         oldest is None or seq.wait_since_step < oldest.wait_since_step):
                     oldest = seq
         if oldest is None or self.num_steps - oldest.wait_since_step <= self.config.max_adapter_wait_steps:
             return
+        starved = oldest.group.lora_int_id
+        victim = self._drain_victim(exclude=starved)
+        if victim is None:  # no running adapter holds anything to give
+            return
+        self._drain = (victim, starved)
+        gate.draining, gate.reserved_for = self._drain
+        gate.reserve_all = not gate.resources_fit(starved)
+
+    def _drain_victim(self, exclude: int) -> int | None:
+        """The running adapter (not ``exclude``) with the fewest running sequences, ties broken by the oldest last
+        admission (it empties soonest); None when no other adapter runs."""
         running_per_adapter: dict[int, int] = {}
         for seq in self.running:
             lora = seq.group.lora_int_id
-            if lora:
+            if lora and lora != exclude:
                 running_per_adapter[lora] = running_per_adapter.get(lora, 0) + 1
-        victim = min(running_per_adapter, key=lambda a: (running_per_adapter[a], self._last_admit_step.get(a, 0)))
-        self._drain = (victim, oldest.group.lora_int_id)
-        gate.draining, gate.reserved_for = self._drain
+        if not running_per_adapter:
+            return None
+        return min(running_per_adapter, key=lambda a: (running_per_adapter[a], self._last_admit_step.get(a, 0)))
 
     def _preemption_victim(self, seq: Sequence, unplanned: deque[Sequence]) -> Sequence:
         """Whom to preempt so ``seq`` fits: never a sequence already planned this step. The

@@ -57,7 +57,8 @@ MAX_PAGE_ROWS = 256
 def check_paging(op: str, page_table: torch.Tensor, ranks: torch.Tensor | None, page_rows: int,
                  device: torch.device) -> int:
     """A paged pool's metadata: ``page_table`` ``[S, max_pages] int32`` contiguous on ``device``, ``ranks`` (required)
-    ``[S] int32``, ``page_rows`` (PAGE, the weights' rank rows per page) a power of two in ``1..256``. Returns S."""
+    ``[S] int32``, ``page_rows`` (PAGE, the weights' rank rows per page) a power of two in ``1..256`` (any size
+    >= 1 with one page per slot, ``max_pages == 1``: the rectangle path). Returns S."""
     if not isinstance(page_table, torch.Tensor):
         raise KernelArgumentError(f"{op}: page_table has type {type(page_table).__name__}, expected a tensor")
     check_dtype(op, "page_table", page_table, (torch.int32,))
@@ -67,7 +68,8 @@ def check_paging(op: str, page_table: torch.Tensor, ranks: torch.Tensor | None, 
     if ranks is None:
         raise KernelArgumentError(f"{op}: ranks is required with a page_table ([S] int32, S = page_table.shape[0])")
     check_ranks(op, ranks, page_table.shape[0], device)
-    if not 1 <= page_rows <= MAX_PAGE_ROWS or page_rows & (page_rows - 1):
+    one_page = page_table.shape[1] == 1 and page_rows >= 1
+    if not one_page and (not 1 <= page_rows <= MAX_PAGE_ROWS or page_rows & (page_rows - 1)):
         raise KernelArgumentError(f"{op}: page size (rank rows per page)={page_rows}, expected a power of two in "
                                   f"1..{MAX_PAGE_ROWS}")
     return page_table.shape[0]

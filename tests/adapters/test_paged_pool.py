@@ -137,7 +137,7 @@ def test_one_batch_of_installs_writes_pages(adapters):
 def test_non_contiguous_pages_and_wrong_page_counts(adapters):
     pool = make_pool(adapters)
     image = pool.loader.host_copy(pool.registry.get(adapters["r12"][0].lora_int_id))
-    weights = LoRADeviceWeights(SPEC, 2, MAX_RANK, torch.float32, "cpu", page_rows=PAGE, num_pages=6)
+    weights = LoRADeviceWeights(SPEC, 2, 16, torch.float32, "cpu", page_rows=PAGE, num_pages=6)
     weights.write_many([(1, image, (5, 2))], staging_bytes=1 << 20)  # out of order, not adjacent
     a, b = weights.slot_factors(1, 0, "q_proj")
     ref_a, ref_b, _ = adapters["r12"][1][(0, "q_proj")]
@@ -151,3 +151,13 @@ def test_non_contiguous_pages_and_wrong_page_counts(adapters):
         LoRADeviceWeights(SPEC, 2, MAX_RANK, torch.float32, "cpu", page_rows=3)
     with pytest.raises(ValueError, match="LoRAConfig.page_rows=128: must be a power of two <= max_lora_rank=64"):
         LoRAConfig(max_lora_rank=64, page_rows=128)
+
+
+def test_engine_refuses_a_pool_smaller_than_one_max_rank_adapter():
+    from loraplex.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match=r"max_lora_pages=3: must be >= 4, the pages of one max_lora_rank=32"):
+        EngineConfig(model="x", enable_lora=True, max_lora_rank=32, lora_page_rows=8, max_lora_pages=3)
+    assert EngineConfig(model="x", enable_lora=True, max_lora_rank=32, lora_page_rows=8, max_lora_pages=4)
+    with pytest.raises(ValueError, match=r"LoRAConfig.num_pages=1: an adapter of max_lora_rank=64 takes 8 pages"):
+        LoRAConfig(max_lora_rank=64, page_rows=8, num_pages=1)
