@@ -150,3 +150,15 @@ def hf_last_logprobs(model, prompt_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
     return torch.log_softmax(logits, -1)
+
+
+def check_row(out, ref_tokens: list[int], ref_lp: torch.Tensor) -> None:
+    """An engine ``RequestOutput`` equals HF (+ PEFT): the greedy tokens exactly, and the first position's top-5
+    logprobs to 2e-4 (``ref_lp``: the reference's last-position logprobs, ``hf_last_logprobs``)."""
+    import pytest
+
+    comp = out.outputs[0]
+    assert comp.token_ids == ref_tokens
+    top5 = torch.topk(ref_lp, 5)
+    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
+        assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)

@@ -29,7 +29,7 @@ from loraplex.adapters.device_weights import LoRADeviceWeights
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import load_peft_adapter
-from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
 
 _ENGINE_TESTS = str(Path(__file__).resolve().parents[1] / "engine")
 if _ENGINE_TESTS not in sys.path:
@@ -349,13 +349,6 @@ def reference(models, prompts, name, i, max_new=MAX_NEW):
         _REFS[key] = (hf_greedy_ids(model, prompts[i], max_new), hf_last_logprobs(model, prompts[i]))
     return _REFS[key]
 
-
-def check_row(out, ref_tokens, ref_lp):
-    comp = out.outputs[0]
-    assert comp.token_ids == ref_tokens
-    top5 = torch.topk(ref_lp, 5)
-    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
-        assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)
 
 
 def make_llm(path, **kw) -> LLM:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_fp8_quantization import dequantized_dir  # noqa: F401 (a fixture)
 from test_step_fastpaths import _emulate_graphs, _run
-from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
 from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
@@ -65,13 +65,6 @@ def make_llm(path, **kw) -> LLM:
     return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=512, enable_lora=True,
                max_lora_rank=8, **kw)
 
-
-def check_row(out, ref_tokens, ref_lp):
-    comp = out.outputs[0]
-    assert comp.token_ids == ref_tokens
-    top5 = torch.topk(ref_lp, 5)
-    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
-        assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)
 
 
 def _max_gain_deviation(llm: LLM) -> float:

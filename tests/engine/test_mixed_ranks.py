@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = {"r8": 8, "r16": 16, "r64": 64, "r128": 128}
@@ -49,13 +49,6 @@ def references(tiny_llama_dir, adapters, prompts):
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
 
-
-def check_row(out, ref_tokens, ref_lp):
-    comp = out.outputs[0]
-    assert comp.token_ids == ref_tokens
-    top5 = torch.topk(ref_lp, 5)
-    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
-        assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)
 
 
 def make_llm(path, **kw) -> LLM:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
 
 # family fixture -> (adapter a targets, adapter b targets), in the family's module names
 FAMILIES = {
@@ -53,13 +53,6 @@ def make_llm(path, **kw) -> LLM:
     return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=512, enable_lora=True,
                max_lora_rank=8, max_loras=2, device="cpu", **kw)
 
-
-def check_row(out, ref_tokens, ref_lp):
-    comp = out.outputs[0]
-    assert comp.token_ids == ref_tokens
-    top5 = torch.topk(ref_lp, 5)
-    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
-        assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)
 
 
 def test_mixed_batch_equals_hf_and_peft(family):

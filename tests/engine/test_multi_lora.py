@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tiny_models import hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
 
 ADAPTERS = {
     # name: (rank, alpha, targets, rslora)
@@ -58,14 +58,6 @@ def make_llm(path, **kw) -> LLM:
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
 
-
-def check_row(out, ref_tokens, ref_lp):
-    comp = out.outputs[0]
-    assert comp.token_ids == ref_tokens
-    first = comp.logprobs[0]
-    top5 = torch.topk(ref_lp, 5)
-    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
-        assert first[tid] == pytest.approx(lp, abs=2e-4)
 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))

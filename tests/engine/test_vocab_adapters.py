@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.errors import AdapterUnsupportedError
-from tiny_models import (hf_greedy_ids, hf_last_logprobs, make_peft_adapter, make_tiny_model, make_vocab_adapter,
-                         peft_model)
+from tiny_models import (check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, make_tiny_model,
+                         make_vocab_adapter, peft_model)
 
 MAX_NEW = 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
@@ -58,13 +58,6 @@ def make_llm(path, **kw) -> LLM:
     return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=256, enable_lora=True,
                max_lora_rank=8, **kw)
 
-
-def check_row(out, ref_tokens, ref_lp):
-    comp = out.outputs[0]
-    assert comp.token_ids == ref_tokens
-    top5 = torch.topk(ref_lp, 5)
-    for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
-        assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)
 
 
 @pytest.mark.parametrize("name", list(CASES))
