@@ -4,7 +4,8 @@ There are no prefill and decode phases: every step moves each scheduled
 sequence's ``num_computed_tokens`` towards ``num_tokens`` under one token
 budget (``max_num_batched_tokens``). Running sequences go first (oldest
 first), so decodes keep flowing while long prompts are chunked (chunked
-prefill); then swapped sequences (FIFO); then waiting sequences are admitted
+prefill); then swapped sequences (oldest first; one whose adapter cannot start now is
+skipped in place); then waiting sequences are admitted
 (FCFS, or fair across tenants, below) while budget, ``max_num_seqs`` and KV
 blocks allow. Admission looks the prompt up in the prefix cache without side
 effects and commits the hit together with the new blocks, so a request that
@@ -38,14 +39,15 @@ Aging (no waiting request is overtaken forever): skipping a request whose
 adapter needs a slot could starve it while resident adapters keep receiving
 new requests, since no slot would ever drain. Once the oldest request blocked
 on a slot has waited more than ``max_adapter_wait_steps`` steps, one running
-adapter is *drained*: it admits no new (or swapped) sequence, and the slot it
-frees is reserved for the starved request's adapter (no other new adapter
+adapter is *drained*: it admits no new sequence (its swapped ones resume while
+it is resident), and the slot it frees is reserved for the starved request's adapter (no other new adapter
 may take the last free slot while the starved one does not run; other free
 slots stay usable). An adapter refused for weight pages or full-module slots
 (``AdapterPins.resources_fit``) ages the same way, except that while it is
 the starved one no other new adapter starts at all (each would take pages),
 and once a drained adapter has emptied without freeing enough, the next
-running adapter drains. The drained adapter is the one with the fewest running
+running adapter drains. A drain ends in the step its starved adapter starts
+(or fails to read). The drained adapter is the one with the fewest running
 sequences, ties broken by the oldest last admission (it empties soonest).
 Bound: a request blocked only on a slot gets one after at most
 ``max_adapter_wait_steps`` + (the longest remaining run of the drained
@@ -60,7 +62,7 @@ Counter of Sheng et al., OSDI 2024; see :mod:`loraplex.engine.fairness`),
 first-come-first-served within a tenant. Both policies keep everything above:
 adapter-blocked requests are skipped in place, the aging drain, the scan
 stopping at the first request the budget or the KV blocks cannot take (so a
-large request is never overtaken forever), swapped sequences resumed FIFO
+large request is never overtaken forever), swapped sequences resumed oldest
 first. Under ``"fair"`` a preemption takes the newest running sequence of the
 most-served tenant. Every planned token is charged to its tenant (prompt
 tokens computed for the first time, output tokens sampled) under both
@@ -234,12 +236,14 @@ class _AdapterGate:
         self.reserved_for = 0  # adapter the next free slot is kept for; 0 = none
         self.reserve_all = False  # reserved_for waits for pages / full-module slots: no other new adapter starts
         self.resource_blocked: set[int] = set()  # ready adapters refused this step for pages / full-module slots
+        self.drain_over = False  # the adapter the drain was for started (or failed) this step
 
-    def admits(self, lora: int) -> bool:
-        """Whether a sequence on adapter ``lora`` (0 = base model) may start running now."""
+    def admits(self, lora: int, swapped: bool = False) -> bool:
+        """Whether a sequence on adapter ``lora`` (0 = base model) may start running now (``swapped``: it is resuming
+        after a swap-out; a draining adapter's swapped sequences still may, while it is resident)."""
         if not lora:
             return True
-        if lora == self.draining:
+        if lora == self.draining and not (swapped and lora in self.active):
             return False
         if lora in self.active:
             return True
@@ -270,6 +274,14 @@ class _AdapterGate:
     def admitted(self, lora: int) -> None:
         if lora:
             self.active.add(lora)
+        if lora and lora == self.reserved_for:  # the drain served its purpose: nothing is held back any more
+            self.end_drain()
+
+    def end_drain(self) -> None:
+        """Nothing is held back for the rest of the step (and the scheduler drops its drain)."""
+        self.drain_over = True
+        self.draining = self.reserved_for = 0
+        self.reserve_all = False
 
     def prefetch(self, lora: int) -> None:
         """Ask whether ``lora`` is ready (starting its read if not), without admitting anything."""
@@ -302,6 +314,8 @@ class _AdapterGate:
             ready = self.pins.ensure_ready(lora)
         except AdapterError as exc:
             self.failed[lora] = str(exc)
+            if lora == self.reserved_for:  # the starved adapter cannot be read: stop holding others back
+                self.end_drain()
             ready = False
         self.ready[lora] = ready
         return ready
@@ -322,7 +336,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_steps = 0
-        self._drain: tuple[int, int] | None = None  # (drained adapter, adapter it drains for)
+        # (drained adapter, adapter it drains for, whether that one waits for pages / full-module slots)
+        self._drain: tuple[int, int, bool] | None = None
         self._resource_blocked: set[int] = set()  # adapters the last step refused for pages / full-module slots
         self._last_admit_step: dict[int, int] = {}
         self.fair = config.policy == "fair"
@@ -506,6 +521,8 @@ class Scheduler:
                 self._schedule_waiting(planned, budget, gate)
             self._prefetch(gate)
             self._resource_blocked = gate.resource_blocked
+            if gate.drain_over:
+                self._drain = None
             failures = self._fail_adapters(gate.failed)
         return ScheduledBatch(tuple(planned), self.kv.take_pending(), preempted, failures)
 
@@ -561,7 +578,7 @@ class Scheduler:
         slots) too long: one at a time, the next once the previous one has drained while the starved adapter
         still does not fit."""
         if self._drain is not None:
-            victim, starved = self._drain
+            victim, starved, for_resources = self._drain
             pending = any(s.group.lora_int_id == starved for q in (self.waiting, self.swapped) for s in q)
             if starved in gate.active or not pending:
                 self._drain = None
@@ -569,20 +586,27 @@ class Scheduler:
                 if victim not in gate.active and not gate.resources_fit(starved):
                     # drained, and its pages were not enough: the next running adapter drains too
                     victim = self._drain_victim(exclude=starved) or victim
-                    self._drain = (victim, starved)
-                gate.draining, gate.reserved_for = victim, starved
-                gate.reserve_all = not gate.resources_fit(starved)
+                    self._drain = (victim, starved, for_resources)
+                gate.draining, gate.reserved_for, gate.reserve_all = self._drain
                 return
         blocked = self._resource_blocked
         if len(gate.active) < self.config.max_loras and not blocked:
             return
         oldest = None
+        still_blocked: dict[int, bool] = {}  # refused for resources last step and still not fitting now
         for queue in (self.swapped, self.waiting):
             for i, seq in enumerate(queue):
                 if i >= self.config.max_waiting_scan:
                     break
-                if gate.blocked_on_slot(seq.group.lora_int_id, blocked) and (
-                        oldest is None or seq.wait_since_step < oldest.wait_since_step):
+                lora = seq.group.lora_int_id
+                if not gate.blocked_on_slot(lora, blocked):
+                    continue
+                if len(gate.active) < self.config.max_loras:
+                    if lora not in still_blocked:
+                        still_blocked[lora] = not gate.resources_fit(lora)
+                    if not still_blocked[lora]:
+                        continue
+                if oldest is None or seq.wait_since_step < oldest.wait_since_step:
                     oldest = seq
         if oldest is None or self.num_steps - oldest.wait_since_step <= self.config.max_adapter_wait_steps:
             return
@@ -590,9 +614,8 @@ class Scheduler:
         victim = self._drain_victim(exclude=starved)
         if victim is None:  # no running adapter holds anything to give
             return
-        self._drain = (victim, starved)
-        gate.draining, gate.reserved_for = self._drain
-        gate.reserve_all = not gate.resources_fit(starved)
+        self._drain = (victim, starved, not gate.resources_fit(starved))
+        gate.draining, gate.reserved_for, gate.reserve_all = self._drain
 
     def _drain_victim(self, exclude: int) -> int | None:
         """The running adapter (not ``exclude``) with the fewest running sequences, ties broken by the oldest last
@@ -647,12 +670,18 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def _schedule_swapped(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not gate.admits(seq.group.lora_int_id) or not self.kv.can_swap_in(seq, n):
+        """Resume swapped sequences oldest first; one whose adapter cannot start now is skipped in place (as a
+        waiting one is: a drained adapter's sequence at the head must not hold back the one the drain is for),
+        the first that the budget or the KV blocks cannot take stops the scan."""
+        for i, seq in enumerate(list(self.swapped)):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or i >= self.config.max_waiting_scan:
                 break
-            self.swapped.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not gate.admits(seq.group.lora_int_id, swapped=True):
+                continue
+            if not self.kv.can_swap_in(seq, n):
+                break
+            self.swapped.remove(seq)
             self._dequeued(seq)
             self.kv.swap_in(seq)
             self.kv.allocate_slots(seq, n)
