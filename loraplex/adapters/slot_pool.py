@@ -400,10 +400,9 @@ class LoRASlotPool:
             if self.weights.pages_needed(image) != pages:
                 raise SlotPoolError(f"adapter {registration.request.lora_name!r}: its image takes "
                                     f"{self.weights.pages_needed(image)} pages, {pages} were planned")
-            for victim in placement.evict:  # _install evicts the slot's own occupant
-                if self.slots.slot_of(victim) != placement.slot:
-                    self._evict(victim)
-            self._install(placement.slot, int_id, image)
+            for victim in placement.evict:  # the slot's own occupant among them when the slot was not free
+                self._evict(victim)
+            self._install(placement.slot, int_id, image, pages)
             self._install_full(placement.slot, needs, image)
         return self.slots.pin(int_id)
 
@@ -538,11 +537,10 @@ class LoRASlotPool:
 
     # ------------------------------------------------------------------ internals
 
-    def _install(self, slot: int, int_id: int, image: SlotImage) -> None:
-        occupant = self.slots.occupant(slot)
-        if occupant is not None:
-            self._evict(occupant[0])
-        self.slots.assign(slot, int_id, self.weights.pages_needed(image))
+    def _install(self, slot: int, int_id: int, image: SlotImage, num_pages: int) -> None:
+        """Put ``int_id`` into the empty ``slot`` with ``num_pages`` free pages and write ``image`` there (now, or at
+        the end of ``batched_installs``)."""
+        self.slots.assign(slot, int_id, num_pages)
         pages = self.slots.pages_of(slot)
         if self._pending_writes is not None:
             self._pending_writes[slot] = (image, pages)  # written at the end of ``batched_installs``

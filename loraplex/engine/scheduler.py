@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import logging
 import time
 from collections import deque
@@ -673,8 +674,8 @@ class Scheduler:
         """Resume swapped sequences oldest first; one whose adapter cannot start now is skipped in place (as a
         waiting one is: a drained adapter's sequence at the head must not hold back the one the drain is for),
         the first that the budget or the KV blocks cannot take stops the scan."""
-        for i, seq in enumerate(list(self.swapped)):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or i >= self.config.max_waiting_scan:
+        for seq in list(itertools.islice(self.swapped, self.config.max_waiting_scan)):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not gate.admits(seq.group.lora_int_id, swapped=True):

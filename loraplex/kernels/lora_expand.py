@@ -51,6 +51,18 @@ DECODE_BLOCK_M = 16  # token rows per program: the expand at every size, the shr
 PAGED_BLOCK_R = 16
 
 
+def multi_page(page_table: torch.Tensor | None) -> bool:
+    """Whether a page table gives slots several pages (the paged kernel path). With one page per slot
+    (``PAGE = R``) the kernels take the rectangle path, each slot's rectangle being its page."""
+    return page_table is not None and page_table.shape[1] > 1
+
+
+def rank_tile(max_rank: int, page_table: torch.Tensor | None) -> int:
+    """``BLOCK_R``, the rank rows of one program's tile (shrink and expand): :data:`PAGED_BLOCK_R` with several
+    pages per slot, else all of R (``max(16, next_pow2(R))``, for rectangles and one page per slot)."""
+    return PAGED_BLOCK_R if multi_page(page_table) else max(16, next_pow2(max_rank))
+
+
 @triton.jit
 def _load_v(v_ptrs, v_mask, split_k, stride_v_split, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """``[BLOCK_M, BLOCK_R]`` float32 tile of ``v``: the sum of ``split_k`` partial shrink results, added in a fixed
@@ -307,8 +319,8 @@ def _launch_lora_expand(
         return
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
-    paged = page_table is not None and page_table.shape[1] > 1  # one page per slot: the rectangle path
-    block_r = PAGED_BLOCK_R if paged else max(16, next_pow2(max_rank))
+    paged = multi_page(page_table)  # one page per slot: the rectangle path
+    block_r = rank_tile(max_rank, page_table)
     block_m, block_n, n_iters = blocks or _block_sizes(mapping, y.device)
     if blocks is None:
         block_n = cap_block_n(block_n, block_r, lora_b[0].element_size())

@@ -47,7 +47,7 @@ from loraplex.kernels._triton import (
     triton,
 )
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_expand import DECODE_BLOCK_M, DECODE_MAX_TOKENS, PAGED_BLOCK_R, _page_ids
+from loraplex.kernels.lora_expand import DECODE_BLOCK_M, DECODE_MAX_TOKENS, PAGED_BLOCK_R, multi_page, rank_tile, _page_ids
 from loraplex.kernels.lora_mapping import LoRAMapping, max_tiles
 from loraplex.kernels.op import Op
 
@@ -246,18 +246,6 @@ def choose_split_k(num_programs: int, hidden_size: int, block_k: int, device: to
     return max(1, min(cdiv(2 * sms, num_programs), cdiv(hidden_size, 4 * block_k), _MAX_SPLIT_K))
 
 
-def multi_page(page_table: torch.Tensor | None) -> bool:
-    """Whether a page table gives slots several pages (the paged kernel path). With one page per slot
-    (``PAGE = R``) the kernels take the rectangle path, each slot's rectangle being its page."""
-    return page_table is not None and page_table.shape[1] > 1
-
-
-def _tile_rank(max_rank: int, page_table: torch.Tensor | None) -> int:
-    """Rank rows of one program's A tile, as :func:`cap_block_k` takes it: R for rectangles (and one page per
-    slot), 16 with several pages."""
-    return PAGED_BLOCK_R if multi_page(page_table) else max_rank
-
-
 def _launch_lora_shrink(
     x: torch.Tensor,
     lora_a: list[torch.Tensor],
@@ -292,7 +280,7 @@ def _launch_lora_shrink(
     if not mapping.has_lora or max_rank == 0:
         return out
     block_m, block_k = _block_sizes(mapping, x.device)
-    block_k = cap_block_k(block_k, _tile_rank(max_rank, page_table), x.element_size())
+    block_k = cap_block_k(block_k, rank_tile(max_rank, page_table), x.element_size())
     programs = max_tiles(mapping.num_tokens, mapping.num_slots, block_m) * len(lora_a)
     split = split_k or choose_split_k(programs, hidden_size, block_k, x.device)
     k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
@@ -355,7 +343,7 @@ def _run_kernel(
         SLOT_PAGE=page_table is not None and not paged,
         SKIP_ZERO_SCALE=scaling is not None,
         BLOCK_M=block_m,
-        BLOCK_R=PAGED_BLOCK_R if paged else max(16, next_pow2(max_rank)),
+        BLOCK_R=rank_tile(max_rank, page_table),
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
@@ -421,7 +409,7 @@ def shrink_partials(
         raise KernelArgumentError(f"{_OP}: split_k={split}, expected 1..{_MAX_PARTIAL_SPLIT_K}")
     block_m, block_k = blocks or _block_sizes(mapping, x.device)
     if blocks is None:
-        block_k = cap_block_k(block_k, _tile_rank(max_rank, page_table), x.element_size())
+        block_k = cap_block_k(block_k, rank_tile(max_rank, page_table), x.element_size())
     k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
     split = cdiv(hidden_size, k_per_split)
     out = torch.empty((split, len(lora_a), num_tokens, max_rank), dtype=torch.float32, device=x.device)
