@@ -591,6 +591,7 @@ def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tu
         specs = workload_specs(w, profile, count, poisson_offsets_s(w.rng, rate, count))
         before = engine_counters(served.ctx)
         sampler = StackSampler().start() if rate in sample_stacks else None
+        cpu_before = server_thread_cpu_s()
         t0 = time.perf_counter()
         try:
             results = run_specs(pool, profile.client_processes, served.base_url, specs, profile.output_tokens,
@@ -599,6 +600,8 @@ def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tu
             if sampler is not None:
                 sampler.stop()
         row = summarize_rate(rate, results)
+        row["server_cpu"] = cpu_shares(cpu_before, server_thread_cpu_s(), time.perf_counter() - t0,
+                                       sum(r.completion_tokens for r in results if r.ok))
         if sampler is not None:
             row["stack_profile"] = sampler.report(top=25)
             print(f"[rate {rate:g}/s] server threads, sampled every {1e3 * sampler.interval_s:g} ms:\n"
@@ -612,6 +615,29 @@ def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tu
         if saturated(row):
             skipped.extend(rates[i + 1:])
             return
+
+
+def server_thread_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by each named server thread (the engine thread, uvicorn's event loop)
+    and by the whole server process (its other threads: thread pool, adapter loaders, Ray)."""
+    cpu = {"process": time.process_time()}
+    for thread in threading.enumerate():
+        if thread.name in SERVER_THREADS and thread.ident is not None:
+            try:
+                cpu[thread.name] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # thread gone, or no per-thread clocks on this OS
+                pass
+    return cpu
+
+
+def cpu_shares(before: dict[str, float], after: dict[str, float], wall_s: float, tokens: int) -> dict[str, Any]:
+    """Per thread: share of one core it kept busy over the rate (``busy``) and CPU microseconds per
+    generated token delivered (``us_per_token``). The engine thread near 1.0 busy is the host
+    bottleneck; uvicorn's per-token figure is what each streamed chunk costs the event loop (it
+    competes with the engine thread for the GIL)."""
+    return {name: {"busy": (after[name] - before[name]) / wall_s,
+                   "us_per_token": 1e6 * (after[name] - before[name]) / tokens if tokens else math.nan}
+            for name in after if name in before}
 
 
 def prepare_adapters(root: Path, config: dict, profile: Profile) -> list[Path]:

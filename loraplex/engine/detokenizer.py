@@ -88,16 +88,32 @@ class IncrementalDetokenizer:
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._text = ""
+        self._pieces: list[str] = []  # joined on demand: += on an attribute copies the whole text each time
+        # The same scheme in Rust: ``tokenizers.decoders.DecodeStream`` keeps the window and the prefix's
+        # text between calls (one decode per token instead of two, no Python slicing; ~3x faster per
+        # token). It emits exactly when and what the Python scheme below does, so the offsets advance
+        # on its emits and :meth:`flush` stays in Python. It raises when a window's text does not start
+        # with its prefix's (a decoder that rewrites earlier text); the Python scheme then takes over.
+        self._stream = _decode_stream(tokenizer, context, skip_special_tokens) if self._backend_decode else None
 
     @property
     def text(self) -> str:
         """All text emitted so far (the joined return values)."""
-        return self._text
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def append(self, new_token_ids: list[int]) -> str:
         """Add generated ids; return the newly complete text ("" while a character is incomplete)."""
         self._ids.extend(new_token_ids)
+        if self._stream is not None:
+            stream, backend = self._stream
+            try:
+                piece = stream.step(backend, new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids)
+            except Exception:  # tokenizers' DecodeStreamError (InvalidPrefix): see __init__
+                self._stream = None
+            else:
+                return "" if piece is None else self._emit(piece)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._ids[self._prefix_offset :])
         if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
@@ -115,7 +131,7 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._text += delta
+        self._pieces.append(delta)
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -124,6 +140,17 @@ class IncrementalDetokenizer:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _decode_stream(tokenizer, context: list[int], skip_special_tokens: bool):
+    """``(DecodeStream primed with context, the Rust tokenizer)``, or None where this ``tokenizers``
+    has no ``DecodeStream(ids=...)`` (before 0.22)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens), tokenizer.backend_tokenizer
+    except (ImportError, TypeError):
+        return None
 
 
 def _backend_decode(tokenizer: DecodingTokenizer):
@@ -296,7 +323,7 @@ class SequenceTextState:
     @property
     def stream_end(self) -> int:
         """``len(stream_text)`` without building it (delta outputs slice ``text`` with it)."""
-        if self.finished:
+        if self._decision is not None or not self._checker.stop:
             return len(self._text)
         return len(self._text) - self._checker.hold_back_chars(self._text)
 
@@ -530,10 +557,10 @@ def prompt_text_ends(tokenizer: DecodingTokenizer, prompt_token_ids: list[int],
     """The prompt's text (decoded incrementally, as generated text is) and each token's
     text end in it (see :attr:`SequenceTextState.token_text_ends`)."""
     detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
-    ends = []
+    ends, length = [], 0
     for token_id in prompt_token_ids:
-        detokenizer.append([token_id])
-        ends.append(len(detokenizer.text))
+        length += len(detokenizer.append([token_id]))
+        ends.append(length)
     detokenizer.flush()
     text = detokenizer.text
     if ends:

@@ -459,7 +459,9 @@ class LLMEngine:
                              else max(0.0, group.first_scheduled_time - group.arrival_time))
 
     def _delta_outputs(self, group: RequestGroup, seqs: list[Sequence], finished: bool) -> list[CompletionOutput]:
-        sent = self._sent.setdefault(group.request_id, {})
+        sent = self._sent.get(group.request_id)
+        if sent is None:
+            sent = self._sent[group.request_id] = {}
         outputs = []
         for seq in seqs:
             tokens_from, chars_from = sent.get(seq.index, (0, 0))

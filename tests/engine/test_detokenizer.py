@@ -138,6 +138,62 @@ def test_streaming_arbitrary_token_ids_matches_decode(ids):
     assert "".join(_stream(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
 
 
+def _pieces_both_ways(tok, prompt, chunks, skip) -> tuple[list[str], list[str], IncrementalDetokenizer]:
+    """The pieces of the Rust ``DecodeStream`` path and of the Python scheme (stream switched off)."""
+    fast = IncrementalDetokenizer(tok, list(prompt), skip)
+    slow = IncrementalDetokenizer(tok, list(prompt), skip)
+    assert fast._stream is not None  # a fast tokenizer takes the DecodeStream path
+    slow._stream = None
+    pieces = [[d.append(list(chunk)) for chunk in chunks] + [d.flush()] for d in (fast, slow)]
+    return pieces[0], pieces[1], fast
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 399), max_size=6), st.lists(st.lists(st.integers(0, 399), min_size=1, max_size=3),
+                                                           min_size=1, max_size=12), st.booleans())
+def test_decode_stream_path_emits_what_the_python_scheme_emits(prompt, chunks, skip):
+    """Token by token (and for several ids at once), with any prompt context, invalid UTF-8 and the
+    special token: the same pieces at the same calls, and the same held-back text at the end."""
+    tok = _tiny_tokenizer()
+    fast, slow, detokenizer = _pieces_both_ways(tok, prompt, chunks, skip)
+    assert fast == slow
+    assert detokenizer.text == "".join(fast)
+
+
+def test_python_scheme_takes_over_when_the_decode_stream_raises():
+    """tokenizers raises InvalidPrefix when a window's text does not start with its prefix's: the
+    detokenizer goes on in Python from the offsets of the stream's emits, losing nothing."""
+    tok = _tiny_tokenizer()
+    ids = tok.encode("ab 鱼 and 😀 cd")
+
+    class RaisesOnThirdStep:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def step(self, backend, token):
+            self.calls += 1
+            if self.calls == 3:
+                raise Exception("Invalid prefix encountered")
+            return self.inner.step(backend, token)
+
+    detokenizer = IncrementalDetokenizer(tok, [], True)
+    stream, backend = detokenizer._stream
+    detokenizer._stream = (RaisesOnThirdStep(stream), backend)
+    pieces = [detokenizer.append([i]) for i in ids] + [detokenizer.flush()]
+    assert detokenizer._stream is None
+    assert pieces == _stream(tok, ids) and "".join(pieces) == tok.decode(ids)
+
+
+@pytest.mark.smollm2
+def test_decode_stream_path_matches_python_scheme_on_smollm2(smollm2_dir):
+    tok = _smollm2_tokenizer(str(smollm2_dir))
+    prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode("".join(TRICKY_TEXTS)) + [tok.eos_token_id] + tok.encode(" 🚀 end")
+    for skip in (True, False):
+        fast, slow, _ = _pieces_both_ways(tok, prompt, [[i] for i in ids], skip)
+        assert fast == slow and "".join(fast) == tok.decode(ids, skip_special_tokens=skip)
+
+
 @pytest.mark.smollm2
 @pytest.mark.parametrize("text", TRICKY_TEXTS)
 def test_smollm2_streaming_matches_decode(text, smollm2_dir):
