@@ -705,6 +705,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated request rates per second (default: the profile's)")
     ap.add_argument("--seconds-per-rate", type=float, default=None, help="arrival window of each rate")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: $OUT/online.json or ./online.json)")
+    ap.add_argument("--output-tokens", type=int, default=None,
+                    help="tokens generated per request (default: the profile's; two runs that differ only here "
+                         "split a thread's CPU into per-request and per-token parts)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the engine with async_scheduling=True (default: off, the engine default)")
     ap.add_argument("--sample-stacks", type=lambda s: tuple(float(x) for x in s.split(",")), default=(),
@@ -748,6 +751,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile = dataclasses.replace(profile, seconds_per_rate=args.seconds_per_rate)
     if args.async_scheduling:
         profile = dataclasses.replace(profile, async_scheduling=True)
+    if args.output_tokens is not None:
+        profile = dataclasses.replace(profile, output_tokens=args.output_tokens)
     rates = args.rates or profile.rates_per_s
     if not all(r > 0 for r in rates):
         raise SystemExit(f"--rates={rates}: every rate must be > 0")
