@@ -119,6 +119,7 @@ class Profile:
     client_processes: int
     upload_threads: int
     async_scheduling: bool = False  # the engine default; --async-scheduling turns it on
+    emulate_gpu_ms: float | None = None  # CPU only: decode steps replay no-op graphs that sleep this long
 
 
 FULL = Profile(
@@ -435,7 +436,44 @@ def build_engine(model_dir: Path, profile: Profile):
         gpu_memory_utilization=profile.gpu_memory_utilization, enable_lora=True, max_loras=profile.max_loras,
         max_lora_rank=profile.lora_rank, max_cpu_loras=profile.max_cpu_loras, max_num_seqs=profile.max_num_seqs,
         max_num_batched_tokens=profile.max_num_batched_tokens, async_scheduling=profile.async_scheduling)
-    return LLMEngine(config, dummy_weights=True)
+    engine = LLMEngine(config, dummy_weights=True)
+    if profile.emulate_gpu_ms is not None:
+        emulate_gpu(engine, profile.emulate_gpu_ms)
+    return engine
+
+
+def emulate_gpu(engine, step_ms: float) -> None:
+    """A GPU on the CPU, for the server's host costs: decode steps take the CUDA-graph path with
+    graphs whose replay sleeps ``step_ms`` (the GIL released, as a thread waiting for the device
+    releases it), so the engine thread does exactly the host work of a GPU decode step and the
+    model's CPU compute is gone (``bench_step_overhead.attach_graph_emulation``). Steps that carry a
+    prompt chunk take the eager path, whose model forward sleeps as long and returns random states (their
+    input preparation is real; their device time is not longer than a decode step's here)."""
+    import torch
+    from bench_step_overhead import _Graph, attach_graph_emulation
+
+    attach_graph_emulation(engine)
+    graphs = engine.runner.graphs
+
+    class SleepingGraph:
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+
+        def replay(self) -> None:
+            time.sleep(self.seconds)
+
+    for key, graph in list(graphs.graphs.items()):
+        graphs.graphs[key] = _Graph(SleepingGraph(step_ms / 1e3), graph.hidden)
+
+    # random hidden states (as the decode graphs' outputs): the sampled tokens have text
+    hidden = torch.randn(engine.config.max_num_batched_tokens, engine.spec.hidden_size,
+                         generator=torch.Generator().manual_seed(0), dtype=engine.dtype)
+
+    def forward(input_ids, *args, **kwargs):  # steps with a prompt chunk: the same sleep, no compute
+        time.sleep(step_ms / 1e3)
+        return hidden[: input_ids.shape[0]]
+
+    engine.model.forward = forward
 
 
 def bench_settings(data_dir: Path, model_id: str):
@@ -705,6 +743,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated request rates per second (default: the profile's)")
     ap.add_argument("--seconds-per-rate", type=float, default=None, help="arrival window of each rate")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: $OUT/online.json or ./online.json)")
+    ap.add_argument("--emulate-gpu-ms", type=float, default=None,
+                    help="with --quick: decode steps sleep this long instead of computing (the host costs of a GPU "
+                         "server at that step time; see emulate_gpu)")
     ap.add_argument("--output-tokens", type=int, default=None,
                     help="tokens generated per request (default: the profile's; two runs that differ only here "
                          "split a thread's CPU into per-request and per-token parts)")
@@ -751,6 +792,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile = dataclasses.replace(profile, seconds_per_rate=args.seconds_per_rate)
     if args.async_scheduling:
         profile = dataclasses.replace(profile, async_scheduling=True)
+    if args.emulate_gpu_ms is not None:
+        if not args.quick:
+            raise SystemExit("--emulate-gpu-ms is for --quick (CPU) runs")
+        # The GPU profile's scheduling limits and workload (slots, batch, adapters, lengths), the tiny model
+        profile = dataclasses.replace(FULL, name="emulated-gpu", model=QUICK.model, device="cpu", dtype="float32",
+                                      emulate_gpu_ms=args.emulate_gpu_ms, client_processes=2, upload_threads=2,
+                                      distinct_adapter_files=QUICK.distinct_adapter_files,
+                                      seconds_per_rate=profile.seconds_per_rate, max_model_len=256)
     if args.output_tokens is not None:
         profile = dataclasses.replace(profile, output_tokens=args.output_tokens)
     rates = args.rates or profile.rates_per_s
