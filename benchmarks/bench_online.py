@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -120,6 +121,7 @@ class Profile:
     upload_threads: int
     async_scheduling: bool = False  # the engine default; --async-scheduling turns it on
     emulate_gpu_ms: float | None = None  # CPU only: decode steps replay no-op graphs that sleep this long
+    engine_process: bool = False  # --engine-process: the engine in a child process (serve --engine-process)
 
 
 FULL = Profile(
@@ -442,6 +444,11 @@ def build_engine(model_dir: Path, profile: Profile):
     return engine
 
 
+def _engine_for_settings(model_dir: Path, profile: Profile, _settings):
+    """``build_engine`` as an engine factory of the engine process (picklable with ``functools.partial``)."""
+    return build_engine(model_dir, profile)
+
+
 def emulate_gpu(engine, step_ms: float) -> None:
     """A GPU on the CPU, for the server's host costs: decode steps take the CUDA-graph path with
     graphs whose replay sleeps ``step_ms`` (the GIL released, as a thread waiting for the device
@@ -629,7 +636,7 @@ def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tu
         specs = workload_specs(w, profile, count, poisson_offsets_s(w.rng, rate, count))
         before = engine_counters(served.ctx)
         sampler = StackSampler().start() if rate in sample_stacks else None
-        cpu_before = server_thread_cpu_s()
+        cpu_before = server_thread_cpu_s(served.ctx.engine)
         t0 = time.perf_counter()
         try:
             results = run_specs(pool, profile.client_processes, served.base_url, specs, profile.output_tokens,
@@ -638,7 +645,7 @@ def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tu
             if sampler is not None:
                 sampler.stop()
         row = summarize_rate(rate, results)
-        row["server_cpu"] = cpu_shares(cpu_before, server_thread_cpu_s(), time.perf_counter() - t0,
+        row["server_cpu"] = cpu_shares(cpu_before, server_thread_cpu_s(served.ctx.engine), time.perf_counter() - t0,
                                        sum(r.completion_tokens for r in results if r.ok))
         if sampler is not None:
             row["stack_profile"] = sampler.report(top=25)
@@ -655,10 +662,18 @@ def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tu
             return
 
 
-def server_thread_cpu_s() -> dict[str, float]:
+def server_thread_cpu_s(engine=None) -> dict[str, float]:
     """CPU seconds used so far by each named server thread (the engine thread, uvicorn's event loop)
-    and by the whole server process (its other threads: thread pool, adapter loaders, Ray)."""
+    and by the whole server process (its other threads: thread pool, adapter loaders, Ray); with the
+    engine in a child process (``ProcessEngineClient``), that process's CPU as ``engine-process``."""
     cpu = {"process": time.process_time()}
+    child = getattr(engine, "_process", None)
+    if child is not None and child.pid is not None:
+        try:
+            fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu["engine-process"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (OSError, IndexError, ValueError):  # not Linux, or the process is gone
+            pass
     for thread in threading.enumerate():
         if thread.name in SERVER_THREADS and thread.ident is not None:
             try:
@@ -696,8 +711,15 @@ def run(profile: Profile, rates: tuple[float, ...], root: Path, result: dict[str
     timings = result.setdefault("timings_s", {})
     config = model_config(profile)
     t0 = time.perf_counter()
-    engine = build_engine(make_model_dir(root / result["model_id"], config), profile)
-    served = start_server(create_app(bench_settings(root / "data", result["model_id"]), engine))
+    model_dir = make_model_dir(root / result["model_id"], config)
+    settings = bench_settings(root / "data", result["model_id"])
+    if profile.engine_process:  # the engine in a child process (ProcessEngineClient), built there
+        from loraplex.platform.engine_process import ProcessEngineClient
+
+        engine = ProcessEngineClient(settings, functools.partial(_engine_for_settings, model_dir, profile))
+    else:
+        engine = build_engine(model_dir, profile)
+    served = start_server(create_app(settings, engine))
     timings["engine_and_server_s"] = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
@@ -746,6 +768,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--emulate-gpu-ms", type=float, default=None,
                     help="with --quick: decode steps sleep this long instead of computing (the host costs of a GPU "
                          "server at that step time; see emulate_gpu)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the engine in a process of its own (serve --engine-process); default: a thread of the "
+                         "server process")
     ap.add_argument("--output-tokens", type=int, default=None,
                     help="tokens generated per request (default: the profile's; two runs that differ only here "
                          "split a thread's CPU into per-request and per-token parts)")
@@ -772,7 +797,9 @@ def report(result: dict[str, Any], profile: Profile) -> None:
               f"{len(routing['mismatches'])} label counts differing from the server's", flush=True)
     title = (f"Online serving via REST, {profile.num_adapters} adapters r={profile.lora_rank} Zipf + 20% base, "
              f"prompt {profile.prompt_tokens} / output {profile.output_tokens}, async scheduling "
-             f"{'on' if profile.async_scheduling else 'off'} "
+             f"{'on' if profile.async_scheduling else 'off'}"
+             f"{', engine process' if profile.engine_process else ''}"
+             f"{f', GPU emulated ({profile.emulate_gpu_ms:g} ms steps)' if profile.emulate_gpu_ms else ''} "
              f"(commit {result['commit']}, {result['device']}, {result['model_id']})")
     format_table(result["rates"], title)
     skipped = f" (not run after saturation: {result['skipped_rates']})" if result["skipped_rates"] else ""
@@ -800,6 +827,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                       emulate_gpu_ms=args.emulate_gpu_ms, client_processes=2, upload_threads=2,
                                       distinct_adapter_files=QUICK.distinct_adapter_files,
                                       seconds_per_rate=profile.seconds_per_rate, max_model_len=256)
+    if args.engine_process:
+        profile = dataclasses.replace(profile, engine_process=True)
     if args.output_tokens is not None:
         profile = dataclasses.replace(profile, output_tokens=args.output_tokens)
     rates = args.rates or profile.rates_per_s

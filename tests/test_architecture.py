@@ -33,7 +33,9 @@ THIRD_PARTY = {
     "kernels": {"torch", "triton"},
     # regex: user patterns of adapter configs matched with a timeout; a dependency of transformers
     "adapters": {"torch", "safetensors", "transformers", "regex"},
-    "engine": {"torch", "triton", "transformers", "safetensors"},
+    # tokenizers: the Rust core of transformers' fast tokenizers, a dependency of transformers (the
+    # detokenizer's DecodeStream)
+    "engine": {"torch", "triton", "transformers", "safetensors", "tokenizers"},
 }
 
 # Optional third-party packages a part may import lazily (inside a function, never at module level), so

@@ -30,6 +30,9 @@ class EmptyPromptError(InvalidPromptError):
     def __init__(self) -> None:
         super().__init__("The prompt is empty (0 tokens after tokenization).")
 
+    def __reduce__(self):  # pickled to another process (engine process, replicas): rebuilt from its fields
+        return type(self), ()
+
 
 class TokenIdOutOfVocabError(InvalidPromptError):
     """A prompt token id outside ``[0, vocab_size)``."""
@@ -38,6 +41,9 @@ class TokenIdOutOfVocabError(InvalidPromptError):
         super().__init__(f"Token id {token_id} in the prompt is outside the vocabulary [0, {vocab_size}).")
         self.token_id = token_id
         self.vocab_size = vocab_size
+
+    def __reduce__(self):
+        return type(self), (self.token_id, self.vocab_size)
 
 
 class ContextLengthExceededError(InvalidPromptError):
@@ -54,6 +60,9 @@ class ContextLengthExceededError(InvalidPromptError):
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
+
+    def __reduce__(self):
+        return type(self), (self.num_prompt_tokens, self.max_tokens, self.max_model_len)
 
 
 class PromptTooLongError(ContextLengthExceededError):

@@ -68,9 +68,14 @@ def _run_in_order(calls: list[Callable[[], None]]) -> None:
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class StreamTarget:
+    """Where the engine thread hands one request's outputs: ``queue.put_nowait(item)`` (a
+    ``RequestOutput`` or the exception that ended the request) scheduled through
+    ``loop.call_soon_threadsafe`` (an asyncio loop; the engine process's pipe stands in for one:
+    ``engine_process.py``); ``on_done`` runs through ``loop`` once the engine forgot the request."""
+
+    loop: Any
+    queue: Any
     lora_int_id: int | None
     on_done: Callable[[], None] | None = None
 
@@ -104,7 +109,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamTarget] = {}
         self._lora_users: dict[int, int] = {}
         self._retiring: dict[int, _Retirement] = {}
         self._snapshot: EngineStats | None = None
@@ -202,10 +207,23 @@ class AsyncEngine:
         ``PromptTooLongError``, ``AdapterError``), or ``EngineStoppedError``.
         """
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None, on_done)
-        await self._call(lambda: self._add(request_id, prompt_token_ids, params, lora_request, stream, tenant,
-                                           queue_deadline, retry_after_s))
-        return RequestStream(self, request_id, stream.queue)
+        stream = StreamTarget(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None, on_done)
+        await asyncio.wrap_future(self.submit_request(request_id, prompt_token_ids, params, lora_request, stream,
+                                                      tenant=tenant, queue_deadline=queue_deadline,
+                                                      retry_after_s=retry_after_s))
+        return RequestStream(functools.partial(self.abort_nowait, request_id), request_id, stream.queue)
+
+    def submit_request(self, request_id: str, prompt_token_ids: list[int] | ProcessedPrompt, params: SamplingParams,
+                       lora_request: LoRARequest | None, target: StreamTarget, *, tenant: TenantShare | None = None,
+                       queue_deadline: float | None = None, retry_after_s: int = 1) -> concurrent.futures.Future:
+        """:meth:`add_request` without an event loop of the caller's: the request's outputs go to
+        ``target``; the future is done once the engine took the request (or holds what refused it)."""
+        return self._submit(lambda: self._add(request_id, prompt_token_ids, params, lora_request, target, tenant,
+                                              queue_deadline, retry_after_s))
+
+    def abort_nowait(self, request_id: str) -> concurrent.futures.Future:
+        """:meth:`abort` from any thread (the future is done once the engine thread ran it)."""
+        return self._submit(lambda: self._abort(request_id))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
@@ -309,7 +327,7 @@ class AsyncEngine:
             self._wake.wait(0.002)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             lora_request: LoRARequest | None, stream: _Stream, tenant: TenantShare | None = None,
+             lora_request: LoRARequest | None, stream: StreamTarget, tenant: TenantShare | None = None,
              queue_deadline: float | None = None, retry_after_s: int = 1) -> None:
         self.engine.add_request(request_id, prompt_token_ids, params, lora_request, tenant=tenant)
         self._streams[request_id] = stream
@@ -437,8 +455,8 @@ class RequestStream:
     engine fails meanwhile. :meth:`close` aborts the request unless it finished.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
-        self.owner = owner
+    def __init__(self, abort: Callable[[], Any], request_id: str, outputs: asyncio.Queue) -> None:
+        self._abort = abort  # aborts the request in its engine
         self.request_id = request_id
         self._outputs = outputs
         self.finished = False
@@ -460,7 +478,7 @@ class RequestStream:
         """Abort the request (frees its KV blocks and adapter pin) unless it already finished."""
         if not self.finished:
             self.finished = True
-            self.owner._submit(lambda: self.owner._abort(self.request_id))
+            self._abort()
 
 
 def stats_to_dict(stats: EngineStats) -> dict[str, Any]:

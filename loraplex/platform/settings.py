@@ -72,6 +72,10 @@ class PlatformSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
 
     # --- engine: one field per EngineConfig field, generated below (engine_options.py) -----------
+    engine_process: bool = Field(
+        False, description="Run the engine in a process of its own (the HTTP event loop and the engine thread "
+                           "stop sharing one GIL; vLLM and SGLang split them the same way); off = a thread of "
+                           "this process. Not with replicas (they are processes already).")
     # --- replicas on Ray Serve (`loraplex serve --replicas N`; the `cluster` extra) -----------------
     replicas: int | None = Field(
         None, ge=1, description="Engine replicas as Ray Serve deployments behind this gateway, routed by "
@@ -134,6 +138,12 @@ class PlatformSettings(BaseSettings):
     redis_retry_s: float = Field(5.0, gt=0, description="After a Redis failure, wait this long before retrying.")
     stats_interval_s: float = Field(1.0, gt=0, description="How often the engine publishes live stats.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check_engine_process(self) -> PlatformSettings:
+        if self.engine_process and self.replicas is not None:
+            raise ValueError("engine_process: not with replicas (each replica's engine is a process already)")
+        return self
 
     @model_validator(mode="after")
     def _check_engine_options(self) -> PlatformSettings:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from loraplex.platform.async_engine import AsyncEngine, _run_in_order, _Stream
+from loraplex.platform.async_engine import AsyncEngine, StreamTarget, _run_in_order
 
 
 class RecordingLoop:
@@ -41,10 +41,10 @@ def test_a_step_wakes_each_loop_once_in_order_with_on_done_after_the_last_output
     loop_a, loop_b, closed = RecordingLoop(), RecordingLoop(), RecordingLoop(closed=True)
     engine = AsyncEngine(engine=None)
     engine._streams = {
-        "r1": _Stream(loop_a, ListQueue(log, "r1"), None, on_done=lambda: log.append(("r1", "done"))),
-        "r2": _Stream(loop_a, ListQueue(log, "r2"), None),
-        "r3": _Stream(loop_b, ListQueue(log, "r3"), None),
-        "r4": _Stream(closed, ListQueue(log, "r4"), None),
+        "r1": StreamTarget(loop_a, ListQueue(log, "r1"), None, on_done=lambda: log.append(("r1", "done"))),
+        "r2": StreamTarget(loop_a, ListQueue(log, "r2"), None),
+        "r3": StreamTarget(loop_b, ListQueue(log, "r3"), None),
+        "r4": StreamTarget(closed, ListQueue(log, "r4"), None),
     }
     engine._deliver_all([_out("r1", "a"), _out("r2", "b"), _out("gone", "x"), _out("r3", "c"), _out("r4", "d"),
                          _out("r1", "e", finished=True), _out("r2", "f")])

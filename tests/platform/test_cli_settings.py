@@ -51,6 +51,15 @@ def test_replica_flags_reach_the_settings(monkeypatch):
     assert settings_from_args(parse(["serve", "--model", "m"])).replicas is None  # one engine in-process
 
 
+def test_engine_process_flag_reaches_the_settings_and_refuses_replicas(monkeypatch, capsys, tmp_path):
+    assert settings_from_args(parse(["serve", "--model", "m", "--engine-process"])).engine_process is True
+    assert settings_from_args(parse(["serve", "--model", "m"])).engine_process is False
+    monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", "1")
+    assert settings_from_args(parse(["serve", "--model", "m"])).engine_process is True
+    assert cli.main(["serve", "--model", "m", "--engine-process", "--replicas", "2", "--data-dir", str(tmp_path)]) == 2
+    assert "engine_process: not with replicas" in capsys.readouterr().err
+
+
 def test_serve_refuses_zero_replicas(capsys, tmp_path):
     assert cli.main(["serve", "--model", "m", "--replicas", "0", "--data-dir", str(tmp_path)]) == 2
     assert "replicas" in capsys.readouterr().err

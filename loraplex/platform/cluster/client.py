@@ -12,8 +12,8 @@ requests to live ones. Closing the stream cancels the call, which aborts the req
 replica.
 
 Model facts (tokenizer, vocabulary, context length, adapter dtype) come from the model folder
-and one replica's :class:`~.replica.ReplicaInfo`; the grammar compiler for request validation
-runs here. Stats: every ``stats_interval_s`` each replica's snapshot is fetched (a broadcast)
+and one replica's :class:`~.replica.ReplicaInfo` (:class:`~loraplex.platform.engine_facts.RemoteModelFacts`);
+the grammar compiler for request validation runs here. Stats: every ``stats_interval_s`` each replica's snapshot is fetched (a broadcast)
 and merged (:func:`~.stats.merge_replica_stats`); ``requests_routed`` counts accepted requests
 per (adapter routing key, replica). Retiring an adapter waits until no request sent through this client uses it, then
 each replica forgets it, then ``on_released`` runs (it may delete the files).
@@ -28,7 +28,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray.exceptions
@@ -43,42 +42,30 @@ from loraplex.platform.async_engine import EngineStoppedError
 from loraplex.platform.cluster.replica import Accepted, EngineCall, ReplicaInfo
 from loraplex.platform.cluster.routing import adapter_routing_key
 from loraplex.platform.cluster.stats import merge_replica_stats
+from loraplex.platform.engine_facts import RemoteModelFacts
 from loraplex.platform.errors import ReplicaFailed
 
 if TYPE_CHECKING:
-    import torch
     from ray.serve.handle import DeploymentHandle
-
-    from loraplex.adapters import BaseModelSpec
-    from loraplex.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 RETIRE_TIMEOUT_S = 60.0
 PRELOAD_TIMEOUT_S = 120.0
 
 
-class ReplicaEngineClient:
+class ReplicaEngineClient(RemoteModelFacts):
     """See the module docstring. ``handle``: the replicas' deployment handle; ``info``: one
     replica's description; ``on_shutdown``: undeploys (and stops Ray if it was started for
     this gateway)."""
 
     def __init__(self, handle: DeploymentHandle, info: ReplicaInfo, *, stats_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, on_shutdown: Callable[[], None] | None = None) -> None:
-        from transformers import AutoTokenizer
-
-        from loraplex.engine.models.loader import load_model_spec
-
+        super().__init__(info)  # tokenizer, model spec, prompt validation, grammar compiler
         self.handle = handle
-        self.info = info
         self.clock = clock
         self.stats_interval_s = stats_interval_s
         self.requests_routed: Counter[tuple[str, str]] = Counter()  # (routing key, replica id) -> requests
         self._on_shutdown = on_shutdown
-        self._model_path = Path(info.model_path)
-        self._tokenizer = AutoTokenizer.from_pretrained(str(self._model_path))
-        self._spec = load_model_spec(self._model_path)
-        self._input_processor = None  # built on first use (input_processor)
-        self._structured: StructuredOutputManager | None = None
         self._lock = threading.Lock()
         self._lora_users: dict[int, int] = {}
         self._retiring: dict[int, list[Callable[[], None]]] = {}
@@ -86,66 +73,6 @@ class ReplicaEngineClient:
         self._snapshot: dict[str, Any] | None = None
         self._poller: asyncio.Task | None = None
         self._running = False
-
-    # -- properties of the served model -------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def max_lora_rank(self) -> int:
-        return self.info.max_lora_rank
-
-    @property
-    def max_full_module_slots(self) -> int:
-        return self.info.max_full_module_slots
-
-    @property
-    def lora_enabled(self) -> bool:
-        return self.info.lora_enabled
-
-    @property
-    def model_name(self) -> str:
-        return self._model_path.name
-
-    @property
-    def base_spec(self) -> BaseModelSpec:
-        return self._spec.adapter_spec
-
-    @property
-    def vocab_size(self) -> int:
-        return self._spec.vocab_size
-
-    @property
-    def input_processor(self):
-        """The replicas' prompt validation, run here before routing (the replicas run the same model)."""
-        if self._input_processor is None:
-            from loraplex.engine.input_processor import InputProcessor
-
-            self._input_processor = InputProcessor(self._tokenizer, self.vocab_size, self.max_model_len)
-        return self._input_processor
-
-    @property
-    def serving_dtype(self) -> torch.dtype | None:
-        import torch
-
-        return getattr(torch, self.info.serving_dtype) if self.info.serving_dtype else None
-
-    @property
-    def structured_outputs(self) -> StructuredOutputManager:
-        """A grammar compiler for this tokenizer (the API checks constraints with it; each
-        replica compiles again for its own matchers)."""
-        from loraplex.engine.structured_output import StructuredOutputManager
-
-        with self._lock:
-            if self._structured is None:
-                eos = set(self._spec.eos_token_ids) or {self._tokenizer.eos_token_id}
-                self._structured = StructuredOutputManager(self._tokenizer, self._spec.vocab_size, sorted(eos))
-            return self._structured
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:

@@ -1,0 +1,408 @@
+"""The engine in a process of its own (``loraplex serve --engine-process``).
+
+Why: in one process the gateway's event loop (HTTP, authentication, one server-sent event per
+request and step) and the engine thread share one GIL. ``bench_online.py --quick
+--emulate-gpu-ms`` measured on the 2-core development machine ~100-120 us of event-loop CPU per
+streamed token against ~60-90 us of engine thread, and under load each torch call of the engine
+thread (which releases the GIL) waits to win it back from the loop's bursts, so decode steps
+stretch past the device time. vLLM (API server / EngineCore processes) and SGLang (tokenizer
+manager / scheduler processes) split the two the same way.
+
+How: :class:`ProcessEngineClient` starts a child process (``spawn``) that builds the engine
+(``main.build_engine(settings)`` or the given factory) and runs it with an
+:class:`~loraplex.platform.async_engine.AsyncEngine`. The child's streams deliver to a
+:class:`_PipeSink` instead of an event loop: a step's outputs leave in one pipe message, pickled
+on the engine thread. This process keeps the model facts the API needs
+(:class:`~loraplex.platform.engine_facts.RemoteModelFacts`: tokenizer, prompt validation, grammar
+compiler) and one reader thread that hands each message's outputs to the streams' event loops
+with one ``call_soon_threadsafe`` per loop and message.
+
+Messages (tuples over a ``multiprocessing`` pipe), gateway -> engine: ``("add", EngineCall)``,
+``("abort", request_id)``, ``("preload", token, LoRARequest)``, ``("retire", token, lora_int_id)``,
+``("stop",)``. Engine -> gateway: ``("info", ReplicaInfo)`` once built (or
+``("start_failed", exc)``), ``("accepted", request_id)`` / ``("refused", request_id, exc)``,
+``("batch", [("out", request_id, RequestOutput) | ("error", request_id, exc) | ("done", request_id)])``,
+``("result", token, value, exc)``, ``("stats", snapshot)``. The child exits when the gateway's end
+of the pipe closes; when the child dies, every open stream raises ``EngineStoppedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import itertools
+import logging
+import multiprocessing
+import pickle
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from loraplex.engine.input_processor import ProcessedPrompt
+from loraplex.engine.outputs import RequestOutput
+from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamTarget, _run_in_order
+from loraplex.platform.cluster.replica import EngineCall, ReplicaInfo
+from loraplex.platform.engine_facts import RemoteModelFacts
+
+if TYPE_CHECKING:
+    from loraplex.adapters.lora_request import LoRARequest
+    from loraplex.engine.fairness import TenantShare
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.platform.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+# -- the engine's side (child process) ------------------------------------------------------------
+class _PipeSink:
+    """Stands in for the event loop of the child's request streams (``StreamTarget.loop``): what the
+    engine thread schedules (a step's deliveries, a stream's error, an ``on_done``) runs at once and
+    the messages it queued leave in one send. Only the engine thread queues; sends take a lock."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._pending: list[tuple] = []
+
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
+        fn(*args)
+        self.flush()
+
+    def queue(self, message: tuple) -> None:
+        self._pending.append(message)
+
+    def flush(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self.send(("batch", batch))
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+class _Outbox:
+    """The child's ``StreamTarget.queue`` of one request: outputs and the error that ended it, as messages."""
+
+    def __init__(self, request_id: str, sink: _PipeSink) -> None:
+        self._request_id = request_id
+        self._sink = sink
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._sink.queue(("error", self._request_id, picklable(item)))
+        else:
+            self._sink.queue(("out", self._request_id, item))
+
+
+def picklable(exc: BaseException) -> BaseException:
+    """``exc`` when it survives pickling, else a ``RuntimeError`` naming it (an exception class whose
+    ``__init__`` does not take its ``args`` cannot be rebuilt in the other process)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure gets the same stand-in
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _describe(engine: AsyncEngine) -> ReplicaInfo:
+    from pathlib import Path
+
+    dtype = engine.serving_dtype
+    return ReplicaInfo("engine-process", str(Path(engine.engine.model_path).resolve()), engine.max_model_len,
+                       engine.max_lora_rank, engine.lora_enabled,
+                       str(dtype).removeprefix("torch.") if dtype is not None else None, engine.max_full_module_slots)
+
+
+def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], Any] | None) -> None:
+    """Body of the engine process: build, report, then serve the gateway's messages until it goes."""
+    logging.basicConfig(level=getattr(logging, str(settings.log_level).upper(), logging.INFO))
+    try:
+        if engine_factory is None:
+            from loraplex.platform.main import build_engine
+
+            engine_factory = build_engine
+        engine = AsyncEngine(engine_factory(settings), stats_interval_s=settings.stats_interval_s)
+        engine.start()
+    except BaseException as exc:  # noqa: BLE001 - reported to the gateway, which raises it
+        conn.send(("start_failed", picklable(exc)))
+        return
+    sink = _PipeSink(conn)
+    sink.send(("info", _describe(engine)))
+    stop = threading.Event()
+    threading.Thread(target=_push_stats, args=(engine, sink, stop), name="loraplex-engine-stats", daemon=True).start()
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the gateway is gone
+                break
+            if message[0] == "stop":
+                break
+            _handle(engine, sink, message)
+    finally:
+        stop.set()
+        engine.shutdown()
+        engine.engine.close()
+
+
+def _handle(engine: AsyncEngine, sink: _PipeSink, message: tuple) -> None:
+    kind = message[0]
+    if kind == "add":
+        call: EngineCall = message[1]
+        request_id = call.request_id
+        target = StreamTarget(sink, _Outbox(request_id, sink),
+                              call.lora_request.lora_int_id if call.lora_request else None,
+                              functools.partial(sink.queue, ("done", request_id)))
+        deadline = None if call.queue_timeout_s is None else engine.clock() + call.queue_timeout_s
+        accepted = engine.submit_request(request_id, call.prompt_token_ids, call.params, call.lora_request, target,
+                                         tenant=call.tenant, queue_deadline=deadline, retry_after_s=call.retry_after_s)
+        # done on the engine thread before its next step (or at once when the engine stopped): the
+        # answer leaves before any output of the request
+        accepted.add_done_callback(lambda f: sink.send(
+            ("accepted", request_id) if f.exception() is None else ("refused", request_id, picklable(f.exception()))))
+    elif kind == "abort":
+        engine.abort_nowait(message[1])
+    elif kind == "preload":
+        token = message[1]
+        engine.preload_lora(message[2]).add_done_callback(functools.partial(_send_result, sink, token))
+    elif kind == "retire":
+        token = message[1]
+        engine.retire_lora(message[2], lambda: sink.send(("result", token, None, None)))
+    else:
+        logger.error("engine process: unknown message %r", kind)
+
+
+def _send_result(sink: _PipeSink, token: int, future: concurrent.futures.Future) -> None:
+    exc = future.exception()
+    sink.send(("result", token, None if exc is not None else future.result(),
+               None if exc is None else picklable(exc)))
+
+
+def _push_stats(engine: AsyncEngine, sink: _PipeSink, stop: threading.Event) -> None:
+    """Send the engine's stats snapshot whenever it changed, checking every stats interval."""
+    sent = None
+    while not stop.wait(min(engine.stats_interval_s, 1.0)):
+        snapshot = engine._snapshot
+        if snapshot is not None and snapshot is not sent:
+            try:
+                sink.send(("stats", engine.stats_dict()))
+            except (OSError, ValueError):  # the gateway is gone
+                return
+            sent = snapshot
+
+
+# -- the gateway's side ---------------------------------------------------------------------------
+class ProcessEngineClient(RemoteModelFacts):
+    """The :class:`~loraplex.platform.engine_client.EngineClient` of an engine in a child process;
+    see the module docstring. Starting it builds the engine there and waits for it (a model load:
+    seconds to minutes). ``engine_factory(settings) -> LLMEngine``: a picklable callable (default
+    ``main.build_engine``; benchmarks pass one that builds random weights).
+
+    Raises what building the engine raised (``ConfigError``, ``ValueError``, ...), or
+    ``EngineStoppedError`` when the child died before reporting.
+    """
+
+    def __init__(self, settings: Settings, engine_factory: Callable[[Settings], Any] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_child_main, args=(child_conn, settings, engine_factory),
+                                        name="loraplex-engine-process", daemon=True)
+        self._process.start()
+        child_conn.close()
+        try:
+            first = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(10)
+            raise EngineStoppedError(f"the engine process exited while starting (exit code "
+                                     f"{self._process.exitcode})") from None
+        if first[0] == "start_failed":
+            self._process.join(10)
+            raise first[1]
+        super().__init__(first[1])
+        self.clock = clock
+        self.stats_interval_s = settings.stats_interval_s
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._streams: dict[str, StreamTarget] = {}
+        self._answers: dict[Any, concurrent.futures.Future] = {}  # ("add", request id) or token -> future
+        self._tokens = itertools.count(1)
+        self._snapshot: dict[str, Any] | None = None
+        self._lost: BaseException | None = None
+        self._running = True
+        self._reader = threading.Thread(target=self._read, name="loraplex-engine-pipe", daemon=True)
+        self._reader.start()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Nothing to do: the engine process runs from construction on."""
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine process (requests in flight end with ``EngineStoppedError``)."""
+        if not self._running:
+            return
+        self._running = False
+        try:
+            self._send(("stop",))
+        except (OSError, ValueError):
+            pass
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+        self._conn.close()
+        self._reader.join(5)
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self._lost is None and self._process.is_alive()
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int] | ProcessedPrompt, params: SamplingParams,
+                          lora_request: LoRARequest | None = None, *, tenant: TenantShare | None = None,
+                          queue_deadline: float | None = None, retry_after_s: int = 1,
+                          on_done: Callable[[], None] | None = None) -> RequestStream:
+        """As ``AsyncEngine.add_request`` (raises what the engine raised, or ``EngineStoppedError``)."""
+        from loraplex.engine.input_processor import InvalidRequestError
+
+        if not self.is_running:
+            raise EngineStoppedError(f"the engine process is not running ({self._lost or 'stopped'})")
+        loop = asyncio.get_running_loop()
+        target = StreamTarget(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None, on_done)
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request_id={request_id!r} is already in use")
+            self._streams[request_id] = target
+            self._answers["add", request_id] = accepted
+        # the gateway's deadline made relative (the two processes share the clock, but it stays one path)
+        timeout_s = None if queue_deadline is None else max(0.0, queue_deadline - self.clock())
+        prompt = prompt_token_ids if isinstance(prompt_token_ids, ProcessedPrompt) else list(prompt_token_ids)
+        try:
+            self._send(("add", EngineCall(request_id, prompt, params, lora_request, tenant, timeout_s, retry_after_s)))
+            await asyncio.wrap_future(accepted)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                self._answers.pop(("add", request_id), None)
+            raise
+        return RequestStream(functools.partial(self._abort, request_id), request_id, target.queue)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """:meth:`add_request`, then yield its outputs until it finishes (aborting it if closed early)."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, lora_request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def preload_lora(self, lora_request: LoRARequest) -> concurrent.futures.Future:
+        """Register the adapter and read it into the engine's host cache; the future fails with the
+        engine's ``AdapterError`` for a bad one."""
+        return self._ask("preload", lora_request)
+
+    def retire_lora(self, lora_int_id: int, on_released: Callable[[], None] | None = None) -> None:
+        """The engine forgets the adapter once no request uses it; then ``on_released`` runs (on this
+        client's reader thread)."""
+        future = self._ask("retire", lora_int_id)
+        if on_released is not None:
+            future.add_done_callback(lambda f: on_released() if f.exception() is None else None)
+
+    def stats_dict(self) -> dict[str, Any] | None:
+        """The engine's latest stats snapshot (sent by the engine process when it changes), or None."""
+        return self._snapshot
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except (OSError, ValueError):  # the engine process is gone: nothing runs the request any more
+            pass
+
+    def _ask(self, kind: str, argument: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_running:
+            future.set_exception(EngineStoppedError(f"the engine process is not running ({self._lost or 'stopped'})"))
+            return future
+        token = next(self._tokens)
+        with self._lock:
+            self._answers[token] = future
+        self._send((kind, token, argument))
+        return future
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "batch":
+                    self._deliver(message[1])
+                elif kind == "stats":
+                    self._snapshot = message[1]
+                elif kind in ("accepted", "refused"):
+                    with self._lock:
+                        future = self._answers.pop(("add", message[1]), None)
+                    if future is not None:
+                        future.set_result(None) if kind == "accepted" else future.set_exception(message[2])
+                elif kind == "result":
+                    with self._lock:
+                        future = self._answers.pop(message[1], None)
+                    if future is not None:
+                        future.set_result(message[2]) if message[3] is None else future.set_exception(message[3])
+        except (EOFError, OSError):
+            pass
+        except BaseException:  # noqa: BLE001 - a protocol fault: fail what is in flight, say why
+            logger.exception("engine process: reading its messages failed")
+        finally:
+            self._fail_all()
+
+    def _deliver(self, batch: list[tuple]) -> None:
+        """One ``call_soon_threadsafe`` per event loop with every item of the message, in order."""
+        todo: dict[Any, list[Callable[[], None]]] = {}
+        with self._lock:
+            for item in batch:
+                request_id = item[1]
+                target = self._streams.get(request_id)
+                if target is None:
+                    continue
+                calls = todo.setdefault(target.loop, [])
+                if item[0] == "done":
+                    del self._streams[request_id]
+                    if target.on_done is not None:
+                        calls.append(target.on_done)
+                else:
+                    calls.append(functools.partial(target.queue.put_nowait, item[2]))
+        for loop, calls in todo.items():
+            try:
+                loop.call_soon_threadsafe(_run_in_order, calls)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _fail_all(self) -> None:
+        """The engine process is gone: every open stream and pending answer fails with ``EngineStoppedError``."""
+        code = self._process.exitcode if not self._process.is_alive() else None
+        error = EngineStoppedError("the engine process stopped" + (f" (exit code {code})" if code else ""))
+        self._lost = error
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            answers, self._answers = self._answers, {}
+        for future in answers.values():
+            if not future.done():
+                future.set_exception(error)
+        for target in streams.values():
+            calls = [functools.partial(target.queue.put_nowait, error)]
+            if target.on_done is not None:
+                calls.append(target.on_done)
+            try:
+                target.loop.call_soon_threadsafe(_run_in_order, calls)
+            except RuntimeError:
+                pass

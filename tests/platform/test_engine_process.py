@@ -1,0 +1,225 @@
+"""The engine in a process of its own (``serve --engine-process``, ``engine_process.py``).
+
+References: HF transformers / PEFT greedy generation for the tokens served through the official
+``openai`` client, the in-process ``AsyncEngine`` over the same model for the engine client's
+outputs, and the engine's own exception types (raised in the gateway with their fields).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import openai
+import pytest
+from platform_testlib import make_peft_adapter, make_settings, new_tenant, peft_reference_greedy, run_server
+from test_adapter_lifecycle import upload_zip
+from transformers import AutoTokenizer
+
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.lora_request import LoRARequest
+from loraplex.engine.input_processor import (
+    ContextLengthExceededError,
+    EmptyPromptError,
+    InvalidRequestError,
+    PromptTooLongError,
+    TokenIdOutOfVocabError,
+)
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError
+from loraplex.platform.engine_process import ProcessEngineClient, picklable
+
+PROMPT = "The quick brown fox"
+ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=4, num_kv_blocks=96, max_num_seqs=8,
+              block_size=16)
+
+
+@pytest.fixture
+def settings(tmp_path, tiny_llama_dir):
+    return make_settings(tmp_path, model=str(tiny_llama_dir), served_model_name="tiny", engine_process=True,
+                         **ENGINE)
+
+
+@pytest.fixture
+def client(settings):
+    engine = ProcessEngineClient(settings)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_llama_dir, tmp_path_factory):
+    return make_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("adapter"), r=8, alpha=16, seed=3)
+
+
+def _greedy(max_tokens: int, kind: str = "delta") -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
+
+
+async def _collect(engine, request_id, prompt, params, lora=None):
+    outputs = []
+    async for output in engine.generate(request_id, prompt, params, lora):
+        outputs.append(output)
+    return outputs
+
+
+def _joined(outputs) -> tuple[list[int], str]:
+    return [t for o in outputs for t in o.outputs[0].token_ids], "".join(o.outputs[0].text for o in outputs)
+
+
+def test_outputs_equal_the_in_process_engine(client, tiny_llama_dir, adapter_dir):
+    """Same requests (base and adapter, delta and cumulative), same step-by-step outputs as an
+    AsyncEngine in this process over the same model."""
+    from loraplex.platform.main import build_engine
+
+    settings = make_settings(tiny_llama_dir.parent, model=str(tiny_llama_dir), **ENGINE)
+    local = AsyncEngine(build_engine(settings))
+    local.start()
+    lora = LoRARequest("poet", 1, str(adapter_dir))
+    prompt = AutoTokenizer.from_pretrained(str(tiny_llama_dir)).encode(PROMPT)
+
+    async def both():
+        results = []
+        for engine in (client, local):
+            results.append(await asyncio.gather(
+                _collect(engine, "a", prompt, _greedy(12)), _collect(engine, "b", prompt, _greedy(12), lora),
+                _collect(engine, "c", prompt[:2], _greedy(5, "cumulative"), lora)))
+        return results
+
+    try:
+        remote, here = asyncio.run(both())
+    finally:
+        local.shutdown()
+    for got, want in zip(remote, here):
+        assert [(o.finished, o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == \
+               [(o.finished, o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in want]
+    assert _joined(remote[0])[0] != _joined(remote[1])[0]  # the adapter changes the tokens
+    assert len(_joined(remote[0])[0]) == 12 and remote[0][-1].finished
+
+
+def test_engine_errors_reach_the_gateway_with_their_fields(client):
+    async def refused(prompt, params):
+        with pytest.raises(InvalidRequestError) as info:
+            await client.add_request("r", prompt, params)
+        return info.value
+
+    exc = asyncio.run(refused([5, client.vocab_size + 7], _greedy(4)))
+    assert type(exc) is TokenIdOutOfVocabError and (exc.token_id, exc.vocab_size) == (client.vocab_size + 7,
+                                                                                       client.vocab_size)
+    exc = asyncio.run(refused([5] * client.max_model_len, _greedy(4)))
+    assert type(exc) is PromptTooLongError and exc.num_prompt_tokens == client.max_model_len
+
+    async def duplicate():
+        stream = await client.add_request("dup", [5, 6], _greedy(50))
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await client.add_request("dup", [5, 6], _greedy(50))
+        stream.close()
+
+    asyncio.run(duplicate())
+
+
+@pytest.mark.parametrize("exc", [EmptyPromptError(), TokenIdOutOfVocabError(9, 8),
+                                 ContextLengthExceededError(10, 5, 12), PromptTooLongError(12, None, 12)])
+def test_engine_exceptions_survive_pickling(exc):
+    again = pickle.loads(pickle.dumps(exc))
+    assert type(again) is type(exc) and str(again) == str(exc) and vars(again) == vars(exc)
+    assert picklable(exc) is exc
+
+
+def test_an_exception_that_cannot_be_pickled_arrives_as_runtime_error():
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    stand_in = picklable(Odd(1, 2))
+    assert type(stand_in) is RuntimeError and str(stand_in) == "Odd: 1/2"
+
+
+def test_close_aborts_and_on_done_runs_once(client):
+    done = []
+
+    async def run():
+        stream = await client.add_request("long", [5, 6, 7], _greedy(400), on_done=lambda: done.append(1))
+        first = await stream.__anext__()
+        stream.close()
+        for _ in range(200):  # the engine process confirms the abort with the request's "done"
+            if done:
+                break
+            await asyncio.sleep(0.01)
+        return first
+
+    first = asyncio.run(run())
+    assert not first.finished and done == [1]
+    assert "long" not in client._streams
+
+
+def test_preload_and_retire_adapters(client, adapter_dir, tmp_path):
+    assert client.preload_lora(LoRARequest("poet", 1, str(adapter_dir))).result(60) is True
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{}")
+    with pytest.raises(AdapterError):
+        client.preload_lora(LoRARequest("bad", 2, str(bad))).result(60)
+    released = []
+    client.retire_lora(1, lambda: released.append(1))
+    for _ in range(500):
+        if released:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert released == [1]
+
+
+def test_a_dead_engine_process_fails_streams_and_requests(client):
+    async def run():
+        stream = await client.add_request("x", [5, 6, 7], _greedy(400))
+        await stream.__anext__()
+        client._process.kill()
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineStoppedError):
+            await client.add_request("y", [5, 6], _greedy(4))
+
+    asyncio.run(run())
+    assert not client.is_running
+    with pytest.raises(EngineStoppedError):
+        client.preload_lora(LoRARequest("poet", 1, "/nowhere")).result(10)
+
+
+def test_a_bad_engine_config_is_raised_by_the_gateway(tmp_path, tiny_llama_dir):
+    settings = make_settings(tmp_path, model=str(tmp_path / "no-such-model"), engine_process=True)
+    with pytest.raises(Exception, match="no-such-model"):
+        ProcessEngineClient(settings)
+
+
+def test_engine_process_and_replicas_are_refused_together(tmp_path):
+    with pytest.raises(ValueError, match="engine_process"):
+        make_settings(tmp_path, engine_process=True, replicas=2)
+
+
+def test_served_through_the_api_as_peft_generates(settings, tiny_llama_dir, adapter_dir):
+    """``create_app`` with ``engine_process`` and no engine: the official client, streamed and not,
+    base model and an uploaded adapter, against HF/PEFT greedy tokens."""
+    from loraplex.platform.main import create_app
+
+    live = run_server(create_app(settings))
+    try:
+        assert isinstance(live.ctx.engine, ProcessEngineClient)
+        key = new_tenant(live, "acme")
+        with live.admin() as admin:
+            assert upload_zip(admin, "acme", "poet", adapter_dir).status_code == 201
+        client = openai.OpenAI(api_key=key, base_url=live.url + "/v1", max_retries=0, timeout=60)
+        tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+        prompt_ids = tok.encode(PROMPT)
+        for model, adapter in (("tiny", None), ("poet", adapter_dir)):
+            want = tok.decode(peft_reference_greedy(tiny_llama_dir, adapter, prompt_ids, 10, ignore_eos=True),
+                              skip_special_tokens=True)
+            kwargs = dict(model=model, prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+            assert client.completions.create(**kwargs).choices[0].text == want
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        with live.admin() as admin:
+            stats = admin.get("/admin/stats").json()
+        assert stats is not None
+    finally:
+        live.stop()
