@@ -34,6 +34,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util
 import pickle
 import threading
 import time
@@ -195,6 +196,20 @@ def _push_stats(engine: AsyncEngine, sink: _PipeSink, stop: threading.Event) -> 
 
 
 # -- the gateway's side ---------------------------------------------------------------------------
+def _stop_process(conn, process, send_lock: threading.Lock, timeout_s: float = 10.0) -> None:
+    """Ask the engine process to stop, wait ``timeout_s``, then terminate it; close the pipe."""
+    try:
+        with send_lock:
+            conn.send(("stop",))
+    except (OSError, ValueError):  # already gone
+        pass
+    process.join(timeout_s)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+    conn.close()
+
+
 class ProcessEngineClient(RemoteModelFacts):
     """The :class:`~loraplex.platform.engine_client.EngineClient` of an engine in a child process;
     see the module docstring. Starting it builds the engine there and waits for it (a model load:
@@ -209,23 +224,34 @@ class ProcessEngineClient(RemoteModelFacts):
                  clock: Callable[[], float] = time.monotonic) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
+        # Not a daemon: the engine may start processes of its own (tensor-parallel workers), which a daemonic
+        # process may not. It exits when this end of the pipe closes; at interpreter exit the finalizer below
+        # stops it before multiprocessing joins its non-daemonic children.
         self._process = context.Process(target=_child_main, args=(child_conn, settings, engine_factory),
-                                        name="loraplex-engine-process", daemon=True)
+                                        name="loraplex-engine-process")
+        self._reader: threading.Thread | None = None
         self._process.start()
         child_conn.close()
+        self._running = False  # until the engine reported
+        self._send_lock = threading.Lock()
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_process, args=(self._conn, self._process, self._send_lock), exitpriority=10)
         try:
             first = self._conn.recv()
         except (EOFError, OSError):
             self._process.join(10)
+            self._finalizer.cancel()
+            self._conn.close()
             raise EngineStoppedError(f"the engine process exited while starting (exit code "
                                      f"{self._process.exitcode})") from None
         if first[0] == "start_failed":
             self._process.join(10)
+            self._finalizer.cancel()
+            self._conn.close()
             raise first[1]
         super().__init__(first[1])
         self.clock = clock
         self.stats_interval_s = settings.stats_interval_s
-        self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._streams: dict[str, StreamTarget] = {}
         self._answers: dict[Any, concurrent.futures.Future] = {}  # ("add", request id) or token -> future
@@ -245,16 +271,11 @@ class ProcessEngineClient(RemoteModelFacts):
         if not self._running:
             return
         self._running = False
-        try:
-            self._send(("stop",))
-        except (OSError, ValueError):
-            pass
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5)
-        self._conn.close()
-        self._reader.join(5)
+        if self._finalizer.still_active():  # else it ran at interpreter exit already
+            self._finalizer.cancel()
+            _stop_process(self._conn, self._process, self._send_lock, timeout_s)
+        if self._reader is not None:
+            self._reader.join(5)
 
     @property
     def is_running(self) -> bool:

@@ -186,6 +186,27 @@ def test_a_dead_engine_process_fails_streams_and_requests(client):
         client.preload_lora(LoRARequest("poet", 1, "/nowhere")).result(10)
 
 
+def test_a_tensor_parallel_engine_runs_in_the_engine_process(tmp_path, tiny_llama_dir, adapter_dir):
+    """The engine process may start processes of its own (2 tensor-parallel ranks on gloo): it is not
+    a daemon. Tokens equal the 1-GPU engine's (an in-process AsyncEngine)."""
+    from loraplex.platform.main import build_engine
+
+    settings = make_settings(tmp_path, model=str(tiny_llama_dir), engine_process=True, tensor_parallel_size=2,
+                             **ENGINE)
+    prompt = [5, 6, 7, 8, 9]
+    lora = LoRARequest("poet", 1, str(adapter_dir))
+    remote = ProcessEngineClient(settings)
+    local = AsyncEngine(build_engine(make_settings(tmp_path, model=str(tiny_llama_dir), **ENGINE)))
+    local.start()
+    try:
+        got, want = (asyncio.run(_collect(engine, "r", prompt, _greedy(8), lora)) for engine in (remote, local))
+    finally:
+        remote.shutdown()
+        local.shutdown()
+    assert _joined(got) == _joined(want) and len(_joined(got)[0]) == 8
+    assert not remote._process.is_alive()
+
+
 def test_a_bad_engine_config_is_raised_by_the_gateway(tmp_path, tiny_llama_dir):
     settings = make_settings(tmp_path, model=str(tmp_path / "no-such-model"), engine_process=True)
     with pytest.raises(Exception, match="no-such-model"):
