@@ -41,7 +41,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from loraplex.engine.input_processor import ProcessedPrompt
+from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamTarget, _run_in_order
 from loraplex.platform.cluster.replica import EngineCall, ReplicaInfo
@@ -85,17 +85,28 @@ class _PipeSink:
 
 
 class _Outbox:
-    """The child's ``StreamTarget.queue`` of one request: outputs and the error that ended it, as messages."""
+    """The child's ``StreamTarget.queue`` of one request: outputs and the error that ended it, as messages.
+    An output leaves without what the gateway holds already (it restores them, :meth:`ProcessEngineClient._deliver`):
+    the prompt's text and token ids (it sent them) and prompt logprobs unchanged since the previous output (the
+    whole list travels in every output; a long prompt would cost kilobytes per request and step)."""
 
     def __init__(self, request_id: str, sink: _PipeSink) -> None:
         self._request_id = request_id
         self._sink = sink
+        self._prompt_logprobs_sent = -1  # length of the prompt logprobs last sent
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self._sink.queue(("error", self._request_id, picklable(item)))
+            return
+        item.prompt, item.prompt_token_ids = None, None  # a fresh object per output: the engine keeps its own
+        logprobs = item.prompt_logprobs
+        same = logprobs is not None and len(logprobs) == self._prompt_logprobs_sent
+        if same:
+            item.prompt_logprobs = None
         else:
-            self._sink.queue(("out", self._request_id, item))
+            self._prompt_logprobs_sent = -1 if logprobs is None else len(logprobs)
+        self._sink.queue(("out", self._request_id, item, same))
 
 
 def picklable(exc: BaseException) -> BaseException:
@@ -196,6 +207,18 @@ def _push_stats(engine: AsyncEngine, sink: _PipeSink, stop: threading.Event) -> 
 
 
 # -- the gateway's side ---------------------------------------------------------------------------
+class _SentPrompt:
+    """A request's prompt as the gateway sent it (the engine derives its output's ``prompt`` and
+    ``prompt_token_ids`` from it) and the prompt logprobs last received."""
+
+    __slots__ = ("text", "token_ids", "prompt_logprobs")
+
+    def __init__(self, text: str | None, token_ids: list[int]) -> None:
+        self.text = text
+        self.token_ids = token_ids
+        self.prompt_logprobs = None
+
+
 def _stop_process(conn, process, send_lock: threading.Lock, timeout_s: float = 10.0) -> None:
     """Ask the engine process to stop, wait ``timeout_s``, then terminate it; close the pipe."""
     try:
@@ -254,6 +277,7 @@ class ProcessEngineClient(RemoteModelFacts):
         self.stats_interval_s = settings.stats_interval_s
         self._lock = threading.Lock()
         self._streams: dict[str, StreamTarget] = {}
+        self._prompts: dict[str, _SentPrompt] = {}  # what each request's outputs leave out (see _Outbox)
         self._answers: dict[Any, concurrent.futures.Future] = {}  # ("add", request id) or token -> future
         self._tokens = itertools.count(1)
         self._snapshot: dict[str, Any] | None = None
@@ -287,27 +311,28 @@ class ProcessEngineClient(RemoteModelFacts):
                           queue_deadline: float | None = None, retry_after_s: int = 1,
                           on_done: Callable[[], None] | None = None) -> RequestStream:
         """As ``AsyncEngine.add_request`` (raises what the engine raised, or ``EngineStoppedError``)."""
-        from loraplex.engine.input_processor import InvalidRequestError
-
         if not self.is_running:
             raise EngineStoppedError(f"the engine process is not running ({self._lost or 'stopped'})")
         loop = asyncio.get_running_loop()
         target = StreamTarget(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None, on_done)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
+        prompt = prompt_token_ids if isinstance(prompt_token_ids, ProcessedPrompt) else list(prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id={request_id!r} is already in use")
             self._streams[request_id] = target
+            self._prompts[request_id] = (_SentPrompt(prompt.text, prompt.token_ids)
+                                         if isinstance(prompt, ProcessedPrompt) else _SentPrompt(None, prompt))
             self._answers["add", request_id] = accepted
         # the gateway's deadline made relative (the two processes share the clock, but it stays one path)
         timeout_s = None if queue_deadline is None else max(0.0, queue_deadline - self.clock())
-        prompt = prompt_token_ids if isinstance(prompt_token_ids, ProcessedPrompt) else list(prompt_token_ids)
         try:
             self._send(("add", EngineCall(request_id, prompt, params, lora_request, tenant, timeout_s, retry_after_s)))
             await asyncio.wrap_future(accepted)
         except BaseException:
             with self._lock:
                 self._streams.pop(request_id, None)
+                self._prompts.pop(request_id, None)
                 self._answers.pop(("add", request_id), None)
             raise
         return RequestStream(functools.partial(self._abort, request_id), request_id, target.queue)
@@ -398,10 +423,18 @@ class ProcessEngineClient(RemoteModelFacts):
                 calls = todo.setdefault(target.loop, [])
                 if item[0] == "done":
                     del self._streams[request_id]
+                    del self._prompts[request_id]
                     if target.on_done is not None:
                         calls.append(target.on_done)
-                else:
-                    calls.append(functools.partial(target.queue.put_nowait, item[2]))
+                    continue
+                if item[0] == "out":  # put back what the engine process left out (_Outbox)
+                    output, prompt = item[2], self._prompts[request_id]
+                    output.prompt, output.prompt_token_ids = prompt.text, prompt.token_ids
+                    if item[3]:
+                        output.prompt_logprobs = prompt.prompt_logprobs
+                    else:
+                        prompt.prompt_logprobs = output.prompt_logprobs
+                calls.append(functools.partial(target.queue.put_nowait, item[2]))
         for loop, calls in todo.items():
             try:
                 loop.call_soon_threadsafe(_run_in_order, calls)
@@ -416,6 +449,7 @@ class ProcessEngineClient(RemoteModelFacts):
         with self._lock:
             streams, self._streams = self._streams, {}
             answers, self._answers = self._answers, {}
+            self._prompts = {}
         for future in answers.values():
             if not future.done():
                 future.set_exception(error)

@@ -22,6 +22,7 @@ from loraplex.engine.input_processor import (
     ContextLengthExceededError,
     EmptyPromptError,
     InvalidRequestError,
+    ProcessedPrompt,
     PromptTooLongError,
     TokenIdOutOfVocabError,
 )
@@ -78,21 +79,33 @@ def test_outputs_equal_the_in_process_engine(client, tiny_llama_dir, adapter_dir
     lora = LoRARequest("poet", 1, str(adapter_dir))
     prompt = AutoTokenizer.from_pretrained(str(tiny_llama_dir)).encode(PROMPT)
 
+    with_prompt_logprobs = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind="delta",
+                                          prompt_logprobs=2, n=2)
+
     async def both():
         results = []
         for engine in (client, local):
             results.append(await asyncio.gather(
                 _collect(engine, "a", prompt, _greedy(12)), _collect(engine, "b", prompt, _greedy(12), lora),
-                _collect(engine, "c", prompt[:2], _greedy(5, "cumulative"), lora)))
+                _collect(engine, "c", prompt[:2], _greedy(5, "cumulative"), lora),
+                _collect(engine, "d", ProcessedPrompt(PROMPT, prompt, 6), with_prompt_logprobs)))
         return results
+
+    def fields(output):  # everything but queued_s (a time) and the logprobs' float noise (batching differs)
+        return (output.request_id, output.prompt, output.prompt_token_ids, output.finished, output.lora_name,
+                output.num_cached_tokens, output.error,
+                [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in output.outputs],
+                [round(c.cumulative_logprob, 3) for c in output.outputs],
+                None if output.prompt_logprobs is None else
+                [None if p is None else {t: round(v, 3) for t, v in p.items()} for p in output.prompt_logprobs])
 
     try:
         remote, here = asyncio.run(both())
     finally:
         local.shutdown()
     for got, want in zip(remote, here):
-        assert [(o.finished, o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == \
-               [(o.finished, o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in want]
+        assert [fields(o) for o in got] == [fields(o) for o in want]
+    assert remote[3][-1].prompt == PROMPT and len(remote[3][-1].prompt_logprobs) == len(prompt)
     assert _joined(remote[0])[0] != _joined(remote[1])[0]  # the adapter changes the tokens
     assert len(_joined(remote[0])[0]) == 12 and remote[0][-1].finished
 
