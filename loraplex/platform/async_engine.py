@@ -41,6 +41,7 @@ from loraplex.engine.llm_engine import EngineStats, LLMEngine
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.engine_client import generate_outputs
 from loraplex.platform.errors import QueueTimedOut
 
 if TYPE_CHECKING:
@@ -225,15 +226,10 @@ class AsyncEngine:
         """:meth:`abort` from any thread (the future is done once the engine thread ran it)."""
         return self._submit(lambda: self._abort(request_id))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """:meth:`add_request`, then yield its outputs until it finishes (aborting it if closed early)."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, lora_request)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+        return generate_outputs(self, request_id, prompt_token_ids, params, lora_request)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (no-op when unknown or finished)."""

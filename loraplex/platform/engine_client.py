@@ -113,3 +113,15 @@ class EngineClient(Protocol):
     def preload_lora(self, lora_request: LoRARequest) -> concurrent.futures.Future: ...
 
     def stats_dict(self) -> dict[str, Any] | None: ...
+
+
+async def generate_outputs(client: EngineClient, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    """Every client's ``generate``: :meth:`EngineClient.add_request`, then its outputs until it finishes
+    (the request aborted if the iterator is closed early)."""
+    stream = await client.add_request(request_id, prompt_token_ids, params, lora_request)
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        stream.close()

@@ -45,6 +45,7 @@ from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
 from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamTarget, _run_in_order
 from loraplex.platform.cluster.replica import EngineCall, ReplicaInfo
+from loraplex.platform.engine_client import generate_outputs
 from loraplex.platform.engine_facts import RemoteModelFacts
 
 if TYPE_CHECKING:
@@ -337,15 +338,10 @@ class ProcessEngineClient(RemoteModelFacts):
             raise
         return RequestStream(functools.partial(self._abort, request_id), request_id, target.queue)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """:meth:`add_request`, then yield its outputs until it finishes (aborting it if closed early)."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, lora_request)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+        return generate_outputs(self, request_id, prompt_token_ids, params, lora_request)
 
     def preload_lora(self, lora_request: LoRARequest) -> concurrent.futures.Future:
         """Register the adapter and read it into the engine's host cache; the future fails with the

@@ -42,6 +42,7 @@ from loraplex.platform.async_engine import EngineStoppedError
 from loraplex.platform.cluster.replica import Accepted, EngineCall, ReplicaInfo
 from loraplex.platform.cluster.routing import adapter_routing_key
 from loraplex.platform.cluster.stats import merge_replica_stats
+from loraplex.platform.engine_client import generate_outputs
 from loraplex.platform.engine_facts import RemoteModelFacts
 from loraplex.platform.errors import ReplicaFailed
 
@@ -120,15 +121,10 @@ class ReplicaEngineClient(RemoteModelFacts):
         await stream.wait_accepted()
         return stream
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """:meth:`add_request`, then yield its outputs until it finishes (aborting it if closed early)."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, lora_request)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+        return generate_outputs(self, request_id, prompt_token_ids, params, lora_request)
 
     def preload_lora(self, lora_request: LoRARequest) -> concurrent.futures.Future:
         """Register and read the adapter on the replica the router picks for it (its next
