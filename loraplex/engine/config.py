@@ -46,6 +46,9 @@ class ConfigError(ValueError):
         self.value = value
         self.rule = rule
 
+    def __reduce__(self):  # pickled to another process (engine process, replicas): rebuilt from its fields
+        return type(self), (self.field, self.value, self.rule)
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -367,11 +367,11 @@ class AsyncEngine:
                 del self._deadlines[request_id]
             elif now >= deadline:
                 stream = self._streams.get(request_id)
-                self._abort(request_id)
-                if stream is not None:
+                if stream is not None:  # the error before the abort's on_done: a stream's consumer may go with it
                     stream.put(QueueTimedOut("the request waited longer than its tenant's max_queue_time_s "
                                              "before being scheduled (the server is busy)",
                                              retry_after_s=retry_after))
+                self._abort(request_id)
 
     def _forget(self, request_id: str, todo: list[Callable[[], None]] | None = None) -> None:
         """Drop the request's stream; its ``on_done`` runs on the stream's loop (appended to ``todo``, the

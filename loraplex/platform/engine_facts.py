@@ -63,7 +63,9 @@ class RemoteModelFacts:
 
     @property
     def base_spec(self) -> BaseModelSpec:
-        return self._spec.adapter_spec
+        """The engine's (``info.base_spec``: with tensor parallelism it refuses vocabulary adapters), else the
+        model folder's."""
+        return self.info.base_spec if self.info.base_spec is not None else self._spec.adapter_spec
 
     @property
     def vocab_size(self) -> int:

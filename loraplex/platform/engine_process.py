@@ -22,7 +22,7 @@ Messages (tuples over a ``multiprocessing`` pipe), gateway -> engine: ``("add", 
 ``("stop",)``. Engine -> gateway: ``("info", ReplicaInfo)`` once built (or
 ``("start_failed", exc)``), ``("accepted", request_id)`` / ``("refused", request_id, exc)``,
 ``("batch", [("out", request_id, RequestOutput) | ("error", request_id, exc) | ("done", request_id)])``,
-``("result", token, value, exc)``, ``("stats", snapshot)``. The child exits when the gateway's end
+``("result", token, value, exc)``, ``("stats", snapshot)``, ``("lost", exc)`` (the engine thread died). The child exits when the gateway's end
 of the pipe closes; when the child dies, every open stream raises ``EngineStoppedError``.
 """
 
@@ -36,6 +36,7 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import pickle
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -67,6 +68,7 @@ class _PipeSink:
         self._conn = conn
         self._lock = threading.Lock()
         self._pending: list[tuple] = []
+        self.gateway_gone = False
 
     def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
         fn(*args)
@@ -81,8 +83,15 @@ class _PipeSink:
             self.send(("batch", batch))
 
     def send(self, message: tuple) -> None:
+        """Send ``message``; once the gateway is gone, drop it (the main thread sees the pipe close and stops
+        the engine; the engine thread must not die of a broken pipe meanwhile)."""
         with self._lock:
-            self._conn.send(message)
+            if self.gateway_gone:
+                return
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self.gateway_gone = True
 
 
 class _Outbox:
@@ -120,17 +129,11 @@ def picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _describe(engine: AsyncEngine) -> ReplicaInfo:
-    from pathlib import Path
-
-    dtype = engine.serving_dtype
-    return ReplicaInfo("engine-process", str(Path(engine.engine.model_path).resolve()), engine.max_model_len,
-                       engine.max_lora_rank, engine.lora_enabled,
-                       str(dtype).removeprefix("torch.") if dtype is not None else None, engine.max_full_module_slots)
-
-
 def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], Any] | None) -> None:
     """Body of the engine process: build, report, then serve the gateway's messages until it goes."""
+    # Ctrl-C reaches the whole process group: the gateway drains its requests and then stops this process
+    # ("stop", or the pipe closing); SIGTERM still ends it (the gateway's last resort, terminate()).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=getattr(logging, str(settings.log_level).upper(), logging.INFO))
     try:
         if engine_factory is None:
@@ -143,7 +146,7 @@ def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], A
         conn.send(("start_failed", picklable(exc)))
         return
     sink = _PipeSink(conn)
-    sink.send(("info", _describe(engine)))
+    sink.send(("info", ReplicaInfo.of(engine, "engine-process")))
     stop = threading.Event()
     threading.Thread(target=_push_stats, args=(engine, sink, stop), name="loraplex-engine-stats", daemon=True).start()
     try:
@@ -172,8 +175,8 @@ def _handle(engine: AsyncEngine, sink: _PipeSink, message: tuple) -> None:
         deadline = None if call.queue_timeout_s is None else engine.clock() + call.queue_timeout_s
         accepted = engine.submit_request(request_id, call.prompt_token_ids, call.params, call.lora_request, target,
                                          tenant=call.tenant, queue_deadline=deadline, retry_after_s=call.retry_after_s)
-        # done on the engine thread before its next step (or at once when the engine stopped): the
-        # answer leaves before any output of the request
+        # sent by the engine thread, or by this thread when the future was done already: outputs of the
+        # request may leave first (the gateway registered the stream before sending "add")
         accepted.add_done_callback(lambda f: sink.send(
             ("accepted", request_id) if f.exception() is None else ("refused", request_id, picklable(f.exception()))))
     elif kind == "abort":
@@ -195,19 +198,29 @@ def _send_result(sink: _PipeSink, token: int, future: concurrent.futures.Future)
 
 
 def _push_stats(engine: AsyncEngine, sink: _PipeSink, stop: threading.Event) -> None:
-    """Send the engine's stats snapshot whenever it changed, checking every stats interval."""
+    """Send the engine's stats snapshot whenever it changed, checking every stats interval (at most 1 s); once the
+    engine thread has stopped (crashed), say so: the gateway then reports the engine as not running."""
     sent = None
     while not stop.wait(min(engine.stats_interval_s, 1.0)):
+        if not engine.is_running:
+            sink.send(("lost", picklable(EngineStoppedError(
+                f"the engine thread of the engine process stopped ({engine._crashed or 'shut down'})"))))
+            return
         snapshot = engine._snapshot
         if snapshot is not None and snapshot is not sent:
-            try:
-                sink.send(("stats", engine.stats_dict()))
-            except (OSError, ValueError):  # the gateway is gone
-                return
+            sink.send(("stats", engine.stats_dict()))
             sent = snapshot
 
 
 # -- the gateway's side ---------------------------------------------------------------------------
+def _answer_future() -> concurrent.futures.Future:
+    """A future the reader thread completes; already running, so a caller's cancel (``wrap_future`` of a
+    cancelled task) cannot make the reader's ``set_result`` fail."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
 class _SentPrompt:
     """A request's prompt as the gateway sent it (the engine derives its output's ``prompt`` and
     ``prompt_token_ids`` from it) and the prompt logprobs last received."""
@@ -316,7 +329,7 @@ class ProcessEngineClient(RemoteModelFacts):
             raise EngineStoppedError(f"the engine process is not running ({self._lost or 'stopped'})")
         loop = asyncio.get_running_loop()
         target = StreamTarget(loop, asyncio.Queue(), lora_request.lora_int_id if lora_request else None, on_done)
-        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        accepted = _answer_future()
         prompt = prompt_token_ids if isinstance(prompt_token_ids, ProcessedPrompt) else list(prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
@@ -327,14 +340,21 @@ class ProcessEngineClient(RemoteModelFacts):
             self._answers["add", request_id] = accepted
         # the gateway's deadline made relative (the two processes share the clock, but it stays one path)
         timeout_s = None if queue_deadline is None else max(0.0, queue_deadline - self.clock())
+        sent = False
         try:
             self._send(("add", EngineCall(request_id, prompt, params, lora_request, tenant, timeout_s, retry_after_s)))
+            sent = True
             await asyncio.wrap_future(accepted)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._streams.pop(request_id, None)
                 self._prompts.pop(request_id, None)
                 self._answers.pop(("add", request_id), None)
+            refused = accepted.done() and accepted.exception() is not None
+            if sent and not refused:  # cancelled while (or after) the engine took it: it must not run on
+                self._abort(request_id)
+            if isinstance(exc, (OSError, ValueError)) and not sent:  # the pipe is closed: the process is gone
+                raise EngineStoppedError(f"the engine process is not running ({self._lost or exc})") from None
             raise
         return RequestStream(functools.partial(self._abort, request_id), request_id, target.queue)
 
@@ -371,7 +391,7 @@ class ProcessEngineClient(RemoteModelFacts):
             pass
 
     def _ask(self, kind: str, argument: Any) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future = _answer_future()
         if not self.is_running:
             future.set_exception(EngineStoppedError(f"the engine process is not running ({self._lost or 'stopped'})"))
             return future
@@ -390,15 +410,17 @@ class ProcessEngineClient(RemoteModelFacts):
                     self._deliver(message[1])
                 elif kind == "stats":
                     self._snapshot = message[1]
+                elif kind == "lost":  # the engine thread died; its streams got the error already
+                    self._lost = message[1]
                 elif kind in ("accepted", "refused"):
                     with self._lock:
                         future = self._answers.pop(("add", message[1]), None)
-                    if future is not None:
+                    if future is not None and not future.done():
                         future.set_result(None) if kind == "accepted" else future.set_exception(message[2])
                 elif kind == "result":
                     with self._lock:
                         future = self._answers.pop(message[1], None)
-                    if future is not None:
+                    if future is not None and not future.done():
                         future.set_result(message[2]) if message[3] is None else future.set_exception(message[3])
         except (EOFError, OSError):
             pass

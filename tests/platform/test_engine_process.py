@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.lora_request import LoRARequest
+from loraplex.engine.config import ConfigError
 from loraplex.engine.input_processor import (
     ContextLengthExceededError,
     EmptyPromptError,
@@ -132,7 +133,8 @@ def test_engine_errors_reach_the_gateway_with_their_fields(client):
 
 
 @pytest.mark.parametrize("exc", [EmptyPromptError(), TokenIdOutOfVocabError(9, 8),
-                                 ContextLengthExceededError(10, 5, 12), PromptTooLongError(12, None, 12)])
+                                 ContextLengthExceededError(10, 5, 12), PromptTooLongError(12, None, 12),
+                                 ConfigError("block_size", 3, "must be one of 8, 16, 32")])
 def test_engine_exceptions_survive_pickling(exc):
     again = pickle.loads(pickle.dumps(exc))
     assert type(again) is type(exc) and str(again) == str(exc) and vars(again) == vars(exc)
@@ -218,6 +220,98 @@ def test_a_tensor_parallel_engine_runs_in_the_engine_process(tmp_path, tiny_llam
         local.shutdown()
     assert _joined(got) == _joined(want) and len(_joined(got)[0]) == 8
     assert not remote._process.is_alive()
+    # uploads are checked against the engine's spec: sharded, it refuses embedding / LM-head adapters (review:
+    # the gateway read the model folder's, which accepts them); on one device it takes them
+    assert remote.base_spec.vocab_size is None and local.base_spec.vocab_size == remote.vocab_size
+
+
+def test_a_queue_deadline_ends_the_stream_with_queue_timed_out(tmp_path, tiny_llama_dir):
+    """One sequence at a time: the second request waits past its deadline; its stream raises
+    QueueTimedOut (with its Retry-After) and on_done runs once (review: the "done" overtook the error
+    and the stream hung)."""
+    from loraplex.platform.errors import QueueTimedOut
+
+    settings = make_settings(tmp_path, model=str(tiny_llama_dir), engine_process=True,
+                             **{**ENGINE, "max_num_seqs": 1})
+    engine = ProcessEngineClient(settings)
+    done = []
+
+    async def run():
+        first = await engine.add_request("first", [5, 6, 7], _greedy(300))
+        await first.__anext__()
+        late = await engine.add_request("late", [5, 6], _greedy(4), queue_deadline=engine.clock() + 0.2,
+                                        retry_after_s=7, on_done=lambda: done.append("late"))
+        with pytest.raises(QueueTimedOut) as info:
+            await asyncio.wait_for(late.__anext__(), 30)
+        first.close()
+        for _ in range(100):
+            if done:
+                break
+            await asyncio.sleep(0.01)
+        return info.value
+
+    try:
+        exc = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert exc.retry_after_s == 7 and done == ["late"]
+
+
+def test_a_cancelled_add_request_does_not_leave_the_request_running(client):
+    """Cancelled while the engine process takes it: the request is aborted there, and a later answer
+    does not break the client (review)."""
+    async def run():
+        task = asyncio.ensure_future(client.add_request("gone", [5, 6, 7], _greedy(400)))
+        await asyncio.sleep(0)  # the "add" is sent
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        outputs = await _collect(client, "after", [5, 6], _greedy(3))
+        await asyncio.sleep(3 * client.stats_interval_s)  # the snapshot taken when "after" finished arrives
+        return client.stats_dict(), outputs
+
+    stats, outputs = asyncio.run(run())
+    # "gone" would still be running its 400 tokens
+    assert stats["num_running"] + stats["num_waiting"] == 0 and stats["generated_tokens_total"] < 100
+    assert client.is_running and outputs[-1].finished
+
+
+def test_ctrl_c_does_not_stop_the_engine_process(client):
+    """SIGINT reaches the whole process group; the engine process leaves stopping to the gateway."""
+    import os
+    import signal
+
+    os.kill(client._process.pid, signal.SIGINT)
+    outputs = asyncio.run(_collect(client, "still", [5, 6], _greedy(4)))
+    assert outputs[-1].finished and client.is_running
+
+
+def _crashing_engine(settings):
+    """An engine whose thread dies at its first look for work (a BaseException escapes AsyncEngine._run)."""
+    from loraplex.platform.main import build_engine
+
+    engine = build_engine(settings)
+
+    def crash():
+        raise SystemExit("engine thread crash (test)")
+
+    engine.has_unfinished_requests = crash
+    return engine
+
+
+def test_a_crashed_engine_thread_is_reported_as_not_running(settings):
+    engine = ProcessEngineClient(settings, _crashing_engine)
+    try:
+        for _ in range(500):
+            if not engine.is_running:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert not engine.is_running and engine._process.is_alive()
+        with pytest.raises(EngineStoppedError, match="engine thread"):
+            asyncio.run(engine.add_request("x", [5, 6], _greedy(2)))
+    finally:
+        engine.shutdown()
+    assert not engine._process.is_alive()
 
 
 def test_a_bad_engine_config_is_raised_by_the_gateway(tmp_path, tiny_llama_dir):

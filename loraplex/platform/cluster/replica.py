@@ -62,7 +62,10 @@ class Accepted:
 @dataclass(frozen=True)
 class ReplicaInfo:
     """What the gateway needs to know about the served model (the same on every replica).
-    ``serving_dtype``: the adapters' slot dtype name (``"bfloat16"``), None without LoRA."""
+    ``serving_dtype``: the adapters' slot dtype name (``"bfloat16"``), None without LoRA.
+    ``base_spec``: the engine's :class:`~loraplex.adapters.BaseModelSpec` that uploads are checked
+    against (with tensor parallelism its ``vocab_size`` is None: embedding / LM-head adapters are
+    refused); None = the model folder's."""
 
     replica_id: str
     model_path: str
@@ -71,6 +74,16 @@ class ReplicaInfo:
     lora_enabled: bool
     serving_dtype: str | None
     max_full_module_slots: int = 0
+    base_spec: Any = None
+
+    @classmethod
+    def of(cls, engine: AsyncEngine, replica_id: str) -> ReplicaInfo:
+        """The description of ``engine`` (an in-process ``AsyncEngine``)."""
+        dtype = engine.serving_dtype
+        return cls(replica_id, str(Path(engine.engine.model_path).resolve()), engine.max_model_len,
+                   engine.max_lora_rank, engine.lora_enabled,
+                   str(dtype).removeprefix("torch.") if dtype is not None else None,
+                   engine.max_full_module_slots, engine.base_spec)
 
 
 class EngineReplica:
@@ -102,12 +115,7 @@ class EngineReplica:
             stream.close()  # aborts the request unless it finished (cancelled: the gateway closed it)
 
     def describe(self) -> ReplicaInfo:
-        engine = self.engine
-        dtype = engine.serving_dtype
-        return ReplicaInfo(self.replica_id, str(Path(engine.engine.model_path).resolve()), engine.max_model_len,
-                           engine.max_lora_rank, engine.lora_enabled,
-                           str(dtype).removeprefix("torch.") if dtype is not None else None,
-                           engine.max_full_module_slots)
+        return ReplicaInfo.of(self.engine, self.replica_id)
 
     def stats(self) -> dict[str, Any] | None:
         snapshot = self.engine.stats_dict()
