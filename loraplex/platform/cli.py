@@ -162,7 +162,10 @@ def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = Non
         return _fail(str(exc))
     if mount_console is not None:
         mount_console(app)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down: not an error
+        pass
     return 0
 
 
