@@ -400,6 +400,20 @@ def format_table(rows: list[dict[str, Any]], title: str) -> str:
     return print_table(title, header, body)
 
 
+def format_cpu_table(rows: list[dict[str, Any]]) -> str:
+    """Per rate, each server thread's (and the engine process's) busy share of a core and CPU us per token."""
+    from common import print_table
+
+    names = sorted({name for r in rows for name in r.get("server_cpu", {})})
+    if not names:
+        return ""
+    header = ["rate req/s"] + [f"{name}: busy, us/token" for name in names]
+    body = [[f"{r['rate_per_s']:g}"] + [
+        (f"{r['server_cpu'][n]['busy']:.2f}, {r['server_cpu'][n]['us_per_token']:.0f}" if n in r.get("server_cpu", {})
+         else "-") for n in names] for r in rows]
+    return print_table("Server CPU per rate (thread CPU clocks; the engine process's from /proc)", header, body)
+
+
 def slo_line(best: float | None, rows: list[dict[str, Any]]) -> str:
     rule = f"TTFT p99 < {TTFT_SLO_MS:.0f} ms and ITL p99 < {ITL_SLO_MS:.0f} ms (no errors)"
     if best is None:
@@ -801,6 +815,7 @@ def report(result: dict[str, Any], profile: Profile) -> None:
              f"{', engine process' if profile.engine_process else ''}"
              f"{f', GPU emulated ({profile.emulate_gpu_ms:g} ms steps)' if profile.emulate_gpu_ms else ''} "
              f"(commit {result['commit']}, {result['device']}, {result['model_id']})")
+    format_cpu_table(result["rates"])
     format_table(result["rates"], title)
     skipped = f" (not run after saturation: {result['skipped_rates']})" if result["skipped_rates"] else ""
     print(slo_line(result["best_rate_per_s"], result["rates"]) + skipped, flush=True)

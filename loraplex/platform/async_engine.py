@@ -98,11 +98,14 @@ class AsyncEngine:
 
     ``stats_interval_s``: how often (while busy) the stats snapshot read by
     :meth:`stats_dict` is refreshed; it is also refreshed whenever the engine goes idle.
+    ``on_snapshot(stats)``: called on the engine thread with each new snapshot (the engine process sends it on).
     """
 
     def __init__(self, engine: LLMEngine, *, stats_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_snapshot: Callable[[EngineStats], None] | None = None) -> None:
         self.engine = engine
+        self.on_snapshot = on_snapshot  # called on the engine thread with each new stats snapshot
         self.clock = clock
         self._deadlines: dict[str, tuple[float, int]] = {}  # request id -> (deadline, Retry-After seconds)
         self.stats_interval_s = stats_interval_s
@@ -437,6 +440,8 @@ class AsyncEngine:
     def _take_snapshot(self) -> EngineStats:
         self._snapshot = self.engine.get_stats()
         self._snapshot_at = time.monotonic()
+        if self.on_snapshot is not None:
+            self.on_snapshot(self._snapshot)
         return self._snapshot
 
     def _refresh_snapshot(self, *, force: bool) -> None:

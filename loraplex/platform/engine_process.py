@@ -140,12 +140,13 @@ def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], A
             from loraplex.platform.main import build_engine
 
             engine_factory = build_engine
-        engine = AsyncEngine(engine_factory(settings), stats_interval_s=settings.stats_interval_s)
+        sink = _PipeSink(conn)
+        engine = AsyncEngine(engine_factory(settings), stats_interval_s=settings.stats_interval_s,
+                             on_snapshot=_SnapshotSender(sink))
         engine.start()
     except BaseException as exc:  # noqa: BLE001 - reported to the gateway, which raises it
         conn.send(("start_failed", picklable(exc)))
         return
-    sink = _PipeSink(conn)
     sink.send(("info", ReplicaInfo.of(engine, "engine-process")))
     stop = threading.Event()
     threading.Thread(target=_push_stats, args=(engine, sink, stop), name="loraplex-engine-stats", daemon=True).start()
@@ -197,19 +198,45 @@ def _send_result(sink: _PipeSink, token: int, future: concurrent.futures.Future)
                None if exc is None else picklable(exc)))
 
 
+STATS_MIN_INTERVAL_S = 0.05  # a busy engine's snapshots (one per step that finishes a request) are sent this often
+
+
+class _SnapshotSender:
+    """``AsyncEngine.on_snapshot`` of the engine process (engine thread): a snapshot of an idle engine leaves at
+    once, so the gateway's stats are current when a request's last output arrives; a busy engine's at most every
+    ``STATS_MIN_INTERVAL_S`` (:func:`_push_stats` sends the last one held back)."""
+
+    def __init__(self, sink: _PipeSink) -> None:
+        self._sink = sink
+        self._sent_at = 0.0
+        self.sent: object = None
+
+    def __call__(self, stats) -> None:
+        now = time.monotonic()
+        if stats.num_running + stats.num_waiting + stats.num_swapped == 0 or now - self._sent_at >= \
+                STATS_MIN_INTERVAL_S:
+            self.send(stats)
+
+    def send(self, stats) -> None:
+        from loraplex.platform.async_engine import stats_to_dict
+
+        self._sent_at = time.monotonic()
+        self.sent = stats
+        self._sink.send(("stats", stats_to_dict(stats)))
+
+
 def _push_stats(engine: AsyncEngine, sink: _PipeSink, stop: threading.Event) -> None:
-    """Send the engine's stats snapshot whenever it changed, checking every stats interval (at most 1 s); once the
+    """Every ``STATS_MIN_INTERVAL_S``: send the snapshot :class:`_SnapshotSender` held back, if any; once the
     engine thread has stopped (crashed), say so: the gateway then reports the engine as not running."""
-    sent = None
-    while not stop.wait(min(engine.stats_interval_s, 1.0)):
+    sender: _SnapshotSender = engine.on_snapshot
+    while not stop.wait(STATS_MIN_INTERVAL_S):
         if not engine.is_running:
             sink.send(("lost", picklable(EngineStoppedError(
                 f"the engine thread of the engine process stopped ({engine._crashed or 'shut down'})"))))
             return
         snapshot = engine._snapshot
-        if snapshot is not None and snapshot is not sent:
-            sink.send(("stats", engine.stats_dict()))
-            sent = snapshot
+        if snapshot is not None and snapshot is not sender.sent:
+            sender.send(snapshot)
 
 
 # -- the gateway's side ---------------------------------------------------------------------------
@@ -273,8 +300,11 @@ class ProcessEngineClient(RemoteModelFacts):
         self._send_lock = threading.Lock()
         self._finalizer = multiprocessing.util.Finalize(
             self, _stop_process, args=(self._conn, self._process, self._send_lock), exitpriority=10)
+        snapshot = None
         try:
             first = self._conn.recv()
+            while first[0] == "stats":  # the engine's first snapshot may come before its description
+                snapshot, first = first[1], self._conn.recv()
         except (EOFError, OSError):
             self._process.join(10)
             self._finalizer.cancel()
@@ -294,7 +324,7 @@ class ProcessEngineClient(RemoteModelFacts):
         self._prompts: dict[str, _SentPrompt] = {}  # what each request's outputs leave out (see _Outbox)
         self._answers: dict[Any, concurrent.futures.Future] = {}  # ("add", request id) or token -> future
         self._tokens = itertools.count(1)
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: dict[str, Any] | None = snapshot
         self._lost: BaseException | None = None
         self._running = True
         self._reader = threading.Thread(target=self._read, name="loraplex-engine-pipe", daemon=True)

@@ -4,6 +4,7 @@ checked against the server's own counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -189,6 +190,25 @@ def test_quick_run_end_to_end_matches_server_counters(tmp_path, capsys):
     printed = capsys.readouterr().out.rstrip().splitlines()
     assert printed[-1].startswith("highest rate with TTFT p99 < 1000 ms and ITL p99 < 50 ms")
     assert printed[-3].startswith("| 1.5 ") and printed[-2].startswith("| 3 ")
+
+
+def test_emulated_gpu_with_the_engine_process_end_to_end(tmp_path, capsys):
+    """``--emulate-gpu-ms`` (the GPU profile's workload, device time slept) through ``--engine-process``: the
+    engine process generated what the clients counted, and its CPU is reported beside the event loop's."""
+    out = tmp_path / "online.json"
+    result = bo.main(["--quick", "--emulate-gpu-ms", "2", "--engine-process", "--rates", "4", "--seconds-per-rate",
+                      "2", "--out", str(out)])
+    profile = dataclasses.replace(bo.FULL, seconds_per_rate=2.0)
+    (row,) = result["rates"]
+    n = bo.requests_per_rate(profile, 4)
+    assert (row["requests"], row["completed"], row["errors"]) == (n, n, 0), row["error_examples"]
+    assert row["engine"]["generated_tokens_total"] == n * bo.FULL.output_tokens
+    assert row["engine"]["prompt_tokens_total"] == n * bo.FULL.prompt_tokens
+    assert {"engine-process", "uvicorn", "process"} <= set(row["server_cpu"])
+    assert "loraplex-engine" not in row["server_cpu"]  # no engine thread in the server process
+    assert all(v["busy"] > 0 and v["us_per_token"] > 0 for v in row["server_cpu"].values())
+    assert result["routing"]["mismatches"] == {}
+    assert "engine process, GPU emulated (2 ms steps)" in capsys.readouterr().out
 
 
 def test_online_wheels_cover_every_module_level_import_of_the_benchmark():
