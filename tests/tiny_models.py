@@ -136,6 +136,21 @@ def peft_model(base_dir: Path, adapter_dir: Path):
     return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 
+def reference_models(base_dir: Path, adapters: dict) -> dict:
+    """``{"base": the HF model, name: its PEFT model for each adapter}`` (float32, eval); ``adapters``: name ->
+    ``LoRARequest``."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
+    return {"base": base} | {name: peft_model(base_dir, req.lora_path) for name, req in adapters.items()}
+
+
+def peft_references(base_dir: Path, adapters: dict, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """(adapter name or "base", prompt index) -> (HF/PEFT greedy tokens, last-position logprobs)."""
+    return {(name, i): (hf_greedy_ids(model, p, max_new_tokens), hf_last_logprobs(model, p))
+            for name, model in reference_models(base_dir, adapters).items() for i, p in enumerate(prompts)}
+
+
 def hf_greedy_ids(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation with EOS masked for ``max_new_tokens`` (as ``min_tokens`` does)."""
     with torch.no_grad():

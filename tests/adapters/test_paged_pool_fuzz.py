@@ -29,19 +29,14 @@ from loraplex.adapters.device_weights import LoRADeviceWeights
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import load_peft_adapter
-from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, reference_models
 
 _ENGINE_TESTS = str(Path(__file__).resolve().parents[1] / "engine")
 if _ENGINE_TESTS not in sys.path:
     sys.path.append(_ENGINE_TESTS)  # sched_sim, test_step_fastpaths
 
-SPEC = BaseModelSpec(
-    num_layers=2,
-    hidden_size=16,
-    module_shapes={"q_proj": (16, 16), "v_proj": (16, 8), "down_proj": (24, 16)},
-    architecture="Toy",
-)
-MAX_RANK = 64
+from test_paged_pool import MAX_RANK, SPEC  # noqa: E402 - the toy model and pool rank of the exact page tests
+
 MODULES = list(SPEC.module_shapes)
 ALL = [(layer, m) for layer in range(SPEC.num_layers) for m in MODULES]
 
@@ -335,8 +330,7 @@ def prompts(tiny_llama_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def models(tiny_llama_dir, adapters):
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
-    return {"base": base} | {name: peft_model(tiny_llama_dir, req.lora_path) for name, req in adapters.items()}
+    return reference_models(tiny_llama_dir, adapters)
 
 
 _REFS: dict = {}
@@ -583,8 +577,7 @@ def test_vocab_adapters_with_zero_or_few_pages_equal_peft(tiny_llama_dir, tmp_pa
                         lora_request=[reqs[n] if n else None for n, _ in rows])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        models = {"base": AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()}
-        models |= {name: peft_model(tiny_llama_dir, req.lora_path) for name, req in reqs.items()}
+        models = reference_models(tiny_llama_dir, reqs)
     for (name, i), out in zip(rows, outs):
         model = models[name or "base"]
         check_row(out, hf_greedy_ids(model, prompts[i], MAX_NEW), hf_last_logprobs(model, prompts[i]))

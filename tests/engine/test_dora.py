@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_fp8_quantization import dequantized_dir  # noqa: F401 (a fixture)
 from test_step_fastpaths import _emulate_graphs, _run
-from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model, peft_references
 from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
@@ -47,12 +47,7 @@ def prompts(tiny_llama_dir) -> list[list[int]]:
 
 def _references(base_dir, adapters, prompts) -> dict:
     """(adapter name or "base", prompt index) -> (PEFT greedy tokens, PEFT first-step logprobs)."""
-    from transformers import AutoModelForCausalLM
-
-    models = {"base": AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()}
-    models |= {name: peft_model(base_dir, req.lora_path) for name, req in adapters.items()}
-    return {(name, i): (hf_greedy_ids(model, p, MAX_NEW), hf_last_logprobs(model, p))
-            for name, model in models.items() for i, p in enumerate(prompts)}
+    return peft_references(base_dir, adapters, prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,10 @@ also while adapters of other ranks churn through a pool too small to hold them a
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, make_peft_adapter, peft_references
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = {"r8": 8, "r16": 16, "r64": 64, "r128": 128}
@@ -38,13 +37,7 @@ def prompts(tiny_llama_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(tiny_llama_dir, adapters, prompts):
-    refs = {}
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32).eval()
-    models = {"base": base} | {n: peft_model(tiny_llama_dir, req.lora_path) for n, req in adapters.items()}
-    for name, model in models.items():
-        for i, p in enumerate(prompts):
-            refs[(name, i)] = (hf_greedy_ids(model, p, MAX_NEW), hf_last_logprobs(model, p))
-    return refs
+    return peft_references(tiny_llama_dir, adapters, prompts, MAX_NEW)
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)

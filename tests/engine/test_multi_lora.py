@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import check_row, make_peft_adapter, peft_references
 
 ADAPTERS = {
     # name: (rank, alpha, targets, rslora)
@@ -41,13 +41,7 @@ def prompts(tiny_llama_dir) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(tiny_llama_dir, adapters, prompts) -> dict[tuple[str, int], tuple[list[int], torch.Tensor]]:
     """(adapter name or "base", prompt index) -> (PEFT greedy tokens, PEFT last-position logprobs)."""
-    refs = {}
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32).eval()
-    models = {"base": base} | {n: peft_model(tiny_llama_dir, req.lora_path) for n, req in adapters.items()}
-    for name, model in models.items():
-        for i, p in enumerate(prompts):
-            refs[(name, i)] = (hf_greedy_ids(model, p, MAX_NEW), hf_last_logprobs(model, p))
-    return refs
+    return peft_references(tiny_llama_dir, adapters, prompts, MAX_NEW)
 
 
 def make_llm(path, **kw) -> LLM:
