@@ -68,6 +68,16 @@ def _run_in_order(calls: list[Callable[[], None]]) -> None:
             logger.exception("stream delivery callback failed")
 
 
+def hand_to_loops(batches: dict[Any, list[Callable[[], None]]]) -> None:
+    """Run each event loop's calls there, in order, with one ``call_soon_threadsafe`` per loop (a loop
+    that is closed has nobody listening: its calls are dropped)."""
+    for loop, calls in batches.items():
+        try:
+            loop.call_soon_threadsafe(_run_in_order, calls)
+        except RuntimeError:  # the loop is closed
+            pass
+
+
 @dataclass
 class StreamTarget:
     """Where the engine thread hands one request's outputs: ``queue.put_nowait(item)`` (a
@@ -350,11 +360,7 @@ class AsyncEngine:
             todo.append(functools.partial(stream.queue.put_nowait, output))
             if output.finished:
                 self._forget(output.request_id, todo)
-        for loop, todo in batches.items():
-            try:
-                loop.call_soon_threadsafe(_run_in_order, todo)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+        hand_to_loops(batches)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._streams:

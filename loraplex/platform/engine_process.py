@@ -44,7 +44,14 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
-from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamTarget, _run_in_order
+from loraplex.platform.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    RequestStream,
+    StreamTarget,
+    hand_to_loops,
+    stats_to_dict,
+)
 from loraplex.platform.cluster.replica import EngineCall, ReplicaInfo
 from loraplex.platform.engine_client import generate_outputs
 from loraplex.platform.engine_facts import RemoteModelFacts
@@ -218,8 +225,6 @@ class _SnapshotSender:
             self.send(stats)
 
     def send(self, stats) -> None:
-        from loraplex.platform.async_engine import stats_to_dict
-
         self._sent_at = time.monotonic()
         self.sent = stats
         self._sink.send(("stats", stats_to_dict(stats)))
@@ -248,15 +253,18 @@ def _answer_future() -> concurrent.futures.Future:
     return future
 
 
-class _SentPrompt:
-    """A request's prompt as the gateway sent it (the engine derives its output's ``prompt`` and
-    ``prompt_token_ids`` from it) and the prompt logprobs last received."""
+class _OpenRequest:
+    """A request in the engine process: where its outputs go (``target``), its prompt as the gateway sent it
+    (the engine derives its outputs' ``prompt`` and ``prompt_token_ids`` from it) and the prompt logprobs
+    last received."""
 
-    __slots__ = ("text", "token_ids", "prompt_logprobs")
+    __slots__ = ("target", "text", "token_ids", "prompt_logprobs")
 
-    def __init__(self, text: str | None, token_ids: list[int]) -> None:
-        self.text = text
-        self.token_ids = token_ids
+    def __init__(self, target: StreamTarget, prompt: list[int] | ProcessedPrompt) -> None:
+        self.target = target
+        processed = isinstance(prompt, ProcessedPrompt)
+        self.text = prompt.text if processed else None
+        self.token_ids = prompt.token_ids if processed else prompt
         self.prompt_logprobs = None
 
 
@@ -320,8 +328,7 @@ class ProcessEngineClient(RemoteModelFacts):
         self.clock = clock
         self.stats_interval_s = settings.stats_interval_s
         self._lock = threading.Lock()
-        self._streams: dict[str, StreamTarget] = {}
-        self._prompts: dict[str, _SentPrompt] = {}  # what each request's outputs leave out (see _Outbox)
+        self._requests: dict[str, _OpenRequest] = {}
         self._answers: dict[Any, concurrent.futures.Future] = {}  # ("add", request id) or token -> future
         self._tokens = itertools.count(1)
         self._snapshot: dict[str, Any] | None = snapshot
@@ -362,11 +369,9 @@ class ProcessEngineClient(RemoteModelFacts):
         accepted = _answer_future()
         prompt = prompt_token_ids if isinstance(prompt_token_ids, ProcessedPrompt) else list(prompt_token_ids)
         with self._lock:
-            if request_id in self._streams:
+            if request_id in self._requests:
                 raise InvalidRequestError(f"request_id={request_id!r} is already in use")
-            self._streams[request_id] = target
-            self._prompts[request_id] = (_SentPrompt(prompt.text, prompt.token_ids)
-                                         if isinstance(prompt, ProcessedPrompt) else _SentPrompt(None, prompt))
+            self._requests[request_id] = _OpenRequest(target, prompt)
             self._answers["add", request_id] = accepted
         # the gateway's deadline made relative (the two processes share the clock, but it stays one path)
         timeout_s = None if queue_deadline is None else max(0.0, queue_deadline - self.clock())
@@ -377,8 +382,7 @@ class ProcessEngineClient(RemoteModelFacts):
             await asyncio.wrap_future(accepted)
         except BaseException as exc:
             with self._lock:
-                self._streams.pop(request_id, None)
-                self._prompts.pop(request_id, None)
+                self._requests.pop(request_id, None)
                 self._answers.pop(("add", request_id), None)
             refused = accepted.done() and accepted.exception() is not None
             if sent and not refused:  # cancelled while (or after) the engine took it: it must not run on
@@ -465,29 +469,25 @@ class ProcessEngineClient(RemoteModelFacts):
         with self._lock:
             for item in batch:
                 request_id = item[1]
-                target = self._streams.get(request_id)
-                if target is None:
+                request = self._requests.get(request_id)
+                if request is None:
                     continue
+                target = request.target
                 calls = todo.setdefault(target.loop, [])
                 if item[0] == "done":
-                    del self._streams[request_id]
-                    del self._prompts[request_id]
+                    del self._requests[request_id]
                     if target.on_done is not None:
                         calls.append(target.on_done)
                     continue
                 if item[0] == "out":  # put back what the engine process left out (_Outbox)
-                    output, prompt = item[2], self._prompts[request_id]
-                    output.prompt, output.prompt_token_ids = prompt.text, prompt.token_ids
+                    output = item[2]
+                    output.prompt, output.prompt_token_ids = request.text, request.token_ids
                     if item[3]:
-                        output.prompt_logprobs = prompt.prompt_logprobs
+                        output.prompt_logprobs = request.prompt_logprobs
                     else:
-                        prompt.prompt_logprobs = output.prompt_logprobs
+                        request.prompt_logprobs = output.prompt_logprobs
                 calls.append(functools.partial(target.queue.put_nowait, item[2]))
-        for loop, calls in todo.items():
-            try:
-                loop.call_soon_threadsafe(_run_in_order, calls)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+        hand_to_loops(todo)
 
     def _fail_all(self) -> None:
         """The engine process is gone: every open stream and pending answer fails with ``EngineStoppedError``."""
@@ -495,17 +495,15 @@ class ProcessEngineClient(RemoteModelFacts):
         error = EngineStoppedError("the engine process stopped" + (f" (exit code {code})" if code else ""))
         self._lost = error
         with self._lock:
-            streams, self._streams = self._streams, {}
+            requests, self._requests = self._requests, {}
             answers, self._answers = self._answers, {}
-            self._prompts = {}
         for future in answers.values():
             if not future.done():
                 future.set_exception(error)
-        for target in streams.values():
-            calls = [functools.partial(target.queue.put_nowait, error)]
-            if target.on_done is not None:
-                calls.append(target.on_done)
-            try:
-                target.loop.call_soon_threadsafe(_run_in_order, calls)
-            except RuntimeError:
-                pass
+        todo: dict[Any, list[Callable[[], None]]] = {}
+        for request in requests.values():
+            calls = todo.setdefault(request.target.loop, [])
+            calls.append(functools.partial(request.target.queue.put_nowait, error))
+            if request.target.on_done is not None:
+                calls.append(request.target.on_done)
+        hand_to_loops(todo)

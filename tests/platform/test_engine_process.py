@@ -165,7 +165,7 @@ def test_close_aborts_and_on_done_runs_once(client):
 
     first = asyncio.run(run())
     assert not first.finished and done == [1]
-    assert "long" not in client._streams
+    assert "long" not in client._requests
 
 
 def test_preload_and_retire_adapters(client, adapter_dir, tmp_path):
