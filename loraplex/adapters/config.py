@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def pages_per_adapter(rank: int, page_rows: int) -> int:
+    """Weight pages an adapter of ``rank`` takes in a pool of ``page_rows`` rank rows per page: ``ceil(rank /
+    page_rows)`` (LoRAConfig's and LoRADeviceWeights' page-count rules; EngineConfig.validate writes it out: the
+    settings import it without torch, which ``loraplex.adapters`` imports)."""
+    return -(-rank // page_rows)
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Sizes and policies of the adapter tiers (the engine's ``EngineConfig`` builds one).
@@ -78,7 +85,7 @@ class LoRAConfig:
                 self.page_rows & (self.page_rows - 1) or self.page_rows > self.max_lora_rank):
             raise ValueError(f"LoRAConfig.page_rows={self.page_rows}: must be a power of two <= "
                              f"max_lora_rank={self.max_lora_rank}")
-        max_pages = -(-self.max_lora_rank // (self.page_rows or self.max_lora_rank))
+        max_pages = pages_per_adapter(self.max_lora_rank, self.page_rows or self.max_lora_rank)
         if self.num_pages is not None and self.num_pages < max_pages:
             raise ValueError(f"LoRAConfig.num_pages={self.num_pages}: an adapter of max_lora_rank={self.max_lora_rank} "
                              f"takes {max_pages} pages of {self.page_rows} rank rows; give at least {max_pages} "

@@ -46,6 +46,7 @@ from collections.abc import Callable
 
 import torch
 
+from loraplex.adapters.config import pages_per_adapter
 from loraplex.adapters.errors import AdapterUnsupportedError
 from loraplex.adapters.slot_image import ModuleKey, SlotImage
 from loraplex.adapters.spec import BaseModelSpec
@@ -90,7 +91,7 @@ class LoRADeviceWeights:
         if page_rows != max_lora_rank and (page_rows & (page_rows - 1) or not 1 <= page_rows <= max_lora_rank):
             raise ValueError(f"LoRADeviceWeights: page_rows={page_rows} must be a power of two in "
                              f"1..max_lora_rank={max_lora_rank} (or max_lora_rank itself: one page per adapter)")
-        max_pages = -(-max_lora_rank // page_rows)
+        max_pages = pages_per_adapter(max_lora_rank, page_rows)
         num_pages = num_slots * max_pages if num_pages is None else num_pages
         if num_pages < max_pages:
             raise ValueError(f"LoRADeviceWeights: num_pages={num_pages} is fewer than the {max_pages} pages of one "
