@@ -207,9 +207,10 @@ def run_once(llm: LLM, prompts: list[list[int]], loras: list, out_len: int, prof
     return out
 
 
-def summarize_profile(prof, steps: int) -> dict:
-    """Kernel time per class (ms per step) and GPU busy (union of kernel intervals over their span)."""
-    intervals, per_class, per_kernel = [], dict.fromkeys(CLASSES, 0.0), {}
+def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[str, ...] = CLASSES) -> dict:
+    """Kernel time per class (ms per step; ``classify(name)`` gives a kernel's class, one of
+    ``classes``) and GPU busy (union of kernel intervals over their span)."""
+    intervals, per_class, per_kernel = [], dict.fromkeys(classes, 0.0), {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -217,7 +218,7 @@ def summarize_profile(prof, steps: int) -> dict:
         if end <= start:
             continue
         intervals.append((start, end))
-        per_class[kernel_class(ev.name)] += (end - start) / 1e3
+        per_class[classify(ev.name)] += (end - start) / 1e3
         total, count = per_kernel.get(ev.name, (0.0, 0))
         per_kernel[ev.name] = (total + (end - start) / 1e3, count + 1)
     if not intervals:

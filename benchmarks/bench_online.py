@@ -121,7 +121,7 @@ class Profile:
     upload_threads: int
     async_scheduling: bool = False  # the engine default; --async-scheduling turns it on
     emulate_gpu_ms: float | None = None  # CPU only: decode steps replay no-op graphs that sleep this long
-    engine_process: bool = False  # --engine-process: the engine in a child process (serve --engine-process)
+    engine_process: bool = True  # the engine in a child process, as `serve` by default; --no-engine-process: a thread
 
 
 FULL = Profile(
@@ -782,9 +782,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--emulate-gpu-ms", type=float, default=None,
                     help="with --quick: decode steps sleep this long instead of computing (the host costs of a GPU "
                          "server at that step time; see emulate_gpu)")
-    ap.add_argument("--engine-process", action="store_true",
-                    help="the engine in a process of its own (serve --engine-process); default: a thread of the "
-                         "server process")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine in a process of its own (the server's default); --no-engine-process: a thread "
+                         "of the server process (serve --no-engine-process)")
     ap.add_argument("--output-tokens", type=int, default=None,
                     help="tokens generated per request (default: the profile's; two runs that differ only here "
                          "split a thread's CPU into per-request and per-token parts)")
@@ -812,7 +812,7 @@ def report(result: dict[str, Any], profile: Profile) -> None:
     title = (f"Online serving via REST, {profile.num_adapters} adapters r={profile.lora_rank} Zipf + 20% base, "
              f"prompt {profile.prompt_tokens} / output {profile.output_tokens}, async scheduling "
              f"{'on' if profile.async_scheduling else 'off'}"
-             f"{', engine process' if profile.engine_process else ''}"
+             f"{', engine process' if profile.engine_process else ', engine thread'}"
              f"{f', GPU emulated ({profile.emulate_gpu_ms:g} ms steps)' if profile.emulate_gpu_ms else ''} "
              f"(commit {result['commit']}, {result['device']}, {result['model_id']})")
     format_cpu_table(result["rates"])
@@ -842,8 +842,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                       emulate_gpu_ms=args.emulate_gpu_ms, client_processes=2, upload_threads=2,
                                       distinct_adapter_files=QUICK.distinct_adapter_files,
                                       seconds_per_rate=profile.seconds_per_rate, max_model_len=256)
-    if args.engine_process:
-        profile = dataclasses.replace(profile, engine_process=True)
+    if args.engine_process is not None:
+        profile = dataclasses.replace(profile, engine_process=args.engine_process)
     if args.output_tokens is not None:
         profile = dataclasses.replace(profile, output_tokens=args.output_tokens)
     rates = args.rates or profile.rates_per_s

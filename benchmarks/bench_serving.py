@@ -92,24 +92,45 @@ def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
             for i, path in enumerate(paths)]
 
 
-def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, trace_loads: bool = False) -> dict:
+def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, trace_loads: bool = False,
+                 trace_steps: bool = False) -> dict:
     """Submit all, step until done. ``trace_loads``: also ``load_trace`` = per step (seconds since
-    the start, disk loads so far in this run)."""
+    the start, disk loads so far in this run). ``trace_steps``: also ``step_trace`` = per step
+    (ms from the previous step's return, prompt tokens, decode tokens, distinct adapters among
+    its rows, slot installs so far in this run)."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind="final_only")
     pool = engine.lora_pool
     loads0 = pool.loader.disk_loads if pool is not None else 0
-    trace = []
+    installs0 = engine.get_stats().lora.slot_loads if pool is not None else 0
+    trace, steps_trace, launched = [], [], []
+    real_launch = engine.runner.launch
+    if trace_steps:
+        def launch(batch):
+            prompt = sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1)
+            launched.append((prompt, batch.num_tokens - prompt, len({s.seq.group.lora_int_id for s in batch.seqs} - {0})))
+            return real_launch(batch)
+
+        engine.runner.launch = launch
     sync()
-    t0 = time.perf_counter()
-    for i, (p, lora) in enumerate(zip(prompts, loras)):
-        engine.add_request(f"q{time.monotonic_ns()}-{i}", p, params, lora)
-    steps = errors = 0
-    while engine.has_unfinished_requests():
-        errors += sum(1 for out in engine.step() if out.finished and out.error is not None)
-        steps += 1
-        if trace_loads:
-            trace.append((time.perf_counter() - t0, pool.loader.disk_loads - loads0))
+    t0 = last = time.perf_counter()
+    try:
+        for i, (p, lora) in enumerate(zip(prompts, loras)):
+            engine.add_request(f"q{time.monotonic_ns()}-{i}", p, params, lora)
+        steps = errors = 0
+        while engine.has_unfinished_requests():
+            errors += sum(1 for out in engine.step() if out.finished and out.error is not None)
+            steps += 1
+            now = time.perf_counter()
+            if trace_loads:
+                trace.append((now - t0, pool.loader.disk_loads - loads0))
+            if trace_steps:
+                shape = launched[-1] if len(launched) == steps else (0, 0, 0)  # a step may launch nothing
+                installs = engine.get_stats().lora.slot_loads - installs0 if pool is not None else 0
+                steps_trace.append((1e3 * (now - last), *shape, installs))
+            last = now
+    finally:
+        engine.runner.launch = real_launch
     sync()
     dt = time.perf_counter() - t0
     out = {"requests": len(prompts), "total_s": dt, "requests_per_s": len(prompts) / dt,
@@ -117,7 +138,55 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, 
            "triton_variants_after": triton_variants()}
     if trace_loads:
         out["load_trace"] = trace
+    if trace_steps:
+        out["step_trace"] = steps_trace
     return out
+
+
+def step_split(row_trace: list[tuple], base_trace: list[tuple]) -> dict:
+    """Where a row's time over the base run's goes: ms summed over steps that carry prompt tokens
+    and over decode-only steps, the row's and the base's, and the decode steps' mean distinct
+    adapters (the two runs schedule the same requests; a row can take more steps)."""
+    def sums(trace):
+        prompt = [t for t in trace if t[1] > 0]
+        decode = [t for t in trace if t[1] == 0 and t[2] > 0]
+        return (sum(t[0] for t in prompt), len(prompt), sum(t[0] for t in decode), len(decode),
+                statistics.mean(t[3] for t in decode) if decode else 0.0)
+
+    rp, rpn, rd, rdn, adapters = sums(row_trace)
+    bp, bpn, bd, bdn, _ = sums(base_trace)
+    return {"prompt_steps_ms": rp, "prompt_steps": rpn, "base_prompt_steps_ms": bp, "base_prompt_steps": bpn,
+            "decode_steps_ms": rd, "decode_steps": rdn, "base_decode_steps_ms": bd, "base_decode_steps": bdn,
+            "decode_mean_distinct_adapters": adapters,
+            "decode_step_ms_median": statistics.median(t[0] for t in row_trace if t[1] == 0 and t[2] > 0)
+            if rdn else float("nan"),
+            "base_decode_step_ms_median": statistics.median(t[0] for t in base_trace if t[1] == 0 and t[2] > 0)
+            if bdn else float("nan")}
+
+
+def profiled_run(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) -> dict:
+    """The same run under ``torch.profiler`` (CUDA activity only): kernel ms per class over the
+    whole run (bench_decode's classes plus ``copy`` = memcpy/memset and ``install`` = the slot
+    writes' multi-tensor copies), GPU busy, the top kernels."""
+    from bench_decode import kernel_class, summarize_profile
+
+    if not torch.cuda.is_available():
+        return {"error": "no CUDA device to profile"}
+
+    def classify(name: str) -> str:
+        low = name.lower()
+        if "memcpy" in low or "memset" in low:
+            return "copy"
+        if "foreach" in low or "multi_tensor" in low:
+            return "install"
+        return kernel_class(name)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        res = run_requests(llm, prompts, out_len, loras)
+        sync()
+    summary = summarize_profile(prof, 1, classify=classify, classes=("gemm", "attention", "lora", "copy",
+                                                                       "install", "other"))
+    return {"total_s": res["total_s"], "steps": res["steps"], **summary}
 
 
 def sync() -> None:
@@ -226,12 +295,14 @@ def hf_peft_run(peft, prompts: list[list[int]], loras: list, out_len: int) -> di
 
 
 def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts: list[int] | None = None,
-                 cold: bool = True) -> dict:
+                 cold: bool = True, profile_rows: tuple[str, ...] = ()) -> dict:
     """Issue 17 goal 3. Rows 1/8/64/512/2000 adapters (uniform) and a Zipf row with every adapter
     already in the host cache (files in the page cache too: the serving engine's steady state),
     each against the base model on the same requests (throughput and engine steps: the base's
     steps are the batch math's minimum); a cold-start row whose adapters are read for the first
-    time inside the run (first reads hash the content), with its cause; disk -> slot ms."""
+    time inside the run (first reads hash the content), with its cause; disk -> slot ms. Each row's
+    time is split into prompt-carrying and decode-only steps against the base run's; the rows named
+    in ``profile_rows`` run once more under the profiler, and so does their base run."""
     counts = counts or ([1, 8, 64] if quick else [1, 8, 64, 512, 2000])
     num_requests, in_len, out_len = (64, 64, 16) if quick else (512, 128, 32)
     num_cold = (64 if quick else 512) if cold else 0
@@ -265,7 +336,7 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts:
 
     def base_row(n: int) -> dict:
         if n not in base:
-            base[n] = run_requests(llm, prompts[:n], out_len, [None] * n)
+            base[n] = run_requests(llm, prompts[:n], out_len, [None] * n, trace_steps=True)
             print(f"[scaling] base, {n} requests: {base[n]}", flush=True)
         return base[n]
 
@@ -274,8 +345,9 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts:
         reference = base_row(n)
         before = lora_counters(llm)
         chunks_before = pool.loader.arenas[True].chunk_allocations + pool.loader.arenas[False].chunk_allocations
-        res = run_requests(llm, prompts[:n], out_len, loras, trace_loads=True)
+        res = run_requests(llm, prompts[:n], out_len, loras, trace_loads=True, trace_steps=True)
         trace = res.pop("load_trace")
+        res["split"] = step_split(res.pop("step_trace"), reference["step_trace"])
         res["host_arena_chunks_allocated"] = (pool.loader.arenas[True].chunk_allocations
                                               + pool.loader.arenas[False].chunk_allocations - chunks_before)
         if name.startswith("cold"):
@@ -283,6 +355,11 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts:
         res.update(extra, fraction_of_base=res["output_tokens_per_s"] / reference["output_tokens_per_s"],
                    min_steps=reference["steps"], distinct_adapters=len({a.lora_int_id for a in loras}),
                    lora=diff_counters(lora_counters(llm), before))
+        if name in profile_rows:  # after the measured run: the profiler slows the host
+            res["profile"] = profiled_run(llm, prompts[:n], out_len, loras)
+            base_profiles = out.setdefault("base_profiles", {})
+            if str(n) not in base_profiles:
+                base_profiles[str(n)] = profiled_run(llm, prompts[:n], out_len, [None] * n)
         out[name] = res
         print(f"[scaling] {name}: {res}", flush=True)
 
@@ -401,6 +478,8 @@ def main() -> None:
     ap.add_argument("--scaling-counts", default=None,
                     help="adapter counts of the scaling rows, e.g. 512,2000 (default 1,8,64,512,2000)")
     ap.add_argument("--no-cold", action="store_true", help="scaling without the cold-start row (fewer adapters to write)")
+    ap.add_argument("--profile-rows", default=None,
+                    help="scaling rows (e.g. 512,zipf-2000) run once more under torch.profiler, with their base run")
     ap.add_argument("--host-cache", choices=["pinned", "pageable"], default="pinned",
                     help="host memory of the adapter cache (LoRASlotPool.pin_host_cache)")
     ap.add_argument("--cpu-check", action="store_true",
@@ -432,7 +511,8 @@ def main() -> None:
     jobs = {"scenarios": lambda: part_scenarios(model_dir, config, adapters, args.quick),
             "scaling": lambda: part_scaling(model_dir, config, root, args.quick,
                                             [int(c) for c in args.scaling_counts.split(",")] if args.scaling_counts
-                                            else None, not args.no_cold),
+                                            else None, not args.no_cold,
+                                            tuple(args.profile_rows.split(",")) if args.profile_rows else ()),
             "decode": lambda: part_decode(model_dir, adapters, floor_ms)}
     for part in parts:
         t0 = time.perf_counter()
@@ -470,6 +550,23 @@ def summarize() -> None:
         for k, v in rows.items():
             if "cause" in v:
                 print(f"{k}: {v['cause']}")
+        split = {k: v["split"] for k, v in rows.items() if "split" in v}
+        print_table("Where each row's time goes against the base run (ms summed over the run's steps)",
+                    ["row", "prompt-carrying steps ms (base)", "decode-only steps ms (base)",
+                     "decode step median ms (base)", "distinct adapters per decode step"],
+                    [[k, f"{v['prompt_steps_ms']:.0f} in {v['prompt_steps']} ({v['base_prompt_steps_ms']:.0f} in "
+                         f"{v['base_prompt_steps']})", f"{v['decode_steps_ms']:.0f} in {v['decode_steps']} "
+                         f"({v['base_decode_steps_ms']:.0f} in {v['base_decode_steps']})",
+                      f"{v['decode_step_ms_median']:.2f} ({v['base_decode_step_ms_median']:.2f})",
+                      f"{v['decode_mean_distinct_adapters']:.0f}"] for k, v in split.items()])
+        profiled = {k: v["profile"] for k, v in rows.items() if "error" not in v.get("profile", {"error": 1})}
+        profiled |= {f"base, {n} requests": v for n, v in scl.get("base_profiles", {}).items() if "error" not in v}
+        if profiled:
+            classes = ("gemm", "attention", "lora", "copy", "install", "other")
+            print_table("Kernel ms over the whole run, by class (torch.profiler, a second run of the row)",
+                        ["run", "wall s", "GPU busy", *classes],
+                        [[k, f"{v['total_s']:.2f}", f"{v['gpu_busy']:.0%}", *(f"{v[c + '_ms']:.0f}" for c in classes)]
+                         for k, v in profiled.items()])
     dec = RESULTS.get("decode", {})
     if "error" not in dec:
         print_table("Decode step vs weight-bandwidth floor", ["batch", "step ms", "floor / step"],

@@ -1,7 +1,7 @@
 """Platform commands of the ``loraplex`` CLI, added by ``loraplex.cli`` through
 :func:`add_commands`:
 
-    loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags] [--engine-process | --replicas N]
+    loraplex serve --model DIR_OR_DEMO [--host H --port P --served-model-name N ...engine flags] [--no-engine-process | --replicas N]
     loraplex tenant create NAME [--requests-per-minute N --tokens-per-minute N --max-adapters N --max-upload-mb X]
     loraplex tenant list
     loraplex key create TENANT
@@ -105,8 +105,9 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
     serve.add_argument("--host", default=_S, help="address to listen on (env LORAPLEX_HOST; default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=_S, help="port to listen on (env LORAPLEX_PORT; default 8000)")
     add_engine_flags(serve)  # one flag per EngineConfig field (engine_options.py)
-    serve.add_argument("--engine-process", action="store_true", default=_S,
-                       help="run the engine in a process of its own (env LORAPLEX_ENGINE_PROCESS; off: a thread)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=_S,
+                       help="run the engine in a process of its own (env LORAPLEX_ENGINE_PROCESS; default: yes "
+                            "unless --replicas; --no-engine-process: a thread of the server)")
     serve.add_argument("--replicas", type=int, default=_S,
                        help="N engine replicas on Ray Serve with adapter-aware routing (needs loraplex[cluster])")
     serve.add_argument("--ray-address", default=_S, help="Ray cluster to join (default: start a local one)")

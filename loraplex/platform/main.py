@@ -78,8 +78,8 @@ def create_app(settings: Settings, engine=None, *, out: TextIO = sys.stdout) -> 
 def _as_async_engine(settings: Settings, engine) -> EngineClient | None:
     """The engine client to serve: ``engine`` when it is one, an ``AsyncEngine`` over an
     ``LLMEngine``; without ``engine``: ``settings.replicas`` replicas on Ray Serve, else an
-    engine for ``settings.model`` in a process of its own (``settings.engine_process``) or in
-    this process, else None (admin API only)."""
+    engine for ``settings.model`` in a process of its own (``settings.engine_in_own_process``,
+    the default) or in this process, else None (admin API only)."""
     from loraplex.engine.llm_engine import LLMEngine
 
     if engine is None:
@@ -91,7 +91,7 @@ def _as_async_engine(settings: Settings, engine) -> EngineClient | None:
             except ImportError as exc:
                 raise ValueError(f"--replicas needs Ray Serve ({exc}): pip install 'loraplex[cluster]'") from None
             return start_replicas(settings)
-        if settings.engine_process:
+        if settings.engine_in_own_process:
             from loraplex.platform.engine_process import ProcessEngineClient
 
             return ProcessEngineClient(settings)

@@ -72,10 +72,11 @@ class PlatformSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
 
     # --- engine: one field per EngineConfig field, generated below (engine_options.py) -----------
-    engine_process: bool = Field(
-        False, description="Run the engine in a process of its own (the HTTP event loop and the engine thread "
-                           "stop sharing one GIL; vLLM and SGLang split them the same way); off = a thread of "
-                           "this process. Not with replicas (they are processes already).")
+    engine_process: bool | None = Field(
+        None, description="Run the engine in a process of its own (the HTTP event loop and the engine thread "
+                          "stop sharing one GIL; vLLM and SGLang split them the same way); false = a thread of "
+                          "this process; None = a process of its own unless replicas are set (their engines are "
+                          "processes already; true with replicas is refused).")
     # --- replicas on Ray Serve (`loraplex serve --replicas N`; the `cluster` extra) -----------------
     replicas: int | None = Field(
         None, ge=1, description="Engine replicas as Ray Serve deployments behind this gateway, routed by "
@@ -144,6 +145,12 @@ class PlatformSettings(BaseSettings):
         if self.engine_process and self.replicas is not None:
             raise ValueError("engine_process: not with replicas (each replica's engine is a process already)")
         return self
+
+    @property
+    def engine_in_own_process(self) -> bool:
+        """True when one engine for ``model`` runs in a child process (``engine_process``, or its
+        default: yes unless ``replicas`` are set)."""
+        return self.engine_process if self.engine_process is not None else self.replicas is None
 
     @model_validator(mode="after")
     def _check_engine_options(self) -> PlatformSettings:

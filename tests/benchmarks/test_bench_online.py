@@ -164,7 +164,7 @@ def test_wheel_list_pins_every_direct_server_dependency_once():
 @pytest.mark.slow
 def test_quick_run_end_to_end_matches_server_counters(tmp_path, capsys):
     out = tmp_path / "online.json"
-    result = bo.main(["--quick", "--rates", "1.5,3", "--out", str(out)])
+    result = bo.main(["--quick", "--rates", "1.5,3", "--no-engine-process", "--out", str(out)])
     assert json.loads(out.read_text())["rates"] == json.loads(json.dumps(result["rates"]))
     profile = bo.QUICK
     rows = result["rates"]
@@ -181,6 +181,7 @@ def test_quick_run_end_to_end_matches_server_counters(tmp_path, capsys):
         chunks = n * profile.output_tokens / row["tokens_per_chunk"]
         assert row["itl_ms"]["count"] == round(chunks) - n  # one gap per text chunk after the first
         assert row["achieved_requests_per_s"] > 0 and row["output_tokens_per_s"] > 0
+        assert {"loraplex-engine", "uvicorn", "process"} <= set(row["server_cpu"])  # the engine is a thread here
     # every adapter was used by the warm-up; the server routed each label as often as it was sent
     assert result["routing"]["mismatches"] == {}
     assert result["routing"]["labels"] == profile.num_adapters + 1
@@ -193,11 +194,11 @@ def test_quick_run_end_to_end_matches_server_counters(tmp_path, capsys):
 
 
 def test_emulated_gpu_with_the_engine_process_end_to_end(tmp_path, capsys):
-    """``--emulate-gpu-ms`` (the GPU profile's workload, device time slept) through ``--engine-process``: the
-    engine process generated what the clients counted, and its CPU is reported beside the event loop's."""
+    """``--emulate-gpu-ms`` (the GPU profile's workload, device time slept) through the engine process
+    (the default, as the server's): it generated what the clients counted, and its CPU is reported
+    beside the event loop's."""
     out = tmp_path / "online.json"
-    result = bo.main(["--quick", "--emulate-gpu-ms", "2", "--engine-process", "--rates", "4", "--seconds-per-rate",
-                      "2", "--out", str(out)])
+    result = bo.main(["--quick", "--emulate-gpu-ms", "2", "--rates", "4", "--seconds-per-rate", "2", "--out", str(out)])
     profile = dataclasses.replace(bo.FULL, seconds_per_rate=2.0)
     (row,) = result["rates"]
     n = bo.requests_per_rate(profile, 4)

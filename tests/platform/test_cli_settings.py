@@ -53,7 +53,14 @@ def test_replica_flags_reach_the_settings(monkeypatch):
 
 def test_engine_process_flag_reaches_the_settings_and_refuses_replicas(monkeypatch, capsys, tmp_path):
     assert settings_from_args(parse(["serve", "--model", "m", "--engine-process"])).engine_process is True
-    assert settings_from_args(parse(["serve", "--model", "m"])).engine_process is False
+    default = settings_from_args(parse(["serve", "--model", "m"]))
+    assert (default.engine_process, default.engine_in_own_process) == (None, True)  # a process by default
+    thread = settings_from_args(parse(["serve", "--model", "m", "--no-engine-process"]))
+    assert (thread.engine_process, thread.engine_in_own_process) == (False, False)
+    replicas = settings_from_args(parse(["serve", "--model", "m", "--replicas", "2"]))
+    assert (replicas.engine_process, replicas.engine_in_own_process) == (None, False)  # replicas are processes
+    monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", "0")
+    assert settings_from_args(parse(["serve", "--model", "m"])).engine_in_own_process is False
     monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", "1")
     assert settings_from_args(parse(["serve", "--model", "m"])).engine_process is True
     assert cli.main(["serve", "--model", "m", "--engine-process", "--replicas", "2", "--data-dir", str(tmp_path)]) == 2

@@ -38,8 +38,7 @@ ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=4, n
 
 @pytest.fixture
 def settings(tmp_path, tiny_llama_dir):
-    return make_settings(tmp_path, model=str(tiny_llama_dir), served_model_name="tiny", engine_process=True,
-                         **ENGINE)
+    return make_settings(tmp_path, model=str(tiny_llama_dir), served_model_name="tiny", **ENGINE)  # the default
 
 
 @pytest.fixture
@@ -326,7 +325,8 @@ def test_engine_process_and_replicas_are_refused_together(tmp_path):
 
 
 def test_served_through_the_api_as_peft_generates(settings, tiny_llama_dir, adapter_dir):
-    """``create_app`` with ``engine_process`` and no engine: the official client, streamed and not,
+    """``create_app`` with no engine and default settings (the engine in its own process): the
+    official client, streamed and not,
     base model and an uploaded adapter, against HF/PEFT greedy tokens."""
     from loraplex.platform.main import create_app
 
