@@ -181,7 +181,7 @@ def profiled_run(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) 
             return "install"
         return kernel_class(name)
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
         res = run_requests(llm, prompts, out_len, loras)
         sync()
     summary = summarize_profile(prof, 1, classify=classify, classes=("gemm", "attention", "lora", "copy",
