@@ -35,6 +35,19 @@ def rtn(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.float32) * scale[:, None]
 
 
+def rtn_blocks(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Round-to-nearest e4m3 with one scale per ``rows x cols`` block (absmax / 448), dequantized (float32):
+    ``rows=1`` is per-row groups along the input; 128 x 128 is the block format of DeepSeek-V3's FP8 checkpoints."""
+    n, k = w.shape
+    pad_n, pad_k = -n % rows, -k % cols
+    wp = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n))
+    blocks = wp.reshape(wp.shape[0] // rows, rows, wp.shape[1] // cols, cols)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.float32) * scale
+    return q.reshape(wp.shape)[:n, :k]
+
+
 def gptq(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, block: int = 128, damp: float = 0.01) -> torch.Tensor:
     """GPTQ (Frantar et al. 2022, Algorithm 1) with the e4m3 per-row quantizer; returns the dequantized weight."""
     w = w.clone().float()
@@ -82,7 +95,9 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=107)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--damp", type=float, default=0.01)
-    ap.add_argument("--methods", default="rtn,gptq")
+    ap.add_argument("--methods", default="rtn,gptq",
+                    help="rtn (per-channel), gptq, blockRxC (one scale per R x C block, e.g. block1x128), or bf16 "
+                         "(the weights rounded to bf16 only: the measure's noise floor)")
     ap.add_argument("--skip", default="", help="projections left unquantized, e.g. v_proj,o_proj or L0,L29")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -137,8 +152,14 @@ def main() -> None:
                         continue
                     w = m.weight.float()
                     scale = torch.where(w.abs().amax(1) > 0, w.abs().amax(1) / FP8_MAX, torch.ones(w.shape[0]))
-                    q = rtn(w, scale) if method == "rtn" else gptq(w, 2 * hs[p] / max(counts[p], 1), scale,
-                                                                  damp=args.damp)
+                    if method == "bf16":  # the noise floor of the measure: weights rounded to bf16 only
+                        q = w.to(torch.bfloat16).float()
+                    elif method.startswith("block"):  # e.g. block1x128, block128x128
+                        rows, cols = (int(v) for v in method.removeprefix("block").split("x"))
+                        q = rtn_blocks(w, rows, cols)
+                    else:
+                        q = rtn(w, scale) if method == "rtn" else gptq(w, 2 * hs[p] / max(counts[p], 1), scale,
+                                                                      damp=args.damp)
                     m.weight.copy_(q)
             hidden = run_layer(layer, hidden)
         model = model.to(dtype)
