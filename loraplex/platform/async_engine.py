@@ -331,7 +331,11 @@ class AsyncEngine:
         self._deliver_all(outputs)
         if self._deadlines:
             self._expire_queued()
-        self._refresh_snapshot(force=any(o.finished for o in outputs))
+        # Under load a snapshot every stats interval; at once when this step drained the engine (the idle
+        # view). Not at every finished request: at saturation most steps finish one, and the snapshot
+        # (block and tenant counts, and with the engine process a pipe message) took ~15% of the engine's
+        # host time there (bench_online --emulate-gpu-ms, py-spy; RESULTS.md session 12).
+        self._refresh_snapshot(force=not self.engine.has_unfinished_requests())
         if not outputs:  # nothing progressed (e.g. waiting for a free adapter slot): do not spin
             self._wake.wait(0.002)
 
