@@ -490,10 +490,16 @@ class ProcessEngineClient(RemoteModelFacts):
         hand_to_loops(todo)
 
     def _fail_all(self) -> None:
-        """The engine process is gone: every open stream and pending answer fails with ``EngineStoppedError``."""
-        code = self._process.exitcode if not self._process.is_alive() else None
-        error = EngineStoppedError("the engine process stopped" + (f" (exit code {code})" if code else ""))
-        self._lost = error
+        """The engine process is gone: every open stream and pending answer fails with ``EngineStoppedError``;
+        outside ``shutdown`` that is logged as an error with the process's exit code or signal."""
+        self._process.join(timeout=2.0)  # its pipe closed: let it finish exiting, for the exit code
+        code = self._process.exitcode
+        how = "" if code is None or code == 0 else f" (killed by signal {-code})" if code < 0 else f" (exit code {code})"
+        error = EngineStoppedError("the engine process stopped" + how)
+        if self._running and self._lost is None:
+            logger.error("engine process (pid %s) stopped%s: requests fail with 503 until the server is restarted",
+                         self._process.pid, how)
+        self._lost = self._lost or error
         with self._lock:
             requests, self._requests = self._requests, {}
             answers, self._answers = self._answers, {}

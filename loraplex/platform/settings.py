@@ -143,7 +143,8 @@ class PlatformSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_engine_process(self) -> PlatformSettings:
         if self.engine_process and self.replicas is not None:
-            raise ValueError("engine_process: not with replicas (each replica's engine is a process already)")
+            raise ValueError("engine_process (--engine-process / LORAPLEX_ENGINE_PROCESS) cannot be combined with "
+                             "replicas (--replicas / LORAPLEX_REPLICAS): each replica's engine is a process already")
         return self
 
     @property

@@ -64,7 +64,8 @@ def test_engine_process_flag_reaches_the_settings_and_refuses_replicas(monkeypat
     monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", "1")
     assert settings_from_args(parse(["serve", "--model", "m"])).engine_process is True
     assert cli.main(["serve", "--model", "m", "--engine-process", "--replicas", "2", "--data-dir", str(tmp_path)]) == 2
-    assert "engine_process: not with replicas" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--engine-process / LORAPLEX_ENGINE_PROCESS) cannot be combined with replicas (--replicas" in err
 
 
 def test_serve_refuses_zero_replicas(capsys, tmp_path):

@@ -8,6 +8,7 @@ outputs, and the engine's own exception types (raised in the gateway with their 
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 
 import openai
@@ -183,18 +184,24 @@ def test_preload_and_retire_adapters(client, adapter_dir, tmp_path):
     assert released == [1]
 
 
-def test_a_dead_engine_process_fails_streams_and_requests(client):
+def test_a_dead_engine_process_fails_streams_and_requests(client, caplog):
+    """Killed from outside: the stream fails with the signal named, new requests are refused, and the
+    server log says so (once) with the process id and the signal."""
     async def run():
         stream = await client.add_request("x", [5, 6, 7], _greedy(400))
         await stream.__anext__()
         client._process.kill()
-        with pytest.raises(EngineStoppedError):
+        with pytest.raises(EngineStoppedError, match="killed by signal 9"):
             async for _ in stream:
                 pass
         with pytest.raises(EngineStoppedError):
             await client.add_request("y", [5, 6], _greedy(4))
 
-    asyncio.run(run())
+    with caplog.at_level(logging.ERROR, logger="loraplex.platform.engine_process"):
+        asyncio.run(run())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"engine process (pid {client._process.pid}) stopped (killed by signal 9): requests fail with 503 until the "
+        "server is restarted"]
     assert not client.is_running
     with pytest.raises(EngineStoppedError):
         client.preload_lora(LoRARequest("poet", 1, "/nowhere")).result(10)
@@ -349,5 +356,12 @@ def test_served_through_the_api_as_peft_generates(settings, tiny_llama_dir, adap
         with live.admin() as admin:
             stats = admin.get("/admin/stats").json()
         assert stats is not None
+        live.ctx.engine._process.kill()  # the engine dies: a clear 503 in OpenAI's format, not a hang
+        live.ctx.engine._reader.join(10)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        assert caught.value.status_code == 503
+        assert caught.value.body["message"] == ("the model's engine has stopped (the server log says why); "
+                                                "restart the server")
     finally:
         live.stop()

@@ -146,8 +146,10 @@ def _max_or_none(*values: int | None) -> int | None:
 
 
 def _require_engine(ctx: PlatformContext) -> AsyncEngine:
-    if ctx.engine is None or not ctx.engine.is_running:
+    if ctx.engine is None:
         raise ServiceUnavailable("no model is being served")
+    if not ctx.engine.is_running:
+        raise ServiceUnavailable("the model's engine has stopped (the server log says why); restart the server")
     return ctx.engine
 
 
