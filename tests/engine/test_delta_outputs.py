@@ -62,3 +62,24 @@ def test_deltas_join_to_the_cumulative_output_of_every_step(tiny_llama_dir):
     assert [len(joined["b"][i].token_ids) for i in (0, 1)] == [10, 10] and len(joined["a"][0].token_ids) == 14
     assert sent_tokens == 14 + 20 + len(joined["c"][0].token_ids)  # each token sent exactly once
     assert llm.engine._sent == {}
+
+
+def test_outputs_pickle_by_position_with_every_field():
+    """The engine process pickles every step's outputs: a round trip keeps every field (each set to a value
+    unlike its default and its neighbours', so a field order mix-up shows), and the pickle carries values,
+    not field names (the positional form, ``_pickled_by_position``)."""
+    import copy
+    import pickle
+
+    from loraplex.engine.outputs import RequestOutput
+
+    completion = CompletionOutput(index=2, text="hé", token_ids=[7, 8], logprobs=[{7: -0.5}, {8: -1.5}],
+                                  cumulative_logprob=-2.0, finish_reason="stop", stop_reason="\n",
+                                  token_text_ends=[1, 2])
+    output = RequestOutput("req-1", "prompt", [1, 2, 3], [completion], True, [None, {2: -0.25}], "poet", 16,
+                           "an error", 0.125)
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        data = pickle.dumps(output, protocol=protocol)
+        assert pickle.loads(data) == output
+        assert b"token_text_ends" not in data and b"num_cached_tokens" not in data
+    assert copy.deepcopy(output) == output and copy.deepcopy(output).outputs[0] is not completion
