@@ -205,7 +205,7 @@ def _send_result(sink: _PipeSink, token: int, future: concurrent.futures.Future)
                None if exc is None else picklable(exc)))
 
 
-STATS_MIN_INTERVAL_S = 0.05  # a busy engine's snapshots (one per step that finishes a request) are sent this often
+STATS_MIN_INTERVAL_S = 0.05  # a busy engine's snapshots (taken every stats interval, and on requests) are sent at most this often
 
 
 class _SnapshotSender:
