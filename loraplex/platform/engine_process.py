@@ -205,7 +205,8 @@ def _send_result(sink: _PipeSink, token: int, future: concurrent.futures.Future)
                None if exc is None else picklable(exc)))
 
 
-STATS_MIN_INTERVAL_S = 0.05  # a busy engine's snapshots (taken every stats interval, and on requests) are sent at most this often
+# A busy engine's snapshots (taken every stats interval, and when asked) are sent at most this often.
+STATS_MIN_INTERVAL_S = 0.05
 
 
 class _SnapshotSender:
@@ -494,7 +495,8 @@ class ProcessEngineClient(RemoteModelFacts):
         outside ``shutdown`` that is logged as an error with the process's exit code or signal."""
         self._process.join(timeout=2.0)  # its pipe closed: let it finish exiting, for the exit code
         code = self._process.exitcode
-        how = "" if code is None or code == 0 else f" (killed by signal {-code})" if code < 0 else f" (exit code {code})"
+        how = ("" if code is None or code == 0 else f" (killed by signal {-code})" if code < 0
+               else f" (exit code {code})")
         error = EngineStoppedError("the engine process stopped" + how)
         if self._running and self._lost is None:
             logger.error("engine process (pid %s) stopped%s: requests fail with 503 until the server is restarted",
