@@ -145,19 +145,26 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, 
 
 def step_split(row_trace: list[tuple], base_trace: list[tuple]) -> dict:
     """Where a row's time over the base run's goes: ms summed over steps that carry prompt tokens
-    and over decode-only steps, the row's and the base's, and the decode steps' mean distinct
-    adapters (the two runs schedule the same requests; a row can take more steps)."""
+    and over decode-only steps, the row's and the base's, the decode steps' mean distinct adapters,
+    and the slot installs made in each kind of step (the two runs schedule the same requests; a
+    row can take more steps)."""
     def sums(trace):
-        prompt = [t for t in trace if t[1] > 0]
-        decode = [t for t in trace if t[1] == 0 and t[2] > 0]
-        return (sum(t[0] for t in prompt), len(prompt), sum(t[0] for t in decode), len(decode),
-                statistics.mean(t[3] for t in decode) if decode else 0.0)
+        installs, previous = [], 0
+        for t in trace:  # t[4] counts installs so far: the step's own are the difference
+            installs.append(t[4] - previous)
+            previous = t[4]
+        prompt = [i for i, t in enumerate(trace) if t[1] > 0]
+        decode = [i for i, t in enumerate(trace) if t[1] == 0 and t[2] > 0]
+        return (sum(trace[i][0] for i in prompt), len(prompt), sum(trace[i][0] for i in decode), len(decode),
+                statistics.mean(trace[i][3] for i in decode) if decode else 0.0,
+                sum(installs[i] for i in prompt), sum(installs[i] for i in decode))
 
-    rp, rpn, rd, rdn, adapters = sums(row_trace)
-    bp, bpn, bd, bdn, _ = sums(base_trace)
+    rp, rpn, rd, rdn, adapters, prompt_installs, decode_installs = sums(row_trace)
+    bp, bpn, bd, bdn, *_ = sums(base_trace)
     return {"prompt_steps_ms": rp, "prompt_steps": rpn, "base_prompt_steps_ms": bp, "base_prompt_steps": bpn,
             "decode_steps_ms": rd, "decode_steps": rdn, "base_decode_steps_ms": bd, "base_decode_steps": bdn,
             "decode_mean_distinct_adapters": adapters,
+            "prompt_step_installs": prompt_installs, "decode_step_installs": decode_installs,
             "decode_step_ms_median": statistics.median(t[0] for t in row_trace if t[1] == 0 and t[2] > 0)
             if rdn else float("nan"),
             "base_decode_step_ms_median": statistics.median(t[0] for t in base_trace if t[1] == 0 and t[2] > 0)
@@ -558,12 +565,14 @@ def summarize() -> None:
         split = {k: v["split"] for k, v in rows.items() if "split" in v}
         print_table("Where each row's time goes against the base run (ms summed over the run's steps)",
                     ["row", "prompt-carrying steps ms (base)", "decode-only steps ms (base)",
-                     "decode step median ms (base)", "distinct adapters per decode step"],
+                     "decode step median ms (base)", "distinct adapters per decode step",
+                     "slot installs in prompt / decode steps"],
                     [[k, f"{v['prompt_steps_ms']:.0f} in {v['prompt_steps']} ({v['base_prompt_steps_ms']:.0f} in "
                          f"{v['base_prompt_steps']})", f"{v['decode_steps_ms']:.0f} in {v['decode_steps']} "
                          f"({v['base_decode_steps_ms']:.0f} in {v['base_decode_steps']})",
                       f"{v['decode_step_ms_median']:.2f} ({v['base_decode_step_ms_median']:.2f})",
-                      f"{v['decode_mean_distinct_adapters']:.0f}"] for k, v in split.items()])
+                      f"{v['decode_mean_distinct_adapters']:.0f}",
+                      f"{v['prompt_step_installs']} / {v['decode_step_installs']}"] for k, v in split.items()])
         profiled = {k: v["profile"] for k, v in rows.items() if "error" not in v.get("profile", {"error": 1})}
         profiled |= {f"base, {n} requests": v for n, v in scl.get("base_profiles", {}).items() if "error" not in v}
         if profiled:

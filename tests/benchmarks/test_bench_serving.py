@@ -21,7 +21,11 @@ def test_step_split_sums_prompt_and_decode_steps_apart():
     assert split == {
         "prompt_steps_ms": 50.0, "prompt_steps": 2, "base_prompt_steps_ms": 40.0, "base_prompt_steps": 2,
         "decode_steps_ms": 12.0, "decode_steps": 2, "base_decode_steps_ms": 8.0, "base_decode_steps": 2,
-        "decode_mean_distinct_adapters": 2.5, "decode_step_ms_median": 6.0, "base_decode_step_ms_median": 4.0}
+        "decode_mean_distinct_adapters": 2.5, "prompt_step_installs": 3, "decode_step_installs": 0,
+        "decode_step_ms_median": 6.0, "base_decode_step_ms_median": 4.0}
+    # an install in a decode step counts there (and the installs are per step, not cumulative)
+    split = bs.step_split([(5.0, 64, 0, 1, 1), (4.0, 0, 2, 2, 2), (4.0, 0, 2, 2, 2)], base)
+    assert (split["prompt_step_installs"], split["decode_step_installs"]) == (1, 1)
 
 
 def test_step_split_without_decode_steps():
@@ -49,6 +53,7 @@ def test_scaling_rows_trace_every_step_on_cpu(tmp_path, monkeypatch):
     assert split["prompt_steps"] + split["decode_steps"] <= row["steps"]
     assert split["prompt_steps"] >= 1 and split["decode_steps"] >= 1
     assert 1 <= split["decode_mean_distinct_adapters"] <= 8
+    assert split["prompt_step_installs"] + split["decode_step_installs"] == row["lora"]["slot_loads"]
     assert split["base_prompt_steps"] + split["base_decode_steps"] <= row["min_steps"]
     assert row["profile"] == {"error": "no CUDA device to profile"}
     assert split["decode_step_ms_median"] > 0 and split["base_decode_step_ms_median"] > 0
