@@ -149,26 +149,20 @@ def step_split(row_trace: list[tuple], base_trace: list[tuple]) -> dict:
     and the slot installs made in each kind of step (the two runs schedule the same requests; a
     row can take more steps)."""
     def sums(trace):
-        installs, previous = [], 0
-        for t in trace:  # t[4] counts installs so far: the step's own are the difference
-            installs.append(t[4] - previous)
-            previous = t[4]
+        installs = [t[4] - (trace[i - 1][4] if i else 0) for i, t in enumerate(trace)]  # t[4]: so far
         prompt = [i for i, t in enumerate(trace) if t[1] > 0]
         decode = [i for i, t in enumerate(trace) if t[1] == 0 and t[2] > 0]
-        return (sum(trace[i][0] for i in prompt), len(prompt), sum(trace[i][0] for i in decode), len(decode),
-                statistics.mean(trace[i][3] for i in decode) if decode else 0.0,
-                sum(installs[i] for i in prompt), sum(installs[i] for i in decode))
+        decode_ms = [trace[i][0] for i in decode]
+        return {"prompt_steps_ms": sum(trace[i][0] for i in prompt), "prompt_steps": len(prompt),
+                "decode_steps_ms": sum(decode_ms), "decode_steps": len(decode),
+                "decode_mean_distinct_adapters": statistics.mean(trace[i][3] for i in decode) if decode else 0.0,
+                "prompt_step_installs": sum(installs[i] for i in prompt),
+                "decode_step_installs": sum(installs[i] for i in decode),
+                "decode_step_ms_median": statistics.median(decode_ms) if decode else float("nan")}
 
-    rp, rpn, rd, rdn, adapters, prompt_installs, decode_installs = sums(row_trace)
-    bp, bpn, bd, bdn, *_ = sums(base_trace)
-    return {"prompt_steps_ms": rp, "prompt_steps": rpn, "base_prompt_steps_ms": bp, "base_prompt_steps": bpn,
-            "decode_steps_ms": rd, "decode_steps": rdn, "base_decode_steps_ms": bd, "base_decode_steps": bdn,
-            "decode_mean_distinct_adapters": adapters,
-            "prompt_step_installs": prompt_installs, "decode_step_installs": decode_installs,
-            "decode_step_ms_median": statistics.median(t[0] for t in row_trace if t[1] == 0 and t[2] > 0)
-            if rdn else float("nan"),
-            "base_decode_step_ms_median": statistics.median(t[0] for t in base_trace if t[1] == 0 and t[2] > 0)
-            if bdn else float("nan")}
+    row, base = sums(row_trace), sums(base_trace)
+    return {**row, **{f"base_{k}": base[k] for k in ("prompt_steps_ms", "prompt_steps", "decode_steps_ms",
+                                                       "decode_steps", "decode_step_ms_median")}}
 
 
 def profiled_run(llm: LLM, prompts: list[list[int]], out_len: int, loras: list) -> dict:

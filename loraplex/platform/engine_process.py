@@ -1,4 +1,4 @@
-"""The engine in a process of its own (``loraplex serve --engine-process``).
+"""The engine in a process of its own (``loraplex serve``'s default; ``--no-engine-process`` keeps it a thread).
 
 Why: in one process the gateway's event loop (HTTP, authentication, one server-sent event per
 request and step) and the engine thread share one GIL. ``bench_online.py --quick
@@ -21,9 +21,10 @@ Messages (tuples over a ``multiprocessing`` pipe), gateway -> engine: ``("add", 
 ``("abort", request_id)``, ``("preload", token, LoRARequest)``, ``("retire", token, lora_int_id)``,
 ``("stop",)``. Engine -> gateway: ``("info", ReplicaInfo)`` once built (or
 ``("start_failed", exc)``), ``("accepted", request_id)`` / ``("refused", request_id, exc)``,
-``("batch", [("out", request_id, RequestOutput) | ("error", request_id, exc) | ("done", request_id)])``,
-``("result", token, value, exc)``, ``("stats", snapshot)``, ``("lost", exc)`` (the engine thread died). The child exits when the gateway's end
-of the pipe closes; when the child dies, every open stream raises ``EngineStoppedError``.
+``("batch", [("out", request_id, RequestOutput, same_prompt_logprobs) | ("error", request_id, exc) |
+("done", request_id)])``, ``("result", token, value, exc)``, ``("stats", snapshot)``, ``("lost", exc)`` (the
+engine thread died). The child exits when the gateway's end of the pipe closes; when the child dies, every
+open stream raises ``EngineStoppedError``.
 """
 
 from __future__ import annotations
@@ -309,21 +310,20 @@ class ProcessEngineClient(RemoteModelFacts):
         self._send_lock = threading.Lock()
         self._finalizer = multiprocessing.util.Finalize(
             self, _stop_process, args=(self._conn, self._process, self._send_lock), exitpriority=10)
-        snapshot = None
+        snapshot, first = None, None
         try:
             first = self._conn.recv()
             while first[0] == "stats":  # the engine's first snapshot may come before its description
                 snapshot, first = first[1], self._conn.recv()
         except (EOFError, OSError):
+            first = None  # it died before reporting
+        if first is None or first[0] == "start_failed":
             self._process.join(10)
             self._finalizer.cancel()
             self._conn.close()
-            raise EngineStoppedError(f"the engine process exited while starting (exit code "
-                                     f"{self._process.exitcode})") from None
-        if first[0] == "start_failed":
-            self._process.join(10)
-            self._finalizer.cancel()
-            self._conn.close()
+            if first is None:
+                raise EngineStoppedError(f"the engine process exited while starting (exit code "
+                                         f"{self._process.exitcode})")
             raise first[1]
         super().__init__(first[1])
         self.clock = clock

@@ -12,8 +12,9 @@ requests to live ones. Closing the stream cancels the call, which aborts the req
 replica.
 
 Model facts (tokenizer, vocabulary, context length, adapter dtype) come from the model folder
-and one replica's :class:`~.replica.ReplicaInfo` (:class:`~loraplex.platform.engine_facts.RemoteModelFacts`);
-the grammar compiler for request validation runs here. Stats: every ``stats_interval_s`` each replica's snapshot is fetched (a broadcast)
+and one replica's :class:`~.replica.ReplicaInfo`
+(:class:`~loraplex.platform.engine_facts.RemoteModelFacts`); the grammar compiler for request
+validation runs here. Stats: every ``stats_interval_s`` each replica's snapshot is fetched (a broadcast)
 and merged (:func:`~.stats.merge_replica_stats`); ``requests_routed`` counts accepted requests
 per (adapter routing key, replica). Retiring an adapter waits until no request sent through this client uses it, then
 each replica forgets it, then ``on_released`` runs (it may delete the files).
