@@ -1,7 +1,8 @@
 """FP8 (W8A16) linear launch shapes on the GPU: the Llama-2-7B layer's four linears at decode token counts.
 
 For T in (1, 32, 128) and each linear (qkv 4096->12288, o 4096->4096, gate_up 4096->22016, down
-11008->4096): every launch shape of a grid (BLOCK_T, BLOCK_N, BLOCK_K, warps, stages) is checked against
+11008->4096): every launch shape of a grid (BLOCK_T, BLOCK_N, BLOCK_K, warps, stages; and for the
+swapped-operand kernel, whose weight tile is the dot's M side, also SPLIT_K) is checked against
 the float32 reference (relative error < 1e-2), then timed with ``triton.testing.do_bench`` (median, µs,
 rotating over 4 weight copies so the 0.1-0.3 GB of weights is never in L2). Reported per (T, linear): the
 default shape, the best, the bytes floor (weight bytes + scales at the copy bandwidth measured here) and
@@ -29,11 +30,17 @@ COPIES = 4
 
 
 def configs(tokens: int):
+    """Token-major shapes (5-tuples), then swapped-operand shapes with split-K (6-tuples)."""
     block_ts = [16] if tokens <= 16 else ([32, 64] if tokens <= 64 else [64, 128])
     for bt, bn, bk, w, s in itertools.product(block_ts, (16, 32, 64, 128), (256, 512), (4,), (3, 4)):
         if bn * bk > 64 * 512 or (bt >= 128 and bn == 16):
             continue
         yield (bt, bn, bk, w, s)
+    swap_ts = [16] if tokens <= 16 else ([32] if tokens <= 32 else [64] if tokens <= 64 else [128])
+    for bt, bn, bk, s, split in itertools.product(swap_ts, (64, 128), (128, 256, 512), (3, 4), (1, 2, 4, 8)):
+        if bn * bk > 128 * 256:
+            continue
+        yield (bt, bn, bk, 4, s, split)
 
 
 def main() -> None:
@@ -84,8 +91,12 @@ def main() -> None:
                    "default_us": times[str(default)], "best": best, "best_us": ok[best], "cublas_bf16_us": cublas,
                    "all": times}
             results.append(row)
+            swap = {c: t for c, t in ok.items() if c.count(",") == 5}
+            row["best_swap"] = min(swap, key=swap.get) if swap else None
+            row["best_swap_us"] = swap[row["best_swap"]] if swap else None
             print(f"T={tokens:4d} {name:8s} floor {floor_us:7.1f} default {row['default_us']:7.1f} "
-                  f"best {ok[best]:7.1f} {best}  cublas-bf16 {cublas:7.1f}", flush=True)
+                  f"best {ok[best]:7.1f} {best}  best swapped {row['best_swap_us'] or float('nan'):7.1f} "
+                  f"{row['best_swap']}  cublas-bf16 {cublas:7.1f}", flush=True)
     out = {"copy_TBps": bw / 1e12, "device": torch.cuda.get_device_name(), "rows": results}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -60,6 +60,10 @@ SCALING = 2.0  # every slot's alpha / r (vLLM's shrink takes one scaling for all
 LLAMA2_7B_LAYER = (("qkv", 4096, (4096, 4096, 4096)), ("o", 4096, (4096,)), ("gate_up", 4096, (11008, 11008)),
                    ("down", 11008, (4096,)))
 SMOKE_LAYER = (("qkv", 40, (24, 8, 8)), ("down", 56, (40,)))
+# --targets qv: the layer of a q/v adapter as the engine runs it (the scaling benchmark's adapters): the fused qkv
+# linear whose k slice the adapter does not target (its scaling 0: the kernels skip it), no other projection.
+LLAMA2_7B_QV = (("qkv", 4096, (4096, 4096, 4096), (1,)),)
+SMOKE_QV = (("qkv", 40, (24, 8, 8), (1,)),)
 Timer = Callable[[Callable[[], object]], float]  # ms per call of a function, L2 cold
 
 
@@ -105,11 +109,17 @@ def token_slots(num_tokens: int, adapters: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int32)[order]
 
 
+def untargeted(spec) -> tuple[int, ...]:
+    """Slice indices of a layer entry ``(name, hidden, widths[, untargeted])`` whose scaling is 0."""
+    return spec[3] if len(spec) > 3 else ()
+
+
 def floor_bytes(layer, num_tokens_lora: int, distinct: int, rank: int, itemsize: int = 2) -> int:
     """Compulsory bytes of the layer's LoRA deltas: distinct adapters' A and B, x of the LoRA tokens,
-    y of the LoRA tokens read and written."""
+    y of the LoRA tokens read and written (targeted slices only)."""
     total = 0
-    for _, hidden, widths in layer:
+    for spec in layer:
+        hidden, widths = spec[1], [w for i, w in enumerate(spec[2]) if i not in untargeted(spec)]
         total += distinct * rank * (hidden * len(widths) + sum(widths)) * itemsize
         total += num_tokens_lora * (hidden + 2 * sum(widths)) * itemsize
     return total
@@ -117,14 +127,16 @@ def floor_bytes(layer, num_tokens_lora: int, distinct: int, rank: int, itemsize:
 
 def make_linears(layer, num_tokens: int, slots: int, rank: int, dtype, device) -> list[Linear]:
     out = []
-    for name, hidden, widths in layer:
+    for spec in layer:
+        name, hidden, widths = spec[:3]
         out.append(Linear(
             name,
             torch.randn(num_tokens, hidden, device=device).to(dtype),
             torch.randn(num_tokens, sum(widths), device=device).to(dtype),
             [(torch.randn(slots, rank, hidden, device=device) / hidden**0.5).to(dtype) for _ in widths],
             [(torch.randn(slots, w, rank, device=device) / rank**0.5).to(dtype) for w in widths],
-            [torch.full((slots,), SCALING, device=device) for _ in widths],
+            [torch.full((slots,), 0.0 if i in untargeted(spec) else SCALING, device=device)
+             for i in range(len(widths))],
         ))
     return out
 
@@ -562,7 +574,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool, with_vllm: bool = False,
-        with_dense: bool = False, min_slots: int = 0) -> dict:
+        with_dense: bool = False, min_slots: int = 0, pairs: list[tuple[int, int]] | None = None) -> dict:
     """The side-by-side rows, or (``sweep``) only the fused-kernel tile sweep at the largest adapter count."""
     copy_bps = copy_bandwidth(device)
     if sweep:
@@ -585,10 +597,9 @@ def run(layer, tokens, adapters, rank, dtype, device, timer: Timer, sweep: bool,
         except (Exception, SystemExit) as exc:  # noqa: BLE001
             vllm_fn, why = None, f"vllm call failed: {type(exc).__name__}: {exc}"
     rows = []
-    for t in tokens:
-        for n in adapters:
-            rows.append(bench_row(layer, t, n, rank, dtype, device, timer, copy_bps, impls, min_slots))
-            print(json.dumps(asdict(rows[-1])), flush=True)
+    for t, n in pairs or [(t, n) for t in tokens for n in adapters]:
+        rows.append(bench_row(layer, t, n, rank, dtype, device, timer, copy_bps, impls, min_slots))
+        print(json.dumps(asdict(rows[-1])), flush=True)
     result = {"copy_TBps": copy_bps / 1e12, "rank": rank, "min_slots": min_slots, "rows": [asdict(r) for r in rows],
               "vllm": "timed" if vllm_fn is not None else why, "sglang": "not wired in this benchmark"}
     return result
@@ -609,6 +620,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "shapes (split-K, shrink and expand tiles) per projection, each variant checked")
     parser.add_argument("--mixed-ranks", action="store_true", help="instead of the table, time rectangles against "
                         "pages (ranks without padding) at 32 tokens x 32 adapters, mixed ranks (run_mixed_ranks)")
+    parser.add_argument("--rows", type=str, default="", help="TxA[,TxA]: the table's rows instead of {1, 32, 128, "
+                        "512} x {1, 8, 32} (e.g. 256x256: a decode batch of many adapters)")
+    parser.add_argument("--targets", choices=("all", "qv"), default="all", help="qv: only the fused qkv linear, its "
+                        "k slice untargeted (scaling 0), as the engine runs a q/v adapter (the scaling benchmark's)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     parser.add_argument("--keep-going", action="store_true", help="record a failed check in the row, time anyway")
     args = parser.parse_args(argv)
@@ -624,9 +639,15 @@ def main(argv: list[str] | None = None) -> dict:
         layer, tokens, adapters, rank, dtype = SMOKE_LAYER, (1, 5), (1, 3), 4, torch.float32
     else:
         raise SystemExit("bench_lora_kernels: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    if args.targets == "qv":
+        layer = SMOKE_QV if args.smoke else LLAMA2_7B_QV
+    pairs = [tuple(int(v) for v in spec.split("x")) for spec in filter(None, args.rows.lower().split(","))]
     if args.mixed_ranks:
+        if args.targets != "all":
+            raise SystemExit("--mixed-ranks times all four projections: leave --targets at all")
         return mixed_main(args, layer, rank, dtype, device, timer)
-    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm, args.dense, args.slots)
+    result = run(layer, tokens, adapters, rank, dtype, device, timer, args.sweep, args.vllm, args.dense, args.slots,
+                 pairs or None)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["device"] = name
     if args.sweep:
@@ -637,7 +658,8 @@ def main(argv: list[str] | None = None) -> dict:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2))
         return result
-    note = (f"LoRA deltas of one layer's four projections, r={rank}, {BASE_FRACTION:.0%} base tokens, "
+    what = "the q/v adapter's qkv linear (k untargeted)" if args.targets == "qv" else "one layer's four projections"
+    note = (f"LoRA deltas of {what}, r={rank}, {BASE_FRACTION:.0%} base tokens, "
             f"CUDA-graph replay, cold L2 ({name}, copy {result['copy_TBps']:.2f} TB/s; vllm: {result['vllm']}; "
             f"slots per layer: {f'at least {args.slots}' if args.slots else 'as many as adapters'})")
     result["table"] = format_table([Row(**r) for r in result["rows"]], note)

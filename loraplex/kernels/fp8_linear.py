@@ -69,6 +69,74 @@ def _fp8_linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _fp8_linear_swap_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    num_tokens,
+    out_features,
+    in_features,
+    k_per_split,
+    stride_xt,
+    stride_wn,
+    stride_ot,
+    stride_os,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,  # split-K: write fp32 partial sums (out is [SPLIT, T, N] fp32), no scale/bias
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # "Swap AB" for decode token counts: acc[n, t] = W[n, k] @ x[t, k]^T, so the weight tile is the dot's M operand
+    # (64+ rows: Hopper's wgmma) and the few tokens its N. Grid = (column tiles, K splits, token tiles).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_tokens
+    col_mask = cols < out_features
+    k_first = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_first + k_per_split, in_features)
+    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for k0 in range(k_first, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xt + k[:, None],
+                    mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        acc += tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=PRECISION)
+    mask = col_mask[:, None] & row_mask[None, :]
+    if PARTIAL:
+        out = out_ptr + tl.program_id(1) * stride_os + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
+        tl.store(out, acc, mask=mask)
+    else:
+        acc = acc * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+        out = out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_split_sum_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, numel, out_features, split, stride_ps,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t, n] = scale[n] * sum_s part[s, t, n] + bias[n], the splits summed in order (deterministic)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < numel
+    col = idx % out_features
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(split):
+        acc += tl.load(part_ptr + s * stride_ps + idx, mask=mask, other=0.0)
+    acc = acc * tl.load(scale_ptr + col, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
     check_dtype(_OP, "x", x, FLOAT_DTYPES)
     check_shape(_OP, "x", x, (None, None))
@@ -104,11 +172,42 @@ def _block_sizes(num_tokens: int, out_features: int, device: torch.device) -> tu
     return 128, 128, 64, 8, 3
 
 
+def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
+    """The swapped-operand kernel (weight tile as the dot's M side), split over K when ``config[5] > 1``."""
+    block_t, block_n, block_k, num_warps, num_stages, split = config
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
+    split = triton.cdiv(in_features, k_per_split)
+    target = out if split == 1 else torch.empty((split, num_tokens, out_features), dtype=torch.float32,
+                                                device=x.device)
+    grid = (triton.cdiv(out_features, block_n), split, triton.cdiv(num_tokens, block_t))
+    _fp8_linear_swap_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, target,
+        num_tokens, out_features, in_features, k_per_split,
+        x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split > 1:
+        numel = num_tokens * out_features
+        block = 1024 if x.device.type == "cuda" else 64
+        _fp8_split_sum_kernel[(triton.cdiv(numel, block),)](
+            target, scale, bias if bias is not None else scale, out, numel, out_features, split, target.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
 def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None = None, *,
-                       config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                       config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Triton launch of :func:`fp8_linear_ref`. ``config``: (BLOCK_T, BLOCK_N, BLOCK_K, num_warps,
-    num_stages) override (benchmarks/bench_fp8_linear.py sweeps it)."""
+    num_stages) override of the token-major kernel, or (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages,
+    SPLIT_K) for the swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both)."""
     require_triton(_OP)
     _check_args(x, weight, scale, bias)
     check_last_dim_contiguous(_OP, "x", x)
@@ -118,6 +217,8 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
+    if config is not None and len(config) == 6:
+        return _launch_swap(x, weight, scale, bias, out, config)
     if config is None:
         block_t, block_n, block_k, num_warps, num_stages = _block_sizes(num_tokens, out_features, x.device)
     else:

@@ -33,6 +33,21 @@ def test_bytes_floor_of_a_llama2_7b_layer_at_32_tokens_and_32_adapters():
     assert bl.floor_bytes(bl.LLAMA2_7B_LAYER, 26, 32, 16) == 32 * adapter + 26 * token == 85_584_896
 
 
+def test_qv_targets_leave_k_untargeted_and_out_of_the_floor():
+    # a q/v adapter at 256 tokens (205 on 256 adapters, 205 distinct): A and B of q and v only, x once, y of q and v
+    adapter = 2 * 16 * (2 * 4096 + 2 * 4096)
+    token = 2 * (4096 + 2 * 8192)
+    assert bl.floor_bytes(bl.LLAMA2_7B_QV, 205, 205, 16) == 205 * adapter + 205 * token
+    (lin,) = bl.make_linears(bl.SMOKE_QV, 5, 3, 4, torch.float32, torch.device("cpu"))
+    assert [s.tolist() for s in lin.scaling] == [[bl.SCALING] * 3, [0.0] * 3, [bl.SCALING] * 3]
+    mapping = bl.plan_segments(bl.token_slots(5, 3), 3)
+    bl.check(lin, mapping, bl.add_lora_ref)
+    ref = lin.y0.clone()
+    bl.add_lora_ref(lin.x, lin.lora_a, lin.lora_b, lin.scaling, ref, mapping)
+    assert torch.equal(ref[:, 24:32], lin.y0[:, 24:32]), "the k slice is untouched"
+    assert not torch.equal(ref[:, :24], lin.y0[:, :24])
+
+
 def test_check_rejects_a_wrong_kernel():
     mapping = bl.plan_segments(bl.token_slots(5, 3), 3)
     (lin,) = bl.make_linears(bl.SMOKE_LAYER[:1], 5, 3, 4, torch.float32, torch.device("cpu"))
