@@ -71,7 +71,7 @@ def main() -> None:
                     fn(i[0])
                 return triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median") * 1e3
 
-            default = _block_sizes(tokens, n, dev)
+            default = _block_sizes(tokens, n, k, dev)
             times = {}
             for cfg in dict.fromkeys([default, *configs(tokens)]):
                 try:

@@ -152,13 +152,17 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
         check_device(_OP, "bias", bias, x.device)
 
 
-def _block_sizes(num_tokens: int, out_features: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages).
+def _block_sizes(num_tokens: int, out_features: int, in_features: int,
+                 device: torch.device) -> tuple[int, ...]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages) of the token-major kernel, or those and SPLIT_K
+    (a 6-tuple) for the swapped-operand kernel.
 
-    On CUDA, from a sweep on an H200 (benchmarks/bench_fp8_linear.py; RESULTS.md, session 7) over
+    On CUDA, from sweeps on an H200 (benchmarks/bench_fp8_linear.py; RESULTS.md, sessions 7 and 13) over
     Llama-2-7B's linears: decode token counts take the smallest token tile that holds them, narrow
     column tiles for narrow outputs (<= 8192 columns: more programs, each streaming long K tiles) and
-    64-column tiles for wide ones; prefill-sized counts take square-ish tiles."""
+    64-column tiles for wide ones; from 65 to 128 tokens the swapped-operand kernel (weight tile as the
+    dot's 64-row side, 128 tokens as its other side; split over K for long reductions) except for narrow
+    outputs of short reductions (o_proj: two 64-token tiles); prefill-sized counts take square-ish tiles."""
     if device.type != "cuda":
         return 16, 32, 32, 4, 3
     narrow = out_features <= 8192
@@ -167,8 +171,10 @@ def _block_sizes(num_tokens: int, out_features: int, device: torch.device) -> tu
     if num_tokens <= 64:
         block_t = 32 if num_tokens <= 32 else 64
         return (block_t, 16, 256, 4, 4) if narrow else (block_t, 64, 256, 4, 3)
-    if num_tokens <= 128 and narrow:
-        return 128, 32, 256, 4, 3
+    if num_tokens <= 128:
+        if in_features > 8192:
+            return 128, 64, 128, 4, 3, 4
+        return (64, 16, 256, 4, 3) if narrow else (128, 64, 128, 4, 3, 1)
     return 128, 128, 64, 8, 3
 
 
@@ -217,12 +223,11 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    if config is not None and len(config) == 6:
-        return _launch_swap(x, weight, scale, bias, out, config)
     if config is None:
-        block_t, block_n, block_k, num_warps, num_stages = _block_sizes(num_tokens, out_features, x.device)
-    else:
-        block_t, block_n, block_k, num_warps, num_stages = config
+        config = _block_sizes(num_tokens, out_features, in_features, x.device)
+    if len(config) == 6:
+        return _launch_swap(x, weight, scale, bias, out, config)
+    block_t, block_n, block_k, num_warps, num_stages = config
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
     _fp8_linear_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out,

@@ -53,3 +53,31 @@ def test_empty_batch_and_bad_arguments(kernel_device, triton_kernels):
         fp8_linear_ref(x, weight, scale[:4])
     with pytest.raises(KernelArgumentError, match="weight"):
         fp8_linear_ref(torch.randn(2, 12, device=kernel_device), weight, scale)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_swapped_operand_kernel_with_split_k_matches_the_loop(kernel_device, poison_allocations, split, bias):
+    """The swapped-operand kernel (weight tile as the dot's M side), its K chunks summed by a second kernel when
+    SPLIT_K > 1; K = 72 is not a multiple of the 16-element K tile times the split (a partial last chunk)."""
+    from loraplex.kernels.fp8_linear import _launch_fp8_linear
+
+    x, weight, scale, b = _inputs(19, 72, 50, torch.float32, kernel_device, bias)
+    out = _launch_fp8_linear(x, weight, scale, b, config=(16, 16, 16, 4, 3, split))
+    err = (out.double().cpu() - _loop(x, weight, scale, b)).abs().max().item()
+    assert err <= 1e-4, err
+
+
+def test_cuda_launch_shapes_are_the_measured_ones():
+    """RESULTS.md sessions 7 and 13: token-major tiles up to 64 tokens, the swapped-operand kernel from 65 to 128
+    (split over K for down_proj's 11008), o_proj's narrow short reduction in 64-token tiles, prefill tiles after."""
+    from loraplex.kernels.fp8_linear import _block_sizes
+
+    cuda = torch.device("cuda")
+    assert _block_sizes(1, 12288, 4096, cuda) == (16, 64, 256, 4, 3)
+    assert _block_sizes(32, 4096, 11008, cuda) == (32, 16, 256, 4, 4)
+    assert _block_sizes(128, 12288, 4096, cuda) == (128, 64, 128, 4, 3, 1)
+    assert _block_sizes(100, 4096, 11008, cuda) == (128, 64, 128, 4, 3, 4)
+    assert _block_sizes(128, 4096, 4096, cuda) == (64, 16, 256, 4, 3)
+    assert _block_sizes(129, 22016, 4096, cuda) == (128, 128, 64, 8, 3)
