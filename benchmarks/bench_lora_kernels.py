@@ -326,7 +326,8 @@ def profile_kernels(layer, num_tokens: int, adapters: int, rank: int, dtype, dev
 
 def sgmv_variants(num_tokens: int) -> dict[str, dict]:
     """Launch overrides of ``ADD_LORA.triton``'s two-kernel path: split-K and shrink (BLOCK_M, BLOCK_K) with the
-    default expand, then expand (BLOCK_M, BLOCK_N, N_ITERS) with the default shrink; the default first."""
+    default expand, then expand (BLOCK_M, BLOCK_N, N_ITERS) with the default shrink, then a few pairs of both; the
+    default first."""
     block_m = 16 if num_tokens <= 256 else 64
     variants: dict[str, dict] = {"default": {}}
     for split in (1, 2, 4, 8, 16, 32):
@@ -336,6 +337,11 @@ def sgmv_variants(num_tokens: int) -> dict[str, dict]:
         for bn in (32, 64, 128, 256):
             for iters in (1, 2, 4, 8):
                 variants[f"exp-m{bm}-n{bn}x{iters}"] = dict(expand_blocks=(bm, bn, iters))
+    # both parts changed at once: the shrink and expand shapes that won a part each at 256 x 256 (session 13)
+    for split, bk in ((1, 256), (2, 128), (4, 128)):
+        for bn, iters in ((64, 8), (128, 4), (128, 8)):
+            variants[f"split{split}-k{bk}+exp-m16-n{bn}x{iters}"] = dict(
+                split_k=split, shrink_blocks=(block_m, bk), expand_blocks=(16, bn, iters))
     return variants
 
 

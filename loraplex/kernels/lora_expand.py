@@ -64,14 +64,13 @@ def rank_tile(max_rank: int, page_table: torch.Tensor | None) -> int:
 
 
 @triton.jit
-def _load_v(v_ptrs, v_mask, SPLIT_K: tl.constexpr, stride_v_split, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``[BLOCK_M, BLOCK_R]`` float32 tile of ``v``: the sum of ``SPLIT_K`` partial shrink results, added in a fixed
-    order (deterministic); masked-off elements are not read. The loop is unrolled (``SPLIT_K`` is a compile-time
-    constant) so that the partials' loads are issued together: a runtime loop waited for each load in turn, i.e.
-    ``SPLIT_K`` L2 round trips per program before its first multiply (H200, one q/v layer at 256 tokens x 256
-    adapters: the expand took 67 of the pair's 113 us; benchmarks/RESULTS.md, session 13)."""
+def _load_v(v_ptrs, v_mask, split_k, stride_v_split, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``[BLOCK_M, BLOCK_R]`` float32 tile of ``v``: the sum of ``split_k`` partial shrink results, added in a fixed
+    order (deterministic); masked-off elements are not read. A runtime loop on purpose: unrolled (``split_k`` a
+    compile-time constant, the loads issued together) it measured slower on an H200 (one q/v layer at 256 tokens x
+    256 adapters: expand 67 -> 82 us; a Llama-2-7B layer at 32 x 32: 96 -> 110 us; RESULTS.md, session 13)."""
     v = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for split in tl.static_range(SPLIT_K):
+    for split in range(split_k):
         v += tl.load(v_ptrs + split * stride_v_split, mask=v_mask, other=0.0)
     return v
 
@@ -93,14 +92,13 @@ def _page_ids(page_row, r, rank, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _paged_tile_dot(acc, v_row, row_mask, r, rank, SPLIT_K: tl.constexpr, stride_v_split, page, b_base, page_stride,
-                    cols, col_mask,
+def _paged_tile_dot(acc, v_row, row_mask, r, rank, split_k, stride_v_split, page, b_base, page_stride, cols, col_mask,
                     PAGE: tl.constexpr, B_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """``acc + v[:, r] @ B[cols, r].T`` for one tile of rank columns ``r``, B paged ([P, width, PAGE], column r in
     page ``page`` (:func:`_page_ids`) at ``r % PAGE``); columns ``>= rank`` of v and B are not read."""
     r_mask = r < rank
-    v = _load_v(v_row + r[None, :], row_mask[:, None] & r_mask[None, :], SPLIT_K, stride_v_split, BLOCK_M, BLOCK_R)
+    v = _load_v(v_row + r[None, :], row_mask[:, None] & r_mask[None, :], split_k, stride_v_split, BLOCK_M, BLOCK_R)
     # One page id per rank column, even where a tile lies in one page: on an H200 (Triton 3.6, 32 tokens x 32
     # adapters, all r=16, PAGE 16) the expands of a Llama-2-7B layer took 77 us so, 94 us with one page id per tile
     # (which lets the compiler load 16 bytes along r); rectangles: 63 us.
@@ -109,9 +107,8 @@ def _paged_tile_dot(acc, v_row, row_mask, r, rank, SPLIT_K: tl.constexpr, stride
     return tl.dot(v.to(B_DTYPE).to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), acc, input_precision=PRECISION)
 
 
-# Per-step ints are not specialised (no recompile when a count becomes 1 or a multiple of 16). SPLIT_K is a
-# compile-time constant: one of a few values per (token bucket, H) (lora_shrink.partial_split_k).
-@triton.jit(do_not_specialize=["num_tiles"])
+# Per-step ints are not specialised (no recompile when a count becomes 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["num_tiles", "split_k"])
 def _lora_expand_kernel(
     v_ptr,
     b_ptrs,
@@ -133,7 +130,7 @@ def _lora_expand_kernel(
     stride_v_slice,
     stride_vt,
     stride_yt,
-    SPLIT_K: tl.constexpr,  # partial sums in v (1: v is the shrink's sum)
+    split_k,
     HAS_RANKS: tl.constexpr,
     PAGE: tl.constexpr,  # rank columns per page; 0 = rectangles ([S, width, R] slices)
     SLOT_PAGE: tl.constexpr,  # PAGE == 0 with one page per slot: the rectangle is page page_table[slot, 0]
@@ -179,7 +176,7 @@ def _lora_expand_kernel(
         r = tl.arange(0, BLOCK_R)
         r_mask = r < rank
         v = _load_v(v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + r[None, :],
-                    row_mask[:, None] & r_mask[None, :], SPLIT_K, stride_v_split, BLOCK_M, BLOCK_R)
+                    row_mask[:, None] & r_mask[None, :], split_k, stride_v_split, BLOCK_M, BLOCK_R)
         v = v.to(B_DTYPE).to(DOT_DTYPE)
         b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(B_DTYPE))
         offset = tl.load(slice_offsets_ptr + slice_id)
@@ -207,7 +204,7 @@ def _lora_expand_kernel(
         for it in tl.static_range(N_ITERS):
             cols = n_first + it * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < width
-            acc = _paged_tile_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), v_row, row_mask, r_first, rank, SPLIT_K,
+            acc = _paged_tile_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), v_row, row_mask, r_first, rank, split_k,
                                   stride_v_split, page_first, b_base, page_stride, cols, col_mask, PAGE, B_DTYPE,
                                   DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_R)
             # Each tile's page ids are loaded one tile ahead. On an H200 (32 tokens x 32 adapters) this layout ran
@@ -217,7 +214,7 @@ def _lora_expand_kernel(
             for r_tile in range(1, tl.cdiv(rank, BLOCK_R)):
                 r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
                 page_next = _page_ids(page_row, r + BLOCK_R, rank, PAGE)
-                acc = _paged_tile_dot(acc, v_row, row_mask, r, rank, SPLIT_K, stride_v_split, page, b_base,
+                acc = _paged_tile_dot(acc, v_row, row_mask, r, rank, split_k, stride_v_split, page, b_base,
                                       page_stride, cols, col_mask, PAGE, B_DTYPE, DOT_DTYPE, PRECISION, BLOCK_M,
                                       BLOCK_R)
                 page = page_next
@@ -352,7 +349,7 @@ def _launch_lora_expand(
         v3.stride(0),
         v3.stride(1),
         y.stride(0),
-        SPLIT_K=split,
+        split,
         HAS_RANKS=ranks is not None,
         PAGE=lora_b[0].shape[2] if paged else 0,
         SLOT_PAGE=page_table is not None and not paged,
