@@ -46,6 +46,9 @@ _OP = "lora_expand"
 # Batches of at most this many tokens use the shrink's decode launch shapes (lora_shrink._block_sizes).
 DECODE_MAX_TOKENS = 256
 DECODE_BLOCK_M = 16  # token rows per program: the expand at every size, the shrink up to DECODE_MAX_TOKENS
+# Decode batches of more than this many tokens (up to DECODE_MAX_TOKENS) take shapes of their own, shrink and expand:
+# there a batch holds up to as many adapters as tokens (one-token segments), and fewer, longer programs win.
+LARGE_DECODE_TOKENS = 128
 # Rank rows per tile with pages (shrink and expand): a program loops over ceil(ranks[s] / 16) tiles (16: the
 # smallest bf16 tensor-core K, and the rank the rectangle launch shapes were tuned at).
 PAGED_BLOCK_R = 16
@@ -279,17 +282,32 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int, 
     """(BLOCK_M, BLOCK_N, N_ITERS): GPU-sized on CUDA, small under the CPU interpreter.
 
     16-row tiles at every size; one 128-column tile per program up to 8 tokens, one 256-column tile beyond
-    (:func:`cap_block_n` lowers it for big ranks). ``N_ITERS`` > 1 (a program covering ``BLOCK_N * N_ITERS``
-    columns, loading ``v`` once for them) is a benchmark override only.
+    (:func:`cap_block_n` lowers it for big ranks), except from 129 to 256 tokens: eight 128-column tiles per
+    program (``N_ITERS`` 8: ``v`` loaded once for 1,024 columns), one 256-column tile again for ranks above 32
+    (:func:`_launch_lora_expand`).
     """
     if device.type != "cuda":
         return 16, 16, 2
     # Tuned on an H200 (benchmarks/bench_lora_kernels.py --sweep-sgmv, RESULTS.md session 8): one
     # 128-column tile per program for a handful of tokens, one 256-column tile beyond (32 tokens x 32
     # adapters: 112.6 -> 103.8 us per layer; 512 tokens: 16-row tiles instead of 64, 522 -> 305 us).
+    # Session 13, a q/v adapter's qkv linear at 256 tokens: with the shrink's 1024-element H chunks in 128-element
+    # K tiles, 114.4 -> 94.3 us at 256 adapters and 50.4 -> 45.8 us at 64.
     if mapping.num_tokens <= 8:
         return DECODE_BLOCK_M, 128, 1
+    if LARGE_DECODE_TOKENS < mapping.num_tokens <= DECODE_MAX_TOKENS:
+        return DECODE_BLOCK_M, 128, 8
     return DECODE_BLOCK_M, 256, 1
+
+
+def launch_shape(mapping: LoRAMapping, device: torch.device, block_r: int, itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, N_ITERS) of a launch: :func:`_block_sizes` for a ``[BLOCK_N, block_r]`` B tile of
+    ``itemsize``-byte elements; a rank tile above 32 takes one column tile per program (eight ``[128, R]`` B tiles
+    would not fit in registers), :func:`cap_block_n` lowering its width."""
+    block_m, block_n, n_iters = _block_sizes(mapping, device)
+    if n_iters > 1 and block_r > 32 and device.type == "cuda":
+        block_n, n_iters = 256, 1
+    return block_m, cap_block_n(block_n, block_r, itemsize), n_iters
 
 
 def _launch_lora_expand(
@@ -323,9 +341,7 @@ def _launch_lora_expand(
     offsets = [sum(widths[:i]) for i in range(len(widths))]
     paged = multi_page(page_table)  # one page per slot: the rectangle path
     block_r = rank_tile(max_rank, page_table)
-    block_m, block_n, n_iters = blocks or _block_sizes(mapping, y.device)
-    if blocks is None:
-        block_n = cap_block_n(block_n, block_r, lora_b[0].element_size())
+    block_m, block_n, n_iters = blocks or launch_shape(mapping, y.device, block_r, lora_b[0].element_size())
     n_tiles = cdiv(max(widths), block_n * n_iters)
     tiles = mapping.tiles(block_m)
     _lora_expand_kernel[(tiles.shape[1], len(lora_b) * n_tiles)](

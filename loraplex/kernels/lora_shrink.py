@@ -47,7 +47,15 @@ from loraplex.kernels._triton import (
     triton,
 )
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_expand import DECODE_BLOCK_M, DECODE_MAX_TOKENS, PAGED_BLOCK_R, multi_page, rank_tile, _page_ids
+from loraplex.kernels.lora_expand import (
+    DECODE_BLOCK_M,
+    DECODE_MAX_TOKENS,
+    LARGE_DECODE_TOKENS,
+    PAGED_BLOCK_R,
+    _page_ids,
+    multi_page,
+    rank_tile,
+)
 from loraplex.kernels.lora_mapping import LoRAMapping, max_tiles
 from loraplex.kernels.op import Op
 
@@ -67,10 +75,11 @@ PROMPT_PARTIALS_MAX_BYTES = 32 << 20
 
 
 def shrink_k_per_split(num_tokens: int) -> int:
-    """H elements per shrink program on CUDA: 256 up to 8 tokens, 512 up to 256, else 1024."""
+    """H elements per shrink program on CUDA: 256 up to 8 tokens, 512 up to 128, else 1024 (from 129 to 256
+    tokens in 128-element K tiles, :func:`_block_sizes`; RESULTS.md, session 13)."""
     if num_tokens <= 8:
         return SHRINK_K_PER_SPLIT
-    return 2 * SHRINK_K_PER_SPLIT if num_tokens <= DECODE_MAX_TOKENS else 4 * SHRINK_K_PER_SPLIT
+    return 2 * SHRINK_K_PER_SPLIT if num_tokens <= LARGE_DECODE_TOKENS else 4 * SHRINK_K_PER_SPLIT
 
 
 @triton.jit
@@ -214,8 +223,10 @@ def _block_sizes(mapping: LoRAMapping, device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K): GPU-sized on CUDA, small under the CPU interpreter."""
     if device.type != "cuda":
         return 16, 32
-    if mapping.num_tokens <= DECODE_MAX_TOKENS:
+    if mapping.num_tokens <= LARGE_DECODE_TOKENS:
         return DECODE_BLOCK_M, 256
+    if mapping.num_tokens <= DECODE_MAX_TOKENS:
+        return DECODE_BLOCK_M, 128
     return 64, 256
 
 

@@ -399,9 +399,11 @@ def test_add_lora_refuses_two_kernel_overrides_for_the_fused_path():
 
 
 def test_cuda_launch_shapes_are_the_measured_ones():
-    """The H200 sweep of session 8 (RESULTS.md): shrink H chunks of 256 elements up to 8 tokens, 512 up to 256,
-    1024 beyond (partials bounded to 32 MiB there), in 256-element K tiles; expand 128-column tiles up to 8 tokens, 256 beyond, back to 128 when a
-    B tile would pass 32 KiB (large ranks). Chosen from the device type alone, so checked here on the CPU."""
+    """The H200 sweeps of sessions 8 and 13 (RESULTS.md): shrink H chunks of 256 elements up to 8 tokens, 512 up to
+    128, 1024 beyond (partials bounded to 32 MiB past 256), in 256-element K tiles (128 from 129 to 256 tokens);
+    expand 128-column tiles up to 8 tokens, 256 beyond, back to 128 when a B tile would pass 32 KiB (large ranks),
+    and eight 128-column tiles per program from 129 to 256 tokens. Chosen from the device type alone, so checked
+    here on the CPU."""
     from loraplex.kernels import lora_expand, lora_shrink
 
     cuda = torch.device("cuda")
@@ -409,18 +411,25 @@ def test_cuda_launch_shapes_are_the_measured_ones():
     def mapping(tokens: int) -> LoRAMapping:
         return LoRAMapping.from_token_slots(torch.arange(tokens, dtype=torch.int32) % 4, num_slots=4)
 
-    splits = {t: lora_shrink.partial_split_k(mapping(t), 4096, 3, cuda, 16) for t in (1, 8, 9, 32, 256, 257, 512)}
-    assert splits == {1: 16, 8: 16, 9: 8, 32: 8, 256: 8, 257: 4, 512: 4}
+    splits = {t: lora_shrink.partial_split_k(mapping(t), 4096, 3, cuda, 16)
+              for t in (1, 8, 9, 32, 128, 129, 256, 257, 512)}
+    assert splits == {1: 16, 8: 16, 9: 8, 32: 8, 128: 8, 129: 4, 256: 4, 257: 4, 512: 4}
     assert lora_shrink.partial_split_k(mapping(512), 11008, 1, cuda, 16) == 11
     # Past 256 tokens the partials stay under 32 MiB: a long high-rank chunk is not split at all.
     assert lora_shrink.partial_split_k(mapping(8192), 4096, 3, cuda, max_rank=256) == 1  # 25 MiB per split
     assert lora_shrink.partial_split_k(mapping(8192), 4096, 3, cuda, max_rank=16) == 4  # 1.5 MiB per split
     assert lora_shrink.partial_split_k(mapping(8192), 4096, 1, cuda, max_rank=128) == 4  # 4 MiB: 8 would fit
     assert lora_shrink._block_sizes(mapping(32), cuda) == (16, 256)
+    assert lora_shrink._block_sizes(mapping(129), cuda) == (16, 128)  # session 13: 129-256 tokens
     assert lora_shrink._block_sizes(mapping(512), cuda) == (64, 256)
     assert lora_expand._block_sizes(mapping(8), cuda) == (16, 128, 1)
     assert lora_expand._block_sizes(mapping(32), cuda) == (16, 256, 1)
+    assert lora_expand._block_sizes(mapping(256), cuda) == (16, 128, 8)
     assert lora_expand._block_sizes(mapping(512), cuda) == (16, 256, 1)
+    assert lora_expand.launch_shape(mapping(256), cuda, 16, 2) == (16, 128, 8)
+    assert lora_expand.launch_shape(mapping(256), cuda, 64, 2) == (16, 256, 1)  # big ranks: one column tile
+    assert lora_expand.launch_shape(mapping(256), cuda, 128, 2) == (16, 128, 1)
+    assert lora_expand.launch_shape(mapping(32), cuda, 128, 2) == (16, 128, 1)
     assert lora_expand.cap_block_n(256, 16, 2) == 256
     assert lora_expand.cap_block_n(256, 64, 2) == 256
     assert lora_expand.cap_block_n(256, 128, 2) == 128
