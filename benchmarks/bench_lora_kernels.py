@@ -324,7 +324,7 @@ def profile_kernels(layer, num_tokens: int, adapters: int, rank: int, dtype, dev
     return out
 
 
-def sgmv_variants(num_tokens: int) -> dict[str, dict]:
+def sgmv_variants(num_tokens: int, hidden: int = 4096) -> dict[str, dict]:
     """Launch overrides of ``ADD_LORA.triton``'s two-kernel path: split-K and shrink (BLOCK_M, BLOCK_K) with the
     default expand, then expand (BLOCK_M, BLOCK_N, N_ITERS) with the default shrink, then a few pairs of both; the
     default first."""
@@ -337,7 +337,11 @@ def sgmv_variants(num_tokens: int) -> dict[str, dict]:
         for bn in (32, 64, 128, 256):
             for iters in (1, 2, 4, 8):
                 variants[f"exp-m{bm}-n{bn}x{iters}"] = dict(expand_blocks=(bm, bn, iters))
-    # both parts changed at once: the shrink and expand shapes that won a part each at 256 x 256 (session 13)
+    # both parts changed at once: the shrink and expand shapes that won a part each at 256 x 256 (session 13), and
+    # the shapes that were the default from 9 to 256 tokens before session 13 (512-element H chunks in 256-element
+    # K tiles, one 256-column expand tile per program)
+    variants["before-session-13"] = dict(split_k=min(-(-hidden // 512), 32), shrink_blocks=(block_m, 256),
+                                         expand_blocks=(16, 256, 1))
     for split, bk in ((1, 256), (2, 128), (4, 128)):
         for bn, iters in ((64, 8), (128, 4), (128, 8)):
             variants[f"split{split}-k{bk}+exp-m16-n{bn}x{iters}"] = dict(
@@ -352,7 +356,7 @@ def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, 
     results = {}
     for lin in linears:
         times = {}
-        for name, kw in sgmv_variants(num_tokens).items():
+        for name, kw in sgmv_variants(num_tokens, lin.x.shape[1]).items():
             def fn(x, a, b, s, y, m, kw=kw):
                 ADD_LORA.triton(x, a, b, s, y, m, **kw)
             try:
