@@ -350,13 +350,15 @@ def sgmv_variants(num_tokens: int, hidden: int = 4096) -> dict[str, dict]:
 
 
 def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, timer: Timer,
-               min_slots: int = 0) -> dict:
+               min_slots: int = 0, only: tuple[str, ...] = ()) -> dict:
     """µs per projection of each :func:`sgmv_variants` launch shape (each checked first); the best per part."""
     _, mapping, linears = workload(layer, num_tokens, adapters, rank, dtype, device, min_slots)
     results = {}
     for lin in linears:
         times = {}
         for name, kw in sgmv_variants(num_tokens, lin.x.shape[1]).items():
+            if only and name not in only:
+                continue
             def fn(x, a, b, s, y, m, kw=kw):
                 ADD_LORA.triton(x, a, b, s, y, m, **kw)
             try:
@@ -370,7 +372,7 @@ def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, 
         if not ok:
             raise SystemExit(f"sweep_sgmv {lin.name}: every variant failed: {results.get('_errors')}")
         best = min(ok, key=ok.get)
-        results[lin.name] = {"default_us": times["default"], "best": best, "best_us": ok[best], "all": times}
+        results[lin.name] = {"default_us": times.get("default", float("nan")), "best": best, "best_us": ok[best], "all": times}
     return results
 
 
@@ -628,6 +630,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "of each kernel `add_lora` launches, per projection (CUDA only)")
     parser.add_argument("--sweep-sgmv", type=str, default="", help="TxA[,TxA]: also time the SGMV pair's launch "
                         "shapes (split-K, shrink and expand tiles) per projection, each variant checked")
+    parser.add_argument("--sweep-only", type=str, default="", help="NAME[,NAME]: --sweep-sgmv times only these "
+                        "variants (e.g. default,before-session-13)")
     parser.add_argument("--mixed-ranks", action="store_true", help="instead of the table, time rectangles against "
                         "pages (ranks without padding) at 32 tokens x 32 adapters, mixed ranks (run_mixed_ranks)")
     parser.add_argument("--rows", type=str, default="", help="TxA[,TxA]: the table's rows instead of {1, 32, 128, "
@@ -686,7 +690,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["sgmv_sweep"] = {}
     for spec in filter(None, args.sweep_sgmv.lower().split(",")):
         t, n = (int(v) for v in spec.split("x"))
-        per_proj = result["sgmv_sweep"][spec] = sweep_sgmv(layer, t, n, rank, dtype, device, timer, args.slots)
+        per_proj = result["sgmv_sweep"][spec] = sweep_sgmv(layer, t, n, rank, dtype, device, timer, args.slots,
+                                                           tuple(filter(None, args.sweep_only.split(","))))
         for proj, res in per_proj.items():
             if proj == "_errors":
                 print(f"sgmv sweep {spec}: {len(res)} variants failed, e.g. {next(iter(res.items()))}")
