@@ -372,7 +372,8 @@ def sweep_sgmv(layer, num_tokens: int, adapters: int, rank: int, dtype, device, 
         if not ok:
             raise SystemExit(f"sweep_sgmv {lin.name}: every variant failed: {results.get('_errors')}")
         best = min(ok, key=ok.get)
-        results[lin.name] = {"default_us": times.get("default", float("nan")), "best": best, "best_us": ok[best], "all": times}
+        results[lin.name] = {"default_us": times.get("default", float("nan")), "best": best, "best_us": ok[best],
+                             "all": times}
     return results
 
 
