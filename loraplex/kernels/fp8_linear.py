@@ -6,6 +6,11 @@ dtype inside the kernel (every e4m3 value is exact in bf16, fp16 and fp32), mult
 tensor cores with fp32 accumulation, and rescaled per output channel in the epilogue. The
 format is the one of vLLM's and compressed-tensors' per-channel FP8 (``float8_e4m3fn``,
 ``scale = amax(|W[n, :]|) / 448``); activations are not quantized.
+
+Two kernels compute it: the token-major one (a token tile times a weight tile transposed, up to 64 and past 128
+tokens) and, from 65 to 128 tokens, the swapped-operand one (the weight tile as the dot's 64-row side, the tokens as
+its other side; for long reductions split over K, the fp32 partial sums added in a fixed order by a second kernel).
+:func:`_block_sizes` picks by token count and shape (H200 sweeps, benchmarks/RESULTS.md sessions 7 and 13).
 """
 
 from __future__ import annotations
