@@ -45,9 +45,10 @@ class LoRAConfig:
     install_staging_bytes: int = 512 << 20
     """Device staging of one batch of slot installs, at most (``LoRASlotPool.batched_installs``: the
     adapters admitted in one step are copied whole to the device, then scattered into their slots;
-    more than this many bytes of them go in several rounds). The staging buffer is allocated at the
-    first install and kept (grown to one image when a single image is larger), so up to this many
-    device bytes stay reserved for the life of the pool, outside the KV cache budget."""
+    more than this many bytes of them go in several rounds). On CUDA the staging buffer is allocated when
+    the pool is built, before the engine sizes the KV cache (which leaves room for it), at
+    ``min(this, max_loras x the largest image)`` bytes, or one image if that is larger
+    (``LoRADeviceWeights.staging_bound``), and kept for the life of the pool."""
     host_arena_chunk_bytes: int = 256 << 20
     """Host-cache memory is taken in chunks of this size (or one adapter, if larger), each allocated
     (and page-locked) once and reused by later images (``loraplex.adapters.host_arena``)."""

@@ -344,6 +344,23 @@ class LoRADeviceWeights:
         scalings = torch.stack([image.scaling for _, image, _ in members], dim=-1)  # [L, M, n] fp32
         self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
 
+    def staging_bound(self, staging_bytes: int) -> int:
+        """Elements of the install staging buffer that :meth:`write_many` with ``staging_bytes`` can need at most:
+        one group holds at most ``staging_bytes`` of images (or one image, if larger) and at most one image per
+        slot; the largest image targets every module of every layer at ``max_lora_rank`` rounded up to whole
+        pages. Vocabulary parts are not staged."""
+        rows = pages_per_adapter(self.max_lora_rank, self.page_rows) * self.page_rows
+        largest = rows * self.spec.num_layers * sum(i + o for i, o in self.spec.module_shapes.values())
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return max(largest, min(staging_bytes // itemsize, self.num_slots * largest))
+
+    def reserve_staging(self, staging_bytes: int) -> int:
+        """Allocate the install staging buffer now at :meth:`staging_bound` elements, so that no later install
+        allocates device memory (the engine calls it before sizing the KV cache, which then leaves room for it);
+        returns its bytes."""
+        numel = self.staging_bound(staging_bytes)
+        return self._staging_rows(1, numel).numel() * self._staging.element_size()
+
     def _staging_rows(self, rows: int, numel: int) -> torch.Tensor:
         """``[rows, numel]`` view of the kept staging buffer, grown (and its cached views dropped) when too small."""
         if self._staging is None or self._staging.numel() < rows * numel:

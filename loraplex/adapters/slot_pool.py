@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,6 +71,9 @@ from loraplex.adapters.registry import AdapterRegistry, Registration
 from loraplex.adapters.slot_image import SlotImage, image_rank
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,9 @@ class LoRASlotPool:
             page_rows=config.page_rows, num_pages=config.num_pages)
         self.dtype = dtype
         self.device = self.weights.device
+        if self.device.type == "cuda":  # before the engine sizes the KV cache from the memory left
+            reserved = self.weights.reserve_staging(config.install_staging_bytes)
+            logger.info("LoRA install staging: %.1f MiB reserved on %s", reserved / 2**20, self.device)
         self.a, self.b, self.scaling = self.weights.a, self.weights.b, self.weights.scaling
         self.registry = AdapterRegistry()
         self.loader = AdapterLoader(

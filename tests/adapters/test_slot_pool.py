@@ -427,6 +427,37 @@ def test_write_many_reuses_and_grows_its_staging_buffer(adapters):
     assert_slot_holds(pool, 1, adapters["a5"][1])
 
 
+def test_reserved_staging_holds_every_install_batch(adapters):
+    """reserve_staging allocates what write_many can need (largest image: every module of every layer at
+    max_lora_rank; one group at most staging_bytes of images, one per slot), so no later install allocates:
+    the buffer object stays the same through batches of small and full-rank images."""
+    weights = LoRADeviceWeights(SPEC, 3, MAX_RANK, torch.float32, "cpu")
+    largest = MAX_RANK * SPEC.num_layers * (16 + 16 + 16 + 8 + 24 + 16)  # 1,536 elements
+    assert weights.staging_bound(1 << 30) == 3 * largest  # one image per slot
+    assert weights.staging_bound(4 * (2 * largest + 5)) == 2 * largest + 5  # capped by the bytes
+    assert weights.staging_bound(8) == largest  # one image even when larger than the staging bytes
+    staging_bytes = 4 * (2 * largest + 5)
+    assert weights.reserve_staging(staging_bytes) == 4 * (2 * largest + 5)
+    reserved = weights._staging
+    pool = make_pool(adapters, max_loras=3)
+    for name in ("a1", "a2", "a3", "a5"):
+        pool.preload(iid(adapters, name))
+    image = {name: pool.loader.cached(iid(adapters, name)) for name in ("a1", "a2", "a3", "a5")}
+    assert image["a2"].data.numel() == largest  # rank 8 = MAX_RANK on every module
+    weights.write_many([(0, image["a2"], (0,)), (1, image["a2"], (1,)), (2, image["a3"], (2,))],
+                       staging_bytes=staging_bytes)
+    weights.write_many([(0, image["a1"], (0,)), (1, image["a5"], (1,)), (2, image["a2"], (2,))],
+                       staging_bytes=staging_bytes)
+    assert weights._staging is reserved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the pool reserves its staging there)")
+def test_pool_on_cuda_reserves_its_staging_before_any_install(adapters):
+    pool = LoRASlotPool(SPEC, 3, MAX_RANK, 5, torch.bfloat16, "cuda")
+    assert pool.weights._staging is not None
+    assert pool.weights._staging.numel() == pool.weights.staging_bound(pool.config.install_staging_bytes)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the foreach multi-tensor path)")
 def test_write_many_on_cuda_matches_the_adapters(adapters):
     """On CUDA the staging copies are asynchronous and ``_foreach_copy_`` takes its multi-tensor kernel
