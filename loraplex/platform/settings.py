@@ -49,7 +49,9 @@ def default_cache_dir() -> Path:
 class PlatformSettings(BaseSettings):
     """The settings of the platform itself; :data:`Settings` adds the engine's (see below)."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="forbid", validate_default=True)
+    # An empty variable (``LORAPLEX_X=``, as compose files and shell scripts leave them) counts as unset.
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="forbid", validate_default=True,
+                                      env_ignore_empty=True)
 
     # --- storage -----------------------------------------------------------------------------
     data_dir: Path = Field(default_factory=default_data_dir,

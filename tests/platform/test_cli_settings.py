@@ -63,6 +63,10 @@ def test_engine_process_flag_reaches_the_settings_and_refuses_replicas(monkeypat
     assert settings_from_args(parse(["serve", "--model", "m"])).engine_in_own_process is False
     monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", "1")
     assert settings_from_args(parse(["serve", "--model", "m"])).engine_process is True
+    monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", "")  # empty = unset: the default (a process)
+    assert settings_from_args(parse(["serve", "--model", "m"])).engine_process is None
+    monkeypatch.setenv("LORAPLEX_PORT", "")
+    assert settings_from_args(parse(["serve", "--model", "m"])).port == 8000
     assert cli.main(["serve", "--model", "m", "--engine-process", "--replicas", "2", "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--engine-process / LORAPLEX_ENGINE_PROCESS) cannot be combined with replicas (--replicas" in err
