@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except USER_ERRORS as exc:
         return fail(str(exc))
+    except KeyboardInterrupt:  # Ctrl-C before a server runs (imports, model preparation or load): no traceback
+        print("loraplex: interrupted", file=sys.stderr)
+        return 130
 
 
 USER_ERRORS = (ValueError, OSError)

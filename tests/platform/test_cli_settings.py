@@ -72,6 +72,18 @@ def test_engine_process_flag_reaches_the_settings_and_refuses_replicas(monkeypat
     assert "--engine-process / LORAPLEX_ENGINE_PROCESS) cannot be combined with replicas (--replicas" in err
 
 
+def test_ctrl_c_before_the_server_runs_exits_130_without_a_traceback(monkeypatch, capsys, tmp_path):
+    """Ctrl-C while `serve` still prepares (imports, model load) is reported in one line, exit status 130."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    import loraplex.platform.cli as platform_cli
+
+    monkeypatch.setattr(platform_cli, "settings_from_args", interrupted)
+    assert cli.main(["serve", "--model", "m", "--data-dir", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == "loraplex: interrupted\n"
+
+
 def test_serve_refuses_zero_replicas(capsys, tmp_path):
     assert cli.main(["serve", "--model", "m", "--replicas", "0", "--data-dir", str(tmp_path)]) == 2
     assert "replicas" in capsys.readouterr().err

@@ -365,3 +365,80 @@ def test_served_through_the_api_as_peft_generates(settings, tiny_llama_dir, adap
                                                 "restart the server")
     finally:
         live.stop()
+
+
+def _loading_forever(settings):
+    """An engine factory that never finishes: marks that the child reached it, then waits (a long model load)."""
+    import time
+    from pathlib import Path
+
+    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    (Path(settings.data_dir) / "loading").write_text("x")
+    time.sleep(600)
+
+
+def _report_sigint_blocked(conn):
+    import signal
+
+    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask"), reason="POSIX signal masks")
+def test_the_engine_process_is_spawned_with_sigint_blocked():
+    """A Ctrl-C while the spawned child still imports (before it ignores SIGINT) stays pending there instead of
+    raising a KeyboardInterrupt with a traceback; the gateway's own mask is restored after the spawn."""
+    import multiprocessing
+    import signal
+
+    from loraplex.platform.engine_process import _sigint_blocked
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    with _sigint_blocked():
+        child = context.Process(target=_report_sigint_blocked, args=(theirs,))
+        child.start()
+    assert ours.recv() is True
+    child.join(60)
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_ctrl_c_while_the_engine_loads_stops_the_child_at_once(tmp_path, tiny_llama_dir):
+    """Ctrl-C (SIGINT to the process group) while the engine process builds its engine: the gateway's wait
+    raises KeyboardInterrupt, the child is terminated then (no stop timeout: it is not reading its pipe), and
+    neither process prints a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    script = (
+        "import multiprocessing, sys\n"
+        "from pathlib import Path\n"
+        "import test_engine_process as t\n"
+        "from platform_testlib import make_settings\n"
+        "from loraplex.platform.engine_process import ProcessEngineClient\n"
+        "settings = make_settings(Path(sys.argv[1]), model=sys.argv[2], served_model_name='tiny', **t.ENGINE)\n"
+        "try:\n"
+        "    ProcessEngineClient(settings, t._loading_forever)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted; children:', multiprocessing.active_children(), flush=True)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(tiny_llama_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    marker = tmp_path / "data" / "loading"
+    try:
+        while not marker.exists() and proc.poll() is None:  # the child reached the engine factory
+            time.sleep(0.05)
+        assert marker.exists(), proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert "interrupted; children: []" in out
+    assert "Traceback" not in err
