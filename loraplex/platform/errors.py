@@ -154,6 +154,17 @@ class ReplicaFailed(ServiceUnavailable):
         return {"Retry-After": "1"}
 
 
+class ServerShuttingDown(ServiceUnavailable):
+    """503, in-band at the end of a stream: the server is shutting down (Ctrl-C / SIGTERM) and the stream did not
+    finish within ``shutdown_stream_grace_s``; its engine request was aborted. Retry the request."""
+
+    code = "server_shutting_down"
+
+    def __init__(self, grace_s: float) -> None:
+        super().__init__(f"the server is shutting down: this stream did not finish within the {grace_s:g} s it was "
+                         "given and was ended before its last token; retry the request")
+
+
 class AdapterBroken(PlatformError):
     """409: the adapter's stored files no longer match what was uploaded (changed or damaged
     on the server); uploading the original again repairs it."""

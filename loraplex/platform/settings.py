@@ -94,6 +94,11 @@ class PlatformSettings(BaseSettings):
     routing_max_imbalance: int = Field(
         4, ge=0, description="Requests in flight by which a replica holding the adapter may exceed the least "
                              "loaded replica and still be preferred.")
+    shutdown_stream_grace_s: float = Field(
+        20.0, ge=0, description="On Ctrl-C / SIGTERM the server stops accepting requests and lets those in flight "
+                                "finish; a streaming response still running after this many seconds ends with an "
+                                "in-band 503 error event (`server_shutting_down`) and its engine request is "
+                                "aborted (non-streaming requests are waited for).")
     chat_content_special_tokens: bool = Field(
         False, description="Let special-token strings in chat message content become control tokens (unsafe: "
                            "a user can forge turns); off = content is literal text.")

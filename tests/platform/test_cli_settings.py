@@ -89,6 +89,12 @@ def test_serve_refuses_zero_replicas(capsys, tmp_path):
     assert "replicas" in capsys.readouterr().err
 
 
+def test_shutdown_stream_grace_flag_reaches_settings():
+    assert settings_from_args(parse(["serve", "--model", "m"])).shutdown_stream_grace_s == 20.0
+    assert settings_from_args(parse(["serve", "--model", "m", "--shutdown-stream-grace-s", "0"])
+                              ).shutdown_stream_grace_s == 0.0
+
+
 def test_tensor_parallel_flags_reach_settings():
     settings = settings_from_args(parse(["serve", "--model", "m", "--tensor-parallel-size", "2",
                                          "--tensor-parallel-all-reduce", "nccl"]))
