@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import itertools
 import logging
@@ -41,7 +40,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
@@ -55,6 +54,7 @@ from loraplex.platform.async_engine import (
     stats_to_dict,
 )
 from loraplex.platform.cluster.replica import EngineCall, ReplicaInfo
+from loraplex.platform.core.signals import sigint_blocked
 from loraplex.platform.engine_client import generate_outputs
 from loraplex.platform.engine_facts import RemoteModelFacts
 
@@ -142,7 +142,7 @@ def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], A
     """Body of the engine process: build, report, then serve the gateway's messages until it goes."""
     # Ctrl-C reaches the whole process group: the gateway drains its requests and then stops this process
     # ("stop", or the pipe closing); SIGTERM still ends it (the gateway's last resort, terminate()). The
-    # gateway started this process with SIGINT blocked (_sigint_blocked), so a Ctrl-C during the imports
+    # gateway started this process with SIGINT blocked (core.signals), so a Ctrl-C during the imports
     # before this line stayed pending; ignored now, it is dropped when unblocked.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
@@ -275,21 +275,6 @@ class _OpenRequest:
         self.prompt_logprobs = None
 
 
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this thread while the engine process is spawned: the child starts with that mask
-    (kept across exec), so a Ctrl-C while it imports does not raise in it before it ignores SIGINT. A Ctrl-C
-    meanwhile is delivered here once unblocked. No-op where signal masks do not exist (Windows)."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def _stop_process(conn, process, send_lock: threading.Lock, timeout_s: float = 10.0) -> None:
     """Ask the engine process to stop, wait ``timeout_s``, then terminate it; close the pipe."""
     try:
@@ -324,7 +309,7 @@ class ProcessEngineClient(RemoteModelFacts):
         self._process = context.Process(target=_child_main, args=(child_conn, settings, engine_factory),
                                         name="loraplex-engine-process")
         self._reader: threading.Thread | None = None
-        with _sigint_blocked():
+        with sigint_blocked():
             self._process.start()
         child_conn.close()
         self._running = False  # until the engine reported

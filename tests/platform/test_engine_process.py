@@ -377,29 +377,33 @@ def _loading_forever(settings):
     time.sleep(600)
 
 
-def _report_sigint_blocked(conn):
-    import signal
-
-    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
-
-
 @pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask"), reason="POSIX signal masks")
-def test_the_engine_process_is_spawned_with_sigint_blocked():
+def test_the_engine_process_is_spawned_with_sigint_blocked(tmp_path):
     """A Ctrl-C while the spawned child still imports (before it ignores SIGINT) stays pending there instead of
-    raising a KeyboardInterrupt with a traceback; the gateway's own mask is restored after the spawn."""
-    import multiprocessing
-    import signal
+    raising a KeyboardInterrupt with a traceback; the gateway's own mask is restored after the spawn. In a fresh
+    interpreter: there the spawn also starts multiprocessing's resource tracker, which unblocks SIGINT in the
+    starting thread (sigint_blocked starts it first)."""
+    import subprocess
+    import sys
 
-    from loraplex.platform.engine_process import _sigint_blocked
-
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    with _sigint_blocked():
-        child = context.Process(target=_report_sigint_blocked, args=(theirs,))
-        child.start()
-    assert ours.recv() is True
-    child.join(60)
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    script = tmp_path / "spawn_blocked.py"
+    script.write_text(
+        "import multiprocessing, signal\n"
+        "from loraplex.platform.core.signals import sigint_blocked\n"
+        "def report(conn):\n"
+        "    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+        "if __name__ == '__main__':\n"
+        "    context = multiprocessing.get_context('spawn')\n"
+        "    ours, theirs = context.Pipe()\n"
+        "    with sigint_blocked():\n"
+        "        child = context.Process(target=report, args=(theirs,))\n"
+        "        child.start()\n"
+        "    print('child blocked:', ours.recv(), flush=True)\n"
+        "    child.join(60)\n"
+        "    print('parent blocked:', signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "child blocked: True" in out.stdout and "parent blocked: False" in out.stdout, out.stderr
 
 
 def test_ctrl_c_while_the_engine_loads_stops_the_child_at_once(tmp_path, tiny_llama_dir):

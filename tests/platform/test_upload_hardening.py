@@ -8,6 +8,8 @@ carry no server paths, internal ids or database driver text (16)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -379,3 +381,20 @@ def test_storage_that_cannot_be_written_is_a_503_and_stores_nothing(serve, adapt
     assert listed == []
     with live.tenant(key) as client:  # the folder back: the same upload goes through
         assert upload(client, "a", adapter_members(adapter_dir)).status_code == 201
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
+def test_the_upload_checkers_forkserver_starts_with_sigint_blocked():
+    """Ctrl-C reaches the whole process group; the forkserver (which imports torch first, seconds) starts with
+    SIGINT blocked instead of dying of a KeyboardInterrupt with a traceback. Checked in a fresh interpreter (one
+    forkserver per process)."""
+    script = (
+        "from multiprocessing import forkserver\n"
+        "from loraplex.platform.services.validation import UploadValidator\n"
+        "UploadValidator(deadline_s=5.0, max_concurrent=1, memory_bytes=None).warm_up()\n"
+        "status = open(f'/proc/{forkserver._forkserver._forkserver_pid}/status').read()\n"
+        "blocked = int(next(l for l in status.splitlines() if l.startswith('SigBlk:')).split()[1], 16)\n"
+        "print('SIGINT blocked:', bool(blocked & (1 << 1)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "SIGINT blocked: True" in out.stdout, out.stderr

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from loraplex.platform.core.signals import sigint_blocked
 from loraplex.platform.errors import InvalidRequest, PlatformError, ServiceUnavailable
 from loraplex.platform.services.uploads import UploadLimits, UploadPart, stage_upload
 
@@ -135,10 +136,13 @@ class UploadValidator:
         self._mp.set_forkserver_preload([__name__, "torch", "loraplex.adapters"])
 
     def warm_up(self) -> None:
-        """Start the forkserver now (it imports torch once), so the first upload does not wait for it."""
+        """Start the forkserver now (it imports torch once), so the first upload does not wait for it. Started
+        with SIGINT blocked: a Ctrl-C while it imports does not kill it with a traceback (it ignores SIGINT
+        once its imports are done; the workers it forks keep the mask: the server stops them)."""
         from multiprocessing import forkserver
 
-        forkserver.ensure_running()
+        with sigint_blocked():
+            forkserver.ensure_running()
 
     def run(self, job: UploadCheck) -> AdapterInfo:
         """``check(job)`` in a worker. Raises what the check raises (``AdapterError``,
@@ -157,7 +161,8 @@ class UploadValidator:
         receiver, sender = self._mp.Pipe(duplex=False)
         worker = self._mp.Process(target=_worker_main, args=(sender, self.check, job, self.memory_bytes),
                                   name="loraplex-upload-check", daemon=True)
-        worker.start()
+        with sigint_blocked():  # in case this starts the forkserver (see warm_up)
+            worker.start()
         sender.close()
         try:
             if not receiver.poll(self.deadline_s):

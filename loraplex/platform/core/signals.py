@@ -1,0 +1,34 @@
+"""Child processes started without Ctrl-C.
+
+A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the server and every process it
+started. The server shuts down gracefully and stops its children itself; a child that is still importing
+(the engine process, the upload checkers' forkserver: seconds of torch and transformers imports) would
+instead die of a ``KeyboardInterrupt`` and print its traceback. :func:`sigint_blocked` starts them with
+SIGINT blocked (the mask is inherited across fork and exec); each ignores SIGINT once it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in the calling thread inside the block (processes started there inherit the mask); a
+    SIGINT meanwhile stays pending and is delivered when the block ends (in the main thread: a
+    ``KeyboardInterrupt`` then). No-op where signal masks do not exist (Windows)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # multiprocessing's resource tracker, started by the first Process.start() or forkserver, unblocks SIGINT in
+    # the starting thread once it runs (it starts itself with signals blocked): so it is started before the block.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
