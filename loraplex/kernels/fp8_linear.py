@@ -97,8 +97,9 @@ def _fp8_linear_swap_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # "Swap AB" for decode token counts: acc[n, t] = W[n, k] @ x[t, k]^T, so the weight tile is the dot's M operand
-    # (64+ rows: Hopper's wgmma) and the few tokens its N. Grid = (column tiles, K splits, token tiles).
+    # "Swap AB" for small token counts (65-128 in _block_sizes): acc[n, t] = W[n, k] @ x[t, k]^T, so the weight tile
+    # is the dot's M operand (64+ rows: Hopper's wgmma) and the tokens its N. Grid = (column tiles, K splits, token
+    # tiles). Same semantics as _fp8_linear_kernel (FP8_LINEAR); with PARTIAL each K split's fp32 sums go to out[split].
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
