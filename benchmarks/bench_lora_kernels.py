@@ -64,6 +64,11 @@ SMOKE_LAYER = (("qkv", 40, (24, 8, 8)), ("down", 56, (40,)))
 # linear whose k slice the adapter does not target (its scaling 0: the kernels skip it), no other projection.
 LLAMA2_7B_QV = (("qkv", 4096, (4096, 4096, 4096), (1,)),)
 SMOKE_QV = (("qkv", 40, (24, 8, 8), (1,)),)
+# --targets qv-layer: the whole layer as the engine runs it for q/v adapters: add_lora still launches for o, gate_up
+# and down (CUDA graphs hold every launch), whose programs find scaling 0 and exit. Measures what those launches cost.
+LLAMA2_7B_QV_LAYER = (("qkv", 4096, (4096, 4096, 4096), (1,)), ("o", 4096, (4096,), (0,)),
+                      ("gate_up", 4096, (11008, 11008), (0, 1)), ("down", 11008, (4096,), (0,)))
+SMOKE_QV_LAYER = (("qkv", 40, (24, 8, 8), (1,)), ("down", 56, (40,), (0,)))
 Timer = Callable[[Callable[[], object]], float]  # ms per call of a function, L2 cold
 
 
@@ -120,6 +125,8 @@ def floor_bytes(layer, num_tokens_lora: int, distinct: int, rank: int, itemsize:
     total = 0
     for spec in layer:
         hidden, widths = spec[1], [w for i, w in enumerate(spec[2]) if i not in untargeted(spec)]
+        if not widths:  # no slice targeted: nothing need be read
+            continue
         total += distinct * rank * (hidden * len(widths) + sum(widths)) * itemsize
         total += num_tokens_lora * (hidden + 2 * sum(widths)) * itemsize
     return total
@@ -637,8 +644,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "pages (ranks without padding) at 32 tokens x 32 adapters, mixed ranks (run_mixed_ranks)")
     parser.add_argument("--rows", type=str, default="", help="TxA[,TxA]: the table's rows instead of {1, 32, 128, "
                         "512} x {1, 8, 32} (e.g. 256x256: a decode batch of many adapters)")
-    parser.add_argument("--targets", choices=("all", "qv"), default="all", help="qv: only the fused qkv linear, its "
-                        "k slice untargeted (scaling 0), as the engine runs a q/v adapter (the scaling benchmark's)")
+    parser.add_argument("--targets", choices=("all", "qv", "qv-layer"), default="all",
+                        help="qv: only the fused qkv linear, its k slice untargeted (scaling 0), as the engine runs a "
+                             "q/v adapter (the scaling benchmark's); qv-layer: the four projections with only q and v "
+                             "targeted (the others' launches find scaling 0 and exit, as in the engine)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     parser.add_argument("--keep-going", action="store_true", help="record a failed check in the row, time anyway")
     args = parser.parse_args(argv)
@@ -656,6 +665,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench_lora_kernels: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     if args.targets == "qv":
         layer = SMOKE_QV if args.smoke else LLAMA2_7B_QV
+    elif args.targets == "qv-layer":
+        layer = SMOKE_QV_LAYER if args.smoke else LLAMA2_7B_QV_LAYER
     pairs = [tuple(int(v) for v in spec.split("x")) for spec in filter(None, args.rows.lower().split(","))]
     if args.mixed_ranks:
         if args.targets != "all":
@@ -673,7 +684,9 @@ def main(argv: list[str] | None = None) -> dict:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2))
         return result
-    what = "the q/v adapter's qkv linear (k untargeted)" if args.targets == "qv" else "one layer's four projections"
+    what = {"qv": "the q/v adapter's qkv linear (k untargeted)",
+            "qv-layer": "one layer's four projections, only q and v targeted"}.get(args.targets,
+                                                                                 "one layer's four projections")
     note = (f"LoRA deltas of {what}, r={rank}, {BASE_FRACTION:.0%} base tokens, "
             f"CUDA-graph replay, cold L2 ({name}, copy {result['copy_TBps']:.2f} TB/s; vllm: {result['vllm']}; "
             f"slots per layer: {f'at least {args.slots}' if args.slots else 'as many as adapters'})")

@@ -48,6 +48,18 @@ def test_qv_targets_leave_k_untargeted_and_out_of_the_floor():
     assert not torch.equal(ref[:, :24], lin.y0[:, :24])
 
 
+def test_qv_layer_floor_is_the_qv_floor_and_untargeted_projections_are_left_alone():
+    """--targets qv-layer: o, gate_up and down are launched with scaling 0 everywhere; they add no bytes to the floor
+    and their outputs stay as they are."""
+    assert bl.floor_bytes(bl.LLAMA2_7B_QV_LAYER, 205, 205, 16) == bl.floor_bytes(bl.LLAMA2_7B_QV, 205, 205, 16)
+    qkv, down = bl.make_linears(bl.SMOKE_QV_LAYER, 5, 3, 4, torch.float32, torch.device("cpu"))
+    assert [s.tolist() for s in down.scaling] == [[0.0] * 3]
+    mapping = bl.plan_segments(bl.token_slots(5, 3), 3)
+    out = down.y0.clone()
+    bl.add_lora_ref(down.x, down.lora_a, down.lora_b, down.scaling, out, mapping)
+    assert torch.equal(out, down.y0)
+
+
 def test_check_rejects_a_wrong_kernel():
     mapping = bl.plan_segments(bl.token_slots(5, 3), 3)
     (lin,) = bl.make_linears(bl.SMOKE_LAYER[:1], 5, 3, 4, torch.float32, torch.device("cpu"))
