@@ -419,6 +419,8 @@ def test_ctrl_c_while_the_engine_loads_stops_the_child_at_once(tmp_path, tiny_ll
 
     here = Path(__file__).resolve().parent
     script = (
+        # SIGINT as in a terminal: a shell runs background jobs (`.ci/run &`) with SIGINT ignored, inherited here
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import multiprocessing, sys\n"
         "from pathlib import Path\n"
         "import test_engine_process as t\n"
