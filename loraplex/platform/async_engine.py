@@ -491,6 +491,12 @@ class RequestStream:
             self.finished = True
             self._abort()
 
+    def fail(self, exc: BaseException) -> None:
+        """Abort the request unless it finished, and end the stream with ``exc`` after the outputs already queued."""
+        if not self.finished:
+            self._outputs.put_nowait(exc)  # before the abort, which may queue the request's last (aborted) output
+            self._abort()
+
 
 def stats_to_dict(stats: EngineStats) -> dict[str, Any]:
     """``EngineStats`` as JSON-ready data (the ``lora`` pool stats flattened to a dict)."""

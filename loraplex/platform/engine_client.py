@@ -46,6 +46,11 @@ class EngineRequestStream(Protocol):
 
     def close(self) -> None: ...
 
+    def fail(self, exc: BaseException) -> None:
+        """Abort the request (unless it finished) and end the stream with ``exc``: outputs already delivered are
+        read first, then ``__anext__`` raises ``exc`` (e.g. the server's shutdown grace has passed)."""
+        ...
+
 
 @runtime_checkable
 class EngineClient(Protocol):

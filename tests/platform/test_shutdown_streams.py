@@ -13,62 +13,68 @@ from pydantic import BaseModel
 from sse_starlette.sse import AppStatus
 
 from loraplex.platform.api.routes.completions import _events
+from loraplex.platform.errors import ServerShuttingDown
+from loraplex.platform.openai_schemas import ErrorResponse
 
 
 class _Chunk(BaseModel):
     n: int
 
 
-class _Chunks:
-    """An async iterator of chunks 0..count-1 that records whether it was closed; ``on_chunk(i)`` runs first."""
+class _Stream:
+    """An engine request stream: outputs come through a queue; ``fail`` queues the error (as RequestStream)."""
 
-    def __init__(self, count: int, on_chunk=lambda i: None) -> None:
-        self.count, self.on_chunk, self.closed, self.i = count, on_chunk, False, 0
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.failed: BaseException | None = None
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> _Chunk:
-        if self.i >= self.count:
-            raise StopAsyncIteration
-        self.on_chunk(self.i)
-        self.i += 1
-        return _Chunk(n=self.i - 1)
-
-    async def aclose(self) -> None:
-        self.closed = True
+    def fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        self.queue.put_nowait(exc)
 
 
-async def _data(chunks, shutdown, grace_s, clock) -> list[str]:
-    return [event.data async for event in _events(chunks, shutdown, grace_s, clock)]
+async def _chunks(stream: _Stream):
+    """What stream_chunks does with the stream: a chunk per output, an error ends it with its error body."""
+    while True:
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            yield ErrorResponse.model_validate(item.to_body())
+            return
+        if item is None:
+            return
+        yield item
 
 
 def test_without_shutdown_every_chunk_then_done():
-    chunks = _Chunks(3)
-    data = asyncio.run(_data(chunks, anyio.Event(), 5.0, lambda: 0.0))
-    assert data == ['{"n":0}', '{"n":1}', '{"n":2}', "[DONE]"] and chunks.closed
-
-
-def test_after_shutdown_chunks_go_on_for_the_grace_then_an_error_event_ends_the_stream():
-    """Shutdown set before chunk 2; the clock reads 10 s per chunk: the grace (25 s) starts at chunk 2 (t=20), chunks
-    2, 3 and 4 (t=40 < 45) still go out, chunk 5 (t=50) is replaced by the error event; the rest are never read."""
     async def scenario():
-        shutdown = anyio.Event()
-        now = [0.0]
+        stream = _Stream()
+        for i in range(3):
+            stream.queue.put_nowait(_Chunk(n=i))
+        stream.queue.put_nowait(None)
+        data = [event.data async for event in _events(_chunks(stream), anyio.Event(), 0.0, [stream])]
+        return stream, data
 
-        def on_chunk(i):
-            now[0] = 10.0 * i
-            if i == 2:
-                shutdown.set()
+    stream, data = asyncio.run(scenario())
+    assert data == ['{"n":0}', '{"n":1}', '{"n":2}', "[DONE]"] and stream.failed is None
 
-        chunks = _Chunks(100, on_chunk)
-        return chunks, await _data(chunks, shutdown, 25.0, lambda: now[0])
 
-    chunks, data = asyncio.run(scenario())
-    assert data[:5] == ['{"n":0}', '{"n":1}', '{"n":2}', '{"n":3}', '{"n":4}'] and data[-1] == "[DONE]"
-    assert len(data) == 7 and '"code":"server_shutting_down"' in data[5] and '"type":"server_error"' in data[5]
-    assert "retry the request" in data[5]
-    assert chunks.i == 6 and chunks.closed
+def test_past_the_grace_a_stream_waiting_for_its_next_chunk_ends_with_the_error_event():
+    """No chunk comes after the first (a queued request, a long prefill): the grace's end fails the engine stream,
+    whose error event ends the SSE stream; nothing waits for a chunk."""
+    async def scenario():
+        stream, shutdown = _Stream(), anyio.Event()
+        stream.queue.put_nowait(_Chunk(n=0))
+        data = []
+        async for event in _events(_chunks(stream), shutdown, 0.0, [stream]):
+            data.append(event.data)
+            shutdown.set()
+        return stream, data
+
+    stream, data = asyncio.run(scenario())
+    assert isinstance(stream.failed, ServerShuttingDown)
+    assert data[0] == '{"n":0}' and data[-1] == "[DONE]" and len(data) == 3
+    assert '"code":"server_shutting_down"' in data[1] and '"type":"server_error"' in data[1]
+    assert "retry the request" in data[1]
 
 
 class _Held:
@@ -78,7 +84,6 @@ class _Held:
 
     def __init__(self, live, monkeypatch, steps: int) -> None:
         import threading
-        import types
 
         from loraplex.platform.api.routes import completions
 
@@ -97,8 +102,14 @@ class _Held:
             self.events.append(anyio.Event())
             return self.events[-1]
 
+        class RecordingAnyio:  # the route's anyio, its Event recorded
+            Event = staticmethod(event)
+
+            def __getattr__(self, name):
+                return getattr(anyio, name)
+
         monkeypatch.setattr(engine, "step", held_step)
-        monkeypatch.setattr(completions, "anyio", types.SimpleNamespace(Event=event))
+        monkeypatch.setattr(completions, "anyio", RecordingAnyio())
 
     def shut_down(self) -> None:
         """Set sse-starlette's shutdown flag (what uvicorn's Ctrl-C / SIGTERM handler sets) and wait until the
@@ -158,3 +169,20 @@ def test_a_stream_past_its_grace_ends_with_a_server_shutting_down_error(serve, h
             received.append(chunk)
     assert caught.value.code == "server_shutting_down"
     assert len(received) <= 3  # the chunk(s) of the two steps before the shutdown; none after it
+
+
+def test_a_stream_without_any_token_yet_ends_with_the_error_at_the_grace(serve, held):
+    """The engine has not run the request at all (held before its first step): at the grace's end the stream still
+    ends with the error event, not a cut connection."""
+    live = serve(shutdown_stream_grace_s=0)
+    client = openai.OpenAI(api_key=new_tenant(live, "acme"), base_url=live.url + "/v1", max_retries=0)
+    engine = held(live, steps=0)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=50, stream=True)
+    received = [next(stream)]  # the role chunk; no token yet
+    assert received[0].choices[0].delta.role == "assistant"
+    engine.shut_down()
+    with pytest.raises(openai.APIError, match="server is shutting down") as caught:
+        received += list(stream)
+    assert caught.value.code == "server_shutting_down" and len(received) == 1
+    engine.release()

@@ -233,6 +233,7 @@ class ReplicaRequestStream:
         self._lora_int_id = lora_int_id
         self._on_done = on_done
         self._ended = False
+        self._failure: BaseException | None = None
         owner._use(lora_int_id)
 
     async def wait_accepted(self) -> None:
@@ -263,6 +264,8 @@ class ReplicaRequestStream:
         except BaseException as exc:
             self.finished = True
             self._end()
+            if self._failure is not None:  # fail(): the cancelled response ends with the given error
+                raise self._failure from None
             if isinstance(exc, StopAsyncIteration):
                 raise ReplicaFailed("the engine replica ended the request before it finished") from None
             if isinstance(exc, asyncio.CancelledError):
@@ -280,6 +283,12 @@ class ReplicaRequestStream:
             self.finished = True
             self._response.cancel()
         self._end()
+
+    def fail(self, exc: BaseException) -> None:
+        """Abort the request on its replica unless it finished; the stream then raises ``exc``."""
+        if not self.finished:
+            self._failure = exc
+            self._response.cancel()
 
     def _end(self, *, call_on_done: bool = True) -> None:
         if self._ended:

@@ -5,16 +5,16 @@ is enforced); with ``stream: true`` the typed chunks are sent as server-sent eve
 sse-starlette's ``EventSourceResponse`` (``data: {chunk}`` each, then ``data: [DONE]``).
 
 At server shutdown (Ctrl-C / SIGTERM: uvicorn stops accepting and waits for the requests in flight) a stream goes
-on for ``shutdown_stream_grace_s``; past it, at its next chunk, it ends with a ``server_shutting_down`` error
-event (and its engine request is aborted) instead of the connection being cut. sse-starlette signals the
-shutdown (``shutdown_event``) and force-cancels a stream that has sent nothing for
-:data:`FORCE_CANCEL_MARGIN_S` more seconds.
+on for ``shutdown_stream_grace_s`` from the moment sse-starlette reports the shutdown (``shutdown_event``; it polls
+every 0.5 s); then its engine requests are failed with ``ServerShuttingDown`` (aborted), so the stream ends with that
+error event, whether it was sending or still waiting for its first token. sse-starlette cancels any stream still
+open :data:`FORCE_CANCEL_MARGIN_S` after that (its connection is then cut).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 from fastapi import APIRouter, Request
@@ -30,14 +30,13 @@ from loraplex.platform.openai_schemas import (
     Completion,
     CompletionChunk,
     CompletionRequest,
-    ErrorResponse,
 )
 from loraplex.platform.services import serving
 
 router = APIRouter(prefix="/v1", tags=["serving"])
 FORCE_CANCEL_MARGIN_S = 5.0
-"""Seconds past ``shutdown_stream_grace_s`` after which sse-starlette cancels a stream that has not ended itself
-(one that received no chunk to end at: its connection is then cut)."""
+"""Seconds past ``shutdown_stream_grace_s`` after which sse-starlette cancels a stream that has not ended (its engine
+requests were failed at the grace's end; this is the bound if that does not end it)."""
 
 
 def _stream_doc(chunk: type) -> dict:
@@ -68,28 +67,28 @@ async def _respond(ctx, prep: serving.PreparedRequest, request: Request):
     if prep.stream:
         shutdown = anyio.Event()
         grace_s = ctx.settings.shutdown_stream_grace_s
-        return EventSourceResponse(_events(serving.stream_chunks(ctx, prep, streams), shutdown, grace_s),
+        return EventSourceResponse(_events(serving.stream_chunks(ctx, prep, streams), shutdown, grace_s, streams),
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                    shutdown_event=shutdown, shutdown_grace_period=grace_s + FORCE_CANCEL_MARGIN_S)
     return await serving.run_to_completion(ctx, prep, streams, request.is_disconnected)
 
 
 async def _events(chunks: AsyncIterator[serving.StreamEvent], shutdown: anyio.Event, grace_s: float,
-                  clock: Callable[[], float] = time.monotonic) -> AsyncIterator[ServerSentEvent]:
-    """The stream's chunks as events, then ``[DONE]``. Once ``shutdown`` is set the grace starts at the stream's
-    next chunk (chunks come every engine step); a chunk arriving ``grace_s`` or more after that is replaced by a
-    ``server_shutting_down`` error event, then ``[DONE]``, and the chunks are closed (the engine request aborted)."""
-    deadline = None
+                  streams: Sequence) -> AsyncIterator[ServerSentEvent]:
+    """The stream's chunks as events, then ``[DONE]``. ``grace_s`` after ``shutdown`` is set, ``streams`` (the
+    engine request streams under ``chunks``) are failed with ``ServerShuttingDown``: ``chunks`` then yields its
+    error event (the OpenAI error format) and ends."""
+    async def expire() -> None:
+        await shutdown.wait()
+        await anyio.sleep(grace_s)
+        for stream in streams:
+            stream.fail(ServerShuttingDown(grace_s))
+
+    expiry = asyncio.ensure_future(expire())
     try:
         async for chunk in chunks:
-            if shutdown.is_set():
-                if deadline is None:
-                    deadline = clock() + grace_s
-                if clock() >= deadline:
-                    yield ServerSentEvent(ErrorResponse.model_validate(ServerShuttingDown(grace_s).to_body())
-                                          .model_dump_json())
-                    break
             yield ServerSentEvent(chunk.model_dump_json())
         yield ServerSentEvent("[DONE]")
     finally:
+        expiry.cancel()
         await chunks.aclose()
