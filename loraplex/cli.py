@@ -35,7 +35,11 @@ import functools
 import importlib
 import importlib.metadata
 import logging
+import multiprocessing
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,19 +72,49 @@ SERVE_EXTRA_HINT = "pip install 'loraplex[serve]'"
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``loraplex`` command line; returns the exit status.
 
-    ``argv`` defaults to ``sys.argv[1:]``. Usage errors exit through argparse (status 2).
+    ``argv`` defaults to ``sys.argv[1:]``. Usage errors exit through argparse (status 2). Ctrl-C before a server
+    listens ends the command at once with status 130 (:func:`_interrupted`); a server, once it listens, shuts down
+    gracefully on it (uvicorn's handlers replace ours meanwhile).
     """
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "accepts_any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    previous = _exit_on_ctrl_c()
     try:
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and not getattr(args, "accepts_any_arguments", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return args.handler(args)
     except USER_ERRORS as exc:
         return fail(str(exc))
-    except KeyboardInterrupt:  # Ctrl-C before a server runs (imports, model preparation or load): no traceback
+    except KeyboardInterrupt:  # SIGINT handled by Python after all (our handler not installed, or raised by hand)
         print("loraplex: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _exit_on_ctrl_c():
+    """Install :func:`_interrupted` as the SIGINT handler; returns the handler it replaced, or None when it left
+    SIGINT alone (ignored, as in a shell's background job; already customised; or not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return None
+    signal.signal(signal.SIGINT, _interrupted)
+    return previous
+
+
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C while a command prepares (imports, model download or load): say so, terminate the processes it
+    started (the engine process) and exit with status 130 at once. Not a ``KeyboardInterrupt``: raised inside a C
+    extension's import (torch, numpy) that can abort the process or leave modules half-imported, and raised inside
+    a finalizer it is dropped."""
+    sys.stderr.write("loraplex: interrupted\n")
+    sys.stderr.flush()
+    for child in multiprocessing.active_children():
+        child.terminate()
+    os._exit(130)
 
 
 USER_ERRORS = (ValueError, OSError)

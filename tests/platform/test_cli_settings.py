@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,41 @@ def test_ctrl_c_before_the_server_runs_exits_130_without_a_traceback(monkeypatch
     monkeypatch.setattr(platform_cli, "settings_from_args", interrupted)
     assert cli.main(["serve", "--model", "m", "--data-dir", str(tmp_path)]) == 130
     assert capsys.readouterr().err == "loraplex: interrupted\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/stat")
+def test_ctrl_c_while_serve_prepares_ends_the_process_at_once(tmp_path):
+    """A real SIGINT while `serve` prepares (here: inside settings_from_args, standing in for the torch imports and
+    the model load) goes to the CLI's handler, not a KeyboardInterrupt: one line, exit status 130, no traceback;
+    a child process it started is terminated. In a subprocess: the handler ends the process."""
+    script = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a terminal
+        "import multiprocessing, os, sys, time\n"
+        "import loraplex.platform.cli as platform_cli\n"
+        "from loraplex import cli\n"
+        "def preparing(args):\n"
+        "    child = multiprocessing.get_context('spawn').Process(target=time.sleep, args=(300,))\n"
+        "    child.start()\n"
+        "    print(child.pid, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(60)\n"
+        "platform_cli.settings_from_args = preparing\n"
+        "sys.exit(cli.main(['serve', '--model', 'm', '--data-dir', sys.argv[1]]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "loraplex: interrupted" and "Traceback" not in out.stderr
+    child = int(out.stdout.split()[0])
+    for _ in range(200):  # terminated, not necessarily reaped yet by anyone: gone or a zombie
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"child {child} still running")
 
 
 def test_serve_refuses_zero_replicas(capsys, tmp_path):
