@@ -260,6 +260,8 @@ class LoRADeviceWeights:
             self._zero_stale(writes)
             for members in groups.values():
                 per_chunk = max(1, staging_bytes // max(1, members[0][1].nbytes))
+                if self._staging is not None:  # fill the buffer there is (reserved, or grown) before growing it
+                    per_chunk = max(1, min(per_chunk, self._staging.numel() // max(1, members[0][1].data.numel())))
                 for start in range(0, len(members), per_chunk):
                     self._scatter(members[start : start + per_chunk])
             self._set_page_tables(writes)
@@ -345,12 +347,15 @@ class LoRADeviceWeights:
         self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
 
     def staging_bound(self, staging_bytes: int) -> int:
-        """Elements of the install staging buffer that :meth:`write_many` with ``staging_bytes`` can need at most:
+        """Elements of the install staging buffer that :meth:`write_many` with ``staging_bytes`` needs at most:
         one group holds at most ``staging_bytes`` of images (or one image, if larger) and at most one image per
         slot; the largest image targets every module of every layer at ``max_lora_rank`` rounded up to whole
-        pages. Vocabulary parts are not staged."""
+        pages, with DoRA magnitude vectors. Vocabulary parts are not staged. (:meth:`write_many` also never puts
+        more images in a group than the buffer holds, so only an image larger than it grows the buffer.)"""
         rows = pages_per_adapter(self.max_lora_rank, self.page_rows) * self.page_rows
-        largest = rows * self.spec.num_layers * sum(i + o for i, o in self.spec.module_shapes.values())
+        shapes = self.spec.module_shapes.values()
+        # A, B and (DoRA, an image read verbatim from its file) the magnitude vectors between them
+        largest = self.spec.num_layers * (rows * sum(i + o for i, o in shapes) + sum(o for _, o in shapes))
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return max(largest, min(staging_bytes // itemsize, self.num_slots * largest))
 

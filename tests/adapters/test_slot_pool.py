@@ -427,12 +427,24 @@ def test_write_many_reuses_and_grows_its_staging_buffer(adapters):
     assert_slot_holds(pool, 1, adapters["a5"][1])
 
 
+@dataclasses.dataclass
+class _Holder:
+    """What assert_slot_holds reads of a pool, for weights outside one."""
+
+    weights: LoRADeviceWeights
+    dtype: torch.dtype
+
+    @property
+    def scaling(self):
+        return self.weights.scaling
+
+
 def test_reserved_staging_holds_every_install_batch(adapters):
     """reserve_staging allocates what write_many can need (largest image: every module of every layer at
     max_lora_rank; one group at most staging_bytes of images, one per slot), so no later install allocates:
     the buffer object stays the same through batches of small and full-rank images."""
     weights = LoRADeviceWeights(SPEC, 3, MAX_RANK, torch.float32, "cpu")
-    largest = MAX_RANK * SPEC.num_layers * (16 + 16 + 16 + 8 + 24 + 16)  # 1,536 elements
+    largest = SPEC.num_layers * (MAX_RANK * (16 + 16 + 16 + 8 + 24 + 16) + (16 + 8 + 16))  # A, B, DoRA magnitudes
     assert weights.staging_bound(1 << 30) == 3 * largest  # one image per slot
     assert weights.staging_bound(4 * (2 * largest + 5)) == 2 * largest + 5  # capped by the bytes
     assert weights.staging_bound(8) == largest  # one image even when larger than the staging bytes
@@ -443,12 +455,18 @@ def test_reserved_staging_holds_every_install_batch(adapters):
     for name in ("a1", "a2", "a3", "a5"):
         pool.preload(iid(adapters, name))
     image = {name: pool.loader.cached(iid(adapters, name)) for name in ("a1", "a2", "a3", "a5")}
-    assert image["a2"].data.numel() == largest  # rank 8 = MAX_RANK on every module
+    assert image["a2"].data.numel() == largest - SPEC.num_layers * 40  # rank 8 = MAX_RANK on every module, no DoRA
     weights.write_many([(0, image["a2"], (0,)), (1, image["a2"], (1,)), (2, image["a3"], (2,))],
                        staging_bytes=staging_bytes)
     weights.write_many([(0, image["a1"], (0,)), (1, image["a5"], (1,)), (2, image["a2"], (2,))],
                        staging_bytes=staging_bytes)
     assert weights._staging is reserved
+    # more staging bytes than reserved: the groups are cut to what the buffer holds, it does not grow
+    weights.write_many([(0, image["a2"], (0,)), (1, image["a2"], (1,)), (2, image["a2"], (2,))],
+                       staging_bytes=1 << 30)
+    assert weights._staging is reserved
+    for slot in range(3):
+        assert_slot_holds(_Holder(weights, pool.dtype), slot, adapters["a2"][1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the pool reserves its staging there)")
