@@ -119,8 +119,8 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
                        help="requests in flight by which a replica holding the adapter may exceed the least loaded "
                             "one and still be preferred (default 4)")
     serve.add_argument("--shutdown-stream-grace-s", type=float, default=_S,
-                       help="on Ctrl-C / SIGTERM, streams still running may go on this long, then end with a 503 "
-                            "error event (env LORAPLEX_SHUTDOWN_STREAM_GRACE_S; default 20)")
+                       help="on Ctrl-C / SIGTERM, streams still open may go on this long, then end with a "
+                            "server_shutting_down error event (env LORAPLEX_SHUTDOWN_STREAM_GRACE_S; default 20)")
     serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S,
                        help="server log level (env LORAPLEX_LOG_LEVEL; default info)")

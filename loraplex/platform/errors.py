@@ -155,8 +155,9 @@ class ReplicaFailed(ServiceUnavailable):
 
 
 class ServerShuttingDown(ServiceUnavailable):
-    """503, in-band at the end of a stream: the server is shutting down (Ctrl-C / SIGTERM) and the stream did not
-    finish within ``shutdown_stream_grace_s``; its engine request was aborted. Retry the request."""
+    """In-band at the end of a stream (its HTTP status was 200 already; ``type`` server_error): the server is shutting
+    down (Ctrl-C / SIGTERM) and the stream did not finish within ``shutdown_stream_grace_s`` of the signal; its engine
+    request was aborted. Retry the request."""
 
     code = "server_shutting_down"
 

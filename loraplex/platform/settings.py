@@ -96,9 +96,9 @@ class PlatformSettings(BaseSettings):
                              "loaded replica and still be preferred.")
     shutdown_stream_grace_s: float = Field(
         20.0, ge=0, description="On Ctrl-C / SIGTERM the server stops accepting requests and lets those in flight "
-                                "finish; a streaming response still running after this many seconds ends with an "
-                                "in-band 503 error event (`server_shutting_down`) and its engine request is "
-                                "aborted (non-streaming requests are waited for).")
+                                "finish; a streaming response still open this many seconds after the signal ends "
+                                "with an in-band error event (type server_error, code server_shutting_down) and its "
+                                "engine request is aborted (non-streaming requests are waited for).")
     chat_content_special_tokens: bool = Field(
         False, description="Let special-token strings in chat message content become control tokens (unsafe: "
                            "a user can forge turns); off = content is literal text.")

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in the calling thread inside the block (processes started there inherit the mask); a
-    SIGINT meanwhile stays pending and is delivered when the block ends (in the main thread: a
-    ``KeyboardInterrupt`` then). No-op where signal masks do not exist (Windows)."""
+    """SIGINT blocked in the calling thread inside the block, so processes started there inherit the mask. Only
+    this thread: a SIGINT to the process meanwhile is taken by another thread that does not block it (Python then
+    runs its handler in the main thread as usual). No-op where signal masks do not exist (Windows)."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
