@@ -242,3 +242,22 @@ def test_dora_upload_is_accepted_listed_as_dora_and_served(live, good, dora):
     with live.tenant(key) as client:
         done = client.post("/v1/completions", json={"model": "d", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     assert done.status_code == 200, done.text
+
+
+def test_a_worker_whose_server_went_away_exits_quietly():
+    """The server shut down while a check ran (its end of the pipe closed): the worker's reply finds a broken pipe,
+    which it ignores instead of dying with a traceback."""
+    import multiprocessing
+
+    import torch
+
+    from loraplex.platform.services.validation import _worker_main
+
+    threads = torch.get_num_threads()
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    receiver.close()
+    try:
+        _worker_main(sender, str, "job", None)  # returns: no BrokenPipeError
+    finally:
+        torch.set_num_threads(threads)
+    assert sender.closed

@@ -217,6 +217,8 @@ def _worker_main(conn: multiprocessing.connection.Connection, check: Callable[[U
         message = ("crashed", traceback.format_exc())
     try:
         conn.send(message)
+    except (BrokenPipeError, ConnectionResetError):  # the server went away meanwhile (shut down): nobody to tell
+        pass
     finally:
         conn.close()
 
