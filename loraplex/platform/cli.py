@@ -152,6 +152,7 @@ def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = Non
     import uvicorn
     from pydantic import ValidationError
 
+    from loraplex.platform.core.signals import python_ctrl_c
     from loraplex.platform.main import create_app
     from loraplex.platform.settings import validation_error_text
 
@@ -167,6 +168,7 @@ def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = Non
     if mount_console is not None:
         mount_console(app)
     try:
+        python_ctrl_c()
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down: not an error
         pass

@@ -252,3 +252,34 @@ def test_defaults_in_a_source_checkout_are_make_serves_folders(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     settings = Settings()
     assert (settings.data_dir, settings.cache_dir) == (Path("data"), Path.home() / ".cache" / "loraplex")
+
+
+def test_ctrl_c_once_serve_listens_is_a_graceful_shutdown_with_status_0(tmp_path, tiny_llama_dir):
+    """After the server listens Ctrl-C is uvicorn's (graceful shutdown), and the signal uvicorn raises again at its
+    end reaches Python's handler, not the preparation's exit-now one: exit status 0, no "interrupted" line."""
+    import os
+    import signal
+
+    script = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a terminal
+        "import sys\n"
+        "from loraplex import cli\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, "serve", "--model", str(tiny_llama_dir), "--port", "0",
+                             "--data-dir", str(tmp_path / "data"), "--no-engine-process"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert "Application shutdown complete" in output and "interrupted" not in output and "Traceback" not in output

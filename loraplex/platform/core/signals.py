@@ -32,3 +32,12 @@ def sigint_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def python_ctrl_c() -> None:
+    """Python's own SIGINT handler (``KeyboardInterrupt``) back, unless SIGINT is ignored. Called just before a
+    server runs: uvicorn saves the handler it finds, handles Ctrl-C itself (a graceful shutdown) and at the end
+    restores that handler and raises the signal again, which must then be the ``KeyboardInterrupt`` that ``serve``
+    treats as a normal end, not the CLI's exit-now handler of the preparation (``loraplex.cli._interrupted``)."""
+    if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.default_int_handler):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
