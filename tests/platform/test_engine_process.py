@@ -448,3 +448,27 @@ def test_ctrl_c_while_the_engine_loads_stops_the_child_at_once(tmp_path, tiny_ll
     assert proc.returncode == 0, err
     assert "interrupted; children: []" in out
     assert "Traceback" not in err
+
+
+def _failing_engine(settings):
+    raise ValueError("no engine (test)")
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask"), reason="POSIX signal masks")
+def test_the_gateway_starts_the_engine_process_with_sigint_blocked(settings, monkeypatch):
+    """ProcessEngineClient itself spawns inside sigint_blocked (the mask the child inherits at Process.start)."""
+    import multiprocessing.context
+    import signal
+
+    masks = []
+    start = multiprocessing.context.SpawnProcess.start
+
+    def recording_start(self):
+        masks.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        return start(self)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", recording_start)
+    with pytest.raises(ValueError, match="no engine"):
+        ProcessEngineClient(settings, _failing_engine)
+    assert masks == [True]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
