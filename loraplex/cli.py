@@ -86,11 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:
         return fail(str(exc))
     except KeyboardInterrupt:  # SIGINT handled by Python after all (our handler not installed, or raised by hand)
-        print("loraplex: interrupted", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+INTERRUPTED = "loraplex: interrupted"
+"""The one line Ctrl-C before a server listens prints (exit status 130)."""
 
 
 def _exit_on_ctrl_c():
@@ -110,8 +114,7 @@ def _interrupted(signum, frame) -> None:
     started (the engine process) and exit with status 130 at once. Not a ``KeyboardInterrupt``: raised inside a C
     extension's import (torch, numpy) that can abort the process or leave modules half-imported, and raised inside
     a finalizer it is dropped."""
-    sys.stderr.write("loraplex: interrupted\n")
-    sys.stderr.flush()
+    print(INTERRUPTED, file=sys.stderr, flush=True)
     for child in multiprocessing.active_children():
         child.terminate()
     os._exit(130)

@@ -324,15 +324,10 @@ class ProcessEngineClient(RemoteModelFacts):
         except (EOFError, OSError):
             first = None  # it died before reporting
         except BaseException:  # e.g. Ctrl-C while the model loads: stop the child now, not after a stop timeout
-            self._finalizer.cancel()
-            self._process.terminate()
-            self._process.join(10)
-            self._conn.close()
+            self._abandon_start(terminate=True)
             raise
         if first is None or first[0] == "start_failed":
-            self._process.join(10)
-            self._finalizer.cancel()
-            self._conn.close()
+            self._abandon_start()
             if first is None:
                 raise EngineStoppedError(f"the engine process exited while starting (exit code "
                                          f"{self._process.exitcode})")
@@ -349,6 +344,15 @@ class ProcessEngineClient(RemoteModelFacts):
         self._running = True
         self._reader = threading.Thread(target=self._read, name="loraplex-engine-pipe", daemon=True)
         self._reader.start()
+
+    def _abandon_start(self, *, terminate: bool = False) -> None:
+        """The engine never reported: terminate the child when asked (it may still be loading), wait for it to
+        exit, and close the pipe (its finalizer is no longer needed)."""
+        self._finalizer.cancel()
+        if terminate:
+            self._process.terminate()
+        self._process.join(10)
+        self._conn.close()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
