@@ -221,7 +221,8 @@ def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: i
     llm = LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len,
               gpu_memory_utilization=0.85, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
               max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192,
-              async_scheduling=RESULTS["async_scheduling"], **({"dtype": "bfloat16"} | device))
+              async_scheduling=RESULTS["async_scheduling"], lora_target_modules=RESULTS.get("lora_target_modules"),
+              **({"dtype": "bfloat16"} | device))
     llm.engine.lora_pool.pin_host_cache = RESULTS["host_cache"] == "pinned"
     return llm
 
@@ -486,11 +487,15 @@ def main() -> None:
                     help="scaling rows (e.g. 512,zipf-2000) run once more under torch.profiler, with their base run")
     ap.add_argument("--host-cache", choices=["pinned", "pageable"], default="pinned",
                     help="host memory of the adapter cache (LoRASlotPool.pin_host_cache)")
+    ap.add_argument("--lora-target-modules", default=None,
+                    help="the engines' lora_target_modules (e.g. q_proj,v_proj for the scaling part's q/v adapters: "
+                         "the other linears launch no LoRA kernel); default: every module")
     ap.add_argument("--cpu-check", action="store_true",
                     help="the benchmark's logic on CPU with a tiny model (implies --quick; numbers mean nothing)")
     args = ap.parse_args()
     RESULTS["host_cache"] = args.host_cache
     RESULTS["async_scheduling"] = args.async_scheduling
+    RESULTS["lora_target_modules"] = args.lora_target_modules
     config = dict(LLAMA2_7B)
     if args.quick or args.cpu_check:
         args.quick = True
@@ -527,7 +532,8 @@ def main() -> None:
             traceback.print_exc()
             RESULTS[part] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"[{part}] {time.perf_counter() - t0:.1f} s", flush=True)
-        suffix = ("" if args.host_cache == "pinned" else f"-{args.host_cache}") + ("-async" if args.async_scheduling else "")
+        suffix = (("" if args.host_cache == "pinned" else f"-{args.host_cache}") + ("-async" if args.async_scheduling else "")
+                  + (f"-{args.lora_target_modules.replace(',', '-')}" if args.lora_target_modules else ""))
         (out_dir() / f"serving-{args.parts.replace(',', '-')}{suffix}.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     summarize()
 
@@ -544,7 +550,8 @@ def summarize() -> None:
     if scl and "error" not in scl:
         rows = {k: v for k, v in scl.items() if isinstance(v, dict) and "fraction_of_base" in v}
         print_table("Adapter-count scaling (q/v r=16, 256 slots; host cache holds every adapter unless cold; async "
-                    f"scheduling {'on' if RESULTS['async_scheduling'] else 'off'}; {title})",
+                    f"scheduling {'on' if RESULTS['async_scheduling'] else 'off'}; lora_target_modules "
+                    f"{RESULTS['lora_target_modules'] or 'all'}; {title})",
                     ["row", "popularity", "requests", "distinct adapters", "out tok/s", "of base", "steps",
                      "min steps", "disk reads", "slot loads", "install batches"],
                     [[k, v["popularity"], v["requests"], v["distinct_adapters"], f"{v['output_tokens_per_s']:.0f}",

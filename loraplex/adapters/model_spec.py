@@ -240,11 +240,31 @@ class ModelSpec:
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     @property
+    def lora_linear_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The LoRA modules of each linear the engine computes fused, in layer order: split families
+        ``(q_proj, k_proj, v_proj), (o_proj,), (gate_proj, up_proj), (down_proj,)``; fused (Phi-3)
+        ``(qkv_proj,), (o_proj,), (gate_up_proj,), (down_proj,)``."""
+        if self.fused_projections:
+            return ("qkv_proj",), ("o_proj",), ("gate_up_proj",), ("down_proj",)
+        return ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)
+
+    @property
     def adapter_spec(self) -> BaseModelSpec:
         """What an adapter must fit (layer count and LoRA-able module shapes)."""
         return BaseModelSpec(num_layers=self.num_layers, hidden_size=self.hidden_size,
                              module_shapes=self.module_shapes, architecture=self.architecture,
                              vocab_size=self.vocab_size)
+
+    def served_adapter_spec(self, target_modules: tuple[str, ...] | None, *, vocab: bool = True) -> BaseModelSpec:
+        """:attr:`adapter_spec` as a server with LoRA on ``target_modules`` (None: every module) checks adapters
+        (:meth:`BaseModelSpec.serving_only` over :attr:`lora_linear_groups`); ``vocab=False``: no LoRA on
+        ``embed_tokens`` / ``lm_head`` at all (``vocab_size`` None; tensor parallelism).
+
+        Raises ``ValueError`` naming a module of ``target_modules`` this model has no LoRA for."""
+        spec = self.adapter_spec
+        if not vocab:
+            spec = dataclasses.replace(spec, vocab_size=None)
+        return spec if target_modules is None else spec.serving_only(target_modules, self.lora_linear_groups)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""

@@ -349,6 +349,9 @@ def _plan_vocab(
             continue
         module = vocab_module(match["module"])
         assert module is not None  # the regex names only these
+        reason = spec.unserved_reason(module)
+        if reason is not None:
+            raise AdapterUnsupportedError(f"tensor {name!r}: {reason}")
         if spec.vocab_size is None:
             raise AdapterUnsupportedError(f"tensor {name!r}: {_NO_VOCAB}")
         if match["copy"] is not None:
@@ -480,6 +483,9 @@ def _check_target_modules_exist(config: PeftLoraConfig, spec: BaseModelSpec) -> 
     if spec.vocab_size is not None:
         names.update(("embed_tokens", "model.embed_tokens", "lm_head"))
     for entry in config.target_modules:
+        reason = spec.unserved_reason(vocab_module(entry) or entry.rsplit(".", 1)[-1])
+        if reason is not None:
+            raise AdapterUnsupportedError(f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}: {reason}")
         if spec.vocab_size is None and vocab_module(entry) is not None:
             raise AdapterUnsupportedError(f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}: {_NO_VOCAB}")
         if entry not in names:
@@ -593,6 +599,9 @@ def _map_module(module_key: str, spec: BaseModelSpec) -> tuple[int | None, str |
             "without leading zeros"
         )
     module = match["module"]
+    reason = spec.unserved_reason(module)
+    if reason is not None and MODULE_PARENT[module] == match["parent"]:
+        raise AdapterUnsupportedError(f"module {module_key!r}: {reason}")
     if module not in spec.module_shapes or MODULE_PARENT[module] != match["parent"]:
         return None, None
     return int(match["layer"]), module

@@ -19,6 +19,7 @@ CLI's ``--help`` stays light.
 from __future__ import annotations
 
 import ast
+import re
 import dataclasses
 import inspect
 import textwrap
@@ -130,6 +131,16 @@ class EngineConfig:
     """Pages of the adapter weight pool (None: max_loras * max_lora_rank / page rows, room for max_loras adapters
     of max_lora_rank; at least one max_lora_rank adapter's pages). Fewer pages take less memory; an adapter whose
     pages cannot be freed from unpinned adapters waits like one without a free slot (aging included)."""
+    lora_target_modules: str | None = knob(None, Rule(
+        lambda v: re.fullmatch(r"\s*[A-Za-z_]+\s*(,\s*[A-Za-z_]+\s*)*", v) is not None,
+        "must be module names separated by commas (e.g. q_proj,v_proj)"))
+    """Comma-separated modules adapters may put LoRA on, in PEFT's names: q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (qkv_proj, gate_up_proj on fused families such as Phi-3), embed_tokens, lm_head.
+    None: every module. The adapter weight pool holds only these, and a layer's linear without one of them launches
+    no LoRA kernel: q_proj,v_proj for q/v adapters saves the o_proj, gate_up and down_proj launches of every layer
+    (benchmarks/RESULTS.md, session 14). A linear the engine computes fused is served whole (q_proj serves k_proj
+    and v_proj too; gate_proj serves up_proj). Adapters on another module are refused at upload and at load, the
+    setting named (as SGLang's --lora-target-modules). A name this model has no LoRA for is refused at start."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))
@@ -201,6 +212,8 @@ class EngineConfig:
              "is not implemented with tensor_parallel_size > 1 (the worker ranks read host token ids)"),
             (merged["max_full_module_slots"] == 0 or merged["tensor_parallel_size"] == 1, "max_full_module_slots",
              "is not implemented with tensor_parallel_size > 1 (embed_tokens / lm_head adapters are not sharded)"),
+            (merged["lora_target_modules"] is None or merged["enable_lora"], "lora_target_modules",
+             "needs enable_lora"),
             (merged["max_full_module_slots"] == 0 or merged["enable_lora"], "max_full_module_slots",
              "needs enable_lora (the slots hold adapters' modules_to_save copies)"),
         ]
@@ -222,6 +235,11 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    @property
+    def lora_target_module_names(self) -> tuple[str, ...] | None:
+        """``lora_target_modules`` as a tuple of names (None: every module; :func:`module_names`)."""
+        return module_names(self.lora_target_modules)
+
     def lora_config(self, device: torch.device) -> LoRAConfig:
         """The adapter tiers' knobs. Adapter reads run on loader threads on CUDA (disk reads stay
         out of the GPU step) and inline on CPU (deterministic tests)."""
@@ -239,6 +257,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+def module_names(text: str | None) -> tuple[str, ...] | None:
+    """A ``lora_target_modules`` value as a tuple of names, first occurrences in order (None stays None)."""
+    if text is None:
+        return None
+    return tuple(dict.fromkeys(name.strip() for name in text.split(",")))
 
 
 # -- the fields, described for the front ends ------------------------------------------------------

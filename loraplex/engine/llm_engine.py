@@ -48,7 +48,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence
 from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputManager
-from loraplex.engine.worker import TensorParallelDriver, bind_lora
+from loraplex.engine.worker import TensorParallelDriver, bind_lora, served_adapter_spec
 from loraplex.kernels.ops import Kernels, default_backend
 
 if TYPE_CHECKING:
@@ -127,16 +127,15 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         torch.manual_seed(config.seed)
+        # What adapters are checked against: the modules of lora_target_modules; without vocab_size under tensor
+        # parallelism (adapters on embed_tokens / lm_head are not sharded, so they are refused when checked).
+        self.adapter_spec = served_adapter_spec(config, self.spec, vocab=config.tensor_parallel_size == 1)
         if self.spec.checkpoint_quantization is not None and config.tensor_parallel_size > 1:
             raise UnsupportedModelError("FP8 checkpoints (config.quantization_config) are not implemented with "
                                         "tensor parallelism; serve them with tensor_parallel_size=1")
         # Tensor parallelism: this process is rank 0 (the driver) and holds rank 0's shard.
         self.tp = TensorParallelDriver(config, self.model_path, dummy_weights) if config.tensor_parallel_size > 1 else None
         self.rank_spec = self.spec if self.tp is None else self.tp.state.local_spec
-        # What adapters are checked against; without vocab_size under tensor parallelism (adapters on
-        # embed_tokens / lm_head are not sharded, so they are refused when checked).
-        self.adapter_spec = (self.spec.adapter_spec if self.tp is None
-                             else dataclasses.replace(self.spec.adapter_spec, vocab_size=None))
         if self.tp is None:
             kernels = Kernels(default_backend(self.device))
             self.model = build_model(self.model_path, self.spec, self.dtype, self.device, kernels, dummy_weights,
@@ -192,7 +191,7 @@ class LLMEngine:
         if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
             from loraplex.kernels.self_check import check_add_lora
 
-            shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for _, lin in self.model.lora_linears()}
+            shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for _, lin in self.model.lora_linears() if lin.lora_a}
             check_add_lora(sorted(shapes), self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device,
                            page_rows=pool.weights.page_rows)
         return pool

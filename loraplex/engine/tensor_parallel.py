@@ -35,6 +35,7 @@ from loraplex.adapters.device_weights import LoRADeviceWeights
 from loraplex.adapters.errors import AdapterUnsupportedError
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.adapters.slot_image import SlotImage
+from loraplex.adapters.spec import BaseModelSpec
 
 _COLUMN_MODULES = ("qkv_proj", "gate_up_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_MODULES = ("o_proj", "down_proj")
@@ -137,12 +138,12 @@ class ShardedLoRADeviceWeights(LoRADeviceWeights):
     write and disable on to the other ranks, in order with the steps, so slots stay the same on all ranks
     (the driver's slot table decides; workers follow)."""
 
-    def __init__(self, shard: TensorShard, local_spec: ModelSpec, num_slots: int, max_lora_rank: int,
+    def __init__(self, shard: TensorShard, local_spec: BaseModelSpec, num_slots: int, max_lora_rank: int,
                  dtype: torch.dtype, device: torch.device | str, forward_write=None, forward_disable=None, *,
                  page_rows: int | None = None, num_pages: int | None = None) -> None:
         # No embed_tokens / lm_head LoRA or full-module slots: not implemented with tensor parallelism (the
         # pool refuses such adapters, naming it).
-        super().__init__(dataclasses.replace(local_spec.adapter_spec, vocab_size=None), num_slots, max_lora_rank,
+        super().__init__(dataclasses.replace(local_spec, vocab_size=None), num_slots, max_lora_rank,  # rank shapes
                          dtype, device, page_rows=page_rows, num_pages=num_pages)
         self.shard = shard
         self.forward_write = forward_write

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from loraplex.adapters.model_spec import ModelSpec
 from loraplex.adapters.slot_image import SlotImage
-from loraplex.engine.config import EngineConfig
+from loraplex.adapters.spec import BaseModelSpec
+from loraplex.engine.config import ConfigError, EngineConfig
 from loraplex.engine.kv_cache import KVCache, KVCacheSizing
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.models.llama import LlamaForCausalLM
@@ -116,17 +118,32 @@ class RankState:
         self.lora_weights = None
         if config.enable_lora:
             lora = config.lora_config(self.device)
-            self.lora_weights = ShardedLoRADeviceWeights(self.shard, self.local_spec, config.max_loras,
+            served = served_adapter_spec(config, self.local_spec, vocab=False)
+            self.lora_weights = ShardedLoRADeviceWeights(self.shard, served, config.max_loras,
                                                          config.max_lora_rank, self.dtype, self.device,
                                                          forward_write, forward_disable, page_rows=lora.page_rows,
                                                          num_pages=lora.num_pages)
             bind_lora(self.model, self.lora_weights)
 
 
+def served_adapter_spec(config: EngineConfig, spec: ModelSpec, *, vocab: bool) -> BaseModelSpec:
+    """What adapters are checked against and the pool holds: ``spec``'s modules that ``config.lora_target_modules``
+    serves (``ModelSpec.served_adapter_spec``). Raises ``ConfigError`` naming the field for a module this model
+    has no LoRA for."""
+    try:
+        return spec.served_adapter_spec(config.lora_target_module_names, vocab=vocab)
+    except ValueError as exc:
+        raise ConfigError("lora_target_modules", config.lora_target_modules, str(exc)) from None
+
+
 def bind_lora(model: LlamaForCausalLM, weights) -> None:
     """Point every LoRA-capable linear of ``model`` at its slices of the adapter weight pool ``weights``
-    (a ``LoRADeviceWeights``: pages, scalings, DoRA gains, ranks and page table)."""
+    (a ``LoRADeviceWeights``: pages, scalings, DoRA gains, ranks and page table). A linear whose modules the
+    pool does not hold (``lora_target_modules``) stays unbound: it launches no LoRA kernel."""
     for layer, lin in model.lora_linears():
+        if not all(m in weights.a[layer] for m in lin.module_names):
+            assert not any(m in weights.a[layer] for m in lin.module_names), "fused linears are served whole"
+            continue
         lin.bind_lora([weights.a[layer][m] for m in lin.module_names], [weights.b[layer][m] for m in lin.module_names],
                       [weights.scaling[layer][m] for m in lin.module_names],
                       weights.gain_columns(layer, lin.module_names), ranks=weights.ranks,

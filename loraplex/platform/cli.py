@@ -84,6 +84,9 @@ def add_commands(subparsers: argparse._SubParsersAction, *, mount_console: Mount
                              "(default: LORAPLEX_MODEL)")
     upload.add_argument("--served-model-name", default=_S)
     upload.add_argument("--max-lora-rank", type=int, default=_S)
+    upload.add_argument("--lora-target-modules", default=_S,
+                        help="the modules the server serves LoRA on, comma-separated (LORAPLEX_LORA_TARGET_MODULES; "
+                             "default: every module)")
     upload.add_argument("--cache-dir", type=Path, default=_S, help="prepared demo models (LORAPLEX_CACHE_DIR)")
     _add_storage_flags(upload)
     upload.set_defaults(handler=_adapter_upload)
@@ -148,6 +151,14 @@ def _fail(message: str) -> int:
     return fail(message)
 
 
+def _error_text(exc: ValueError | OSError) -> str:
+    """One line for ``exc``: an engine option's error names its flag and env var (``option_error_text``)."""
+    from loraplex.engine.config import ConfigError
+    from loraplex.platform.engine_options import option_error_text
+
+    return option_error_text(exc) if isinstance(exc, ConfigError) else str(exc)
+
+
 def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = None) -> int:
     import uvicorn
     from pydantic import ValidationError
@@ -164,7 +175,7 @@ def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = Non
     except ValidationError as exc:
         return _fail(validation_error_text(exc))
     except (ValueError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+        return _fail(_error_text(exc))
     if mount_console is not None:
         mount_console(app)
     try:
@@ -187,7 +198,7 @@ def _with_context(args: argparse.Namespace, action) -> int:
     except ValidationError as exc:
         return _fail(validation_error_text(exc))
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(_error_text(exc))
     try:
         with ctx.sessions() as session:
             result = action(ctx, session)
@@ -196,7 +207,7 @@ def _with_context(args: argparse.Namespace, action) -> int:
     except ValidationError as exc:  # a bad field value: one line naming it, not pydantic's report
         return _fail(validation_error_text(exc))
     except (ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return _fail(_error_text(exc))
     finally:
         ctx.db.dispose()
     if isinstance(result, list):

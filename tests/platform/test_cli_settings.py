@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -171,6 +172,18 @@ def test_tenant_key_and_adapter_commands(capsys, tmp_path, tiny_llama_dir):
     assert cli.main(["adapter", "upload", "acme", "poet", str(adapter), "--model", str(tiny_llama_dir),
                      "--max-lora-rank", "2", *common]) == 2
     assert "max_lora_rank=2" in capsys.readouterr().err
+    # Checked against the modules the server serves (lora_target_modules): q_proj serves the whole q/k/v linear.
+    assert cli.main(["adapter", "upload", "acme", "poet", str(adapter), "--model", str(tiny_llama_dir),
+                     "--lora-target-modules", "q_proj", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 3
+    assert cli.main(["adapter", "upload", "acme", "poet", str(adapter), "--model", str(tiny_llama_dir),
+                     "--lora-target-modules", "o_proj,down_proj", *common]) == 2
+    assert re.search(r"LoRA on [qv]_proj is not served by this server: its lora_target_modules setting serves "
+                     r"o_proj, down_proj only", capsys.readouterr().err)
+    assert cli.main(["adapter", "upload", "acme", "poet", str(adapter), "--model", str(tiny_llama_dir),
+                     "--lora-target-modules", "qkv_proj", *common]) == 2
+    assert ("lora_target_modules='qkv_proj' (--lora-target-modules / LORAPLEX_LORA_TARGET_MODULES): 'qkv_proj' is "
+            "not a module this model serves LoRA on") in capsys.readouterr().err
 
     # the server sees what the CLI wrote
     from platform_testlib import make_settings
