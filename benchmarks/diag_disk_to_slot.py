@@ -1,0 +1,129 @@
+"""Where the disk -> slot time of one adapter goes (issue 17 goal 3: <= 5 ms for a 16.8 MB q/v adapter).
+
+Llama-2-7B shapes, q/v r=16, bf16, a pool serving q_proj,v_proj (16 slots), files in the page cache, the adapter
+evicted from the host cache and its slot before each run (the re-read path of ``bench_serving.disk_to_slot``).
+Medians over 16 adapters, ms:
+
+- ``total``: ``ensure_ready`` until True, then a pin in one install batch, device synchronized;
+- ``read``: the loader's verified re-read alone on this thread (header, ``pread`` into the host arena);
+- ``header``: ``stored_tensors`` (the safetensors header parsed) alone; ``pread``: the data section read alone;
+- ``install``: the pin of an image already in the host cache (copy to the device staging, scatter into pages),
+  device synchronized.
+
+Usage: ``python benchmarks/diag_disk_to_slot.py [--count N]`` (CUDA; on CPU the install is a host copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_serving as bs  # noqa: E402
+from common import make_model_dir, out_dir  # noqa: E402
+
+from loraplex.adapters import LoRASlotPool  # noqa: E402
+from loraplex.adapters.config import LoRAConfig  # noqa: E402
+from loraplex.adapters.model_spec import ModelSpec  # noqa: E402
+from loraplex.adapters.peft_format import stored_tensors  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, default=16)
+    args = ap.parse_args()
+    from transformers import AutoConfig
+
+    root = Path(tempfile.mkdtemp())
+    config = dict(bs.LLAMA2_7B)
+    model_dir = make_model_dir(root / "model", config)
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(model_dir)))
+    adapters = bs.make_adapters(root / "adapters", config, args.count, args.count, targets=("q_proj", "v_proj"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pool = LoRASlotPool(spec.served_adapter_spec(("q_proj", "v_proj")), dtype=torch.bfloat16, device=device,
+                        config=LoRAConfig(max_loras=16, max_lora_rank=16, max_cpu_loras=args.count,
+                                          background_loads=device == "cuda", page_rows=16))
+    for a in adapters:
+        pool.add_lora(a)
+    ids = [a.lora_int_id for a in adapters]
+    for i in ids:  # first reads (hashed), then out of the host cache and the slots
+        while not pool.ensure_ready(i):
+            pool.wait_for_loads(timeout_s=0.0002)
+        with pool.batched_installs():
+            pool.pin(i)
+        sync()
+        pool.unpin(i)
+
+    def evict(i: int) -> None:
+        pool.loader.cache.pop(i)
+        slot = pool.slots.slot_of(i)
+        if slot is not None and slot >= 0:
+            pool.slots.clear(slot)
+
+    times: dict[str, list[float]] = {k: [] for k in ("total", "read", "header", "pread", "install")}
+    buf = None
+    for i in ids:
+        evict(i)
+        sync()
+        t0 = time.perf_counter()
+        while not pool.ensure_ready(i):
+            pool.wait_for_loads(timeout_s=0.0002)
+        with pool.batched_installs():
+            pool.pin(i)
+        sync()
+        times["total"].append(1e3 * (time.perf_counter() - t0))
+        pool.unpin(i)
+        evict(i)
+        registration = pool.registry.get(i)
+        t0 = time.perf_counter()
+        pool.loader.read_now(registration)
+        times["read"].append(1e3 * (time.perf_counter() - t0))
+        path = Path(registration.request.lora_path) / "adapter_model.safetensors"
+        t0 = time.perf_counter()
+        stored = stored_tensors(path)
+        times["header"].append(1e3 * (time.perf_counter() - t0))
+        start = min(t.offset_bytes for t in stored.values())
+        if buf is None:  # one buffer, touched once (as the host arena's reused chunks are)
+            buf = torch.ones(os.path.getsize(path) - start, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        fd = os.open(path, os.O_RDONLY)
+        t0 = time.perf_counter()
+        done = 0
+        while done < len(view):
+            done += os.preadv(fd, [view[done:]], start + done)
+        times["pread"].append(1e3 * (time.perf_counter() - t0))
+        os.close(fd)
+        # the image is in the host cache again (read_now): time the install alone
+        while not pool.ensure_ready(i):
+            pool.wait_for_loads(timeout_s=0.0002)
+        sync()
+        t0 = time.perf_counter()
+        with pool.batched_installs():
+            pool.pin(i)
+        sync()
+        times["install"].append(1e3 * (time.perf_counter() - t0))
+        pool.unpin(i)
+    result = {k: statistics.median(v) for k, v in times.items()} | {"all": times, "device": device,
+                                                                      "adapter_MB": pool.loader.cached(ids[0]).nbytes / 1e6
+                                                                      if pool.loader.cached(ids[0]) else None}
+    print(json.dumps({k: v for k, v in result.items() if k != "all"}, indent=1))
+    (out_dir() / "disk-to-slot.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
