@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,11 +36,14 @@ from loraplex.adapters.errors import AdapterChangedError, AdapterError, AdapterF
 from loraplex.adapters.host_arena import HostArena
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import (
+    SAFETENSORS_NAME,
     AdapterLayout,
     FileSignature,
+    StoredTensor,
     adapter_files_signature,
     inspect_peft_adapter,
     load_peft_adapter,
+    stored_tensors,
 )
 from loraplex.adapters.registry import Registration
 from loraplex.adapters.slot_image import SlotImage, read_slot_image, slot_image_from_adapter
@@ -53,6 +57,7 @@ class _Read:
 
     image: SlotImage
     signature: FileSignature | None
+    stored: dict[str, StoredTensor] | None = None  # the header's tensors, parsed under ``signature``
 
 
 class AdapterLoader:
@@ -160,7 +165,7 @@ class AdapterLoader:
         int_id = registration.request.lora_int_id
         future = self._executor.submit(
             self._read, registration.request, registration.version_id, registration.signature,
-            registration.layout, registration.verified,
+            registration.layout, registration.verified, registration.stored,
         )
         self._loading[int_id] = future
         self._registrations[int_id] = registration
@@ -206,7 +211,7 @@ class AdapterLoader:
         """Read the registration's adapter on this thread. Raises the read's ``AdapterError``."""
         try:
             read = self._read(registration.request, registration.version_id, registration.signature,
-                              registration.layout, registration.verified)
+                              registration.layout, registration.verified, registration.stored)
         except AdapterError:
             self.load_failures += 1
             raise
@@ -233,6 +238,7 @@ class AdapterLoader:
         self.disk_loads += 1
         registration.signature = read.signature
         registration.verified = True
+        registration.stored = read.stored
         return read.image
 
     def _pin_images(self) -> bool:
@@ -247,16 +253,17 @@ class AdapterLoader:
                                        page_rows=self.page_rows)
 
     def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None,
-                       check_finite: bool = True) -> SlotImage:
+                       check_finite: bool = True, stored: dict[str, StoredTensor] | None = None) -> SlotImage:
         """Header checks (unless ``layout`` holds them), then the tensors straight into a slot
-        image; nothing hashed (``check_finite``: as ``read_slot_image``)."""
+        image; nothing hashed (``check_finite``, ``stored``: as ``read_slot_image``)."""
         layout = layout or inspect_peft_adapter(path, self.spec, self.max_lora_rank)
         return read_slot_image(layout, self.spec, self.max_lora_rank, self.dtype,
                                version_id=version_id, pin_memory=self._pin_images(), allocate=self._arena().empty,
-                               check_finite=check_finite, page_rows=self.page_rows)
+                               check_finite=check_finite, page_rows=self.page_rows, stored=stored)
 
     def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None,
-              layout: AdapterLayout | None = None, verified: bool = False) -> _Read:
+              layout: AdapterLayout | None = None, verified: bool = False,
+              stored: dict[str, StoredTensor] | None = None) -> _Read:
         """Read a registered adapter's tensors (runs on a loader thread: touches no shared state).
 
         Once ``verified``, while the files' stat signature equals ``signature`` (before and after
@@ -270,16 +277,22 @@ class AdapterLoader:
             if verified and before is not None and before == signature:
                 # Verified: this content was hashed, matched and scanned for NaN/Inf (as self.dtype) when
                 # first read, and the files' stat is unchanged since, so the scan is not repeated.
-                image = self._read_declared(path, version_id, layout, check_finite=False)
+                stored = stored or stored_tensors(Path(path) / SAFETENSORS_NAME)
+                image = self._read_declared(path, version_id, layout, check_finite=False, stored=stored)
                 if adapter_files_signature(path) == before:
-                    return _Read(image, before)
+                    return _Read(image, before, stored)
             adapter = load_peft_adapter(path, self.spec, self.max_lora_rank, serving_dtype=self.dtype)
             if adapter.version_id != version_id:
                 raise AdapterChangedError(
                     f"adapter {request.lora_name!r} at lora_path={path!r} changed on disk: "
                     f"version_id {adapter.version_id} != registered {version_id}"
                 )
-            return _Read(self._image_of(adapter), adapter_files_signature(path))
+            after = adapter_files_signature(path)
+            # the header's offsets for the next (verified) read, parsed under the signature it will be trusted by
+            stored = stored_tensors(Path(path) / SAFETENSORS_NAME) if after is not None and after == before else None
+            if stored is not None and adapter_files_signature(path) != after:
+                stored = None
+            return _Read(self._image_of(adapter), after, stored)
         except AdapterError:
             raise
         except Exception as exc:  # an unreadable file is an adapter error, not an engine crash

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from loraplex.adapters.errors import AdapterConflictError, UnknownAdapterError
 from loraplex.adapters.lora_request import LoRARequest
-from loraplex.adapters.peft_format import AdapterLayout, FileSignature
+from loraplex.adapters.peft_format import AdapterLayout, FileSignature, StoredTensor
 
 
 @dataclass
@@ -20,7 +20,9 @@ class Registration:
     """``signature``: the files' stat when registered or last verified (``None``: could not stat);
     ``layout``: the header checks' result, reused by reads while the signature holds;
     ``verified``: the content was hashed and matched ``version_id`` under ``signature``
-    (change detection: later reads trust ``version_id`` while the signature is unchanged)."""
+    (change detection: later reads trust ``version_id`` while the signature is unchanged);
+    ``stored``: the safetensors header's tensors (``stored_tensors``) as parsed by the last read, under
+    ``signature`` (later reads under the same signature skip parsing it)."""
 
     request: LoRARequest
     version_id: str
@@ -28,6 +30,7 @@ class Registration:
     layout: AdapterLayout | None = None
     pending_removal: bool = False
     verified: bool = False
+    stored: dict[str, StoredTensor] | None = None
 
 
 class AdapterRegistry:

@@ -27,8 +27,10 @@ An adapter with LoRA or ``modules_to_save`` copies on ``embed_tokens`` / ``lm_he
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +194,7 @@ def read_slot_image(
     allocate: Allocate | None = None,
     check_finite: bool = True,
     page_rows: int | None = None,
+    stored: dict[str, StoredTensor] | None = None,
 ) -> SlotImage:
     """Read the tensors of the adapter ``layout`` (checked by ``inspect_peft_adapter``)
     straight into a ``SlotImage`` of ``dtype``; nothing is hashed (``version_id`` is trusted).
@@ -200,7 +203,8 @@ def read_slot_image(
     it (None: padded to ``max_rank``, one page).
     ``allocate`` gives the image's buffer (e.g. ``HostArena.empty``); default a new tensor,
     page-locked when ``pin_memory``. ``check_finite=False`` skips the NaN/Inf scan, for a re-read of
-    content already hashed, matched and scanned as ``dtype`` (the loader's verified re-reads).
+    content already hashed, matched and scanned as ``dtype`` (the loader's verified re-reads). ``stored``: the
+    file's header (``stored_tensors``) when the caller parsed it already under an unchanged file signature.
 
     When every tensor is stored in ``dtype`` with rank R and R is one page, the image *is* the file's data
     section: one ``pread`` (the GIL released throughout) and the offsets taken from the
@@ -213,7 +217,7 @@ def read_slot_image(
     to ``dtype``, e.g. fp32 70000 into float16).
     """
     path = Path(layout.path) / SAFETENSORS_NAME
-    stored = stored_tensors(path)
+    stored = stored if stored is not None else stored_tensors(path)
     names = {(plan.layer, plan.module): (plan.a_name, plan.b_name) for plan in layout.modules}
     fd = _open(path)
     try:
@@ -394,15 +398,52 @@ def _read_into(fd: int, name: str, stored: dict[str, StoredTensor], dest: torch.
     dest.copy_(staging)
 
 
+# A read of at least PARALLEL_READ_MIN_BYTES is split into PARALLEL_READ_PARTS parts read side by side (os.preadv
+# releases the GIL): one thread copies files from the page cache at ~5 GB/s (an H200 host: a 16.8 MB adapter's
+# pread took 3.2 ms of its 6.9 ms disk -> slot; benchmarks/diag_disk_to_slot.py, RESULTS.md session 14).
+PARALLEL_READ_MIN_BYTES = 4 << 20
+PARALLEL_READ_PARTS = 4
+PARALLEL_READ_ALIGN_BYTES = 4096  # parts start on page boundaries of the destination
+_read_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_read_pool_lock = threading.Lock()
+
+
 def _pread_exact(fd: int, dest: torch.Tensor, offset_bytes: int, name: str) -> None:
-    """Read ``dest.nbytes`` bytes at ``offset_bytes`` into the contiguous CPU tensor ``dest``."""
+    """Read ``dest.nbytes`` bytes at ``offset_bytes`` into the contiguous CPU tensor ``dest`` (in
+    ``PARALLEL_READ_PARTS`` parts on as many threads from ``PARALLEL_READ_MIN_BYTES`` on).
+    Raises ``AdapterFormatError`` if the file ends first."""
     view = memoryview(dest.view(-1).view(torch.uint8).numpy())
+    if len(view) < PARALLEL_READ_MIN_BYTES or PARALLEL_READ_PARTS < 2:
+        _pread_part(fd, view, offset_bytes, name)
+        return
+    per_part = -(-len(view) // PARALLEL_READ_PARTS)
+    step = -(-per_part // PARALLEL_READ_ALIGN_BYTES) * PARALLEL_READ_ALIGN_BYTES
+    parts = [(start, min(start + step, len(view))) for start in range(0, len(view), step)]
+    pool = _parallel_read_pool()
+    futures = [pool.submit(_pread_part, fd, view[start:end], offset_bytes + start, name) for start, end in parts[1:]]
+    try:
+        _pread_part(fd, view[parts[0][0]:parts[0][1]], offset_bytes, name)
+    finally:
+        for future in futures:
+            future.result()  # the first part's error or the others': the caller's fd stays open until all end
+
+
+def _pread_part(fd: int, view: memoryview, offset_bytes: int, name: str) -> None:
     done = 0
     while done < len(view):
         count = os.preadv(fd, [view[done:]], offset_bytes + done)
         if count <= 0:
             raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} is truncated")
         done += count
+
+
+def _parallel_read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_READ_PARTS - 1,
+                                                               thread_name_prefix="loraplex-pread")
+        return _read_pool
 
 
 def _empty_image(

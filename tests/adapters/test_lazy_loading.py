@@ -29,7 +29,7 @@ from loraplex.adapters import (
     peft_format,
 )
 from loraplex.adapters.lora_request import LoRARequest
-from loraplex.adapters import slot_image
+from loraplex.adapters import loader, slot_image
 
 SPEC = BaseModelSpec(
     num_layers=2,
@@ -48,7 +48,7 @@ class ReadSpy:
         self.tensor_reads = 0
         self.hashes = 0
         read_tensors, hash_fn = peft_format._read_tensors, peft_format.compute_version_id
-        read_modules = slot_image.stored_tensors
+        read_modules = loader.read_slot_image
 
         def counting_read(*args, **kwargs):
             self.tensor_reads += 1
@@ -63,7 +63,7 @@ class ReadSpy:
             return hash_fn(*args, **kwargs)
 
         monkeypatch.setattr(peft_format, "_read_tensors", counting_read)
-        monkeypatch.setattr(slot_image, "stored_tensors", counting_module_read)
+        monkeypatch.setattr(loader, "read_slot_image", counting_module_read)
         monkeypatch.setattr(peft_format, "compute_version_id", counting_hash)
 
     @property
@@ -420,3 +420,35 @@ def test_many_declared_adapters_one_read_each(make_adapters, monkeypatch, backgr
         assert (stats.load_failures, stats.slot_loads, stats.cpu_evictions) == (0, 8, 6)
     finally:
         pool.close()
+
+
+def test_verified_rereads_reuse_the_parsed_header_until_the_files_change(make_adapters, monkeypatch):
+    """The safetensors header is parsed under the signature the first (hashed) read recorded; verified re-reads
+    reuse it, and once the files change the read parses it again."""
+    parses = []
+    real = slot_image.stored_tensors
+    counting = lambda path: parses.append(str(path)) or real(path)  # noqa: E731
+    monkeypatch.setattr(slot_image, "stored_tensors", counting)
+    monkeypatch.setattr(loader, "stored_tensors", counting)
+    made = make_adapters(2)
+    pool = make_pool(max_loras=1, max_cpu_loras=1)
+    for request, _ in made:
+        pool.add_lora(request)
+    pool.pin(1)  # first use: hashed; the header parsed once for later reads
+    pool.unpin(1)
+    assert len(parses) == 1 and pool.registry.get(1).stored is not None
+    pool.pin(2)  # evicts ad1
+    pool.unpin(2)
+    assert len(parses) == 2
+    pool.pin(1)  # verified re-read: the header is not parsed again
+    pool.unpin(1)
+    assert len(parses) == 2
+    assert_slot_holds(pool, 0, made[0][1])
+    pool.pin(2)
+    pool.unpin(2)
+    weights = Path(made[0][0].lora_path) / "adapter_model.safetensors"
+    signature = adapter_files_signature(made[0][0].lora_path)
+    os.utime(weights, ns=(signature[1][1] + 10**9, signature[1][1] + 10**9))
+    pool.pin(1)  # the files changed (stat): hashed, the header parsed under the new signature
+    assert len(parses) == 3
+    assert_slot_holds(pool, 0, made[0][1])

@@ -115,3 +115,35 @@ def test_header_offsets_rewritten_after_inspection_are_refused(tmp_path, write_a
     _rewrite_offsets(folder / "adapter_model.safetensors", edit)
     with pytest.raises(AdapterFormatError, match="overlap|data_offsets"):
         read_slot_image(layout, SPEC, MAX_RANK, torch.bfloat16, version_id="x" * 64, pin_memory=False)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_parallel_read_parts_give_the_same_image(tmp_path, write_adapter, monkeypatch, parts):
+    """A read split into parts on several threads (PARALLEL_READ_*: page-aligned parts, the last shorter) equals
+    the one-thread read, and a file that ends inside a later part is refused as truncated."""
+    from loraplex.adapters import slot_image
+
+    folder, _ = write(tmp_path, write_adapter, MAX_RANK, torch.float32)  # verbatim: one read of the data section
+    layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
+    whole = read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
+    assert whole.nbytes > 256 * parts  # several aligned blocks per part
+    reads = []
+    real = slot_image._pread_part
+    monkeypatch.setattr(slot_image, "_pread_part", lambda fd, view, offset, name: reads.append(
+        (offset, len(view))) or real(fd, view, offset, name))
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_MIN_BYTES", 1024)
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_ALIGN_BYTES", 256)
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_PARTS", parts)
+    monkeypatch.setattr(slot_image, "_read_pool", None)
+    split = read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
+    assert torch.equal(split.data, whole.data) and split.offsets == whole.offsets
+    reads.sort()
+    step = -(-(-(-whole.nbytes // parts)) // 256) * 256  # ceil(n / parts), rounded up to the alignment
+    assert len(reads) == -(-whole.nbytes // step) > 1 and sum(n for _, n in reads) == whole.nbytes
+    assert all(n % 256 == 0 for _, n in reads[:-1]) and 0 < reads[-1][1] <= reads[0][1]
+    assert all(a + n == b for (a, n), (b, _) in zip(reads, reads[1:]))  # contiguous, no overlap
+    path = folder / "adapter_model.safetensors"
+    os.truncate(path, path.stat().st_size - 10)
+    with pytest.raises(AdapterFormatError, match="truncated|data_offsets"):
+        read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
+    monkeypatch.setattr(slot_image, "_read_pool", None)  # the pool created here is not the default's
