@@ -37,6 +37,7 @@ from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import build_model, load_model_spec
 from loraplex.engine.parallel_state import ParallelGroup
+from loraplex.engine.parent_watch import exit_when_parent_exits
 from loraplex.engine.step_plan import StepPlan
 from loraplex.engine.tensor_parallel import (ShardedLoRADeviceWeights, TensorShard, UnsupportedParallelismError,
                                               shard_spec)
@@ -227,7 +228,9 @@ def _agree_on_graphs(group: ParallelGroup, runner: ModelRunner) -> None:
 
 
 def _worker_main(config: EngineConfig, model_path: str, rank: int, init_method: str, dummy_weights: bool) -> None:
-    """A worker rank: build the shard, then follow the driver's messages until ``None``."""
+    """A worker rank: build the shard, then follow the driver's messages until ``None``. Exits when the driver's
+    process is gone (killed while the group formed or the model loaded: nothing else would end this one)."""
+    exit_when_parent_exits(f"tensor-parallel rank {rank}")
     state = RankState(config, Path(model_path), rank, init_method, dummy_weights)
     group = state.group
     init: _Init | None = group.broadcast()

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.parent_watch import exit_when_parent_exits
 from loraplex.platform.async_engine import (
     AsyncEngine,
     EngineStoppedError,
@@ -147,6 +148,7 @@ def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], A
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    exit_when_parent_exits("engine process")  # a killed gateway cannot close the pipe while the model loads
     logging.basicConfig(level=getattr(logging, str(settings.log_level).upper(), logging.INFO))
     try:
         if engine_factory is None:
