@@ -356,6 +356,31 @@ def test_worker_bounds_become_400s(tmp_path, check_name, memory_mb, code):
     assert str(tmp_path) not in refused.value.message
 
 
+def test_a_worker_that_cannot_be_started_is_a_503_and_leaks_no_pipe(tmp_path, monkeypatch):
+    import os
+
+    from loraplex.platform.errors import ServiceUnavailable
+    from loraplex.platform.services.validation import UploadValidator
+
+    validator = UploadValidator(deadline_s=5.0, max_concurrent=1, memory_bytes=None)
+
+    class NoProcess:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(validator._mp, "Process", NoProcess)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(ServiceUnavailable) as unavailable:
+            validator.run(_job(tmp_path))
+        assert (unavailable.value.status_code, unavailable.value.code) == (503, "upload_validation_unavailable")
+    assert len(os.listdir("/proc/self/fd")) == fds  # both ends of each pipe closed
+    assert validator._slots.acquire(timeout=0)  # the worker slot was given back
+
+
 def test_storage_that_cannot_be_written_is_a_503_and_stores_nothing(serve, adapter_dir):
     """Issue 14 items 3/16, same kind as a full disk: the upload folder cannot be written (here its
     place is taken by a file, so creating the staging folder fails with an OSError)."""

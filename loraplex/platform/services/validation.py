@@ -148,7 +148,7 @@ class UploadValidator:
         """``check(job)`` in a worker. Raises what the check raises (``AdapterError``,
         ``PlatformError``), ``InvalidRequest`` (400: deadline passed, memory cap hit, worker
         died or failed unexpectedly; details logged) or ``ServiceUnavailable`` (503: no free
-        worker within ``deadline_s``)."""
+        worker within ``deadline_s``, or no worker process could be started)."""
         if not self._slots.acquire(timeout=self.deadline_s):
             raise ServiceUnavailable("too many uploads are being validated right now; retry shortly",
                                      code="upload_validation_busy")
@@ -159,10 +159,21 @@ class UploadValidator:
 
     def _run(self, job: UploadCheck) -> AdapterInfo:
         receiver, sender = self._mp.Pipe(duplex=False)
-        worker = self._mp.Process(target=_worker_main, args=(sender, self.check, job, self.memory_bytes),
-                                  name="loraplex-upload-check", daemon=True)
-        with sigint_blocked():  # in case this starts the forkserver (see warm_up)
-            worker.start()
+        try:
+            worker = self._mp.Process(target=_worker_main, args=(sender, self.check, job, self.memory_bytes),
+                                      name="loraplex-upload-check", daemon=True)
+            with sigint_blocked():  # in case this starts the forkserver (see warm_up)
+                worker.start()
+        except OSError as exc:  # no process could be started (fork limits, memory, the forkserver gone)
+            receiver.close()
+            sender.close()
+            logger.error("upload check could not start a worker: %s", exc)
+            raise ServiceUnavailable("the adapter checker could not be started; retry shortly",
+                                     code="upload_validation_unavailable") from None
+        except BaseException:
+            receiver.close()
+            sender.close()
+            raise
         sender.close()
         try:
             if not receiver.poll(self.deadline_s):
