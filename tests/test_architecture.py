@@ -200,3 +200,12 @@ def test_optional_packages_are_imported_lazily_only():
     src = "import xgrammar\n"
     assert arrow_violations("engine/x.py", src), "a module-level optional import must be refused"
     assert not arrow_violations("engine/x.py", "def f():\n    import xgrammar\n")
+
+
+def test_test_file_names_are_unique():
+    """pytest imports test files by basename (rootdir-relative, no packages): two files of one name in different
+    folders make the whole run stop at collection."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((Path(__file__).resolve().parent).rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(path.parents[1])))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
