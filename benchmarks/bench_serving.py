@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import gc
 import json
 import os
@@ -388,6 +389,21 @@ def read_all(pool, int_ids: list[int]) -> None:
             pool.loader.poll()
 
 
+def time_to_slot(pool, int_id: int) -> float:
+    """ms from the readiness question to ``int_id`` written in its slot (``ensure_ready`` until True, then a pin
+    in one install batch, device synchronized); unpinned after."""
+    sync()
+    t0 = time.perf_counter()
+    while not pool.ensure_ready(int_id):
+        pool.wait_for_loads(timeout_s=0.0002)
+    with pool.batched_installs():
+        pool.pin(int_id)
+    sync()
+    dt = 1e3 * (time.perf_counter() - t0)
+    pool.unpin(int_id)
+    return dt
+
+
 def disk_to_slot(pool, int_ids: list[int]) -> dict:
     """Per adapter (files in the page cache, nothing else in flight), ms from the readiness question
     to the adapter written in its slot on the device (``ensure_ready`` until True, then a pin in
@@ -395,18 +411,7 @@ def disk_to_slot(pool, int_ids: list[int]) -> dict:
     hashed against the declared version id), then a re-read of the same adapter evicted from the
     host cache and its slot (the steady-state path: the registered id is trusted while the files'
     stat holds)."""
-    def once(int_id: int) -> float:
-        sync()
-        t0 = time.perf_counter()
-        while not pool.ensure_ready(int_id):
-            pool.wait_for_loads(timeout_s=0.0002)
-        with pool.batched_installs():
-            pool.pin(int_id)
-        sync()
-        dt = 1e3 * (time.perf_counter() - t0)
-        pool.unpin(int_id)
-        return dt
-
+    once = functools.partial(time_to_slot, pool)
     first, again = [], []
     for int_id in int_ids:
         first.append(once(int_id))
