@@ -60,6 +60,12 @@ _NORM_CHUNK_ELEMENTS = 1 << 23  # rows of W + scaling * B @ A materialised at on
 Write = tuple[int, SlotImage, tuple[int, ...]]  # (slot, image, its pages in rank order)
 
 
+# A group of at least this many one-page images is scattered with two index_copy_ per (layer, module) rather than
+# one torch._foreach_copy_ over a view per image and factor: building those views costs the host ~1.4 us each (0.2 ms
+# per q/v Llama-2-7B image, 10 ms for the 51 installs of one prompt-carrying step; RESULTS.md session 14).
+INDEX_COPY_MIN_IMAGES = 8
+
+
 def page_runs(pages: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """``(first image page, first pool page, length)`` of each run of consecutive pool pages in ``pages``."""
     runs: list[tuple[int, int, int]] = []
@@ -254,8 +260,7 @@ class LoRADeviceWeights:
         groups: dict[tuple, list[Write]] = {}
         for write in writes:
             image = write[1]
-            layout = (image.data.numel(), image.max_rank, tuple(sorted(image.offsets.items())))
-            groups.setdefault(layout, []).append(write)
+            groups.setdefault(image.layout_key, []).append(write)
         try:
             self._zero_stale(writes)
             for members in groups.values():
@@ -336,15 +341,27 @@ class LoRADeviceWeights:
         for row, (_, image, _) in enumerate(members):
             staging[row].copy_(image.data, non_blocking=True)
         keys = list(first.offsets)
-        destinations: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        for row, (_, _, pages) in enumerate(members):
-            self._page_copies(keys, pages, self._staging_views(first, row), destinations, sources)
-        if keys:  # an adapter only on embed_tokens / lm_head has none
+        if keys and first.num_pages == 1 and len(members) >= INDEX_COPY_MIN_IMAGES:
+            self._index_copy_pages(first, staging, [pages[0] for _, _, pages in members])
+        elif keys:  # an adapter only on embed_tokens / lm_head has none
+            destinations: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            for row, (_, _, pages) in enumerate(members):
+                self._page_copies(keys, pages, self._staging_views(first, row), destinations, sources)
             torch._foreach_copy_(destinations, sources, non_blocking=True)
         slots = self._to_device(torch.tensor([slot for slot, _, _ in members], dtype=torch.int64))
         scalings = torch.stack([image.scaling for _, image, _ in members], dim=-1)  # [L, M, n] fp32
         self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
+
+    def _index_copy_pages(self, layout: SlotImage, staging: torch.Tensor, pages: list[int]) -> None:
+        """One-page images staged in rows of ``staging`` (``[n, numel]``, ``layout``'s layout) into pool pages
+        ``pages`` (one each): two ``index_copy_`` per (layer, module), whatever the number of images."""
+        index = self._to_device(torch.tensor(pages, dtype=torch.int64))
+        n, P, shapes = len(pages), self.page_rows, self.spec.module_shapes
+        for (layer, module), (a_off, b_off) in layout.offsets.items():
+            in_features, out_features = shapes[module]
+            self.a[layer][module].index_copy_(0, index, staging[:, a_off:a_off + P * in_features].view(n, P, in_features))
+            self.b[layer][module].index_copy_(0, index, staging[:, b_off:b_off + out_features * P].view(n, out_features, P))
 
     def staging_bound(self, staging_bytes: int) -> int:
         """Elements of the install staging buffer that :meth:`write_many` with ``staging_bytes`` needs at most:
@@ -378,7 +395,7 @@ class LoRADeviceWeights:
         ``[pages, P, in]`` then B factors ``[pages, out, P]``, in ``image.offsets`` order; cached per layout and
         row."""
         numel = image.data.numel()
-        key = (numel, image.max_rank, tuple(image.offsets.items()), row)
+        key = (image.layout_key, row)
         views = self._staging_view_cache.get(key)
         if views is None:
             flat = self._staging[row * numel:(row + 1) * numel]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -141,6 +142,12 @@ class SlotImage:
             object.__setattr__(self, "page_rows", max(1, self.max_rank))
         if self.max_rank % self.page_rows:
             raise ValueError(f"SlotImage: max_rank={self.max_rank} is not a multiple of page_rows={self.page_rows}")
+
+    @functools.cached_property
+    def layout_key(self) -> tuple:
+        """Equal for images whose ``data`` is laid out alike (numel, rank, page rows, module offsets in order):
+        ``LoRADeviceWeights.write_many`` installs such images together through views built once."""
+        return self.data.numel(), self.max_rank, self.page_rows, tuple(self.offsets.items())
 
     @property
     def num_pages(self) -> int:

@@ -84,10 +84,12 @@ class SlotTable:
             pages = 0
         elif pages > self.num_pages:
             return None
+        slot = next((s for s, r in enumerate(self._slots) if r is None), None)
+        if slot is not None and len(self._free_pages) >= pages:  # nothing to evict: no LRU order needed
+            return Placement(slot, ())
         unpinned = sorted((r.last_used, r.int_id) for r in self._slots if r is not None and r.pin_count == 0)
         lru = [int_id for _, int_id in unpinned]
         evict: list[int] = []
-        slot = next((s for s, r in enumerate(self._slots) if r is None), None)
         if slot is None:
             if not lru:
                 return None

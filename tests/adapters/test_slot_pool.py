@@ -519,6 +519,44 @@ def test_distinct_images_of_one_layout_land_in_their_own_rows(adapters, staging_
     assert_slot_holds(pool, 2, adapters["a1"][1])
 
 
+@pytest.mark.parametrize("count", [7, 8, 10])
+def test_many_one_page_images_of_one_layout_are_scattered_per_module(adapters, count):
+    """From INDEX_COPY_MIN_IMAGES (8) one-page images of one layout on, the group is scattered with two
+    ``index_copy_`` per targeted (layer, module) instead of one ``_foreach_copy_`` over views of every image;
+    each slot holds exactly its image either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loraplex.adapters.device_weights import INDEX_COPY_MIN_IMAGES
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    assert INDEX_COPY_MIN_IMAGES == 8
+    pool = make_pool(adapters, max_loras=count)
+    pool.preload(iid(adapters, "a2"))
+    a2 = pool.loader.cached(iid(adapters, "a2"))
+    neg, neg_ref = _negated(a2, adapters["a2"][1])
+    writes = [(slot, neg if slot % 2 else a2, (count - 1 - slot,)) for slot in range(count)]  # pages reversed
+    counter = Count()
+    with counter:
+        pool.weights.write_many(writes, staging_bytes=1 << 30)
+    factors = 2 * len(a2.offsets)  # 6 targeted modules, A and B
+    if count >= INDEX_COPY_MIN_IMAGES:
+        assert "_foreach_copy_" not in counter.calls
+        assert counter.calls["index_copy_"] == factors + 3  # + the scalings, page-table rows and ranks
+    else:
+        assert counter.calls["_foreach_copy_"] == 1
+    for slot in range(count):
+        assert_slot_holds(pool, slot, neg_ref if slot % 2 else adapters["a2"][1])
+
+
 def test_same_numel_different_modules_are_not_one_layout(adapters):
     """(0, q_proj) only vs (1, q_proj) only: same numel, same offset values, different modules."""
     pool = make_pool(adapters, max_loras=3)
