@@ -357,8 +357,6 @@ def test_worker_bounds_become_400s(tmp_path, check_name, memory_mb, code):
 
 
 def test_a_worker_that_cannot_be_started_is_a_503_and_leaks_no_pipe(tmp_path, monkeypatch):
-    import os
-
     from loraplex.platform.errors import ServiceUnavailable
     from loraplex.platform.services.validation import UploadValidator
 
@@ -371,13 +369,20 @@ def test_a_worker_that_cannot_be_started_is_a_503_and_leaks_no_pipe(tmp_path, mo
         def start(self):
             raise OSError(11, "Resource temporarily unavailable")
 
+    pipes = []
+    real_pipe = validator._mp.Pipe
+
+    def recorded_pipe(*args, **kwargs):
+        pipes.append(real_pipe(*args, **kwargs))
+        return pipes[-1]
+
     monkeypatch.setattr(validator._mp, "Process", NoProcess)
-    fds = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(validator._mp, "Pipe", recorded_pipe)
     for _ in range(3):
         with pytest.raises(ServiceUnavailable) as unavailable:
             validator.run(_job(tmp_path))
         assert (unavailable.value.status_code, unavailable.value.code) == (503, "upload_validation_unavailable")
-    assert len(os.listdir("/proc/self/fd")) == fds  # both ends of each pipe closed
+    assert len(pipes) == 3 and all(end.closed for pipe in pipes for end in pipe)  # both ends of each pipe closed
     assert validator._slots.acquire(timeout=0)  # the worker slot was given back
 
 
