@@ -23,7 +23,8 @@ adapter's rank make the padded product equal the rank-r one.
 
 Vocabulary-sized modules (when ``spec.vocab_size`` is set; V = vocab, H = hidden, K = full-module slots):
 
-- ``embed_a_t [S, V, R]``, ``embed_b [S, H, R]``: LoRA on ``embed_tokens``,
+- ``embed_a_t [S, V, R]``, ``embed_b [S, H, R]``: LoRA on ``embed_tokens`` (None when ``spec.unserved_modules``
+  holds it, as for ``head_a`` / ``head_b`` and ``lm_head``),
   ``e[t] += vocab_scaling[0, s] * embed_a_t[s, ids[t]] @ embed_b[s].T``;
 - ``head_a [S, R, H]``, ``head_b [S, V, R]``: LoRA on ``lm_head``,
   ``logits[t] += vocab_scaling[1, s] * (h[t] @ head_a[s].T) @ head_b[s].T``;
@@ -139,10 +140,12 @@ class LoRADeviceWeights:
         if V is None and max_full_module_slots:
             raise ValueError("LoRADeviceWeights: max_full_module_slots needs a spec with vocab_size")
         self.has_vocab = V is not None
-        self.embed_a_t = self._zeros(S, V, R) if V else None
-        self.embed_b = self._zeros(S, H, R) if V else None
-        self.head_a = self._zeros(S, R, H) if V else None
-        self.head_b = self._zeros(S, V, R) if V else None
+        embed = V is not None and "embed_tokens" not in self.spec.unserved_modules  # (lora_target_modules)
+        head = V is not None and "lm_head" not in self.spec.unserved_modules
+        self.embed_a_t = self._zeros(S, V, R) if embed else None
+        self.embed_b = self._zeros(S, H, R) if embed else None
+        self.head_a = self._zeros(S, R, H) if head else None
+        self.head_b = self._zeros(S, V, R) if head else None
         self.vocab_scaling = self._zeros(2, S, dtype=torch.float32) if V else None
         self.max_full_module_slots = max_full_module_slots
         self.full = self._zeros(max_full_module_slots, V, H) if max_full_module_slots else None
@@ -183,6 +186,8 @@ class LoRADeviceWeights:
         for dest, source in ((self.embed_a_t, vocab.embed_a_t), (self.embed_b, vocab.embed_b),
                              (self.head_a, vocab.head_a), (self.head_b, vocab.head_b)):
             if source is not None:
+                if dest is None:  # the module is not served (the adapter is refused before it gets here)
+                    raise ValueError("LoRADeviceWeights: LoRA on a vocabulary module these slots do not serve")
                 dest[slot].copy_(source, non_blocking=True)
         self.vocab_scaling[:, slot].copy_(vocab.scaling, non_blocking=True)
         self.vocab_lora_host[0][slot] = vocab.embed_a_t is not None

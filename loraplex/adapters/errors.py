@@ -14,6 +14,10 @@ return it to the uploader unchanged.
   - ``AdapterUnsupportedError``: a PEFT feature loraplex does not serve (pickle
     weights, LoRA variants other than DoRA, DoRA with tensor parallelism, ``modules_to_save``, LoRA on
     ``embed_tokens`` / ``lm_head``, ``bias`` other than ``"none"``).
+  - ``AdapterNotServedError`` (both of the two above): a well-formed adapter that this server's settings do
+    not serve (``lora_target_modules``, ``max_lora_rank``, ``max_full_module_slots``, tensor parallelism); a
+    server started with other settings would. Its files are not at fault; ``reason`` is the message without
+    the engine's adapter label.
   - ``AdapterConflictError``: a registration clashes with a known adapter
     (same int id with another name or path, same name under another int id).
   - ``UnknownAdapterError``: an int id that is not registered (or is being
@@ -43,6 +47,18 @@ class AdapterIncompatibleError(AdapterError):
 
 class AdapterUnsupportedError(AdapterError):
     """The adapter uses a PEFT feature that loraplex does not serve."""
+
+
+class AdapterNotServedError(AdapterIncompatibleError, AdapterUnsupportedError):
+    """A well-formed adapter this server's settings do not serve; ``reason``: why, without the adapter's label
+    (the platform shows it to the tenant)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+
+    def __reduce__(self):  # pickled to the gateway (engine process, replicas) with its reason
+        return type(self), (str(self), self.reason)
 
 
 class AdapterConflictError(AdapterError):

@@ -263,6 +263,10 @@ class ModelSpec:
         Raises ``ValueError`` naming a module of ``target_modules`` this model has no LoRA for."""
         spec = self.adapter_spec
         if not vocab:
+            named = [m for m in ("embed_tokens", "lm_head") if m in (target_modules or ())]
+            if named:
+                raise ValueError(f"names {', '.join(named)}: adapters on embed_tokens / lm_head are not implemented "
+                                 "with tensor_parallel_size > 1")
             spec = dataclasses.replace(spec, vocab_size=None)
         return spec if target_modules is None else spec.serving_only(target_modules, self.lora_linear_groups)
 

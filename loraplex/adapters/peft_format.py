@@ -48,6 +48,7 @@ from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight, Voca
 from loraplex.adapters.errors import (
     AdapterFormatError,
     AdapterIncompatibleError,
+    AdapterNotServedError,
     AdapterUnsupportedError,
 )
 from loraplex.adapters.identity import compute_version_id
@@ -351,9 +352,9 @@ def _plan_vocab(
         assert module is not None  # the regex names only these
         reason = spec.unserved_reason(module)
         if reason is not None:
-            raise AdapterUnsupportedError(f"tensor {name!r}: {reason}")
+            raise AdapterNotServedError(f"tensor {name!r}: {reason}")
         if spec.vocab_size is None:
-            raise AdapterUnsupportedError(f"tensor {name!r}: {_NO_VOCAB}")
+            raise AdapterNotServedError(f"tensor {name!r}: {_NO_VOCAB}")
         if match["copy"] is not None:
             kind = "base_layer" if match["copy"] == "base_layer.weight" else "full"
         else:
@@ -405,14 +406,14 @@ def _plan_vocab(
 
 def _targeted_hyperparams(a: _TensorRef, targeted: bool, config: PeftLoraConfig, max_lora_rank: int):
     """The config's rank/alpha for ``a``'s module; raises when the config does not target it
-    (``AdapterFormatError``) or its rank exceeds ``max_lora_rank`` (``AdapterIncompatibleError``)."""
+    (``AdapterFormatError``) or its rank exceeds ``max_lora_rank`` (``AdapterNotServedError``)."""
     if not targeted:
         raise AdapterFormatError(
             f"tensor {a.name!r}: module {a.module_key!r} is not targeted by {CONFIG_NAME} {config.describe_targets()}"
         )
     hyper = config.hyperparams(a.module_key)
     if hyper.rank > max_lora_rank:
-        raise AdapterIncompatibleError(
+        raise AdapterNotServedError(
             f"{CONFIG_NAME}: {hyper.rank_field}={hyper.rank} exceeds max_lora_rank={max_lora_rank} "
             f"(module {a.module_key!r})"
         )
@@ -485,9 +486,9 @@ def _check_target_modules_exist(config: PeftLoraConfig, spec: BaseModelSpec) -> 
     for entry in config.target_modules:
         reason = spec.unserved_reason(vocab_module(entry) or entry.rsplit(".", 1)[-1])
         if reason is not None:
-            raise AdapterUnsupportedError(f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}: {reason}")
+            raise AdapterNotServedError(f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}: {reason}")
         if spec.vocab_size is None and vocab_module(entry) is not None:
-            raise AdapterUnsupportedError(f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}: {_NO_VOCAB}")
+            raise AdapterNotServedError(f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}: {_NO_VOCAB}")
         if entry not in names:
             raise AdapterIncompatibleError(
                 f"{CONFIG_NAME}: target_modules contains {entry[:100]!r}, which the base model ({spec.architecture}) "
@@ -549,12 +550,14 @@ def _plan_modules(
 def _check_tensor_count(header: dict[str, Any], config: PeftLoraConfig, spec: BaseModelSpec) -> None:
     """Bounds the work before any name is parsed; a few extra tensors get the precise refusal later."""
     per_module = 3 if config.use_dora else 2
-    most = per_module * spec.num_layers * len(spec.module_shapes)
+    # the model's modules, served or not: an adapter on unserved ones gets the precise refusal that names the setting
+    modules = len(spec.module_shapes) + sum(1 for m in spec.unserved_modules if m not in VOCAB_MODULES)
+    most = per_module * spec.num_layers * modules
     if len(header) > 2 * most + 64 + 3 * len(VOCAB_MODULES):
         raise AdapterIncompatibleError(
             f"{SAFETENSORS_NAME}: holds {len(header)} tensors; an adapter of this base model has at most {most} "
             f"(lora_A and lora_B{' and lora_magnitude_vector' if config.use_dora else ''} of "
-            f"{len(spec.module_shapes)} modules in {spec.num_layers} layers)"
+            f"{modules} modules in {spec.num_layers} layers)"
         )
 
 
@@ -601,7 +604,7 @@ def _map_module(module_key: str, spec: BaseModelSpec) -> tuple[int | None, str |
     module = match["module"]
     reason = spec.unserved_reason(module)
     if reason is not None and MODULE_PARENT[module] == match["parent"]:
-        raise AdapterUnsupportedError(f"module {module_key!r}: {reason}")
+        raise AdapterNotServedError(f"module {module_key!r}: {reason}")
     if module not in spec.module_shapes or MODULE_PARENT[module] != match["parent"]:
         return None, None
     return int(match["layer"]), module

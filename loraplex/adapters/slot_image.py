@@ -426,13 +426,21 @@ def _pread_exact(fd: int, dest: torch.Tensor, offset_bytes: int, name: str) -> N
     per_part = -(-len(view) // PARALLEL_READ_PARTS)
     step = -(-per_part // PARALLEL_READ_ALIGN_BYTES) * PARALLEL_READ_ALIGN_BYTES
     parts = [(start, min(start + step, len(view))) for start in range(0, len(view), step)]
-    pool = _parallel_read_pool()
-    futures = [pool.submit(_pread_part, fd, view[start:end], offset_bytes + start, name) for start, end in parts[1:]]
+    futures = []
+    try:
+        pool = _parallel_read_pool()
+        for start, end in parts[1:]:
+            futures.append(pool.submit(_pread_part, fd, view[start:end], offset_bytes + start, name))
+    except RuntimeError:  # the interpreter is shutting down (no new threads): the rest on this thread
+        for start, end in parts[1 + len(futures):]:
+            _pread_part(fd, view[start:end], offset_bytes + start, name)
     try:
         _pread_part(fd, view[parts[0][0]:parts[0][1]], offset_bytes, name)
     finally:
-        for future in futures:
-            future.result()  # the first part's error or the others': the caller's fd stays open until all end
+        # every part has ended before the caller closes fd or reuses dest, whichever part failed
+        concurrent.futures.wait(futures)
+    for future in futures:
+        future.result()  # a later part's error (truncated file)
 
 
 def _pread_part(fd: int, view: memoryview, offset_bytes: int, name: str) -> None:
@@ -451,6 +459,16 @@ def _parallel_read_pool() -> concurrent.futures.ThreadPoolExecutor:
             _read_pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_READ_PARTS - 1,
                                                                thread_name_prefix="loraplex-pread")
         return _read_pool
+
+
+def _forget_read_pool_in_child() -> None:
+    """After ``fork`` the parent's pool has no threads in the child: the child starts its own."""
+    global _read_pool, _read_pool_lock
+    _read_pool, _read_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_read_pool_in_child)
 
 
 def _empty_image(

@@ -63,7 +63,7 @@ import torch
 
 from loraplex.adapters.config import LoRAConfig
 from loraplex.adapters.device_weights import LoRADeviceWeights
-from loraplex.adapters.errors import AdapterUnsupportedError, NoFreeSlotError, SlotPoolError
+from loraplex.adapters.errors import AdapterNotServedError, AdapterUnsupportedError, NoFreeSlotError, SlotPoolError
 from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import adapter_files_signature
@@ -254,22 +254,20 @@ class LoRASlotPool:
 
     def _check_vocab(self, request: LoRARequest, has_lora: bool, full: tuple[str, ...]) -> None:
         """Refuse LoRA on ``embed_tokens`` / ``lm_head`` when the slots hold none, and ``modules_to_save``
-        copies beyond ``max_full_module_slots`` (``AdapterUnsupportedError`` naming the setting)."""
+        copies beyond ``max_full_module_slots`` (``AdapterNotServedError`` naming the setting)."""
         weights = self.weights
         if (has_lora or full) and not weights.has_vocab:
-            raise AdapterUnsupportedError(
-                f"adapter {request.lora_name!r}: LoRA or modules_to_save on embed_tokens/lm_head is not served by "
-                "this engine (not implemented with tensor_parallel_size > 1)"
-            )
+            reason = ("LoRA or modules_to_save on embed_tokens/lm_head is not served by this engine (not implemented "
+                      "with tensor_parallel_size > 1)")
+            raise AdapterNotServedError(f"adapter {request.lora_name!r}: {reason}", reason)
         if len(full) > weights.max_full_module_slots:
             spec = self.spec
             each = spec.vocab_size * spec.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-            raise AdapterUnsupportedError(
-                f"adapter {request.lora_name!r}: modules_to_save={list(full)!r} needs {len(full)} full-module "
-                f"slot(s) but max_full_module_slots={weights.max_full_module_slots}; each slot holds one "
-                f"[vocab_size={spec.vocab_size}, hidden_size={spec.hidden_size}] matrix ({each / 2**20:.1f} MiB "
-                "of device memory, taken from the KV cache): raise --max-full-module-slots"
-            )
+            reason = (f"modules_to_save={list(full)!r} needs {len(full)} full-module "
+                      f"slot(s) but max_full_module_slots={weights.max_full_module_slots}; each slot holds one "
+                      f"[vocab_size={spec.vocab_size}, hidden_size={spec.hidden_size}] matrix ({each / 2**20:.1f} MiB "
+                      "of device memory, taken from the KV cache): raise --max-full-module-slots")
+            raise AdapterNotServedError(f"adapter {request.lora_name!r}: {reason}", reason)
 
     def _set_full_needs(self, int_id: int, full: tuple[str, ...]) -> None:
         if full:

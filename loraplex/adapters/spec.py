@@ -117,7 +117,9 @@ class BaseModelSpec:
             return None
         served = [m for m in self.module_shapes] + (
             [m for m in ("embed_tokens", "lm_head") if m not in self.unserved_modules] if self.vocab_size else [])
-        return (f"LoRA on {module} is not served by this server: its lora_target_modules setting serves "
+        what = (f"adapters on {module} (LoRA or a modules_to_save copy) are" if module in ("embed_tokens", "lm_head")
+                else f"LoRA on {module} is")
+        return (f"{what} not served by this server: its lora_target_modules setting serves "
                 f"{', '.join(served)} only (a server started with {module} in lora_target_modules serves it)")
 
     def in_features(self, module: str) -> int:

@@ -214,6 +214,10 @@ class EngineConfig:
              "is not implemented with tensor_parallel_size > 1 (embed_tokens / lm_head adapters are not sharded)"),
             (merged["lora_target_modules"] is None or merged["enable_lora"], "lora_target_modules",
              "needs enable_lora"),
+            (merged["max_full_module_slots"] == 0 or merged["lora_target_modules"] is None
+             or bool({"embed_tokens", "lm_head"} & set(module_names(merged["lora_target_modules"]) or ())),
+             "max_full_module_slots", "needs embed_tokens or lm_head in lora_target_modules (the slots hold "
+             "adapters' modules_to_save copies of those modules)"),
             (merged["max_full_module_slots"] == 0 or merged["enable_lora"], "max_full_module_slots",
              "needs enable_lora (the slots hold adapters' modules_to_save copies)"),
         ]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.adapters.device_weights import LoRADeviceWeights
-from loraplex.adapters.errors import AdapterUnsupportedError
+from loraplex.adapters.errors import AdapterNotServedError
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.adapters.slot_image import SlotImage
 from loraplex.adapters.spec import BaseModelSpec
@@ -152,11 +152,10 @@ class ShardedLoRADeviceWeights(LoRADeviceWeights):
     def check_dora(self, lora_name: str) -> None:
         """DoRA is refused with tensor parallelism: the column norm of a row-parallel layer (o_proj, down_proj)
         runs over every rank's input slice, which no rank holds at install."""
-        raise AdapterUnsupportedError(
-            f"adapter {lora_name!r} is a DoRA adapter (use_dora=true): DoRA is not served with "
-            f"tensor_parallel_size={self.shard.world_size} > 1 (the column norm of a row-parallel layer spans "
-            "every rank's weight slice); serve it with tensor_parallel_size=1"
-        )
+        reason = (f"a DoRA adapter (use_dora=true): DoRA is not served with "
+                  f"tensor_parallel_size={self.shard.world_size} > 1 (the column norm of a row-parallel layer spans "
+                  "every rank's weight slice); serve it with tensor_parallel_size=1")
+        raise AdapterNotServedError(f"adapter {lora_name!r} is {reason}", reason)
 
     def write(self, slot: int, image: SlotImage, pages: tuple[int, ...]) -> None:
         super().write(slot, self.shard.shard_slot_image(image, self.spec.module_shapes), pages)

@@ -3,13 +3,14 @@ against (ModelSpec.served_adapter_spec), and the refusal of adapters on the othe
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 
 from loraplex.adapters import (
-    AdapterUnsupportedError,
+    AdapterNotServedError,
     LoRASlotPool,
     inspect_peft_adapter,
     load_peft_adapter,
@@ -59,7 +60,8 @@ def test_names_the_model_lacks_are_refused(model_spec):
         model_spec.served_adapter_spec(("q_proj", "qkv_proj"))
     with pytest.raises(ValueError, match="names no decoder-layer module"):
         model_spec.served_adapter_spec(("lm_head",))
-    with pytest.raises(ValueError, match="'lm_head' is not a module this model serves LoRA on"):
+    with pytest.raises(ValueError, match="names lm_head: adapters on embed_tokens / lm_head are not implemented with "
+                                         "tensor_parallel_size > 1"):
         model_spec.served_adapter_spec(("q_proj", "lm_head"), vocab=False)
 
 
@@ -68,7 +70,7 @@ def _refused(folder, spec, message, *, needs_data=False):
     if not needs_data:
         entry_points += [inspect_peft_adapter]
     for load in entry_points:
-        with pytest.raises(AdapterUnsupportedError, match=re.escape(message)):
+        with pytest.raises(AdapterNotServedError, match=re.escape(message)):
             load(folder, spec, MAX_RANK)
 
 
@@ -89,14 +91,16 @@ def test_adapter_on_an_unserved_module_is_refused_naming_the_setting(peft_adapte
 def test_vocabulary_adapters_on_an_unserved_module_are_refused(peft_adapter, model_spec):
     served = model_spec.served_adapter_spec(("q_proj", "embed_tokens"))
     folder, _ = peft_adapter(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
-    _refused(folder, served, "target_modules contains 'lm_head': LoRA on lm_head is not served by this server: its "
-                             "lora_target_modules setting serves q_proj, k_proj, v_proj, embed_tokens only")
+    _refused(folder, served, "target_modules contains 'lm_head': adapters on lm_head (LoRA or a modules_to_save copy) "
+                             "are not served by this server: its lora_target_modules setting serves q_proj, k_proj, "
+                             "v_proj, embed_tokens only")
     saved, _ = peft_adapter(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
-    _refused(saved, served, "LoRA on lm_head is not served by this server")
+    _refused(saved, served, "adapters on lm_head (LoRA or a modules_to_save copy) are not served by this server")
     none_vocab = model_spec.served_adapter_spec(("q_proj",))
     embed, _ = peft_adapter(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"])
-    _refused(embed, none_vocab, "target_modules contains 'embed_tokens': LoRA on embed_tokens is not served by this "
-                                "server: its lora_target_modules setting serves q_proj, k_proj, v_proj only")
+    _refused(embed, none_vocab, "target_modules contains 'embed_tokens': adapters on embed_tokens (LoRA or a "
+                                "modules_to_save copy) are not served by this server: its lora_target_modules "
+                                "setting serves q_proj, k_proj, v_proj only")
 
 
 def test_pool_holds_only_the_served_modules_and_installs_peft_exact_weights(peft_adapter, model_spec):
@@ -115,3 +119,25 @@ def test_pool_holds_only_the_served_modules_and_installs_peft_exact_weights(peft
                                rtol=0, atol=0)
     assert float(pool.weights.scaling[1]["v_proj"][slot]) == 2.0
     assert float(pool.weights.scaling[1]["k_proj"][slot]) == 0.0
+
+
+def test_an_adapter_on_every_linear_is_refused_for_the_unserved_module_not_for_its_tensor_count(tmp_path,
+                                                                                             tiny_llama_config):
+    """The tensor-count bound is the model's (every module, served or not): a DoRA adapter on all linears of a
+    12-layer model (252 tensors) against a server serving o_proj only is refused naming the setting."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(num_hidden_layers=12)
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                use_dora=True, lora_dropout=0.0))
+    model.save_pretrained(str(tmp_path / "all"))
+    config_path = tmp_path / "all" / "adapter_config.json"  # a regex target: checked tensor by tensor
+    saved = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(saved | {"target_modules": r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
+                                                                 r"down_proj)"}))
+    served = ModelSpec.from_hf_config(config).served_adapter_spec(("o_proj",))
+    with pytest.raises(AdapterNotServedError, match="LoRA on [a-z_]+ is not served by this server: its "
+                                                    "lora_target_modules setting serves o_proj only"):
+        inspect_peft_adapter(tmp_path / "all", served, MAX_RANK)

@@ -147,3 +147,57 @@ def test_parallel_read_parts_give_the_same_image(tmp_path, write_adapter, monkey
     with pytest.raises(AdapterFormatError, match="truncated|data_offsets"):
         read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
     monkeypatch.setattr(slot_image, "_read_pool", None)  # the pool created here is not the default's
+
+
+def test_parallel_read_waits_for_every_part_when_one_fails(monkeypatch):
+    """A failing part (a file truncated inside it) is raised only once every other part has ended: the caller
+    closes the fd and reuses the buffer right after."""
+    import threading
+    import time as _time
+
+    from loraplex.adapters import slot_image
+
+    ended, lock = [], threading.Lock()
+
+    def part(fd, view, offset, name):
+        if offset == 1024:  # the second part fails at once
+            raise AdapterFormatError(f"tensor {name!r}: truncated")
+        if offset > 1024:
+            _time.sleep(0.2)  # the later parts are still reading when it fails
+        with lock:
+            ended.append(offset)
+
+    monkeypatch.setattr(slot_image, "_pread_part", part)
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_MIN_BYTES", 1024)
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_ALIGN_BYTES", 1024)
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_PARTS", 4)
+    monkeypatch.setattr(slot_image, "_read_pool", None)
+    with pytest.raises(AdapterFormatError, match="truncated"):
+        slot_image._pread_exact(-1, torch.empty(4096, dtype=torch.uint8), 0, "t")
+    assert sorted(ended) == [0, 2048, 3072]  # every other part had ended when the error was raised
+    monkeypatch.setattr(slot_image, "_read_pool", None)
+
+
+def test_parallel_reads_work_in_a_forked_child(tmp_path, write_adapter, monkeypatch):
+    """The parent's read pool (threads do not survive fork) is replaced in a forked child."""
+    import multiprocessing
+
+    from loraplex.adapters import slot_image
+
+    folder, _ = write(tmp_path, write_adapter, MAX_RANK, torch.float32)
+    layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_MIN_BYTES", 1024)
+    monkeypatch.setattr(slot_image, "PARALLEL_READ_ALIGN_BYTES", 256)
+    whole = read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
+    assert slot_image._read_pool is not None  # the parent's pool exists at fork
+    child = multiprocessing.get_context("fork").Process(target=_read_in_child, args=(layout, whole.data))
+    child.start()
+    child.join(60)  # a liveness bound: without the reset the child waits forever for pool threads
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+
+
+def _read_in_child(layout, expected) -> None:
+    image = read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
+    os._exit(0 if torch.equal(image.data, expected) else 3)

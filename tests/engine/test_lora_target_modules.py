@@ -96,3 +96,28 @@ def test_bad_values_are_refused_naming_the_field(setup):
                                           "model serves LoRA on; its modules are q_proj, k_proj, v_proj, o_proj, "
                                           "gate_proj, up_proj, down_proj, embed_tokens, lm_head"):
         make_llm(base_dir, lora_target_modules="q_proj,qkv_proj")
+
+
+def test_a_vocabulary_module_left_out_gets_no_pool_tensors_and_the_other_serves_exactly(setup, tmp_path):
+    """lora_target_modules=q_proj,lm_head: the embedding's LoRA tensors are not allocated (and its expand is not
+    launched), an adapter with LoRA on lm_head equals PEFT, and one on embed_tokens is refused naming the setting;
+    max_full_module_slots without either vocabulary module is refused at start."""
+    from tiny_models import hf_greedy_ids, hf_last_logprobs, make_vocab_adapter, peft_model
+
+    base_dir, _, prompts, _ = setup
+    head = LoRARequest("head", 11, str(make_vocab_adapter(base_dir, tmp_path / "head", 50, r=4, lora_alpha=8,
+                                                          target_modules=["q_proj", "lm_head"])))
+    embed = LoRARequest("embed", 12, str(make_vocab_adapter(base_dir, tmp_path / "embed", 51, r=4, lora_alpha=8,
+                                                            target_modules=["q_proj", "embed_tokens"])))
+    llm = make_llm(base_dir, lora_target_modules="q_proj,lm_head")
+    weights = llm.engine.lora_pool.weights
+    assert weights.embed_a_t is None and weights.embed_b is None and weights.head_a is not None
+    out = llm.generate({"prompt_token_ids": prompts[0]}, PARAMS, lora_request=head)[0]
+    model = peft_model(base_dir, head.lora_path)
+    check_row(out, hf_greedy_ids(model, prompts[0], MAX_NEW), hf_last_logprobs(model, prompts[0]))
+    with pytest.raises(AdapterUnsupportedError, match="adapters on embed_tokens \\(LoRA or a modules_to_save copy\\) "
+                                                      "are not served by this server"):
+        llm.engine.add_lora(embed)
+    with pytest.raises(ConfigError, match="max_full_module_slots=1: needs embed_tokens or lm_head in "
+                                          "lora_target_modules"):
+        make_llm(base_dir, lora_target_modules="q_proj", max_full_module_slots=1)

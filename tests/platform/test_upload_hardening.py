@@ -278,6 +278,52 @@ def test_file_changed_on_disk_marks_the_version_broken_until_reuploaded(serve, a
     assert repaired.json()["choices"][0]["text"] == fresh.json()["choices"][0]["text"]
 
 
+def test_an_adapter_the_settings_do_not_serve_is_a_400_and_not_marked_broken(serve, tiny_llama_dir, adapter_dir,
+                                                                               tmp_path, monkeypatch):
+    """An adapter on q_proj and o_proj stored by a server serving every module, then requested from a server
+    restarted with lora_target_modules=q_proj,v_proj: a 400 naming the setting (its files are fine), the
+    version stays ready, and a server serving o_proj again serves it."""
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+
+    qo = make_peft_adapter(tiny_llama_dir, tmp_path / "qo", r=4, alpha=8, seed=5, target_modules=("q_proj", "o_proj"))
+    first = serve()
+    key = new_tenant(first, "acme")
+    body = {"model": "qo", "prompt": "Paris is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with first.tenant(key) as client:
+        assert upload(client, "qo", adapter_members(qo)).status_code == 201
+        assert upload(client, "qv", adapter_members(adapter_dir)).status_code == 201
+        expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    first.stop()
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
+                                      num_kv_blocks=96, max_num_seqs=8, block_size=16, **kw))
+
+    from loraplex.platform.services import serving
+
+    marked = []
+    monkeypatch.setattr(serving, "_mark_broken_later", lambda ctx, prep, detail: marked.append(detail))
+    narrowed = serve(engine=engine(lora_target_modules="q_proj,v_proj"))
+    with narrowed.tenant(key) as client:
+        for stream in (False, True, False):
+            refused = client.post("/v1/completions", json={**body, "stream": stream})
+            assert refused.status_code == 400, refused.text
+            assert error_of(refused) == {
+                "type": "invalid_request_error", "param": "model", "code": "adapter_not_served",
+                "message": "model 'qo' cannot be served with this server's settings: adapter_config.json: "
+                           "target_modules contains 'o_proj': LoRA on o_proj is not served by this server: its "
+                           "lora_target_modules setting serves q_proj, k_proj, v_proj only (a server started with "
+                           "o_proj in lora_target_modules serves it)"}
+        assert client.post("/v1/completions", json={**body, "model": "qv"}).status_code == 200
+        assert marked == [] and client.get("/v1/adapters/qo").json()["status"] == "ready"
+    narrowed.stop()
+    again = serve(engine=engine())
+    with again.tenant(key) as client:
+        served = client.post("/v1/completions", json=body)
+        assert served.status_code == 200 and served.json()["choices"][0]["text"] == expected
+
+
 # -- item 16 -----------------------------------------------------------------------------------------
 LEAKS = ("lora_int_id", "sqlalchemy", "sqlalche.me", "psycopg", "sqlite3", "OperationalError", "Traceback",
          "port 9", "127.0.0.1", "/tmp/", "registry.db")

@@ -80,16 +80,16 @@ class VocabLoRA:
     V vocab, H hidden, K full-module slots; see :mod:`loraplex.adapters.device_weights`).
 
     ``embed_a_t [S, V, R]``, ``embed_b [S, H, R]``, ``head_a [S, R, H]``, ``head_b [S, V, R]`` in the model
-    dtype; ``scaling [2, S] fp32`` (embedding, head); ``full [K, V, H]`` or None; ``full_index [2, S] int64``
+    dtype (the embedding's pair or the head's None when ``lora_target_modules`` leaves that module out); ``scaling [2, S] fp32`` (embedding, head); ``full [K, V, H]`` or None; ``full_index [2, S] int64``
     (the copy slot s uses for the embedding / the head, -1 = the base module) and its host mirror
     ``full_index_host`` (live lists, updated by the pool); ``lora_host [2][S]``: whether slot s holds LoRA on the
     embedding / the head (live lists: the head's SGMV runs only when a sampled row's slot has one).
     """
 
-    embed_a_t: torch.Tensor
-    embed_b: torch.Tensor
-    head_a: torch.Tensor
-    head_b: torch.Tensor
+    embed_a_t: torch.Tensor | None
+    embed_b: torch.Tensor | None
+    head_a: torch.Tensor | None
+    head_b: torch.Tensor | None
     scaling: torch.Tensor
     full: torch.Tensor | None
     full_index: torch.Tensor
@@ -356,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
             index = torch.where(slots >= 0, v.full_index[0][safe], -1)  # [T]
             rows = v.full[index.clamp(min=0), input_ids]  # [T, H]
             hidden = torch.where((index >= 0)[:, None], rows, hidden)
-        if lora.mapping.has_lora:
+        if lora.mapping.has_lora and v.embed_a_t is not None:  # None: embed_tokens LoRA not served
             a_rows = v.embed_a_t[safe, input_ids].float().unsqueeze(0).contiguous()  # [1, T, R]
             self.kernels.lora_expand(a_rows, [v.embed_b], [v.scaling[0]], hidden, lora.mapping)
         return hidden
@@ -388,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
         for index, rows in groups.items():
             at = host_to_device(rows, torch.int64, hidden.device)
             logits[at] = F.linear(hidden[at], v.full[index])
-        if not any(slot >= 0 and v.lora_host[1][slot] for slot in lora_slots):
+        if v.head_a is None or not any(slot >= 0 and v.lora_host[1][slot] for slot in lora_slots):
             return
         token_slots = host_to_device(lora_slots, torch.int32, hidden.device)
         mapping = plan_segments(token_slots, v.scaling.shape[1], has_lora=True)

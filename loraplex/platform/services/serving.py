@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loraplex.adapters import AdapterConflictError, AdapterError, UnknownAdapterError
+from loraplex.adapters import AdapterConflictError, AdapterError, AdapterNotServedError, UnknownAdapterError
 from loraplex.engine.fairness import TenantShare
 from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.adapters.lora_request import LoRARequest
@@ -264,13 +264,20 @@ def _releaser(ctx: PlatformContext, tenant_id: int) -> Callable[[], None]:
 def _engine_error(exc: BaseException, prep: PreparedRequest, ctx: PlatformContext) -> BaseException:
     """The tenant-facing error for an engine failure: a stable code and a short message, never
     the engine's text (server paths, internal ids); the details go to the log. An adapter the
-    engine cannot read from its stored folder is marked broken (``mark_broken``)."""
+    engine cannot read from its stored folder is marked broken (``mark_broken``); one its settings do not serve
+    (``AdapterNotServedError``: its reason, which carries no label or path) is a 400 and stays as stored."""
     if isinstance(exc, InvalidRequestError):
         return input_errors.request_error(exc, prompt_param="messages" if prep.kind == "chat" else "prompt")
     if isinstance(exc, (AdapterConflictError, UnknownAdapterError)):
         logger.warning("request %s: adapter %r not accepted by the engine: %s", prep.id, prep.adapter_label, exc)
         return ServiceUnavailable(f"model {prep.model!r} is being replaced; retry", param="model",
                                   code="adapter_unavailable")
+    if isinstance(exc, AdapterNotServedError) and prep.lora is not None:
+        # a well-formed adapter this server's settings do not serve (e.g. stored before lora_target_modules was
+        # narrowed): not broken, and a server with other settings serves it as stored
+        logger.warning("request %s: adapter %r not served with these settings: %s", prep.id, prep.adapter_label, exc)
+        return InvalidRequest(f"model {prep.model!r} cannot be served with this server's settings: {exc.reason}",
+                              param="model", code="adapter_not_served")
     if isinstance(exc, AdapterError) and prep.lora is not None:
         _mark_broken_later(ctx, prep, str(exc))
         return AdapterBroken(prep.model)
