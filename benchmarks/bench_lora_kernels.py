@@ -353,6 +353,16 @@ def sgmv_variants(num_tokens: int, hidden: int = 4096) -> dict[str, dict]:
         for bn, iters in ((64, 8), (128, 4), (128, 8)):
             variants[f"split{split}-k{bk}+exp-m16-n{bn}x{iters}"] = dict(
                 split_k=split, shrink_blocks=(block_m, bk), expand_blocks=(16, bn, iters))
+    # warps and pipeline stages of the 129-256-token decode shapes (session 13's): 1024-element H chunks in 128-element
+    # K tiles, eight 128-column expand tiles per program; the shrink's, the expand's, then both changed
+    split = min(-(-hidden // 1024), 32)
+    for warps in (2, 4, 8):
+        for stages in (2, 3, 4):
+            shrink = dict(split_k=split, shrink_blocks=(block_m, 128, warps, stages))
+            expand = dict(expand_blocks=(16, 128, 8, warps, stages))
+            variants[f"shrink-w{warps}-s{stages}"] = shrink
+            variants[f"expand-w{warps}-s{stages}"] = expand
+            variants[f"both-w{warps}-s{stages}"] = shrink | expand
     return variants
 
 

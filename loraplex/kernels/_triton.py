@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from loraplex.kernels.errors import TritonUnavailableError
+from loraplex.kernels.errors import KernelArgumentError, TritonUnavailableError
 
 try:
     import triton
@@ -132,3 +132,17 @@ def _int32_table(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
 def int32_table(values: list[int], device: torch.device) -> torch.Tensor:
     """``[len(values)] int32`` device tensor holding ``values``, cached by value."""
     return _int32_table(device, tuple(values))
+
+
+def launch_options(op: str, extra: tuple[int, ...]) -> dict[str, int]:
+    """Triton launch options from a block override's tail ``(num_warps[, num_stages])``: 4 warps and Triton's
+    default stages when absent. Raises ``KernelArgumentError`` for more than two values or a warp count that is
+    not a power of two in 1..16."""
+    if len(extra) > 2:
+        raise KernelArgumentError(f"{op}: launch override {extra}: at most (num_warps, num_stages)")
+    options = {"num_warps": extra[0] if extra else 4}
+    if options["num_warps"] not in (1, 2, 4, 8, 16):
+        raise KernelArgumentError(f"{op}: num_warps={options['num_warps']}: must be 1, 2, 4, 8 or 16")
+    if len(extra) == 2:
+        options["num_stages"] = extra[1]
+    return options

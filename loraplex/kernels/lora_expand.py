@@ -31,6 +31,7 @@ from loraplex.kernels._triton import (
     dot_dtype,
     dot_precision,
     int32_table,
+    launch_options,
     next_pow2,
     pointer_table,
     require_triton,
@@ -319,12 +320,12 @@ def _launch_lora_expand(
     *,
     ranks: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
-    blocks: tuple[int, int, int] | None = None,
+    blocks: tuple[int, ...] | None = None,
 ) -> None:
     """Triton launch of :func:`lora_expand_ref`; ``v`` may also be ``[SPLIT, n_slices, T, R]`` partial sums.
 
     Rows of ``v`` for tokens without an adapter are never read, nor (with pages) columns ``r >= ranks[slot]``.
-    ``blocks``: (BLOCK_M, BLOCK_N, N_ITERS) override (benchmarks sweep it).
+    ``blocks``: (BLOCK_M, BLOCK_N, N_ITERS[, num_warps[, num_stages]]) override (benchmarks sweep it).
     """
     require_triton(_OP)
     split = v.shape[0] if v.dim() == 4 else 1
@@ -341,7 +342,9 @@ def _launch_lora_expand(
     offsets = [sum(widths[:i]) for i in range(len(widths))]
     paged = multi_page(page_table)  # one page per slot: the rectangle path
     block_r = rank_tile(max_rank, page_table)
-    block_m, block_n, n_iters = blocks or launch_shape(mapping, y.device, block_r, lora_b[0].element_size())
+    block_m, block_n, n_iters = blocks[:3] if blocks else launch_shape(mapping, y.device, block_r,
+                                                                        lora_b[0].element_size())
+    launch = launch_options(_OP, blocks[3:] if blocks else ())
     n_tiles = cdiv(max(widths), block_n * n_iters)
     tiles = mapping.tiles(block_m)
     _lora_expand_kernel[(tiles.shape[1], len(lora_b) * n_tiles)](
@@ -376,8 +379,9 @@ def _launch_lora_expand(
         BLOCK_R=block_r,
         DOT_DTYPE=dot_dtype(lora_b[0].dtype, y.device),
         PRECISION=dot_precision(lora_b[0].dtype, y.device),
-        num_warps=4,
+        **launch,
     )
+
 
 
 def lora_expand_ref(

@@ -45,14 +45,15 @@ def _launch_add_lora(
     ranks: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
     split_k: int | None = None,
-    shrink_blocks: tuple[int, int] | None = None,
-    expand_blocks: tuple[int, int, int] | None = None,
+    shrink_blocks: tuple[int, ...] | None = None,
+    expand_blocks: tuple[int, ...] | None = None,
     fused: bool = False,
 ) -> None:
     """Triton launch of :func:`add_lora_ref`: split-K shrink partials summed by the expand as it loads
     them, or the fused kernel with ``fused=True`` (benchmarks; slower at every decode size measured).
 
-    ``split_k``, ``shrink_blocks``, ``expand_blocks``: launch overrides of the two-kernel path (benchmarks);
+    ``split_k``, ``shrink_blocks`` ``(BLOCK_M, BLOCK_K[, num_warps[, num_stages]])``, ``expand_blocks``
+    ``(BLOCK_M, BLOCK_N, N_ITERS[, num_warps[, num_stages]])``: launch overrides of the two-kernel path (benchmarks);
     with ``fused=True`` they raise ``KernelArgumentError``, and so does a ``page_table`` (the fused kernel is
     benchmark-only and takes rectangles only).
     """

@@ -37,6 +37,7 @@ from loraplex.kernels._checks import (
 from loraplex.kernels._lora_checks import check_mapping, check_paging, check_ranks, check_weight_list, paged_rows
 from loraplex.kernels._triton import (
     cdiv,
+    launch_options,
     dot_dtype,
     dot_precision,
     next_pow2,
@@ -313,13 +314,16 @@ def _run_kernel(
     page_table: torch.Tensor | None,
     max_rank: int,
     k_per_split: int,
-    blocks: tuple[int, int],
+    blocks: tuple[int, ...],
     zero_tail: bool = False,
     scaling: list[torch.Tensor] | None = None,
 ) -> None:
     """Launch over ``target`` = ``[n_slices, T, R]`` (one split) or ``[SPLIT, n_slices, T, R]`` fp32. With pages
-    the columns ``ranks[s]..R-1`` of LoRA rows are written (zeros) only with ``zero_tail``."""
-    block_m, block_k = blocks
+    the columns ``ranks[s]..R-1`` of LoRA rows are written (zeros) only with ``zero_tail``. ``blocks``:
+    ``(BLOCK_M, BLOCK_K)``, or with ``(num_warps, num_stages)`` after them (benchmark sweeps; else 4 warps and
+    Triton's default stages)."""
+    block_m, block_k = blocks[:2]
+    launch = launch_options(_OP, blocks[2:])
     split = target.shape[0] if target.dim() == 4 else 1
     tiles = mapping.tiles(block_m)
     paged = multi_page(page_table)
@@ -358,7 +362,7 @@ def _run_kernel(
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
-        num_warps=4,
+        **launch,
     )
 
 
@@ -384,7 +388,7 @@ def shrink_partials(
     mapping: LoRAMapping,
     ranks: torch.Tensor | None = None,
     split_k: int | None = None,
-    blocks: tuple[int, int] | None = None,
+    blocks: tuple[int, ...] | None = None,
     *,
     page_table: torch.Tensor | None = None,
     scaling: list[torch.Tensor] | None = None,
@@ -402,7 +406,7 @@ def shrink_partials(
     Args:
         x, lora_a, mapping, ranks, page_table: as :func:`lora_shrink_ref`.
         split_k: number of H chunks (``1..32``); default :func:`partial_split_k`.
-        blocks: (BLOCK_M, BLOCK_K) override (benchmarks sweep it).
+        blocks: (BLOCK_M, BLOCK_K[, num_warps[, num_stages]]) override (benchmarks sweep it).
 
     Returns:
         ``[SPLIT, n_slices, T, R]`` float32 (SPLIT may be smaller than asked when H is small).
@@ -418,15 +422,15 @@ def shrink_partials(
     split = split_k or partial_split_k(mapping, hidden_size, len(lora_a), x.device, max_rank)
     if not 1 <= split <= _MAX_PARTIAL_SPLIT_K:
         raise KernelArgumentError(f"{_OP}: split_k={split}, expected 1..{_MAX_PARTIAL_SPLIT_K}")
-    block_m, block_k = blocks or _block_sizes(mapping, x.device)
+    block_m, block_k = blocks[:2] if blocks else _block_sizes(mapping, x.device)
     if blocks is None:
         block_k = cap_block_k(block_k, rank_tile(max_rank, page_table), x.element_size())
     k_per_split = cdiv(cdiv(hidden_size, split), block_k) * block_k
     split = cdiv(hidden_size, k_per_split)
     out = torch.empty((split, len(lora_a), num_tokens, max_rank), dtype=torch.float32, device=x.device)
     if mapping.has_lora and max_rank > 0:
-        _run_kernel(x, lora_a, mapping, out, ranks, page_table, max_rank, k_per_split, (block_m, block_k),
-                    scaling=scaling)
+        _run_kernel(x, lora_a, mapping, out, ranks, page_table, max_rank, k_per_split,
+                    (block_m, block_k, *(blocks[2:] if blocks else ())), scaling=scaling)
     return out
 
 

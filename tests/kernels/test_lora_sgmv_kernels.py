@@ -286,6 +286,40 @@ def test_add_lora_split_partials_match_naive(kernel_device, case, split_k, expan
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize(("shrink_blocks", "expand_blocks"), [
+    ((16, 16, 2, 2), (16, 16, 2, 8, 3)),
+    ((16, 16, 8), (16, 8, 4, 2)),
+])
+def test_add_lora_warps_and_stages_overrides_match_naive(kernel_device, shrink_blocks, expand_blocks):
+    """The benchmark sweep's (num_warps, num_stages) tails on the block overrides launch the same kernels."""
+    token_slots = _slots("zipf").to(kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=kernel_device)
+    lora_a, lora_b, scaling, ranks = _weights(torch.float32, kernel_device, mixed_ranks=True)
+    y = torch.randn(x.shape[0], sum(WIDTHS), device=kernel_device)
+    expected = naive_lora_expand(naive_lora_shrink(x, lora_a, token_slots), lora_b, scaling, y, token_slots)
+    ADD_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks, split_k=2, shrink_blocks=shrink_blocks,
+                    expand_blocks=expand_blocks)
+    assert_close(y, expected, torch.float32, scale=2.0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("shrink_blocks", "expand_blocks", "fragment"), [
+    ((16, 16, 3), None, "num_warps=3: must be 1, 2, 4, 8 or 16"),
+    (None, (16, 16, 2, 4, 3, 1), r"launch override \(4, 3, 1\): at most \(num_warps, num_stages\)"),
+])
+def test_add_lora_bad_launch_overrides_are_refused(kernel_device, shrink_blocks, expand_blocks, fragment):
+    token_slots = _slots("zipf").to(kernel_device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=kernel_device)
+    lora_a, lora_b, scaling, ranks = _weights(torch.float32, kernel_device, mixed_ranks=True)
+    y = torch.randn(x.shape[0], sum(WIDTHS), device=kernel_device)
+    with pytest.raises(KernelArgumentError, match=fragment):
+        ADD_LORA.triton(x, lora_a, lora_b, scaling, y, mapping, ranks=ranks, shrink_blocks=shrink_blocks,
+                        expand_blocks=expand_blocks)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_add_lora_bf16_matches_shrink_then_expand(kernel_device, backend):
     device = kernel_device if backend == "triton" else torch.device("cpu")
