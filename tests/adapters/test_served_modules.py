@@ -141,3 +141,15 @@ def test_an_adapter_on_every_linear_is_refused_for_the_unserved_module_not_for_i
     with pytest.raises(AdapterNotServedError, match="LoRA on [a-z_]+ is not served by this server: its "
                                                     "lora_target_modules setting serves o_proj only"):
         inspect_peft_adapter(tmp_path / "all", served, MAX_RANK)
+
+
+def test_not_served_errors_cross_processes_with_their_reason():
+    """The engine process and replicas send refusals to the gateway pickled: type and tenant-facing reason kept."""
+    import pickle
+
+    from loraplex.adapters import AdapterIncompatibleError, AdapterUnsupportedError
+
+    error = AdapterNotServedError("adapter 'tenant-3/a@7': DoRA is not served", "DoRA is not served")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is AdapterNotServedError and isinstance(copy, AdapterIncompatibleError | AdapterUnsupportedError)
+    assert (str(copy), copy.reason) == ("adapter 'tenant-3/a@7': DoRA is not served", "DoRA is not served")
