@@ -88,6 +88,23 @@ def assert_slot_holds(pool, slot, reference):
             assert pool.scaling[layer][module][slot].item() == pytest.approx(expected_scaling, rel=1e-7)
 
 
+def dispatch_counter():
+    """A ``TorchDispatchMode`` counting ATen calls by name in ``.calls`` while it is entered."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
 def slot_names(pool):
     return [(s.lora_name, s.pin_count) for s in pool.stats().slots]
 
@@ -364,23 +381,11 @@ def test_one_batch_of_installs_is_one_copy_per_adapter_and_one_scatter_per_layou
     writes every targeted (layer, module) factor of the group (it was two ``index_copy_`` per
     factor: ~900 launches per install at Llama-2-7B shapes), plus one scatter of the scalings per
     layout; one-by-one installs took two copies per targeted module and adapter."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
     pool = make_pool(adapters, max_loras=3)
     for name in ("a1", "a2", "a5"):
         pool.preload(iid(adapters, name))
     images = [pool.loader.cached(iid(adapters, name)) for name in ("a1", "a2", "a5")]
-    count = Count()
+    count = dispatch_counter()
     with count:
         with pool.batched_installs():
             for name in ("a1", "a2", "a5"):
@@ -524,19 +529,7 @@ def test_many_one_page_images_of_one_layout_are_scattered_per_module(adapters, c
     """From INDEX_COPY_MIN_IMAGES (8) one-page images of one layout on, the group is scattered with two
     ``index_copy_`` per targeted (layer, module) instead of one ``_foreach_copy_`` over views of every image;
     each slot holds exactly its image either way."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from loraplex.adapters.device_weights import INDEX_COPY_MIN_IMAGES
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
 
     assert INDEX_COPY_MIN_IMAGES == 8
     pool = make_pool(adapters, max_loras=count)
@@ -544,7 +537,7 @@ def test_many_one_page_images_of_one_layout_are_scattered_per_module(adapters, c
     a2 = pool.loader.cached(iid(adapters, "a2"))
     neg, neg_ref = _negated(a2, adapters["a2"][1])
     writes = [(slot, neg if slot % 2 else a2, (count - 1 - slot,)) for slot in range(count)]  # pages reversed
-    counter = Count()
+    counter = dispatch_counter()
     with counter:
         pool.weights.write_many(writes, staging_bytes=1 << 30)
     factors = 2 * len(a2.offsets)  # 6 targeted modules, A and B
