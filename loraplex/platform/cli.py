@@ -147,6 +147,10 @@ def settings_from_args(args: argparse.Namespace):
     return Settings(**{k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS})
 
 
+STARTUP_FAILURE = 3
+"""Exit status of ``serve`` when the server never listened (as ``uvicorn.run``'s)."""
+
+
 def _fail(message: str) -> int:
     return fail(message)
 
@@ -163,7 +167,7 @@ def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = Non
     import uvicorn
     from pydantic import ValidationError
 
-    from loraplex.platform.core.signals import python_ctrl_c
+    from loraplex.platform.core.signals import python_ctrl_c, uvicorn_server
     from loraplex.platform.main import create_app
     from loraplex.platform.settings import validation_error_text
 
@@ -178,11 +182,14 @@ def _serve(args: argparse.Namespace, *, mount_console: MountConsole | None = Non
         return _fail(_error_text(exc))
     if mount_console is not None:
         mount_console(app)
+    server = uvicorn_server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level))
     try:
         python_ctrl_c()
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down: not an error
         pass
+    if not server.started:  # it logged why (the port is taken, the engine failed to start): uvicorn.run's status
+        return STARTUP_FAILURE
     return 0
 
 

@@ -308,9 +308,9 @@ def serve(app: FastAPI, settings: Settings, *, on_listening: Callable[[str], Non
     Returns False when the server never listened (uvicorn logged why)."""
     import uvicorn
 
-    from loraplex.platform.core.signals import python_ctrl_c
+    from loraplex.platform.core.signals import python_ctrl_c, uvicorn_server
 
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+    server = uvicorn_server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level))
     watcher = threading.Thread(target=_when_listening, args=(server, settings.host, on_listening),
                                name="demo-banner", daemon=True)

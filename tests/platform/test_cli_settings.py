@@ -296,3 +296,64 @@ def test_ctrl_c_once_serve_listens_is_a_graceful_shutdown_with_status_0(tmp_path
     output = "".join(lines) + rest
     assert proc.returncode == 0, output
     assert "Application shutdown complete" in output and "interrupted" not in output and "Traceback" not in output
+
+
+def _serve_process(tmp_path, tiny_llama_dir, port: str = "0") -> subprocess.Popen:
+    script = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a terminal
+        "import sys\n"
+        "from loraplex import cli\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", script, "serve", "--model", str(tiny_llama_dir), "--port", port,
+                             "--data-dir", str(tmp_path / "data"), "--no-engine-process"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_a_second_ctrl_c_during_the_graceful_shutdown_exits_at_once_in_one_line(tmp_path, tiny_llama_dir):
+    """A request still open (its body never sent) holds the graceful shutdown; the second Ctrl-C ends the process
+    with one line and status 130: no traceback of cancelled tasks."""
+    import os
+    import re
+    import signal
+    import socket
+
+    proc = _serve_process(tmp_path, tiny_llama_dir)
+    lines, conn = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            listening = re.search(r"Uvicorn running on http://[^:]+:(\d+)", line)
+            if listening:
+                conn = socket.create_connection(("127.0.0.1", int(listening.group(1))))
+                conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100\r\n\r\n{")  # the rest of the body never comes
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        for line in proc.stdout:  # the graceful shutdown waits for the open request
+            lines.append(line)
+            if "Waiting for connections to close" in line or "Shutting down" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if conn is not None:
+            conn.close()
+    output = "".join(lines) + rest
+    assert proc.returncode == 130, output
+    assert "loraplex: interrupted again: exiting now (open requests and streams are cut)" in output
+    assert "Traceback" not in output and "CancelledError" not in output, output
+
+
+def test_serve_on_a_port_in_use_exits_with_uvicorns_startup_failure_status(tmp_path, tiny_llama_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = _serve_process(tmp_path, tiny_llama_dir, str(taken.getsockname()[1]))
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 3, output
+    assert "address already in use" in output.lower(), output

@@ -41,3 +41,30 @@ def python_ctrl_c() -> None:
     treats as a normal end, not the CLI's exit-now handler of the preparation (``loraplex.cli._interrupted``)."""
     if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.default_int_handler):
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+FORCED_EXIT = "loraplex: interrupted again: exiting now (open requests and streams are cut)"
+"""The one line a second Ctrl-C during the graceful shutdown prints (exit status 130)."""
+
+
+def uvicorn_server(config):
+    """A ``uvicorn.Server`` for ``config`` whose second Ctrl-C during the graceful shutdown ends the process at once:
+    one line (:data:`FORCED_EXIT`), the processes this one started (the engine process) terminated, exit status 130.
+    uvicorn's own forced exit cancels every task instead: tracebacks of each cancelled stream and of the lifespan,
+    whose shutdown never runs (``loraplex serve`` and the demo run servers through this)."""
+    import multiprocessing
+    import os
+    import sys
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig == signal.SIGINT and self.should_exit:
+                print(FORCED_EXIT, file=sys.stderr, flush=True)
+                for child in multiprocessing.active_children():
+                    child.terminate()
+                os._exit(130)
+            super().handle_exit(sig, frame)
+
+    return _Server(config)
