@@ -35,8 +35,6 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import multiprocessing
-import os
 import signal
 import sys
 import threading
@@ -58,6 +56,7 @@ from loraplex.engine.demo_models import (
     demo_model_dir,
     is_prepared,
 )
+from loraplex.platform.core.signals import exit_now
 from loraplex.platform.user_errors import fail
 
 logger = logging.getLogger(__name__)
@@ -114,10 +113,7 @@ def _interrupted(signum, frame) -> None:
     started (the engine process) and exit with status 130 at once. Not a ``KeyboardInterrupt``: raised inside a C
     extension's import (torch, numpy) that can abort the process or leave modules half-imported, and raised inside
     a finalizer it is dropped."""
-    print(INTERRUPTED, file=sys.stderr, flush=True)
-    for child in multiprocessing.active_children():
-        child.terminate()
-    os._exit(130)
+    exit_now(INTERRUPTED)
 
 
 USER_ERRORS = (ValueError, OSError)

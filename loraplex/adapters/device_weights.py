@@ -365,8 +365,10 @@ class LoRADeviceWeights:
         n, P, shapes = len(pages), self.page_rows, self.spec.module_shapes
         for (layer, module), (a_off, b_off) in layout.offsets.items():
             in_features, out_features = shapes[module]
-            self.a[layer][module].index_copy_(0, index, staging[:, a_off:a_off + P * in_features].view(n, P, in_features))
-            self.b[layer][module].index_copy_(0, index, staging[:, b_off:b_off + out_features * P].view(n, out_features, P))
+            a = staging[:, a_off:a_off + P * in_features].view(n, P, in_features)
+            b = staging[:, b_off:b_off + out_features * P].view(n, out_features, P)
+            self.a[layer][module].index_copy_(0, index, a)
+            self.b[layer][module].index_copy_(0, index, b)
 
     def staging_bound(self, staging_bytes: int) -> int:
         """Elements of the install staging buffer that :meth:`write_many` with ``staging_bytes`` needs at most:

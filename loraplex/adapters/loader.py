@@ -287,12 +287,11 @@ class AdapterLoader:
                     f"adapter {request.lora_name!r} at lora_path={path!r} changed on disk: "
                     f"version_id {adapter.version_id} != registered {version_id}"
                 )
+            # the header's offsets for the next (verified) read, kept when the files' stat held from before the
+            # read until after this parse (the signature later reads trust)
+            stored = stored_tensors(Path(path) / SAFETENSORS_NAME)
             after = adapter_files_signature(path)
-            # the header's offsets for the next (verified) read, parsed under the signature it will be trusted by
-            stored = stored_tensors(Path(path) / SAFETENSORS_NAME) if after is not None and after == before else None
-            if stored is not None and adapter_files_signature(path) != after:
-                stored = None
-            return _Read(self._image_of(adapter), after, stored)
+            return _Read(self._image_of(adapter), after, stored if after is not None and after == before else None)
         except AdapterError:
             raise
         except Exception as exc:  # an unreadable file is an adapter error, not an engine crash

@@ -428,13 +428,13 @@ def _pread_exact(fd: int, dest: torch.Tensor, offset_bytes: int, name: str) -> N
     parts = [(start, min(start + step, len(view))) for start in range(0, len(view), step)]
     futures = []
     try:
-        pool = _parallel_read_pool()
-        for start, end in parts[1:]:
-            futures.append(pool.submit(_pread_part, fd, view[start:end], offset_bytes + start, name))
-    except RuntimeError:  # the interpreter is shutting down (no new threads): the rest on this thread
-        for start, end in parts[1 + len(futures):]:
-            _pread_part(fd, view[start:end], offset_bytes + start, name)
-    try:
+        try:
+            pool = _parallel_read_pool()
+            for start, end in parts[1:]:
+                futures.append(pool.submit(_pread_part, fd, view[start:end], offset_bytes + start, name))
+        except RuntimeError:  # the interpreter is shutting down (no new threads): the rest on this thread
+            for start, end in parts[1 + len(futures):]:
+                _pread_part(fd, view[start:end], offset_bytes + start, name)
         _pread_part(fd, view[parts[0][0]:parts[0][1]], offset_bytes, name)
     finally:
         # every part has ended before the caller closes fd or reuses dest, whichever part failed

@@ -63,7 +63,7 @@ import torch
 
 from loraplex.adapters.config import LoRAConfig
 from loraplex.adapters.device_weights import LoRADeviceWeights
-from loraplex.adapters.errors import AdapterNotServedError, AdapterUnsupportedError, NoFreeSlotError, SlotPoolError
+from loraplex.adapters.errors import AdapterNotServedError, NoFreeSlotError, SlotPoolError
 from loraplex.adapters.loader import AdapterLoader
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import adapter_files_signature

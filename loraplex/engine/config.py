@@ -19,9 +19,9 @@ CLI's ``--help`` stays light.
 from __future__ import annotations
 
 import ast
-import re
 import dataclasses
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import torch
 
     from loraplex.adapters.config import LoRAConfig
+    from loraplex.adapters.model_spec import ModelSpec
+    from loraplex.adapters.spec import BaseModelSpec
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -239,11 +241,6 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    @property
-    def lora_target_module_names(self) -> tuple[str, ...] | None:
-        """``lora_target_modules`` as a tuple of names (None: every module; :func:`module_names`)."""
-        return module_names(self.lora_target_modules)
-
     def lora_config(self, device: torch.device) -> LoRAConfig:
         """The adapter tiers' knobs. Adapter reads run on loader threads on CUDA (disk reads stay
         out of the GPU step) and inline on CPU (deterministic tests)."""
@@ -268,6 +265,17 @@ def module_names(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
     return tuple(dict.fromkeys(name.strip() for name in text.split(",")))
+
+
+def served_adapter_spec(lora_target_modules: str | None, spec: ModelSpec, *, vocab: bool) -> BaseModelSpec:
+    """What adapters are checked against and the pool holds: ``spec``'s modules that ``lora_target_modules``
+    serves (``ModelSpec.served_adapter_spec``; ``vocab``: embed_tokens / lm_head adapters possible at all). Raises
+    :class:`ConfigError` naming the field for a module the model has no LoRA for (the engine and the CLI's
+    upload check call this)."""
+    try:
+        return spec.served_adapter_spec(module_names(lora_target_modules), vocab=vocab)
+    except ValueError as exc:
+        raise ConfigError("lora_target_modules", lora_target_modules, str(exc)) from None
 
 
 # -- the fields, described for the front ends ------------------------------------------------------

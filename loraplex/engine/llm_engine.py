@@ -10,7 +10,6 @@ both drive it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoTokenizer
 
-from loraplex.engine.config import EngineConfig
+from loraplex.engine.config import EngineConfig, served_adapter_spec
 from loraplex.engine.detokenizer import SequenceTextState
 from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
@@ -48,7 +47,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from loraplex.engine.sequence import RequestGroup, Sequence
 from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputManager
-from loraplex.engine.worker import TensorParallelDriver, bind_lora, served_adapter_spec
+from loraplex.engine.worker import TensorParallelDriver, bind_lora
 from loraplex.kernels.ops import Kernels, default_backend
 
 if TYPE_CHECKING:
@@ -129,7 +128,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # What adapters are checked against: the modules of lora_target_modules; without vocab_size under tensor
         # parallelism (adapters on embed_tokens / lm_head are not sharded, so they are refused when checked).
-        self.adapter_spec = served_adapter_spec(config, self.spec, vocab=config.tensor_parallel_size == 1)
+        self.adapter_spec = served_adapter_spec(config.lora_target_modules, self.spec,
+                                                vocab=config.tensor_parallel_size == 1)
         if self.spec.checkpoint_quantization is not None and config.tensor_parallel_size > 1:
             raise UnsupportedModelError("FP8 checkpoints (config.quantization_config) are not implemented with "
                                         "tensor parallelism; serve them with tensor_parallel_size=1")
@@ -191,7 +191,8 @@ class LLMEngine:
         if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
             from loraplex.kernels.self_check import check_add_lora
 
-            shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for _, lin in self.model.lora_linears() if lin.lora_a}
+            shapes = {(lin.weight_in_features, tuple(lin.out_sizes))
+                      for _, lin in self.model.lora_linears() if lin.lora_a}  # the linears bound to the pool
             check_add_lora(sorted(shapes), self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device,
                            page_rows=pool.weights.page_rows)
         return pool

@@ -141,9 +141,9 @@ class ShardedLoRADeviceWeights(LoRADeviceWeights):
     def __init__(self, shard: TensorShard, local_spec: BaseModelSpec, num_slots: int, max_lora_rank: int,
                  dtype: torch.dtype, device: torch.device | str, forward_write=None, forward_disable=None, *,
                  page_rows: int | None = None, num_pages: int | None = None) -> None:
-        # No embed_tokens / lm_head LoRA or full-module slots: not implemented with tensor parallelism (the
-        # pool refuses such adapters, naming it).
-        super().__init__(dataclasses.replace(local_spec, vocab_size=None), num_slots, max_lora_rank,  # rank shapes
+        # ``local_spec``: this rank's shapes of the served modules. No embed_tokens / lm_head LoRA or full-module
+        # slots: not implemented with tensor parallelism (the pool refuses such adapters, naming it).
+        super().__init__(dataclasses.replace(local_spec, vocab_size=None), num_slots, max_lora_rank,
                          dtype, device, page_rows=page_rows, num_pages=num_pages)
         self.shard = shard
         self.forward_write = forward_write

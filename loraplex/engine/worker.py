@@ -28,10 +28,8 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapters.model_spec import ModelSpec
 from loraplex.adapters.slot_image import SlotImage
-from loraplex.adapters.spec import BaseModelSpec
-from loraplex.engine.config import ConfigError, EngineConfig
+from loraplex.engine.config import EngineConfig, served_adapter_spec
 from loraplex.engine.kv_cache import KVCache, KVCacheSizing
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.models.llama import LlamaForCausalLM
@@ -119,22 +117,12 @@ class RankState:
         self.lora_weights = None
         if config.enable_lora:
             lora = config.lora_config(self.device)
-            served = served_adapter_spec(config, self.local_spec, vocab=False)
+            served = served_adapter_spec(config.lora_target_modules, self.local_spec, vocab=False)
             self.lora_weights = ShardedLoRADeviceWeights(self.shard, served, config.max_loras,
                                                          config.max_lora_rank, self.dtype, self.device,
                                                          forward_write, forward_disable, page_rows=lora.page_rows,
                                                          num_pages=lora.num_pages)
             bind_lora(self.model, self.lora_weights)
-
-
-def served_adapter_spec(config: EngineConfig, spec: ModelSpec, *, vocab: bool) -> BaseModelSpec:
-    """What adapters are checked against and the pool holds: ``spec``'s modules that ``config.lora_target_modules``
-    serves (``ModelSpec.served_adapter_spec``). Raises ``ConfigError`` naming the field for a module this model
-    has no LoRA for."""
-    try:
-        return spec.served_adapter_spec(config.lora_target_module_names, vocab=vocab)
-    except ValueError as exc:
-        raise ConfigError("lora_target_modules", config.lora_target_modules, str(exc)) from None
 
 
 def bind_lora(model: LlamaForCausalLM, weights) -> None:

@@ -112,7 +112,7 @@ def attach_model_spec(ctx: PlatformContext) -> None:
     from transformers import AutoConfig
 
     from loraplex.adapters.model_spec import ModelSpec
-    from loraplex.engine.config import ConfigError, EngineConfig, module_names
+    from loraplex.engine.config import EngineConfig, served_adapter_spec
     from loraplex.engine.demo_models import resolve_model
 
     settings = ctx.settings
@@ -120,12 +120,10 @@ def attach_model_spec(ctx: PlatformContext) -> None:
         raise ValueError("no base model to validate the adapter against: pass --model (the demo server's is "
                          "--model smollm2) or set LORAPLEX_MODEL")
     folder = resolve_model(settings.model, settings.cache_dir)
-    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder)))
-    try:  # the modules the server serves (lora_target_modules), as its engine checks uploads
-        ctx.base_spec = spec.served_adapter_spec(module_names(settings.lora_target_modules),
-                                                 vocab=(settings.tensor_parallel_size or 1) == 1)
-    except ValueError as exc:
-        raise ConfigError("lora_target_modules", settings.lora_target_modules, str(exc)) from None
+    # the modules the server serves (lora_target_modules), as its engine checks uploads
+    ctx.base_spec = served_adapter_spec(settings.lora_target_modules,
+                                        ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder))),
+                                        vocab=(settings.tensor_parallel_size or 1) == 1)
     ctx.max_lora_rank = settings.max_lora_rank or EngineConfig.__dataclass_fields__["max_lora_rank"].default
     ctx.max_full_module_slots = settings.max_full_module_slots or 0
     ctx.model_id = settings.model_id

@@ -273,15 +273,7 @@ def test_ctrl_c_once_serve_listens_is_a_graceful_shutdown_with_status_0(tmp_path
     import os
     import signal
 
-    script = (
-        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a terminal
-        "import sys\n"
-        "from loraplex import cli\n"
-        "sys.exit(cli.main(sys.argv[1:]))\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script, "serve", "--model", str(tiny_llama_dir), "--port", "0",
-                             "--data-dir", str(tmp_path / "data"), "--no-engine-process"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _serve_process(tmp_path, tiny_llama_dir)
     lines = []
     try:
         for line in proc.stdout:

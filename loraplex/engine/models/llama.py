@@ -80,7 +80,8 @@ class VocabLoRA:
     V vocab, H hidden, K full-module slots; see :mod:`loraplex.adapters.device_weights`).
 
     ``embed_a_t [S, V, R]``, ``embed_b [S, H, R]``, ``head_a [S, R, H]``, ``head_b [S, V, R]`` in the model
-    dtype (the embedding's pair or the head's None when ``lora_target_modules`` leaves that module out); ``scaling [2, S] fp32`` (embedding, head); ``full [K, V, H]`` or None; ``full_index [2, S] int64``
+    dtype (the embedding's pair or the head's None when ``lora_target_modules`` leaves that module out);
+    ``scaling [2, S] fp32`` (embedding, head); ``full [K, V, H]`` or None; ``full_index [2, S] int64``
     (the copy slot s uses for the embedding / the head, -1 = the base module) and its host mirror
     ``full_index_host`` (live lists, updated by the pool); ``lora_host [2][S]``: whether slot s holds LoRA on the
     embedding / the head (live lists: the head's SGMV runs only when a sampled row's slot has one).

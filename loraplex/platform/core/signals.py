@@ -10,8 +10,12 @@ SIGINT blocked (the mask is inherited across fork and exec); each ignores SIGINT
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
 import signal
+import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 
 @contextlib.contextmanager
@@ -52,19 +56,21 @@ def uvicorn_server(config):
     one line (:data:`FORCED_EXIT`), the processes this one started (the engine process) terminated, exit status 130.
     uvicorn's own forced exit cancels every task instead: tracebacks of each cancelled stream and of the lifespan,
     whose shutdown never runs (``loraplex serve`` and the demo run servers through this)."""
-    import multiprocessing
-    import os
-    import sys
-
     import uvicorn
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
             if sig == signal.SIGINT and self.should_exit:
-                print(FORCED_EXIT, file=sys.stderr, flush=True)
-                for child in multiprocessing.active_children():
-                    child.terminate()
-                os._exit(130)
+                exit_now(FORCED_EXIT)
             super().handle_exit(sig, frame)
 
     return _Server(config)
+
+
+def exit_now(line: str) -> NoReturn:
+    """Print ``line`` on stderr, terminate the processes this one started (the engine process) and exit with
+    status 130 at once (``os._exit``: no ``KeyboardInterrupt``, no cleanup; the Ctrl-C paths of ``loraplex``)."""
+    print(line, file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():
+        child.terminate()
+    os._exit(130)
