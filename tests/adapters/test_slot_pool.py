@@ -61,8 +61,9 @@ def adapters(tmp_path, write_adapter):
     return made
 
 
-def make_pool(adapters, *, max_loras=3, max_cpu_loras=5, dtype=torch.float32, register=("a1", "a2", "a3", "a4", "a5")):
-    pool = LoRASlotPool(SPEC, max_loras, MAX_RANK, max_cpu_loras, dtype, "cpu")
+def make_pool(adapters, *, max_loras=3, max_cpu_loras=5, dtype=torch.float32, register=("a1", "a2", "a3", "a4", "a5"),
+              device="cpu"):
+    pool = LoRASlotPool(SPEC, max_loras, MAX_RANK, max_cpu_loras, dtype, device)
     for name in register:
         assert pool.add_lora(adapters[name][0]) is True
     return pool
@@ -83,8 +84,9 @@ def assert_slot_holds(pool, slot, reference):
                 a, b, expected_scaling = reference[(layer, module)]
                 expected_a[: a.shape[0]] = a
                 expected_b[:, : b.shape[1]] = b
-            assert torch.equal(pool.weights.slot_factors(slot, layer, module)[0], expected_a.to(pool.dtype)), (slot, layer, module)
-            assert torch.equal(pool.weights.slot_factors(slot, layer, module)[1], expected_b.to(pool.dtype)), (slot, layer, module)
+            got_a, got_b = (t.cpu() for t in pool.weights.slot_factors(slot, layer, module))
+            assert torch.equal(got_a, expected_a.to(pool.dtype)), (slot, layer, module)
+            assert torch.equal(got_b, expected_b.to(pool.dtype)), (slot, layer, module)
             assert pool.scaling[layer][module][slot].item() == pytest.approx(expected_scaling, rel=1e-7)
 
 
@@ -524,15 +526,17 @@ def test_distinct_images_of_one_layout_land_in_their_own_rows(adapters, staging_
     assert_slot_holds(pool, 2, adapters["a1"][1])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (asynchronous staging copies, CUDA index_copy_)"))])
 @pytest.mark.parametrize("count", [7, 8, 10])
-def test_many_one_page_images_of_one_layout_are_scattered_per_module(adapters, count):
+def test_many_one_page_images_of_one_layout_are_scattered_per_module(adapters, count, device):
     """From INDEX_COPY_MIN_IMAGES (8) one-page images of one layout on, the group is scattered with two
     ``index_copy_`` per targeted (layer, module) instead of one ``_foreach_copy_`` over views of every image;
     each slot holds exactly its image either way."""
     from loraplex.adapters.device_weights import INDEX_COPY_MIN_IMAGES
 
     assert INDEX_COPY_MIN_IMAGES == 8
-    pool = make_pool(adapters, max_loras=count)
+    pool = make_pool(adapters, max_loras=count, device=device)
     pool.preload(iid(adapters, "a2"))
     a2 = pool.loader.cached(iid(adapters, "a2"))
     neg, neg_ref = _negated(a2, adapters["a2"][1])
