@@ -93,6 +93,41 @@ def make_adapters(root: Path, config: dict, count: int, distinct_files: int,
             for i, path in enumerate(paths)]
 
 
+class GCPauses:
+    """Pauses of Python's cyclic garbage collector while entered (``gc.callbacks``): per generation the
+    collections, their summed and their longest ms. The engine's host time includes them."""
+
+    def __init__(self) -> None:
+        self.by_generation: dict[int, list[float]] = {}
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.by_generation.setdefault(info["generation"], []).append(1e3 * (time.perf_counter() - self._start))
+
+    def __enter__(self) -> "GCPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        """``{"total_ms", "gen<g>": [collections, total ms, max ms]}``."""
+        out: dict = {"total_ms": sum(sum(v) for v in self.by_generation.values())}
+        for gen, pauses in sorted(self.by_generation.items()):
+            out[f"gen{gen}"] = [len(pauses), sum(pauses), max(pauses)]
+        return out
+
+
+def _gc_cell(row: dict, base: dict) -> str:
+    """``"<ms>, <gen-2 collections> (<base ms>, <base gen-2 collections>)"``."""
+    return (f"{row['total_ms']:.0f}, {row.get('gen2', [0])[0]} "
+            f"({base['total_ms']:.0f}, {base.get('gen2', [0])[0]})")
+
+
 def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, trace_loads: bool = False,
                  trace_steps: bool = False) -> dict:
     """Submit all, step until done. ``trace_loads``: also ``load_trace`` = per step (seconds since
@@ -103,7 +138,7 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, 
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind="final_only")
     pool = engine.lora_pool
     loads0 = pool.loader.disk_loads if pool is not None else 0
-    installs0 = engine.get_stats().lora.slot_loads if pool is not None else 0
+    installs0 = pool.slot_loads if pool is not None else 0
     trace, steps_trace, launched = [], [], []
     real_launch = engine.runner.launch
     if trace_steps:
@@ -114,6 +149,7 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, 
 
         engine.runner.launch = launch
     sync()
+    pauses = GCPauses().__enter__()
     t0 = last = time.perf_counter()
     try:
         for i, (p, lora) in enumerate(zip(prompts, loras)):
@@ -127,16 +163,17 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, 
                 trace.append((now - t0, pool.loader.disk_loads - loads0))
             if trace_steps:
                 shape = launched[-1] if len(launched) == steps else (0, 0, 0)  # a step may launch nothing
-                installs = engine.get_stats().lora.slot_loads - installs0 if pool is not None else 0
+                installs = pool.slot_loads - installs0 if pool is not None else 0
                 steps_trace.append((1e3 * (now - last), *shape, installs))
             last = now
     finally:
         engine.runner.launch = real_launch
-    sync()
+        sync()
+        pauses.__exit__()
     dt = time.perf_counter() - t0
     out = {"requests": len(prompts), "total_s": dt, "requests_per_s": len(prompts) / dt,
            "output_tokens_per_s": len(prompts) * out_len / dt, "steps": steps, "errors": errors,
-           "triton_variants_after": triton_variants()}
+           "triton_variants_after": triton_variants(), "gc_pauses": pauses.summary()}
     if trace_loads:
         out["load_trace"] = trace
     if trace_steps:
@@ -325,6 +362,9 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts:
     llm = engine(model_dir, max_loras=256, max_cpu_loras=max(256, max(counts) + num_cold + 64), max_model_len=1024)
     pool = llm.engine.lora_pool
     warm_up(llm, make_adapters(root / "warm", config, 2, distinct_files=2, targets=qv, first_id=200001))
+    if RESULTS.get("gc_freeze"):  # as a server after start-up: adapters registered later stay unfrozen
+        gc.collect()
+        gc.freeze()
     t0 = time.perf_counter()
     for a in adapters + cold_adapters + probes:
         llm.engine.add_lora(a)
@@ -351,6 +391,7 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts:
         res = run_requests(llm, prompts[:n], out_len, loras, trace_loads=True, trace_steps=True)
         trace = res.pop("load_trace")
         res["split"] = step_split(res.pop("step_trace"), reference["step_trace"])
+        res["base_gc_pauses"] = reference["gc_pauses"]
         res["host_arena_chunks_allocated"] = (pool.loader.arenas[True].chunk_allocations
                                               + pool.loader.arenas[False].chunk_allocations - chunks_before)
         if name.startswith("cold"):
@@ -495,12 +536,15 @@ def main() -> None:
     ap.add_argument("--lora-target-modules", default=None,
                     help="the engines' lora_target_modules (e.g. q_proj,v_proj for the scaling part's q/v adapters: "
                          "the other linears launch no LoRA kernel); default: every module")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="scaling: gc.freeze() after the engine's warm-up, before the adapters are registered")
     ap.add_argument("--cpu-check", action="store_true",
                     help="the benchmark's logic on CPU with a tiny model (implies --quick; numbers mean nothing)")
     args = ap.parse_args()
     RESULTS["host_cache"] = args.host_cache
     RESULTS["async_scheduling"] = args.async_scheduling
     RESULTS["lora_target_modules"] = args.lora_target_modules
+    RESULTS["gc_freeze"] = args.gc_freeze
     config = dict(LLAMA2_7B)
     if args.quick or args.cpu_check:
         args.quick = True
@@ -556,7 +600,8 @@ def summarize() -> None:
         rows = {k: v for k, v in scl.items() if isinstance(v, dict) and "fraction_of_base" in v}
         print_table("Adapter-count scaling (q/v r=16, 256 slots; host cache holds every adapter unless cold; async "
                     f"scheduling {'on' if RESULTS['async_scheduling'] else 'off'}; lora_target_modules "
-                    f"{RESULTS['lora_target_modules'] or 'all'}; {title})",
+                    f"{RESULTS['lora_target_modules'] or 'all'}; gc.freeze after warm-up "
+                    f"{'on' if RESULTS['gc_freeze'] else 'off'}; {title})",
                     ["row", "popularity", "requests", "distinct adapters", "out tok/s", "of base", "steps",
                      "min steps", "disk reads", "slot loads", "install batches"],
                     [[k, v["popularity"], v["requests"], v["distinct_adapters"], f"{v['output_tokens_per_s']:.0f}",
@@ -572,13 +617,14 @@ def summarize() -> None:
         print_table("Where each row's time goes against the base run (ms summed over the run's steps)",
                     ["row", "prompt-carrying steps ms (base)", "decode-only steps ms (base)",
                      "decode step median ms (base)", "distinct adapters per decode step",
-                     "slot installs in prompt / decode steps"],
+                     "slot installs in prompt / decode steps", "GC pauses ms, full collections (base)"],
                     [[k, f"{v['prompt_steps_ms']:.0f} in {v['prompt_steps']} ({v['base_prompt_steps_ms']:.0f} in "
                          f"{v['base_prompt_steps']})", f"{v['decode_steps_ms']:.0f} in {v['decode_steps']} "
                          f"({v['base_decode_steps_ms']:.0f} in {v['base_decode_steps']})",
                       f"{v['decode_step_ms_median']:.2f} ({v['base_decode_step_ms_median']:.2f})",
                       f"{v['decode_mean_distinct_adapters']:.0f}",
-                      f"{v['prompt_step_installs']} / {v['decode_step_installs']}"] for k, v in split.items()])
+                      f"{v['prompt_step_installs']} / {v['decode_step_installs']}",
+                      _gc_cell(rows[k]["gc_pauses"], rows[k]["base_gc_pauses"])] for k, v in split.items()])
         profiled = {k: v["profile"] for k, v in rows.items() if "error" not in v.get("profile", {"error": 1})}
         profiled |= {f"base, {n} requests": v for n, v in scl.get("base_profiles", {}).items() if "error" not in v}
         if profiled:

@@ -523,6 +523,11 @@ class LoRASlotPool:
         self.registry.accepting(int_id)
         return self.resources_fit(int_id)
 
+    @property
+    def slot_loads(self) -> int:
+        """Adapters written into a GPU slot so far (``stats().slot_loads`` without building the stats)."""
+        return self._slot_loads
+
     def stats(self) -> SlotPoolStats:
         """A snapshot of slots, host cache and counters."""
         name = self.registry.name
