@@ -47,6 +47,7 @@ from common import (ALL_TARGETS, LLAMA2_7B, git_commit, make_model_dir,  # noqa:
                     make_random_adapter, measure_copy_bandwidth, out_dir, print_table, triton_variants)
 
 from loraplex import LLM, LoRARequest, SamplingParams  # noqa: E402
+from loraplex.engine.gc_heap import freeze_gc_heap  # noqa: E402
 
 SCENARIOS = [("chatbot", 128, 64), ("long-document summary", 2048, 256), ("code generation", 512, 512),
              ("RAG", 1024, 128), ("shared system prompt (500 + 50)", 550, 200)]
@@ -362,9 +363,8 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts:
     llm = engine(model_dir, max_loras=256, max_cpu_loras=max(256, max(counts) + num_cold + 64), max_model_len=1024)
     pool = llm.engine.lora_pool
     warm_up(llm, make_adapters(root / "warm", config, 2, distinct_files=2, targets=qv, first_id=200001))
-    if RESULTS.get("gc_freeze"):  # as a server after start-up: adapters registered later stay unfrozen
-        gc.collect()
-        gc.freeze()
+    if RESULTS.get("gc_freeze"):  # as the server after its start-up: adapters registered later stay unfrozen
+        freeze_gc_heap()
     t0 = time.perf_counter()
     for a in adapters + cold_adapters + probes:
         llm.engine.add_lora(a)
@@ -536,15 +536,16 @@ def main() -> None:
     ap.add_argument("--lora-target-modules", default=None,
                     help="the engines' lora_target_modules (e.g. q_proj,v_proj for the scaling part's q/v adapters: "
                          "the other linears launch no LoRA kernel); default: every module")
-    ap.add_argument("--gc-freeze", action="store_true",
-                    help="scaling: gc.freeze() after the engine's warm-up, before the adapters are registered")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="scaling: without the server's freeze_gc_heap() after the engine's warm-up (the default "
+                         "freezes it before the adapters are registered, as the server does at start-up)")
     ap.add_argument("--cpu-check", action="store_true",
                     help="the benchmark's logic on CPU with a tiny model (implies --quick; numbers mean nothing)")
     args = ap.parse_args()
     RESULTS["host_cache"] = args.host_cache
     RESULTS["async_scheduling"] = args.async_scheduling
     RESULTS["lora_target_modules"] = args.lora_target_modules
-    RESULTS["gc_freeze"] = args.gc_freeze
+    RESULTS["gc_freeze"] = not args.no_gc_freeze
     config = dict(LLAMA2_7B)
     if args.quick or args.cpu_check:
         args.quick = True

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.gc_heap import freeze_gc_heap
 from loraplex.engine.parent_watch import exit_when_parent_exits
 from loraplex.platform.async_engine import (
     AsyncEngine,
@@ -162,6 +163,7 @@ def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], A
     except BaseException as exc:  # noqa: BLE001 - reported to the gateway, which raises it
         conn.send(("start_failed", picklable(exc)))
         return
+    freeze_gc_heap()  # this process holds its engine until it exits (engine/gc_heap.py)
     sink.send(("info", ReplicaInfo.of(engine, "engine-process")))
     stop = threading.Event()
     threading.Thread(target=_push_stats, args=(engine, sink, stop), name="loraplex-engine-stats", daemon=True).start()

@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loraplex.engine.gc_heap import freeze_gc_heap, unfreeze_gc_heap
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.guards import RequestGuard, SecurityHeaders
 from loraplex.platform.api.routes import adapters, completions, evaluations, models, stats, tenants
@@ -111,9 +112,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if ctx.engine is not None:
         ctx.engine.start()
         publisher = asyncio.create_task(_publish_stats(ctx))
+    # The app, its database engine and an engine in this process live until shutdown: keep full collections
+    # off them while serving (engine/gc_heap.py); unfrozen at shutdown, so that an app shut down in a process
+    # that goes on (tests) is garbage like any other.
+    await run_in_threadpool(freeze_gc_heap)
     try:
         yield
     finally:
+        unfreeze_gc_heap()
         if publisher is not None:
             publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

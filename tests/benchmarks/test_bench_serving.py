@@ -57,3 +57,17 @@ def test_scaling_rows_trace_every_step_on_cpu(tmp_path, monkeypatch):
     assert split["base_prompt_steps"] + split["base_decode_steps"] <= row["min_steps"]
     assert row["profile"] == {"error": "no CUDA device to profile"}
     assert split["decode_step_ms_median"] > 0 and split["base_decode_step_ms_median"] > 0
+
+
+def test_gc_pauses_are_counted_by_generation_while_entered():
+    import gc
+
+    with bs.GCPauses() as pauses:
+        gc.collect(2)
+        gc.collect(2)
+    assert pauses._callback not in gc.callbacks
+    gc.collect(2)  # after exit: not counted
+    summary = pauses.summary()
+    assert summary["gen2"][0] == 2
+    assert summary["gen2"][1] >= summary["gen2"][2] > 0
+    assert summary["total_ms"] == pytest.approx(sum(v[1] for k, v in summary.items() if k.startswith("gen")))

@@ -26,6 +26,7 @@ from typing import Any
 
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.fairness import TenantShare
+from loraplex.engine.gc_heap import freeze_gc_heap
 from loraplex.engine.input_processor import ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -98,6 +99,7 @@ class EngineReplica:
         engine = (engine_factory or build_engine)(settings)
         self.engine = AsyncEngine(engine, stats_interval_s=settings.stats_interval_s)
         self.engine.start()
+        freeze_gc_heap()  # this replica's process holds its engine for good (engine/gc_heap.py)
         self._keys: dict[str, str] = {}  # lora_name -> routing key, of every adapter this replica was given
         logger.info("engine replica %s ready (%s)", self.replica_id, self.engine.model_name)
 
