@@ -8,11 +8,19 @@ requests stays registered, marked ``pending_removal``, and accepts no new reques
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplex.adapters.errors import AdapterConflictError, UnknownAdapterError
 from loraplex.adapters.lora_request import LoRARequest
-from loraplex.adapters.peft_format import AdapterLayout, FileSignature, StoredTensor
+from loraplex.adapters.peft_format import (
+    AdapterLayout,
+    FileSignature,
+    StoredTensor,
+    pack_layout,
+    pack_stored,
+    unpack_layout,
+    unpack_stored,
+)
 
 
 @dataclass
@@ -22,15 +30,34 @@ class Registration:
     ``verified``: the content was hashed and matched ``version_id`` under ``signature``
     (change detection: later reads trust ``version_id`` while the signature is unchanged);
     ``stored``: the safetensors header's tensors (``stored_tensors``) as parsed by the last read, under
-    ``signature`` (later reads under the same signature skip parsing it)."""
+    ``signature`` (later reads under the same signature skip parsing it).
+
+    ``layout`` and ``stored`` are kept packed (``peft_format.pack_layout`` / ``pack_stored``: tuples the
+    garbage collector does not walk) and rebuilt on each access: read them once per read."""
 
     request: LoRARequest
     version_id: str
     signature: FileSignature | None
-    layout: AdapterLayout | None = None
     pending_removal: bool = False
     verified: bool = False
-    stored: dict[str, StoredTensor] | None = None
+    _layout: tuple | None = field(default=None, repr=False)
+    _stored: tuple | None = field(default=None, repr=False)
+
+    @property
+    def layout(self) -> AdapterLayout | None:
+        return None if self._layout is None else unpack_layout(self._layout)
+
+    @layout.setter
+    def layout(self, layout: AdapterLayout | None) -> None:
+        self._layout = None if layout is None else pack_layout(layout)
+
+    @property
+    def stored(self) -> dict[str, StoredTensor] | None:
+        return None if self._stored is None else unpack_stored(self._stored)
+
+    @stored.setter
+    def stored(self, stored: dict[str, StoredTensor] | None) -> None:
+        self._stored = None if stored is None else pack_stored(stored)
 
 
 class AdapterRegistry:

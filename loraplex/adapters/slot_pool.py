@@ -235,7 +235,9 @@ class LoRASlotPool:
             self._check_vocab(request, bool(layout.vocab_lora), tuple(m for m, _ in layout.full_modules))
             if layout.config.use_dora:
                 self.weights.check_dora(request.lora_name)
-            self.registry.add(Registration(request, request.version_id, signature, layout))
+            registration = Registration(request, request.version_id, signature)
+            registration.layout = layout
+            self.registry.add(registration)
             self._set_full_needs(request.lora_int_id, tuple(m for m, _ in layout.full_modules))
             rank = image_rank([plan.hyper.rank for plan in layout.modules], self.max_lora_rank, self.weights.page_rows)
             self._page_needs[request.lora_int_id] = rank // self.weights.page_rows
