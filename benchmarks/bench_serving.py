@@ -193,6 +193,7 @@ def step_split(row_trace: list[tuple], base_trace: list[tuple]) -> dict:
         decode = [i for i, t in enumerate(trace) if t[1] == 0 and t[2] > 0]
         decode_ms = [trace[i][0] for i in decode]
         return {"prompt_steps_ms": sum(trace[i][0] for i in prompt), "prompt_steps": len(prompt),
+                "prompt_tokens": sum(trace[i][1] for i in prompt),
                 "decode_steps_ms": sum(decode_ms), "decode_steps": len(decode),
                 "decode_mean_distinct_adapters": statistics.mean(trace[i][3] for i in decode) if decode else 0.0,
                 "prompt_step_installs": sum(installs[i] for i in prompt),
@@ -200,7 +201,7 @@ def step_split(row_trace: list[tuple], base_trace: list[tuple]) -> dict:
                 "decode_step_ms_median": statistics.median(decode_ms) if decode else float("nan")}
 
     row, base = sums(row_trace), sums(base_trace)
-    return {**row, **{f"base_{k}": base[k] for k in ("prompt_steps_ms", "prompt_steps", "decode_steps_ms",
+    return {**row, **{f"base_{k}": base[k] for k in ("prompt_steps_ms", "prompt_steps", "prompt_tokens", "decode_steps_ms",
                                                        "decode_steps", "decode_step_ms_median")}}
 
 
@@ -255,12 +256,14 @@ def warm_up(llm: LLM, adapters: list[LoRARequest]) -> None:
     run_requests(llm, [[rng.randrange(10, top) for _ in range(900)]], 4, loras[1:2])
 
 
-def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: int = 4096) -> LLM:
+def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: int = 4096,
+           enable_prefix_caching: bool = True) -> LLM:
     device = {} if torch.cuda.is_available() else {"device": "cpu", "dtype": "float32", "num_kv_blocks": 4096}
     llm = LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len,
               gpu_memory_utilization=0.85, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
               max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192,
               async_scheduling=RESULTS["async_scheduling"], lora_target_modules=RESULTS.get("lora_target_modules"),
+              enable_prefix_caching=enable_prefix_caching,
               **({"dtype": "bfloat16"} | device))
     llm.engine.lora_pool.pin_host_cache = RESULTS["host_cache"] == "pinned"
     return llm
@@ -360,7 +363,12 @@ def part_scaling(model_dir: Path, config: dict, root: Path, quick: bool, counts:
     prompts = [[rng.randrange(10, config["vocab_size"] - 1) for _ in range(in_len)] for _ in range(total)]
     # As many GPU slots as max_num_seqs (q/v r=16 slots: 16.8 MB each, 4.3 GB for 256) and a host
     # cache for every adapter (issue 17's setting): one batch can hold one request per slot.
-    llm = engine(model_dir, max_loras=256, max_cpu_loras=max(256, max(counts) + num_cold + 64), max_model_len=1024)
+    # No prefix caching: the runs share prompts (the base runs of 512 and 2,000 requests their first 512; a row
+    # and an earlier row their (prompt, adapter) pairs), and a run served from an earlier run's cached blocks
+    # would do less prefill work than the run it is compared with (sessions 9-15: the 2,000 row's base run
+    # took 31 prompt-carrying steps, not 39, its first 512 prompts cached by the 512 row's base run).
+    llm = engine(model_dir, max_loras=256, max_cpu_loras=max(256, max(counts) + num_cold + 64), max_model_len=1024,
+                 enable_prefix_caching=False)
     pool = llm.engine.lora_pool
     warm_up(llm, make_adapters(root / "warm", config, 2, distinct_files=2, targets=qv, first_id=200001))
     if RESULTS.get("gc_freeze"):  # as the server after its start-up: adapters registered later stay unfrozen

@@ -124,6 +124,9 @@ def _add_serve(subparsers: argparse._SubParsersAction, mount_console: MountConso
     serve.add_argument("--shutdown-stream-grace-s", type=float, default=_S,
                        help="on Ctrl-C / SIGTERM, streams still open may go on this long, then end with a "
                             "server_shutting_down error event (env LORAPLEX_SHUTDOWN_STREAM_GRACE_S; default 20)")
+    serve.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=_S,
+                       help="after start-up, freeze the heap out of the garbage collector's walks (env "
+                            "LORAPLEX_GC_FREEZE; default: yes)")
     serve.add_argument("--cache-dir", type=Path, default=_S, help="prepared models (LORAPLEX_CACHE_DIR)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=_S,
                        help="server log level (env LORAPLEX_LOG_LEVEL; default info)")

@@ -163,7 +163,8 @@ def _child_main(conn, settings: Settings, engine_factory: Callable[[Settings], A
     except BaseException as exc:  # noqa: BLE001 - reported to the gateway, which raises it
         conn.send(("start_failed", picklable(exc)))
         return
-    freeze_gc_heap()  # this process holds its engine until it exits (engine/gc_heap.py)
+    if settings.gc_freeze:
+        freeze_gc_heap()  # this process holds its engine until it exits (engine/gc_heap.py)
     sink.send(("info", ReplicaInfo.of(engine, "engine-process")))
     stop = threading.Event()
     threading.Thread(target=_push_stats, args=(engine, sink, stop), name="loraplex-engine-stats", daemon=True).start()

@@ -114,12 +114,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         publisher = asyncio.create_task(_publish_stats(ctx))
     # The app, its database engine and an engine in this process live until shutdown: keep full collections
     # off them while serving (engine/gc_heap.py); unfrozen at shutdown, so that an app shut down in a process
-    # that goes on (tests) is garbage like any other.
-    await run_in_threadpool(freeze_gc_heap)
+    # that goes on is garbage like any other.
+    if ctx.settings.gc_freeze:
+        await run_in_threadpool(freeze_gc_heap)
     try:
         yield
     finally:
-        unfreeze_gc_heap()
+        if ctx.settings.gc_freeze:
+            unfreeze_gc_heap()
         if publisher is not None:
             publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -20,6 +20,7 @@ def test_step_split_sums_prompt_and_decode_steps_apart():
     split = bs.step_split(row, base)
     assert split == {
         "prompt_steps_ms": 50.0, "prompt_steps": 2, "base_prompt_steps_ms": 40.0, "base_prompt_steps": 2,
+        "prompt_tokens": 384, "base_prompt_tokens": 384,
         "decode_steps_ms": 12.0, "decode_steps": 2, "base_decode_steps_ms": 8.0, "base_decode_steps": 2,
         "decode_mean_distinct_adapters": 2.5, "prompt_step_installs": 3, "decode_step_installs": 0,
         "decode_step_ms_median": 6.0, "base_decode_step_ms_median": 4.0}
@@ -47,7 +48,10 @@ def test_scaling_rows_trace_every_step_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setitem(bs.RESULTS, "async_scheduling", False)
     model_dir = bs.make_model_dir(tmp_path / "model", config)
     torch.manual_seed(0)
-    out = bs.part_scaling(model_dir, config, tmp_path, quick=True, counts=[8], cold=False, profile_rows=("8",))
+    out = bs.part_scaling(model_dir, config, tmp_path, quick=True, counts=[8, 80], cold=False, profile_rows=("8",))
+    # every run computes every prompt token: the 80 row's base run shares its first 64 prompts with the 8 row's
+    # (a prefix-cached engine served them from cache: less prefill than the row it is compared with)
+    assert out["80"]["split"]["base_prompt_tokens"] == out["80"]["split"]["prompt_tokens"] == 80 * 64
     row = out["8"]
     split = row["split"]
     assert split["prompt_steps"] + split["decode_steps"] <= row["steps"]

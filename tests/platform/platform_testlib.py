@@ -79,7 +79,8 @@ def start_redis() -> RedisProcess:
 def make_settings(tmp_path: Path, **overrides):
     from loraplex.platform.settings import Settings
 
-    values = dict(data_dir=tmp_path / "data", admin_key=ADMIN_KEY, stats_interval_s=0.2)
+    # gc_freeze off: a full collection at each of the suite's many server starts (test_gc_freeze.py checks it on)
+    values = dict(data_dir=tmp_path / "data", admin_key=ADMIN_KEY, stats_interval_s=0.2, gc_freeze=False)
     values.update(overrides)
     return Settings(**values)
 

@@ -10,7 +10,9 @@ def test_the_server_freezes_its_heap_while_serving_and_unfreezes_at_shutdown(tmp
     from loraplex.platform.main import create_app
 
     gc.unfreeze()
-    app = create_app(make_settings(tmp_path, served_model_name="tiny"), tiny_engine)
+    settings = make_settings(tmp_path, served_model_name="tiny", gc_freeze=True)
+    assert type(settings).model_fields["gc_freeze"].default is True  # the server's default
+    app = create_app(settings, tiny_engine)
     live = run_server(app)
     try:
         assert gc.get_freeze_count() > 0
@@ -20,3 +22,14 @@ def test_the_server_freezes_its_heap_while_serving_and_unfreezes_at_shutdown(tmp
     finally:
         live.stop()
     assert gc.get_freeze_count() == 0
+
+
+def test_gc_freeze_off_leaves_the_collector_alone(tmp_path, tiny_engine):
+    from loraplex.platform.main import create_app
+
+    gc.unfreeze()
+    live = run_server(create_app(make_settings(tmp_path, served_model_name="tiny", gc_freeze=False), tiny_engine))
+    try:
+        assert gc.get_freeze_count() == 0
+    finally:
+        live.stop()

@@ -99,7 +99,8 @@ class EngineReplica:
         engine = (engine_factory or build_engine)(settings)
         self.engine = AsyncEngine(engine, stats_interval_s=settings.stats_interval_s)
         self.engine.start()
-        freeze_gc_heap()  # this replica's process holds its engine for good (engine/gc_heap.py)
+        if settings.gc_freeze:
+            freeze_gc_heap()  # this replica's process holds its engine for good (engine/gc_heap.py)
         self._keys: dict[str, str] = {}  # lora_name -> routing key, of every adapter this replica was given
         logger.info("engine replica %s ready (%s)", self.replica_id, self.engine.model_name)
 
