@@ -43,9 +43,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from loraplex.engine.gc_heap import freeze_gc_heap
 from loraplex.engine.input_processor import InvalidRequestError, ProcessedPrompt
 from loraplex.engine.outputs import RequestOutput
-from loraplex.engine.gc_heap import freeze_gc_heap
 from loraplex.engine.parent_watch import exit_when_parent_exits
 from loraplex.platform.async_engine import (
     AsyncEngine,
