@@ -47,7 +47,7 @@ from common import (ALL_TARGETS, LLAMA2_7B, git_commit, make_model_dir,  # noqa:
                     make_random_adapter, measure_copy_bandwidth, out_dir, print_table, triton_variants)
 
 from loraplex import LLM, LoRARequest, SamplingParams  # noqa: E402
-from loraplex.engine.gc_heap import freeze_gc_heap  # noqa: E402
+from loraplex.engine.gc_heap import freeze_gc_heap, unfreeze_gc_heap  # noqa: E402
 
 SCENARIOS = [("chatbot", 128, 64), ("long-document summary", 2048, 256), ("code generation", 512, 512),
              ("RAG", 1024, 128), ("shared system prompt (500 + 50)", 550, 200)]
@@ -144,7 +144,8 @@ def run_requests(llm: LLM, prompts: list[list[int]], out_len: int, loras: list, 
     real_launch = engine.runner.launch
     if trace_steps:
         def launch(batch):
-            prompt = sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1)
+            prompt = sum(max(0, min(s.start_position + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start_position)
+                         for s in batch.seqs)  # the positions of the prompt this step computes
             launched.append((prompt, batch.num_tokens - prompt, len({s.seq.group.lora_int_id for s in batch.seqs} - {0})))
             return real_launch(batch)
 
@@ -236,9 +237,11 @@ def sync() -> None:
 
 
 def release(llm: LLM) -> None:
-    """Hand the engine's device memory back before the next part builds its own."""
+    """Hand the engine's device memory back before the next part builds its own (unfreezing the heap first:
+    the engine sits in reference cycles, and a frozen cycle is never collected)."""
     llm.engine.close()
     llm.engine = None
+    unfreeze_gc_heap()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -589,9 +592,12 @@ def main() -> None:
         except Exception as exc:
             traceback.print_exc()
             RESULTS[part] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            unfreeze_gc_heap()  # a part that failed after freezing (release() unfreezes otherwise)
         print(f"[{part}] {time.perf_counter() - t0:.1f} s", flush=True)
         suffix = (("" if args.host_cache == "pinned" else f"-{args.host_cache}") + ("-async" if args.async_scheduling else "")
-                  + (f"-{args.lora_target_modules.replace(',', '-')}" if args.lora_target_modules else ""))
+                  + (f"-{args.lora_target_modules.replace(',', '-')}" if args.lora_target_modules else "")
+                  + ("-no-gc-freeze" if args.no_gc_freeze else ""))
         (out_dir() / f"serving-{args.parts.replace(',', '-')}{suffix}.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     summarize()
 

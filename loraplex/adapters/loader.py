@@ -44,6 +44,8 @@ from loraplex.adapters.peft_format import (
     inspect_peft_adapter,
     load_peft_adapter,
     stored_tensors,
+    unpack_layout,
+    unpack_stored,
 )
 from loraplex.adapters.registry import Registration
 from loraplex.adapters.slot_image import SlotImage, read_slot_image, slot_image_from_adapter
@@ -165,7 +167,7 @@ class AdapterLoader:
         int_id = registration.request.lora_int_id
         future = self._executor.submit(
             self._read, registration.request, registration.version_id, registration.signature,
-            registration.layout, registration.verified, registration.stored,
+            *registration.read_state(), registration.verified,
         )
         self._loading[int_id] = future
         self._registrations[int_id] = registration
@@ -211,7 +213,7 @@ class AdapterLoader:
         """Read the registration's adapter on this thread. Raises the read's ``AdapterError``."""
         try:
             read = self._read(registration.request, registration.version_id, registration.signature,
-                              registration.layout, registration.verified, registration.stored)
+                              *registration.read_state(), registration.verified)
         except AdapterError:
             self.load_failures += 1
             raise
@@ -262,9 +264,10 @@ class AdapterLoader:
                                check_finite=check_finite, page_rows=self.page_rows, stored=stored)
 
     def _read(self, request: LoRARequest, version_id: str, signature: FileSignature | None,
-              layout: AdapterLayout | None = None, verified: bool = False,
-              stored: dict[str, StoredTensor] | None = None) -> _Read:
+              packed_layout: tuple | None = None, packed_stored: tuple | None = None,
+              verified: bool = False) -> _Read:
         """Read a registered adapter's tensors (runs on a loader thread: touches no shared state).
+        ``packed_layout`` / ``packed_stored``: the registration's (``Registration.read_state``), unpacked here.
 
         Once ``verified``, while the files' stat signature equals ``signature`` (before and after
         the read) the registered ``version_id`` is trusted; otherwise (first read, or files
@@ -272,6 +275,8 @@ class AdapterLoader:
         Raises ``AdapterError`` (anything else the read raises is wrapped in ``AdapterFormatError``).
         """
         path = request.lora_path
+        layout = None if packed_layout is None else unpack_layout(packed_layout)
+        stored = None if packed_stored is None else unpack_stored(packed_stored)
         try:
             before = adapter_files_signature(path)
             if verified and before is not None and before == signature:

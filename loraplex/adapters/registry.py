@@ -33,15 +33,16 @@ class Registration:
     ``signature`` (later reads under the same signature skip parsing it).
 
     ``layout`` and ``stored`` are kept packed (``peft_format.pack_layout`` / ``pack_stored``: tuples the
-    garbage collector does not walk) and rebuilt on each access: read them once per read."""
+    garbage collector does not walk) and rebuilt on each access: read them once per read, on the reading
+    thread (``read_state``)."""
 
     request: LoRARequest
     version_id: str
     signature: FileSignature | None
-    pending_removal: bool = False
-    verified: bool = False
-    _layout: tuple | None = field(default=None, repr=False)
-    _stored: tuple | None = field(default=None, repr=False)
+    pending_removal: bool = field(default=False, kw_only=True)
+    verified: bool = field(default=False, kw_only=True)
+    _layout: tuple | None = field(default=None, repr=False, kw_only=True)
+    _stored: tuple | None = field(default=None, repr=False, kw_only=True)
 
     @property
     def layout(self) -> AdapterLayout | None:
@@ -50,6 +51,11 @@ class Registration:
     @layout.setter
     def layout(self, layout: AdapterLayout | None) -> None:
         self._layout = None if layout is None else pack_layout(layout)
+
+    def read_state(self) -> tuple[tuple | None, tuple | None]:
+        """``(packed layout, packed stored)`` for a read on another thread (``AdapterLoader._read`` unpacks
+        them there: rebuilding ~200 objects per adapter is not the scheduler thread's work)."""
+        return self._layout, self._stored
 
     @property
     def stored(self) -> dict[str, StoredTensor] | None:

@@ -12,20 +12,32 @@ adapters registered while serving) are still collected as before.
 from __future__ import annotations
 
 import gc
+import threading
+
+_lock = threading.Lock()
+_holders = 0  # freeze_gc_heap calls not yet undone: the heap stays frozen while any holder remains
 
 
 def freeze_gc_heap() -> int:
     """Collect (so that no garbage of start-up is kept for good), then freeze every object alive now.
 
     Call once the process's long-lived state is built: after the engine's start-up and warm-up. Returns the
-    number of frozen objects (``gc.get_freeze_count()``). Undo with :func:`unfreeze_gc_heap`.
+    number of frozen objects (``gc.get_freeze_count()``). Each call holds the heap frozen until its
+    :func:`unfreeze_gc_heap` (two servers in one process: the first to stop does not unfreeze the other's).
     """
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
+    global _holders
+    with _lock:
+        gc.collect()
+        gc.freeze()
+        _holders += 1
+        return gc.get_freeze_count()
 
 
 def unfreeze_gc_heap() -> None:
-    """Return the frozen objects to the oldest generation, so that what became garbage since
-    :func:`freeze_gc_heap` (an engine closed, an app shut down) is collected again."""
-    gc.unfreeze()
+    """Undo one :func:`freeze_gc_heap`; the last holder (or a call with none) returns the frozen objects to the
+    oldest generation, so that what became garbage since (an engine closed, an app shut down) is collected."""
+    global _holders
+    with _lock:
+        _holders = max(0, _holders - 1)
+        if _holders == 0:
+            gc.unfreeze()

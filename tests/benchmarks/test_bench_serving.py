@@ -46,9 +46,13 @@ def test_scaling_rows_trace_every_step_on_cpu(tmp_path, monkeypatch):
                   num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
     monkeypatch.setitem(bs.RESULTS, "host_cache", "pinned")
     monkeypatch.setitem(bs.RESULTS, "async_scheduling", False)
+    monkeypatch.setitem(bs.RESULTS, "gc_freeze", True)  # as the GPU runs: frozen after warm-up
     model_dir = bs.make_model_dir(tmp_path / "model", config)
     torch.manual_seed(0)
     out = bs.part_scaling(model_dir, config, tmp_path, quick=True, counts=[8, 80], cold=False, profile_rows=("8",))
+    import gc
+
+    assert gc.get_freeze_count() == 0  # release() unfroze the heap: the engine's cycles can be collected
     # every run computes every prompt token: the 80 row's base run shares its first 64 prompts with the 8 row's
     # (a prefix-cached engine served them from cache: less prefill than the row it is compared with)
     assert out["80"]["split"]["base_prompt_tokens"] == out["80"]["split"]["prompt_tokens"] == 80 * 64

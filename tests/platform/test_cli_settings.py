@@ -53,6 +53,14 @@ def test_replica_flags_reach_the_settings(monkeypatch):
     assert settings_from_args(parse(["serve", "--model", "m"])).replicas is None  # one engine in-process
 
 
+def test_gc_freeze_flag_reaches_the_settings(monkeypatch):
+    assert settings_from_args(parse(["serve", "--model", "m"])).gc_freeze is True  # the server's default
+    assert settings_from_args(parse(["serve", "--model", "m", "--no-gc-freeze"])).gc_freeze is False
+    monkeypatch.setenv("LORAPLEX_GC_FREEZE", "false")
+    assert settings_from_args(parse(["serve", "--model", "m"])).gc_freeze is False
+    assert settings_from_args(parse(["serve", "--model", "m", "--gc-freeze"])).gc_freeze is True
+
+
 def test_engine_process_flag_reaches_the_settings_and_refuses_replicas(monkeypatch, capsys, tmp_path):
     assert settings_from_args(parse(["serve", "--model", "m", "--engine-process"])).engine_process is True
     default = settings_from_args(parse(["serve", "--model", "m"]))

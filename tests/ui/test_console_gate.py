@@ -25,7 +25,7 @@ def live(tmp_path_factory, tiny_llama_dir):
     from loraplex.platform.settings import Settings
 
     settings = Settings(data_dir=tmp_path_factory.mktemp("gate"), admin_key=ADMIN_KEY, served_model_name=MODEL_ID,
-                        console_file_lifetime_s=600, max_upload_mb=1.0)
+                        gc_freeze=False, console_file_lifetime_s=600, max_upload_mb=1.0)
     app = create_app(settings, make_engine(tiny_llama_dir))
     mount_console_if_installed(app)
     server = run_server(app)

@@ -30,7 +30,8 @@ def make_app(data_dir: Path, model_dir: Path, *, console: bool = True):
     from loraplex.platform.main import create_app
     from loraplex.platform.settings import Settings
 
-    settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, served_model_name=MODEL_ID, stats_interval_s=0.2)
+    settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, served_model_name=MODEL_ID, gc_freeze=False,
+                        stats_interval_s=0.2)
     app = create_app(settings, make_engine(model_dir))
     if console:
         mount_console_if_installed(app)
