@@ -97,3 +97,26 @@ def test_engine_process_exits_when_its_gateway_is_killed_while_the_engine_loads(
             time.sleep(600)
     """, tmp_path)
     assert _wait_gone(child), "the engine process outlived its killed gateway"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to tell a zombie from a live process")
+def test_a_child_whose_parent_died_before_the_watch_started_still_exits(tmp_path):
+    """The parent is killed while the child is still starting (importing, as a loaded CI machine's engine process
+    was): the watch, started after, must still know the parent it was started under (CI, session 15: os.getppid()
+    at the call was already the subreaper's pid, and the engine process lived on)."""
+    child = _orphan_child("""
+        import multiprocessing, time
+
+        def target():
+            time.sleep(2)  # still starting when the parent is killed
+            from loraplex.engine.parent_watch import exit_when_parent_exits
+            exit_when_parent_exits("test child", poll_s=0.1)
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            p = multiprocessing.get_context("spawn").Process(target=target)
+            p.start()
+            print("child", p.pid, p.is_alive(), flush=True)
+            time.sleep(600)
+    """, tmp_path)
+    assert _wait_gone(child), "the child outlived the parent that died before its watch started"
