@@ -17,6 +17,13 @@ def _inputs(num_tokens, in_features, out_features, dtype, device, bias):
     return x, weight, scale, b
 
 
+def _magnitude(x, weight, scale, bias):
+    """``scale[n] * sum_k |x[t, k] * weight[n, k]| + |bias[n]|``: what a rounding error of the sum is relative to
+    (a float32 sum of K terms is off by up to about K * 6e-8 of it, however much the terms cancel)."""
+    mag = (x.double().cpu().abs() @ weight.to(torch.float32).double().cpu().abs().T) * scale.double().cpu()
+    return mag + (bias.double().cpu().abs() if bias is not None else 0.0)
+
+
 def _loop(x, weight, scale, bias):
     """out[t, n] = scale[n] * sum_k x[t, k] * float(weight[n, k]) + bias[n], one output channel at a time."""
     xd, wd = x.double().cpu(), weight.to(torch.float32).double().cpu()
@@ -38,7 +45,9 @@ def test_kernel_and_reference_match_the_loop(kernel_device, triton_kernels, pois
     expected = _loop(x, weight, scale, b)
     for out in (triton_kernels.fp8_linear(x, weight, scale, b), fp8_linear_ref(x, weight, scale, b)):
         assert out.dtype == dtype and out.shape == (shape[0], shape[2])
-        err = (out.double().cpu() - expected).abs() / expected.abs().clamp_min(1.0)
+        # relative to the terms' magnitude (CI, session 15: a fresh seed's cancelling sum was off by 1.1e-5 of
+        # max(|sum|, 1), within float32's rounding of its terms)
+        err = (out.double().cpu() - expected).abs() / _magnitude(x, weight, scale, b).clamp_min(1.0)
         assert err.max().item() <= TOL[dtype], err.max().item()
 
 
