@@ -275,14 +275,15 @@ class AdapterLoader:
         Raises ``AdapterError`` (anything else the read raises is wrapped in ``AdapterFormatError``).
         """
         path = request.lora_path
-        layout = None if packed_layout is None else unpack_layout(packed_layout)
-        stored = None if packed_stored is None else unpack_stored(packed_stored)
         try:
             before = adapter_files_signature(path)
             if verified and before is not None and before == signature:
                 # Verified: this content was hashed, matched and scanned for NaN/Inf (as self.dtype) when
-                # first read, and the files' stat is unchanged since, so the scan is not repeated.
-                stored = stored or stored_tensors(Path(path) / SAFETENSORS_NAME)
+                # first read, and the files' stat is unchanged since, so the scan is not repeated. Only this
+                # path uses the registration's layout and header (a full read parses its own).
+                layout = None if packed_layout is None else unpack_layout(packed_layout)
+                stored = (unpack_stored(packed_stored) if packed_stored is not None
+                          else stored_tensors(Path(path) / SAFETENSORS_NAME))
                 image = self._read_declared(path, version_id, layout, check_finite=False, stored=stored)
                 if adapter_files_signature(path) == before:
                     return _Read(image, before, stored)
