@@ -43,7 +43,8 @@ after the LoRA delta is added (PEFT's ``result + (g - 1) * (base - bias) + g * s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -131,6 +132,11 @@ class LoRADeviceWeights:
         self.dora_slots: set[int] = set()  # slots whose adapter is a DoRA one (gains not all 1)
         self._staging: torch.Tensor | None = None  # write_many's device staging buffer, kept between installs
         self._staging_view_cache: dict[tuple, list[torch.Tensor]] = {}
+        # On CUDA the host-to-device copies of write_many run on a stream of their own, so that with async
+        # scheduling an install for step N+1 overlaps step N's kernels (see _scatter); _staging_free marks
+        # the compute stream's last read of the staging buffer.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._staging_free: torch.cuda.Event | None = None
         self._base_weight: BaseWeightRows | None = None
         self._init_vocab(max_full_module_slots)
 
@@ -337,14 +343,21 @@ class LoRADeviceWeights:
         """Images of one layout -> a staging buffer on the device (one host-to-device copy per image) -> their
         pages with one ``torch._foreach_copy_`` (a few multi-tensor kernels on CUDA, where two ``index_copy_``
         per (layer, module) cost ~900 launches per install). The staging buffer is kept between installs
-        (allocated at the first, grown when a group needs more); its reuse is ordered after the previous
-        scatter by the stream, which holds because every install and its copies are enqueued on the
-        current stream (the engine drives one). Small per-call device tensors (slot ids, scalings) remain."""
+        (allocated at the first, grown when a group needs more). Small per-call device tensors (slot ids,
+        scalings) remain.
+
+        On CUDA the host-to-device copies run on the copy stream: they wait only for the compute stream's
+        last read of the staging buffer (the previous scatter), not for the kernels queued before this
+        call, so with async scheduling they overlap the running step (S-LoRA's adapter prefetch on a
+        separate stream, Sheng et al. 2023, sec. 5); the scatter into the pages stays on the compute stream
+        after the copies (an event), in order with the steps that read those pages. The host images'
+        reuse (host_arena's events, recorded on the compute stream) stays ordered after the copies."""
         first = members[0][1]
         numel = first.data.numel()
         staging = self._staging_rows(len(members), numel)
-        for row, (_, image, _) in enumerate(members):
-            staging[row].copy_(image.data, non_blocking=True)
+        with self._on_copy_stream():
+            for row, (_, image, _) in enumerate(members):
+                staging[row].copy_(image.data, non_blocking=True)
         keys = list(first.offsets)
         if keys and first.num_pages == 1 and len(members) >= INDEX_COPY_MIN_IMAGES:
             self._index_copy_pages(first, staging, [pages[0] for _, _, pages in members])
@@ -354,6 +367,9 @@ class LoRADeviceWeights:
             for row, (_, _, pages) in enumerate(members):
                 self._page_copies(keys, pages, self._staging_views(first, row), destinations, sources)
             torch._foreach_copy_(destinations, sources, non_blocking=True)
+        if self._copy_stream is not None:
+            self._staging_free = torch.cuda.Event()
+            self._staging_free.record(torch.cuda.current_stream(self.device))
         slots = self._to_device(torch.tensor([slot for slot, _, _ in members], dtype=torch.int64))
         scalings = torch.stack([image.scaling for _, image, _ in members], dim=-1)  # [L, M, n] fp32
         self._scaling_table.index_copy_(2, slots, self._to_device(scalings))
@@ -390,11 +406,30 @@ class LoRADeviceWeights:
         numel = self.staging_bound(staging_bytes)
         return self._staging_rows(1, numel).numel() * self._staging.element_size()
 
+    @contextlib.contextmanager
+    def _on_copy_stream(self) -> Iterator[None]:
+        """Enqueue the body on the copy stream after the compute stream's last read of the staging buffer;
+        the compute stream then waits for the body. Without a copy stream (CPU) the body runs as is."""
+        if self._copy_stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self._staging_free is not None:
+            self._copy_stream.wait_event(self._staging_free)
+        with torch.cuda.stream(self._copy_stream):
+            yield
+        done = torch.cuda.Event()
+        done.record(self._copy_stream)
+        compute.wait_event(done)
+
     def _staging_rows(self, rows: int, numel: int) -> torch.Tensor:
         """``[rows, numel]`` view of the kept staging buffer, grown (and its cached views dropped) when too small."""
         if self._staging is None or self._staging.numel() < rows * numel:
             self._staging = torch.empty(rows * numel, dtype=self.dtype, device=self.device)
             self._staging_view_cache.clear()
+            if self._copy_stream is not None:  # memory the compute stream may still be using: wait for its tail
+                self._staging_free = torch.cuda.Event()
+                self._staging_free.record(torch.cuda.current_stream(self.device))
         return self._staging[: rows * numel].view(rows, numel)
 
     def _staging_views(self, image: SlotImage, row: int) -> list[torch.Tensor]:

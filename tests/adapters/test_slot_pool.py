@@ -507,6 +507,38 @@ def test_write_many_on_cuda_matches_the_adapters(adapters):
             pool.unpin(iid(adapters, name))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the copy stream)")
+def test_an_install_overlaps_queued_kernels_but_not_their_reads_of_the_slot(adapters):
+    """The host-to-device copies of an install run on the copy stream while the compute stream is still
+    busy (``torch.cuda._sleep`` stands in for a running step), but the write into the slot stays behind
+    what was queued before it: a read of the slot queued before the install sees the old adapter, one
+    queued after sees the new one."""
+    pool = LoRASlotPool(SPEC, 1, MAX_RANK, 5, torch.bfloat16, "cuda")
+    for name in ("a2", "a1"):  # a2's image is the larger: the staging buffer it grows takes a1's too
+        assert pool.add_lora(adapters[name][0]) is True
+        pool.preload(iid(adapters, name))
+    layer, module = 0, "q_proj"  # targeted by both
+    a_old, a_new = adapters["a2"][1][(layer, module)][0], adapters["a1"][1][(layer, module)][0]
+    with pool.batched_installs():
+        pool.pin(iid(adapters, "a2"))
+    torch.cuda.synchronize()
+    slot = pool.slot_of(iid(adapters, "a2"))
+    pool.unpin(iid(adapters, "a2"))
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of a busy compute stream
+    before = pool.weights.slot_factors(slot, layer, module)[0].clone()  # queued before the install
+    with pool.batched_installs():
+        pool.pin(iid(adapters, "a1"))  # evicts a2 from the only slot
+    assert pool.slot_of(iid(adapters, "a1")) == slot
+    after = pool.weights.slot_factors(slot, layer, module)[0].clone()
+    while not pool.weights._copy_stream.query():  # the copies finish while the compute stream still sleeps
+        assert not compute.query(), "the install's copies waited for the queued kernels"
+    torch.cuda.synchronize()
+    assert torch.equal(before[: a_old.shape[0]].cpu(), a_old.to(torch.bfloat16))
+    assert torch.equal(after[: a_new.shape[0]].cpu(), a_new.to(torch.bfloat16))
+    pool.unpin(iid(adapters, "a1"))
+
+
 # -- write_many's grouping and staging rows (mutants found by review: every row read from row 0, images
 # grouped by size alone, a vocabulary-only image, a failure part-way) --------------------------------
 def _negated(image, reference):
