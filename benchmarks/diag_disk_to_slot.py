@@ -10,7 +10,9 @@ Medians over 16 adapters, ms:
 - ``install``: the pin of an image already in the host cache (copy to the device staging, scatter into pages),
   device synchronized.
 
-Usage: ``python benchmarks/diag_disk_to_slot.py [--count N]`` (CUDA; on CPU the install is a host copy).
+Usage: ``python benchmarks/diag_disk_to_slot.py [--count N] [--read-parts 2,4,8]`` (CUDA; on CPU the install is a
+host copy). ``--read-parts``: the same medians once per value of ``slot_image.PARALLEL_READ_PARTS`` (the parts a
+data section's ``pread`` is split into; default: the library's value only).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as bs  # noqa: E402
 from common import make_model_dir, out_dir  # noqa: E402
 
-from loraplex.adapters import LoRASlotPool  # noqa: E402
+from loraplex.adapters import LoRASlotPool, slot_image  # noqa: E402
 from loraplex.adapters.config import LoRAConfig  # noqa: E402
 from loraplex.adapters.model_spec import ModelSpec  # noqa: E402
 from loraplex.adapters.peft_format import stored_tensors  # noqa: E402
@@ -46,6 +48,7 @@ def sync() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=16)
+    ap.add_argument("--read-parts", default=None, help="comma-separated PARALLEL_READ_PARTS values to time in turn")
     args = ap.parse_args()
     from transformers import AutoConfig
 
@@ -75,6 +78,20 @@ def main() -> None:
         if slot is not None and slot >= 0:
             pool.slots.clear(slot)
 
+    parts_values = [int(p) for p in args.read_parts.split(",")] if args.read_parts else [slot_image.PARALLEL_READ_PARTS]
+    results = {}
+    for parts in parts_values:
+        slot_image.PARALLEL_READ_PARTS = parts
+        slot_image._forget_read_pool_in_child()  # a pool of PARALLEL_READ_PARTS - 1 threads is made at the next read
+        results[parts] = measure(pool, ids, evict)
+        print(f"PARALLEL_READ_PARTS={parts}:", json.dumps({k: v for k, v in results[parts].items() if k != "all"}),
+              flush=True)
+    result = results[parts_values[-1]] if len(parts_values) == 1 else {"by_read_parts": results}
+    (out_dir() / "disk-to-slot.json").write_text(json.dumps(result, indent=1))
+
+
+def measure(pool: LoRASlotPool, ids: list[int], evict) -> dict:
+    """The medians (ms) described in the module docstring, over ``ids``."""
     times: dict[str, list[float]] = {k: [] for k in ("total", "read", "header", "pread", "install")}
     buf = None
     for i in ids:
@@ -110,11 +127,10 @@ def main() -> None:
         sync()
         times["install"].append(1e3 * (time.perf_counter() - t0))
         pool.unpin(i)
-    result = {k: statistics.median(v) for k, v in times.items()} | {"all": times, "device": device,
-                                                                      "adapter_MB": pool.loader.cached(ids[0]).nbytes / 1e6
-                                                                      if pool.loader.cached(ids[0]) else None}
-    print(json.dumps({k: v for k, v in result.items() if k != "all"}, indent=1))
-    (out_dir() / "disk-to-slot.json").write_text(json.dumps(result, indent=1))
+    cached = pool.loader.cached(ids[0])
+    return {k: statistics.median(v) for k, v in times.items()} | {
+        "all": times, "device": str(pool.weights.device), "adapter_MB": cached.nbytes / 1e6 if cached else None}
+
 
 
 if __name__ == "__main__":
