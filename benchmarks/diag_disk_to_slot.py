@@ -11,7 +11,7 @@ Medians over 16 adapters, ms:
   device synchronized.
 
 Usage: ``python benchmarks/diag_disk_to_slot.py [--count N] [--read-parts 2,4,8]`` (CUDA; on CPU the install is a
-host copy). ``--read-parts``: the same medians once per value of ``slot_image.PARALLEL_READ_PARTS`` (the parts a
+host copy). ``--read-parts``: the same medians once per value of ``tensor_file.PARALLEL_READ_PARTS`` (the parts a
 data section's ``pread`` is split into; default: the library's value only).
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as bs  # noqa: E402
 from common import make_model_dir, out_dir  # noqa: E402
 
-from loraplex.adapters import LoRASlotPool, slot_image  # noqa: E402
+from loraplex.adapters import LoRASlotPool, tensor_file  # noqa: E402
 from loraplex.adapters.config import LoRAConfig  # noqa: E402
 from loraplex.adapters.model_spec import ModelSpec  # noqa: E402
 from loraplex.adapters.peft_format import stored_tensors  # noqa: E402
@@ -78,11 +78,11 @@ def main() -> None:
         if slot is not None and slot >= 0:
             pool.slots.clear(slot)
 
-    parts_values = [int(p) for p in args.read_parts.split(",")] if args.read_parts else [slot_image.PARALLEL_READ_PARTS]
+    parts_values = [int(p) for p in args.read_parts.split(",")] if args.read_parts else [tensor_file.PARALLEL_READ_PARTS]
     results = {}
     for parts in parts_values:
-        slot_image.PARALLEL_READ_PARTS = parts
-        slot_image._forget_read_pool_in_child()  # a pool of PARALLEL_READ_PARTS - 1 threads is made at the next read
+        tensor_file.PARALLEL_READ_PARTS = parts
+        tensor_file._forget_read_pool_in_child()  # a pool of PARALLEL_READ_PARTS - 1 threads is made at the next read
         results[parts] = measure(pool, ids, evict)
         print(f"PARALLEL_READ_PARTS={parts}:", json.dumps({k: v for k, v in results[parts].items() if k != "all"}),
               flush=True)

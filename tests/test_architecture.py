@@ -31,8 +31,10 @@ LAYERS = {
 # Third-party top-level modules a part may import; parts not listed are unrestricted.
 THIRD_PARTY = {
     "kernels": {"torch", "triton"},
-    # regex: user patterns of adapter configs matched with a timeout; a dependency of transformers
-    "adapters": {"torch", "safetensors", "transformers", "regex"},
+    # regex: user patterns of adapter configs matched with a timeout; a dependency of transformers. numpy (a
+    # dependency of torch's ``Tensor.numpy``): a first read's per-tensor views and batched copies, which keep the
+    # GIL where torch tensors would release it at each op and deallocation (adapters/tensor_file.py)
+    "adapters": {"torch", "safetensors", "transformers", "regex", "numpy"},
     # tokenizers: the Rust core of transformers' fast tokenizers, a dependency of transformers (the
     # detokenizer's DecodeStream)
     "engine": {"torch", "triton", "transformers", "safetensors", "tokenizers"},

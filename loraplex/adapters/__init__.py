@@ -1,6 +1,6 @@
 """LoRA adapters: PEFT format loading and validation, content identity, and GPU slots.
 
-Depends only on torch, safetensors and ``loraplex.adapters.lora_request``.
+Depends only on torch, safetensors, numpy and ``loraplex.adapters.lora_request``.
 """
 
 from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapters.adapter import LoRAAdapter
 from loraplex.adapters.cpu_cache import AdapterLRUCache
 from loraplex.adapters.errors import AdapterChangedError, AdapterError, AdapterFormatError
 from loraplex.adapters.host_arena import HostArena
@@ -42,13 +41,12 @@ from loraplex.adapters.peft_format import (
     StoredTensor,
     adapter_files_signature,
     inspect_peft_adapter,
-    load_peft_adapter,
     stored_tensors,
     unpack_layout,
     unpack_stored,
 )
 from loraplex.adapters.registry import Registration
-from loraplex.adapters.slot_image import SlotImage, read_slot_image, slot_image_from_adapter
+from loraplex.adapters.slot_image import SlotImage, read_new_slot_image, read_slot_image
 from loraplex.adapters.spec import BaseModelSpec
 
 
@@ -136,7 +134,7 @@ class AdapterLoader:
 
     def load_new(self, path: str) -> SlotImage:
         """Read, validate and hash the adapter at ``path`` (registration without a declared id)."""
-        image = self._image_of(load_peft_adapter(path, self.spec, self.max_lora_rank, serving_dtype=self.dtype))
+        image, _ = self._read_new(path)
         self.disk_loads += 1
         return image
 
@@ -249,10 +247,11 @@ class AdapterLoader:
     def _arena(self) -> HostArena:
         return self.arenas[self._pin_images()]
 
-    def _image_of(self, adapter: LoRAAdapter) -> SlotImage:
-        return slot_image_from_adapter(adapter, self.spec, self.max_lora_rank, self.dtype,
-                                       pin_memory=self._pin_images(), allocate=self._arena().empty,
-                                       page_rows=self.page_rows)
+    def _read_new(self, path: str) -> tuple[SlotImage, dict[str, StoredTensor]]:
+        """A first read: every check of ``load_peft_adapter``, the content hashed (``image.version_id``), the
+        image built from the same read (``read_new_slot_image``); and the header's tensors."""
+        return read_new_slot_image(path, self.spec, self.max_lora_rank, self.dtype, pin_memory=self._pin_images(),
+                                   allocate=self._arena().empty, page_rows=self.page_rows)
 
     def _read_declared(self, path: str, version_id: str, layout: AdapterLayout | None,
                        check_finite: bool = True, stored: dict[str, StoredTensor] | None = None) -> SlotImage:
@@ -287,17 +286,16 @@ class AdapterLoader:
                 image = self._read_declared(path, version_id, layout, check_finite=False, stored=stored)
                 if adapter_files_signature(path) == before:
                     return _Read(image, before, stored)
-            adapter = load_peft_adapter(path, self.spec, self.max_lora_rank, serving_dtype=self.dtype)
-            if adapter.version_id != version_id:
+            image, stored = self._read_new(path)
+            if image.version_id != version_id:
                 raise AdapterChangedError(
                     f"adapter {request.lora_name!r} at lora_path={path!r} changed on disk: "
-                    f"version_id {adapter.version_id} != registered {version_id}"
+                    f"version_id {image.version_id} != registered {version_id}"
                 )
             # the header's offsets for the next (verified) read, kept when the files' stat held from before the
-            # read until after this parse (the signature later reads trust)
-            stored = stored_tensors(Path(path) / SAFETENSORS_NAME)
+            # read until after it (the signature later reads trust)
             after = adapter_files_signature(path)
-            return _Read(self._image_of(adapter), after, stored if after is not None and after == before else None)
+            return _Read(image, after, stored if after is not None and after == before else None)
         except AdapterError:
             raise
         except Exception as exc:  # an unreadable file is an adapter error, not an engine crash

@@ -30,7 +30,6 @@ Compatibility is decided from these shapes and ``BaseModelSpec``, never from
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -51,7 +50,7 @@ from loraplex.adapters.errors import (
     AdapterNotServedError,
     AdapterUnsupportedError,
 )
-from loraplex.adapters.identity import compute_version_id
+from loraplex.adapters.identity import ContentStream
 from loraplex.adapters.peft_config import (
     CONFIG_NAME,
     ModuleHyperparams,
@@ -61,13 +60,22 @@ from loraplex.adapters.peft_config import (
     vocab_module,
 )
 from loraplex.adapters.spec import LORA_MODULE_NAMES, MODULE_PARENT, BaseModelSpec
+from loraplex.adapters.tensor_file import (
+    SAFETENSORS_NAME,
+    STORED_DTYPES,
+    Stacked,
+    StoredTensor,
+    TensorData,
+    read_tensor_data,
+    scatter_rows,
+    stored_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS_NAME = "adapter_model.safetensors"
 _PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
-_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
-_FLOAT_DTYPES = tuple(_DTYPE_BYTES)
+_DTYPE_BYTES = {name: dtype.itemsize for name, dtype in STORED_DTYPES.items()}
+_FLOAT_DTYPES = tuple(STORED_DTYPES)
 _LORA_TENSOR = re.compile(
     r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight"
 )
@@ -185,9 +193,30 @@ def inspect_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_
     Not checked (no data read): that the tensor values are finite, and the ``version_id``.
     Raises what ``load_peft_adapter`` raises, except its NaN/Inf ``AdapterFormatError``.
     """
-    folder, config = _checked_config(path, spec, max_lora_rank)
-    with _open_weights(folder) as handle:
-        return _layout(folder, config, _read_header(handle), spec, max_lora_rank)
+    return _inspect(path, spec, max_lora_rank)[0]
+
+
+def inspect_peft_tensors(
+    path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int
+) -> tuple[AdapterLayout, dict[str, StoredTensor]]:
+    """``inspect_peft_adapter``, and where every tensor of the file lies (``stored_tensors``), for reading them.
+
+    Raises what ``inspect_peft_adapter`` raises, and ``AdapterFormatError`` when the header parsed for the
+    places does not list the tensors (names, dtypes, shapes) checked (the file was rewritten in between).
+    """
+    layout, header = _inspect(path, spec, max_lora_rank)
+    stored = stored_tensors(Path(layout.path) / SAFETENSORS_NAME)
+    if {name: (ref.dtype, ref.shape) for name, ref in stored.items()} != header:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: changed while it was read (its header is not the one checked)")
+    return layout, stored
+
+
+def read_peft_tensors(layout: AdapterLayout, stored: dict[str, StoredTensor], *,
+                      into: tuple[int, torch.Tensor] | None = None) -> TensorData:
+    """Every tensor of the adapter's file (``stored``, from ``inspect_peft_tensors``) in host memory, read in
+    one ``pread`` per contiguous run (one for a file the safetensors library wrote); ``into``: as
+    ``read_tensor_data``. Raises ``AdapterFormatError`` (unreadable, truncated)."""
+    return read_tensor_data(Path(layout.path) / SAFETENSORS_NAME, stored, list(stored), into=into)
 
 
 def load_peft_adapter(
@@ -212,72 +241,10 @@ def load_peft_adapter(
     Raises ``AdapterFormatError``, ``AdapterIncompatibleError`` or ``AdapterUnsupportedError``
     (all ``AdapterError``, a ``ValueError``) naming the field and value.
     """
-    folder, config = _checked_config(path, spec, max_lora_rank)
-    with _open_weights(folder) as handle:
-        header = _read_header(handle)
-        layout = _layout(folder, config, header, spec, max_lora_rank)
-        tensors = _read_tensors(handle, header)
-    return _build_adapter(layout, tensors, version_id, serving_dtype)
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where one tensor's bytes lie in ``adapter_model.safetensors`` (from its JSON header).
-
-    - ``dtype``: safetensors dtype string (``"BF16"``, ``"F32"``, ...); ``shape``: its shape.
-    - ``offset_bytes``: absolute file offset of the first byte; ``nbytes``: byte count.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    offset_bytes: int
-    nbytes: int
-
-
-_MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
-
-
-def stored_tensors(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
-    """name -> ``StoredTensor`` for the safetensors file ``path`` (header only; safetensors
-    format: an 8-byte little-endian header length, a JSON header whose ``data_offsets``
-    are relative to the end of the header, then the data).
-
-    For reading tensors straight into preallocated (e.g. pinned) memory. Every tensor's
-    byte range must lie inside the data section and no two may overlap (as the
-    ``safetensors`` library requires). Raises ``AdapterFormatError`` for an unreadable
-    or malformed header.
-    """
-    try:
-        with open(path, "rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            if not 0 < length <= _MAX_HEADER_BYTES:
-                raise ValueError(f"header length {length}")
-            header = json.loads(handle.read(length))
-            data_bytes = os.fstat(handle.fileno()).st_size - 8 - length
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-        tensors = {name: _stored(entry, 8 + length, data_bytes) for name, entry in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
-        raise AdapterFormatError(
-            f"{SAFETENSORS_NAME}: unreadable header ({type(exc).__name__}: {str(exc)[:200]})"
-        ) from None
-    _check_disjoint(tensors)
-    return tensors
-
-
-def _stored(entry: dict[str, Any], data_start: int, data_bytes: int) -> StoredTensor:
-    begin, end = entry["data_offsets"]
-    if not all(type(v) is int for v in (begin, end)) or not 0 <= begin <= end <= data_bytes:
-        raise ValueError(f"data_offsets {entry['data_offsets']!r}: must be integers within the {data_bytes}-byte data section")
-    return StoredTensor(dtype=str(entry["dtype"]), shape=tuple(int(d) for d in entry["shape"]),
-                        offset_bytes=data_start + begin, nbytes=end - begin)
-
-
-def _check_disjoint(tensors: dict[str, StoredTensor]) -> None:
-    spans = sorted((t.offset_bytes, t.offset_bytes + t.nbytes, name) for name, t in tensors.items())
-    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
-        if begin < end:
-            raise AdapterFormatError(f"{SAFETENSORS_NAME}: tensors {first!r} and {second!r} overlap in the file")
+    layout, stored = inspect_peft_tensors(path, spec, max_lora_rank)
+    data = read_peft_tensors(layout, stored)
+    return _adapter_of(layout, check_tensor_data(layout, data, version_id=version_id, serving_dtype=serving_dtype),
+                       data)
 
 
 def validate_adapter_dir(
@@ -309,6 +276,15 @@ def adapter_files_signature(path: str | os.PathLike[str]) -> FileSignature | Non
     except OSError:
         return None
     return (config.st_size, config.st_mtime_ns), (weights.st_size, weights.st_mtime_ns)
+
+
+def _inspect(path: str | os.PathLike[str], spec: BaseModelSpec,
+             max_lora_rank: int) -> tuple[AdapterLayout, dict[str, tuple[str, tuple[int, ...]]]]:
+    """The checks of ``inspect_peft_adapter``: its layout, and the header they read (name -> (dtype, shape))."""
+    folder, config = _checked_config(path, spec, max_lora_rank)
+    with _open_weights(folder) as handle:
+        header = _read_header(handle)
+    return _layout(folder, config, header, spec, max_lora_rank), header
 
 
 def _checked_config(
@@ -558,13 +534,6 @@ def _read_header(handle: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise AdapterFormatError(f"{SAFETENSORS_NAME}: corrupt header ({exc})") from exc
 
 
-def _read_tensors(handle: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    try:
-        return {name: handle.get_tensor(name) for name in sorted(header)}
-    except SafetensorError as exc:
-        raise AdapterFormatError(f"{SAFETENSORS_NAME}: corrupt tensor data ({exc})") from exc
-
-
 def _plan_modules(
     header: dict[str, tuple[str, tuple[int, ...]]],
     config: PeftLoraConfig,
@@ -764,73 +733,120 @@ def _check_tensor(
         )
 
 
-def _build_adapter(
-    layout: AdapterLayout, tensors: dict[str, torch.Tensor], version_id: str | None, serving_dtype: torch.dtype
-) -> LoRAAdapter:
-    rank_max = _rank_abs_max(layout, tensors)
-    _check_finite(tensors, rank_max)
-    _check_scaled_finite(layout, rank_max, tensors, serving_dtype)
-    weights = {
-        (plan.layer, plan.module): LoRAWeight(
-            a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(), scaling=plan.hyper.scaling,
-            magnitude=None if plan.magnitude_name is None else tensors[plan.magnitude_name].float(),
-        )
-        for plan in layout.modules
-    }
-    warnings = _zero_b_warnings(weights)
-    for message in warnings:
-        logger.warning("adapter '%s': %s", layout.path, message)
-    return LoRAAdapter(
-        version_id=version_id if version_id is not None else compute_version_id(layout.config.raw, tensors),
-        rank=layout.rank,
-        alpha=layout.config.lora_alpha,
-        use_rslora=layout.config.use_rslora,
-        target_modules=layout.target_modules,
-        weights=weights,
-        use_dora=layout.config.use_dora,
-        size_bytes=layout.size_bytes,
-        warnings=warnings,
-        path=layout.path,
-        vocab=_vocab_weights(layout, tensors),
+# -- tensor values: checked in batches ---------------------------------------------------------------------
+# A first read runs on a loader thread while the engine thread runs Python: every call that releases the GIL
+# there (a torch op, a tensor's deallocation, a large numpy op or hash update) waits up to the switch interval
+# to take it back. The checks below stack the modules whose factors share dtypes and shapes (``module_groups``,
+# one numpy gather each), reduce each stack with two numpy calls (``Stacked.abs_max``) and loop in Python over
+# ``tolist()`` results: a handful of such calls per group, however many layers the adapter has.
+
+_FP32_ZERO = 2.0**-150  # |x| <= this rounds to 0 in float32 (round to nearest even); larger does not
+
+
+@dataclass(frozen=True)
+class ModuleGroup:
+    """Modules whose tensors share stored dtypes and shapes (``plans``, K of them, in plan order), stacked as
+    stored (``TensorData.stack``): ``a`` (lora_A, ``S = [r, in]``), ``b`` (lora_B, ``[out, r]``), DoRA's
+    ``magnitude`` (``[out]``) or None."""
+
+    plans: tuple[_ModulePlan, ...]
+    a: Stacked
+    b: Stacked
+    magnitude: Stacked | None = None
+
+
+def module_groups(plans: tuple[_ModulePlan, ...], data: TensorData) -> tuple[ModuleGroup, ...]:
+    """``plans`` grouped by the stored dtypes and shapes of their tensors (groups in order of first
+    appearance), each stacked: one numpy call per stacked factor, however many modules."""
+    grouped: dict[tuple, list[_ModulePlan]] = {}
+    for plan in plans:
+        names = (plan.a_name, plan.b_name, plan.magnitude_name)
+        key = tuple(None if name is None else (data.stored[name].dtype, data.stored[name].shape) for name in names)
+        grouped.setdefault(key, []).append(plan)
+    return tuple(
+        ModuleGroup(tuple(group), data.stack([p.a_name for p in group]), data.stack([p.b_name for p in group]),
+                    None if group[0].magnitude_name is None else data.stack([str(p.magnitude_name) for p in group]))
+        for group in grouped.values()
     )
 
 
-def _vocab_weights(layout: AdapterLayout, tensors: dict[str, torch.Tensor]) -> VocabWeights | None:
-    """The ``embed_tokens`` / ``lm_head`` parts of a checked adapter (fp32), or None when it has none."""
-    if not layout.vocab_lora and not layout.full_modules:
-        return None
-    lora = {plan.module: LoRAWeight(a=tensors[plan.a_name].float(), b=tensors[plan.b_name].float(),
-                                    scaling=plan.hyper.scaling) for plan in layout.vocab_lora}
-    return VocabWeights(embed=lora.get("embed_tokens"), head=lora.get("lm_head"),
-                        full={module: tensors[name].float() for module, name in layout.full_modules})
+@dataclass(frozen=True)
+class CheckedTensors:
+    """An adapter's tensors after ``check_tensor_data``: its ``version_id`` (computed or given), the
+    ``warnings`` (logged), and its LoRA factors stacked in their stored dtype: ``modules`` (the decoder layers'
+    projections, ``layout.modules``) and ``vocab`` (``layout.vocab_lora``)."""
+
+    version_id: str
+    warnings: tuple[str, ...]
+    modules: tuple[ModuleGroup, ...]
+    vocab: tuple[ModuleGroup, ...]
 
 
-def _rank_abs_max(layout: AdapterLayout, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per LoRA factor, ``max |value|`` per rank index (``[r]``: lora_A's rows, lora_B's columns) in the
-    stored dtype: abs and max are exact in any float dtype, and max propagates NaN, so one pass serves the
-    finiteness check and the overflow bound (converting whole tensors to float64 took most of a first read)."""
-    out: dict[str, torch.Tensor] = {}
-    for plan in layout.modules + layout.vocab_lora:
-        out[plan.a_name] = tensors[plan.a_name].abs().amax(dim=1)
-        out[plan.b_name] = tensors[plan.b_name].abs().amax(dim=0)
-    return out
+def check_tensor_data(layout: AdapterLayout, data: TensorData, *, version_id: str | None,
+                      serving_dtype: torch.dtype) -> CheckedTensors:
+    """The value checks of ``load_peft_adapter`` on the tensors of ``layout`` read into ``data`` (every tensor
+    of the file, ``read_peft_tensors``), then the ``version_id`` (``version_id``, or the hash of ``data``).
+
+    In order: every tensor finite (in name order), then per module (``layout.modules``, then
+    ``layout.vocab_lora``) the scaling finite in float32 and ``|scaling| * sum_k max_i |B[i, k]| * max_j |A[k, j]|``
+    (float64) and every ``|A|``, ``|B|`` at most the largest finite value of ``serving_dtype``, then every
+    ``modules_to_save`` copy's ``max |value|``; then an all-zero lora_B (as float32) is a warning.
+
+    Raises ``AdapterFormatError`` naming the first tensor (in name order) with a NaN or Inf value, or
+    ``AdapterIncompatibleError`` naming the module or tensor out of ``serving_dtype``'s range.
+    """
+    modules, vocab = module_groups(layout.modules, data), module_groups(layout.vocab_lora, data)
+    rank_max = _check_values(layout, modules + vocab, data, serving_dtype)
+    warnings = _zero_b_warnings(layout, rank_max)
+    for message in warnings:
+        logger.warning("adapter '%s': %s", layout.path, message)
+    if version_id is None:
+        version_id = _content_hash(layout.config.raw, data, modules + vocab)
+    return CheckedTensors(version_id, warnings, modules, vocab)
 
 
-def _check_finite(tensors: dict[str, torch.Tensor], rank_max: dict[str, torch.Tensor]) -> None:
-    """Every tensor finite, in name order; a LoRA factor through its ``rank_max`` (NaN and Inf survive ``max``).
+def _content_hash(config: dict[str, Any], data: TensorData, groups: tuple[ModuleGroup, ...]) -> str:
+    """``identity.compute_version_id`` of ``config`` and every tensor held in ``data``: the stream laid out,
+    the tensors' bytes copied in (the stacked ones from ``groups``, one numpy call per stack; the others by
+    ``TensorData.copy_into``), one hash update."""
+    stream = ContentStream(config, [(name, data.dtype(name), ref.shape, ref.nbytes)
+                                    for name, ref in data.stored.items()])
+    copied: set[str] = set()
+    for group in groups:
+        for stacked, names in ((group.a, [p.a_name for p in group.plans]), (group.b, [p.b_name for p in group.plans]),
+                               (group.magnitude, [str(p.magnitude_name) for p in group.plans])):
+            if stacked is not None:
+                scatter_rows(stream.buffer, [stream.offsets[name] for name in names], stacked.rows)
+                copied.update(names)
+    rest = [name for name in data.stored if name not in copied]
+    data.copy_into(rest, stream.buffer, [stream.offsets[name] for name in rest])
+    return stream.hexdigest()
 
-    Raises ``AdapterFormatError`` naming the first tensor with a NaN or Inf."""
-    for name in sorted(tensors):
+
+def _check_values(layout: AdapterLayout, groups: tuple[ModuleGroup, ...], data: TensorData,
+                  dtype: torch.dtype) -> dict[str, list[float]]:
+    """The checks of ``check_tensor_data`` but the warnings; returns, per LoRA factor, ``max |value|`` per rank
+    index (lora_A's rows, lora_B's columns). ``max |value|`` is exact in any float dtype and NaN survives it, so
+    one reduction (``Stacked.abs_max``, numpy on the bits) serves the finiteness check and the bound."""
+    rank_max: dict[str, list[float]] = {}
+    sums: dict[str, float] = {}  # lora_A name -> sum_k max|A[k, :]| * max|B[:, k]| (float64, summed by torch)
+    whole_max: dict[str, float] = {}  # other tensors -> max |value| (NaN if one is NaN)
+    for group in groups:
+        a_max, b_max = group.a.abs_max(1), group.b.abs_max(0)  # [K, r] float64
+        # torch sums [K, r] rows as it sums one [r] vector, bit for bit (the bound as first defined)
+        totals = torch.sum(torch.from_numpy(a_max * b_max), dim=1).tolist()
+        for plan, a_row, b_row, total in zip(group.plans, a_max.tolist(), b_max.tolist(), totals):
+            rank_max[plan.a_name], rank_max[plan.b_name], sums[plan.a_name] = a_row, b_row, total
+        if group.magnitude is not None:
+            for plan, value in zip(group.plans, group.magnitude.abs_max(None).tolist()):
+                whole_max[str(plan.magnitude_name)] = value
+    for name in data.stored:
+        if name not in rank_max and name not in whole_max:  # modules_to_save and base_layer copies: [V, H]
+            whole_max[name] = data.stack([name]).abs_max(None).tolist()[0]  # a view: no [V, H] copy
+    for name in sorted(data.stored):
         values = rank_max.get(name)
-        if not bool(torch.isfinite(tensors[name] if values is None else values).all()):
+        if not (all(map(math.isfinite, values)) if values is not None else math.isfinite(whole_max[name])):
             raise AdapterFormatError(f"tensor {name!r} contains NaN or Inf values")
-
-
-def _check_scaled_finite(layout: AdapterLayout, rank_max: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
-                         dtype: torch.dtype) -> None:
-    """Per module: the scaling finite in float32 (the slot scaling table), and
-    ``|scaling| * sum_k max_i |B[i, k]| * max_j |A[k, j]|`` (a bound of every entry of
-    ``scaling * B @ A``, computed in float64 from ``rank_max``) at most the largest finite value of ``dtype``."""
     fp32_max = torch.finfo(torch.float32).max
     limit = torch.finfo(dtype).max
     for plan in layout.modules + layout.vocab_lora:
@@ -841,10 +857,8 @@ def _check_scaled_finite(layout: AdapterLayout, rank_max: dict[str, torch.Tensor
                 f"{CONFIG_NAME}: {where}: scaling {scaling:.4g} (lora_alpha={plan.hyper.alpha:.4g}, "
                 f"{plan.hyper.rank_field}={plan.hyper.rank}) is not finite in float32"
             )
-        a_max = rank_max[plan.a_name].double()  # [r]
-        b_max = rank_max[plan.b_name].double()  # [r]
-        bound = abs(scaling) * float((a_max * b_max).sum())
-        largest = max(float(a_max.max()), float(b_max.max()))
+        bound = abs(scaling) * sums[plan.a_name]
+        largest = max(max(rank_max[plan.a_name]), max(rank_max[plan.b_name]))
         if not (bound <= limit and largest <= limit):
             raise AdapterIncompatibleError(
                 f"{where}: scaling * lora_B @ lora_A is not finite in {str(dtype).removeprefix('torch.')} "
@@ -852,22 +866,68 @@ def _check_scaled_finite(layout: AdapterLayout, rank_max: dict[str, torch.Tensor
                 f"largest finite value {limit:.4g})"
             )
     for module, name in layout.full_modules:
-        largest = float(tensors[name].double().abs().max())
+        largest = whole_max[name]
         if not largest <= limit:
             raise AdapterIncompatibleError(
                 f"tensor {name!r} ({module} copy of modules_to_save) has values up to {largest:.4g}, not finite in "
                 f"{str(dtype).removeprefix('torch.')} (largest finite value {limit:.4g})"
             )
+    return rank_max
 
 
-def _zero_b_warnings(weights: dict[tuple[int, str], LoRAWeight]) -> tuple[str, ...]:
-    zero = [key for key, weight in weights.items() if not bool(weight.b.any())]
+def _zero_b_warnings(layout: AdapterLayout, rank_max: dict[str, list[float]]) -> tuple[str, ...]:
+    """A warning when lora_B of some ``layout.modules`` is all zero as float32 (as ``LoRAWeight.b``)."""
+    zero = [(plan.layer, plan.module) for plan in layout.modules if max(rank_max[plan.b_name]) <= _FP32_ZERO]
     if not zero:
         return ()
-    if len(zero) == len(weights):
-        return (f"all {len(weights)} lora_B matrices are zero: the adapter does not change the model (untrained?)",)
+    total = len(layout.modules)
+    if len(zero) == total:
+        return (f"all {total} lora_B matrices are zero: the adapter does not change the model (untrained?)",)
     layer, module = zero[0]
     return (
-        f"{len(zero)} of {len(weights)} lora_B matrices are zero (first: layer {layer} {module}): "
+        f"{len(zero)} of {total} lora_B matrices are zero (first: layer {layer} {module}): "
         "those modules do not change the model",
     )
+
+
+def _adapter_of(layout: AdapterLayout, checked: CheckedTensors, data: TensorData) -> LoRAAdapter:
+    """The ``LoRAAdapter`` of checked tensors: float32 factors (views of each group converted once)."""
+    weights: dict[tuple[int, str], LoRAWeight] = {}
+    for group in checked.modules:
+        a, b = _float32(group.a), _float32(group.b)
+        magnitude = None if group.magnitude is None else _float32(group.magnitude)
+        for k, plan in enumerate(group.plans):
+            weights[(plan.layer, plan.module)] = LoRAWeight(a=a[k], b=b[k], scaling=plan.hyper.scaling,
+                                                            magnitude=None if magnitude is None else magnitude[k])
+    return LoRAAdapter(
+        version_id=checked.version_id,
+        rank=layout.rank,
+        alpha=layout.config.lora_alpha,
+        use_rslora=layout.config.use_rslora,
+        target_modules=layout.target_modules,
+        weights={(plan.layer, plan.module): weights[(plan.layer, plan.module)] for plan in layout.modules},
+        use_dora=layout.config.use_dora,
+        size_bytes=layout.size_bytes,
+        warnings=checked.warnings,
+        path=layout.path,
+        vocab=_vocab_weights(layout, checked, data),
+    )
+
+
+def _vocab_weights(layout: AdapterLayout, checked: CheckedTensors, data: TensorData) -> VocabWeights | None:
+    """The ``embed_tokens`` / ``lm_head`` parts of a checked adapter (fp32), or None when it has none."""
+    if not layout.vocab_lora and not layout.full_modules:
+        return None
+    lora = {}
+    for group in checked.vocab:
+        a, b = _float32(group.a), _float32(group.b)
+        lora.update({plan.module: LoRAWeight(a=a[k], b=b[k], scaling=plan.hyper.scaling)
+                     for k, plan in enumerate(group.plans)})
+    return VocabWeights(embed=lora.get("embed_tokens"), head=lora.get("lm_head"),
+                        full={module: data.tensor(name).to(torch.float32, copy=True)
+                              for module, name in layout.full_modules})
+
+
+def _float32(stacked: Stacked) -> torch.Tensor:
+    """``[K, *S] fp32``, a copy (a one-tensor stack is a view of the whole file's data, not to be kept)."""
+    return stacked.tensor().to(torch.float32, copy=True)

@@ -27,25 +27,35 @@ An adapter with LoRA or ``modules_to_save`` copies on ``embed_tokens`` / ``lm_he
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
+import math
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from loraplex.adapters.adapter import LoRAAdapter, LoRAWeight
 from loraplex.adapters.errors import AdapterFormatError
-from loraplex.adapters.peft_format import SAFETENSORS_NAME, AdapterLayout, StoredTensor, stored_tensors
+from loraplex.adapters.peft_format import (
+    SAFETENSORS_NAME,
+    AdapterLayout,
+    ModuleGroup,
+    StoredTensor,
+    check_tensor_data,
+    inspect_peft_tensors,
+    module_groups,
+    read_peft_tensors,
+    stored_tensors,
+)
 from loraplex.adapters.spec import BaseModelSpec
+from loraplex.adapters.tensor_file import STORED_DTYPES, TensorData, read_tensor_data, scatter_rows
 
 ModuleKey = tuple[int, str]  # (layer index, module name)
 Allocate = Callable[[int, torch.dtype], torch.Tensor]  # (numel, dtype) -> uninitialised [numel] host tensor
-_STORED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -214,10 +224,9 @@ def read_slot_image(
     file's header (``stored_tensors``) when the caller parsed it already under an unchanged file signature.
 
     When every tensor is stored in ``dtype`` with rank R and R is one page, the image *is* the file's data
-    section: one ``pread`` (the GIL released throughout) and the offsets taken from the
-    header. Otherwise a tensor stored in ``dtype`` whose image rows are contiguous (every
-    ``lora_A``; a ``lora_B`` of rank R) is read directly into its place, and the others go
-    through a temporary and a converting copy.
+    section: one ``pread`` (the GIL released throughout) and the offsets taken from the header. Otherwise the
+    tensors are read in one ``pread`` per contiguous run and laid out by ``_image_from_groups`` (a few torch and
+    numpy calls per group of modules of one shape and dtype).
 
     Raises ``AdapterFormatError`` for unreadable or truncated tensor data, a file no longer
     matching ``layout``, or a NaN/Inf value (also one that appears only after the conversion
@@ -225,36 +234,47 @@ def read_slot_image(
     """
     path = Path(layout.path) / SAFETENSORS_NAME
     stored = stored if stored is not None else stored_tensors(path)
-    names = {(plan.layer, plan.module): (plan.a_name, plan.b_name) for plan in layout.modules}
-    fd = _open(path)
-    try:
-        rank = image_rank([plan.hyper.rank for plan in layout.modules], max_rank, page_rows)
-        target = _Target(spec, rank, dtype, version_id, allocate or _new_tensor(pin_memory), page_rows or rank)
-        read = _read_verbatim if _is_verbatim(layout, stored, target) else _read_per_tensor
-        image = read(fd, layout, stored, target)
-        _read_magnitudes(fd, layout, stored, image)
-    finally:
-        os.close(fd)
-    _set_scalings(image, layout, spec)
-    if check_finite:
-        _check_finite(image, names, dtype)
-    if layout.vocab_lora or layout.full_modules:
-        image = dataclasses.replace(image, vocab=_read_vocab(path, layout, max_rank, dtype, pin_memory))
-    return image
+    _check_stored(layout, stored, spec)
+    target = _target(layout, spec, max_rank, dtype, allocate, pin_memory, page_rows)
+    verbatim = _verbatim_buffer(layout, stored, target)
+    names = [name for plan in layout.modules + layout.vocab_lora
+             for name in (plan.a_name, plan.b_name, plan.magnitude_name) if name is not None]
+    data = read_tensor_data(path, stored, names + [name for _, name in layout.full_modules], into=verbatim)
+    return _image(layout, module_groups(layout.modules, data), module_groups(layout.vocab_lora, data), data, target,
+                  version_id, verbatim, check_finite=check_finite)
 
 
-def _read_vocab(path: Path, layout: AdapterLayout, max_rank: int, dtype: torch.dtype, pin_memory: bool) -> VocabImage:
-    """The ``embed_tokens`` / ``lm_head`` tensors of ``layout`` (checked) as a ``VocabImage``."""
-    from safetensors import SafetensorError, safe_open
+def read_new_slot_image(
+    path: str | os.PathLike[str],
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    *,
+    pin_memory: bool,
+    allocate: Allocate | None = None,
+    page_rows: int | None = None,
+) -> tuple[SlotImage, dict[str, StoredTensor]]:
+    """The first read of the adapter in folder ``path``: every check of ``load_peft_adapter`` (serving
+    ``dtype``), its ``version_id`` computed (the image's), and its ``SlotImage`` (``max_rank``, ``page_rows``,
+    ``allocate``: as ``read_slot_image``), all from one read of the file's data (into the image itself when
+    it is the data verbatim). Returns the image and the file's header (``stored_tensors``), which later
+    verified reads may reuse.
 
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            lora = {plan.module: LoRAWeight(a=handle.get_tensor(plan.a_name), b=handle.get_tensor(plan.b_name),
-                                            scaling=plan.hyper.scaling) for plan in layout.vocab_lora}
-            full = {module: handle.get_tensor(name) for module, name in layout.full_modules}
-    except (SafetensorError, OSError) as exc:
-        raise AdapterFormatError(f"{SAFETENSORS_NAME}: unreadable embed_tokens/lm_head tensors ({exc})") from exc
-    return vocab_image(lora.get("embed_tokens"), lora.get("lm_head"), full, max_rank, dtype, pin_memory=pin_memory)
+    The work is batched (``check_tensor_data``, ``_image_from_groups``): the calls that release the GIL (torch
+    ops, large numpy ops, the hash), each a GIL hand-off on a loader thread while the engine thread runs Python,
+    do not grow with the number of layers (``benchmarks/diag_first_read.py``).
+
+    Raises what ``load_peft_adapter`` raises, and ``AdapterFormatError`` if a value is NaN/Inf in ``dtype`` (a DoRA
+    magnitude: in float32).
+    """
+    layout, stored = inspect_peft_tensors(path, spec, max_rank)
+    target = _target(layout, spec, max_rank, dtype, allocate, pin_memory, page_rows)
+    verbatim = _verbatim_buffer(layout, stored, target)
+    data = read_peft_tensors(layout, stored, into=verbatim)
+    checked = check_tensor_data(layout, data, version_id=None, serving_dtype=dtype)
+    image = _image(layout, checked.modules, checked.vocab, data, target, checked.version_id, verbatim,
+                   check_finite=True)
+    return image, stored
 
 
 def image_rank(ranks: Iterable[int], max_rank: int, page_rows: int | None) -> int:
@@ -270,7 +290,8 @@ def slot_image_from_adapter(
     allocate: Allocate | None = None, page_rows: int | None = None,
 ) -> SlotImage:
     """The ``SlotImage`` of a loaded (validated, finite) ``adapter`` (buffer from ``allocate``; ``max_rank``
-    and ``page_rows`` as in ``read_slot_image``).
+    and ``page_rows`` as in ``read_slot_image``). Module by module (torch ops per module): for tests and
+    tools; the loader reads images with ``read_new_slot_image`` / ``read_slot_image``.
 
     Raises ``AdapterFormatError`` if a value overflows to Inf in ``dtype``.
     """
@@ -291,6 +312,30 @@ def slot_image_from_adapter(
     return image
 
 
+@dataclass(frozen=True)
+class _Target:
+    """What an image is built for: model shapes, image rank R, slot dtype, where its buffer comes from,
+    rank rows per page, the pool's rank (vocabulary parts), whether vocabulary parts are page-locked."""
+
+    spec: BaseModelSpec
+    max_rank: int
+    dtype: torch.dtype
+    allocate: Allocate
+    page_rows: int
+    pool_rank: int
+    pin_memory: bool
+
+
+def _target(layout: AdapterLayout, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype,
+            allocate: Allocate | None, pin_memory: bool, page_rows: int | None) -> _Target:
+    rank = image_rank([plan.hyper.rank for plan in layout.modules], max_rank, page_rows)
+    return _Target(spec, rank, dtype, allocate or _new_tensor(pin_memory), page_rows or rank, max_rank, pin_memory)
+
+
+def _new_tensor(pin_memory: bool) -> Allocate:
+    return lambda numel, dtype: torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
+
+
 def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> bool:
     """The image is one page, every module has rank R and every tensor is stored in ``dtype`` at an aligned offset (DoRA magnitudes
     included: the data section read may span them, and the image's finite-value scan reads it as ``dtype``), and
@@ -302,37 +347,94 @@ def _is_verbatim(layout: AdapterLayout, stored: dict[str, StoredTensor], target:
         return False
     names = [name for plan in layout.modules for name in (plan.a_name, plan.b_name, plan.magnitude_name) if name]
     return all(
-        name in stored and _STORED_DTYPES.get(stored[name].dtype) == dtype
+        name in stored and STORED_DTYPES.get(stored[name].dtype) == dtype
         and stored[name].offset_bytes % dtype.itemsize == 0
         for name in names
     )
 
 
-@dataclass(frozen=True)
-class _Target:
-    """What an image is built for: model shapes, image rank R, slot dtype, id, where its buffer comes from,
-    rank rows per page."""
-
-    spec: BaseModelSpec
-    max_rank: int
-    dtype: torch.dtype
-    version_id: str
-    allocate: Allocate
-    page_rows: int
-
-
-def _new_tensor(pin_memory: bool) -> Allocate:
-    return lambda numel, dtype: torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
-
-
-def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
-    """The file's data section as the image (one read); module offsets from the header."""
-    spec, max_rank, dtype = target.spec, target.max_rank, target.dtype
+def _verbatim_buffer(layout: AdapterLayout, stored: dict[str, StoredTensor],
+                     target: _Target) -> tuple[int, torch.Tensor] | None:
+    """When the image is the file's data verbatim (``_is_verbatim``): (file offset, the image's buffer) of the
+    span of the modules' lora_A / lora_B tensors, for the read to fill (``read_tensor_data``'s ``into``)."""
+    if not layout.modules or not _is_verbatim(layout, stored, target):
+        return None
     refs = [stored[name] for plan in layout.modules for name in (plan.a_name, plan.b_name)]
     start = min(ref.offset_bytes for ref in refs)
     end = max(ref.offset_bytes + ref.nbytes for ref in refs)
-    data = target.allocate((end - start) // dtype.itemsize, dtype)
-    _pread_exact(fd, data, start, f"{layout.modules[0].a_name} .. {layout.modules[-1].b_name}")
+    return start, target.allocate((end - start) // target.dtype.itemsize, target.dtype)
+
+
+def _check_stored(layout: AdapterLayout, stored: dict[str, StoredTensor], spec: BaseModelSpec) -> None:
+    """The header still lists every tensor of ``layout`` in the shape checked (a header kept from an earlier
+    read, or parsed again here). Raises ``AdapterFormatError`` naming the first that differs."""
+    vocab = spec.vocab_size or 0
+    expected: list[tuple[str | None, tuple[int, ...]]] = []
+    for plan in layout.modules + layout.vocab_lora:
+        if plan.layer >= 0:
+            in_features, out_features = spec.module_shapes[plan.module]
+        else:
+            in_features, out_features = ((vocab, spec.hidden_size) if plan.module == "embed_tokens"
+                                         else (spec.hidden_size, vocab))
+        rank = plan.hyper.rank
+        expected += [(plan.a_name, (rank, in_features)), (plan.b_name, (out_features, rank)),
+                     (plan.magnitude_name, (out_features,))]
+    expected += [(name, (vocab, spec.hidden_size)) for _, name in layout.full_modules]
+    for name, shape in expected:
+        if name is not None and (name not in stored or stored[name].shape != shape):
+            raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} changed since it was checked")
+
+
+def _image(layout: AdapterLayout, modules: tuple[ModuleGroup, ...], vocab: tuple[ModuleGroup, ...], data: TensorData,
+           target: _Target, version_id: str, verbatim: tuple[int, torch.Tensor] | None, *,
+           check_finite: bool) -> SlotImage:
+    """The image of ``layout`` from its tensors read into ``data`` (``verbatim``: the data span that is the
+    image) and stacked (``modules``, ``vocab``): lora_A / lora_B laid out, DoRA magnitudes, scalings, and the
+    vocabulary parts. Raises ``AdapterFormatError`` for a NaN/Inf in ``dtype`` (``check_finite``), in a DoRA
+    magnitude as float32, or a file that changed since ``layout`` was checked."""
+    spec, dtype = target.spec, target.dtype
+    scaling = _scaling_table(layout, spec)
+    if verbatim is not None:
+        image = _verbatim_image(layout, data.stored, verbatim, target, version_id, scaling)
+    else:
+        image = _image_from_groups(layout, modules, target, version_id, scaling)
+    _set_magnitudes(image, layout, modules)
+    if check_finite:
+        _check_finite(image, {(plan.layer, plan.module): (plan.a_name, plan.b_name) for plan in layout.modules},
+                      dtype)
+    if layout.vocab_lora or layout.full_modules:
+        lora = {}
+        for group in vocab:
+            a, b = _as_loaded(group.a.tensor()), _as_loaded(group.b.tensor())
+            lora.update({plan.module: LoRAWeight(a=a[k], b=b[k], scaling=plan.hyper.scaling)
+                         for k, plan in enumerate(group.plans)})
+        full = {module: _as_loaded(data.tensor(name)) for module, name in layout.full_modules}
+        image = dataclasses.replace(image, vocab=vocab_image(lora.get("embed_tokens"), lora.get("lm_head"), full,
+                                                             target.pool_rank, dtype, pin_memory=target.pin_memory))
+    return image
+
+
+def _as_loaded(tensor: torch.Tensor) -> torch.Tensor:
+    """A factor as it is converted to the slot dtype: through float32, as ``LoRAAdapter`` holds it (only a
+    float64 one changes), so that every read of an adapter gives the same bytes."""
+    return tensor.float() if tensor.dtype == torch.float64 else tensor
+
+
+def _scaling_table(layout: AdapterLayout, spec: BaseModelSpec) -> torch.Tensor:
+    """``[num_layers, len(spec.module_shapes)] fp32``: each module's scaling, 0 where untargeted (one op)."""
+    columns = {module: i for i, module in enumerate(spec.module_shapes)}
+    table = [[0.0] * len(columns) for _ in range(spec.num_layers)]
+    for plan in layout.modules:
+        table[plan.layer][columns[plan.module]] = plan.hyper.scaling
+    return torch.tensor(table, dtype=torch.float32)
+
+
+def _verbatim_image(layout: AdapterLayout, stored: dict[str, StoredTensor], verbatim: tuple[int, torch.Tensor],
+                    target: _Target, version_id: str, scaling: torch.Tensor) -> SlotImage:
+    """The image whose buffer holds the file's bytes from offset ``verbatim[0]`` on; module offsets from the
+    header."""
+    spec, max_rank, dtype = target.spec, target.max_rank, target.dtype
+    start, data = verbatim
     offsets = {}
     for plan in layout.modules:
         a, b = stored[plan.a_name], stored[plan.b_name]
@@ -342,133 +444,67 @@ def _read_verbatim(fd: int, layout: AdapterLayout, stored: dict[str, StoredTenso
             raise AdapterFormatError(f"tensor {plan.a_name!r}: {SAFETENSORS_NAME} changed since it was checked")
         offsets[(plan.layer, plan.module)] = ((a.offset_bytes - start) // dtype.itemsize,
                                               (b.offset_bytes - start) // dtype.itemsize)
-    scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
-    return SlotImage(target.version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes),
+    return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes),
                      page_rows=target.page_rows)
 
 
-def _read_per_tensor(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], target: _Target) -> SlotImage:
-    """A padded image filled tensor by tensor (direct reads where the layout allows)."""
-    ranks = {(plan.layer, plan.module): plan.hyper.rank for plan in layout.modules}
-    image = _empty_image(ranks, target.spec, target.max_rank, target.dtype, target.version_id,
-                         target.allocate, target.page_rows)
-    for plan in layout.modules:
-        key, rank = (plan.layer, plan.module), plan.hyper.rank
-        _read_into(fd, plan.a_name, stored, image.a(key)[:rank])
-        if image.num_pages == 1:
-            _read_into(fd, plan.b_name, stored, image.b(key)[:, :rank])
-        else:  # PEFT's [out, r] spread over the pages
-            b = torch.empty(image.module_shapes[plan.module][1], rank, dtype=image.data.dtype)
-            _read_into(fd, plan.b_name, stored, b)
-            image.set_b(key, b)
-    return image
+def _image_from_groups(layout: AdapterLayout, groups: tuple[ModuleGroup, ...], target: _Target, version_id: str,
+                       scaling: torch.Tensor) -> SlotImage:
+    """The image laid out from stacked modules: per group of K modules (rank r, stored dtype), ``A`` padded to
+    ``[K, R, in]`` and ``B`` to its pages ``[K, R / P, out, P]`` in the slot dtype (zeros past r; none of it when
+    the stack already is that), then each module's two regions copied to their places in the buffer by two numpy
+    calls per group (no tensor per module)."""
+    spec, max_rank, dtype, step = target.spec, target.max_rank, target.dtype, target.page_rows
+    offsets: dict[ModuleKey, tuple[int, int]] = {}
+    numel = 0
+    for key in _ordered([(plan.layer, plan.module) for plan in layout.modules], spec.module_shapes):
+        in_features, out_features = spec.module_shapes[key[1]]
+        offsets[key] = (numel, numel + max_rank * in_features)
+        numel += max_rank * (in_features + out_features)
+    data = target.allocate(numel, dtype)
+    image_bytes = data.view(torch.uint8).numpy() if groups else None
+    for group in groups:
+        in_features, out_features = group.a.shape[1], group.b.shape[0]
+        rank, count = group.a.shape[0], len(group.plans)
+        as_stored = STORED_DTYPES[group.a.dtype] == dtype, STORED_DTYPES[group.b.dtype] == dtype
+        if rank == max_rank and as_stored[0]:
+            a_rows = group.a.rows  # already [R, in] in the slot dtype
+        else:
+            a_image = (torch.empty if rank == max_rank else torch.zeros)(count, max_rank, in_features, dtype=dtype)
+            a_image[:, :rank] = _as_loaded(group.a.tensor())
+            a_rows = a_image.view(torch.uint8).numpy().reshape(count, -1)
+        if rank == max_rank == step and as_stored[1]:
+            b_rows = group.b.rows  # one page: PEFT's [out, R] itself
+        else:
+            b = _as_loaded(group.b.tensor())  # [K, out, r]
+            b_pages = (torch.empty if rank == max_rank else torch.zeros)(count, max_rank // step, out_features, step,
+                                                                          dtype=dtype)
+            for j in range(-(-rank // step)):
+                width = min(step, rank - j * step)
+                b_pages[:, j, :, :width] = b[:, :, j * step : j * step + width]
+            b_rows = b_pages.view(torch.uint8).numpy().reshape(count, -1)
+        for index, rows in enumerate((a_rows, b_rows)):
+            scatter_rows(image_bytes, [offsets[(p.layer, p.module)][index] * dtype.itemsize for p in group.plans], rows)
+    return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes), page_rows=step)
 
 
-def _read_magnitudes(fd: int, layout: AdapterLayout, stored: dict[str, StoredTensor], image: SlotImage) -> None:
-    """DoRA: each module's ``lora_magnitude_vector`` into ``image.magnitude`` as float32 (must be finite)."""
-    for plan in layout.modules:
-        if plan.magnitude_name is None:
+def _set_magnitudes(image: SlotImage, layout: AdapterLayout, groups: tuple[ModuleGroup, ...]) -> None:
+    """DoRA: each module's ``lora_magnitude_vector`` into ``image.magnitude`` as float32 (views of one tensor
+    per group), which must be finite. Raises ``AdapterFormatError`` naming the first module's tensor that is not."""
+    finite = True
+    for group in groups:
+        if group.magnitude is None:
             continue
-        magnitude = torch.empty(image.module_shapes[plan.module][1], dtype=torch.float32)
-        _read_into(fd, plan.magnitude_name, stored, magnitude)
-        if not bool(torch.isfinite(magnitude).all()):
-            raise AdapterFormatError(f"tensor {plan.magnitude_name!r} contains NaN or Inf values")
-        image.magnitude[(plan.layer, plan.module)] = magnitude
-
-
-def _set_scalings(image: SlotImage, layout: AdapterLayout, spec: BaseModelSpec) -> None:
-    columns = list(spec.module_shapes)
-    for plan in layout.modules:
-        image.scaling[plan.layer, columns.index(plan.module)] = plan.hyper.scaling
-
-
-def _open(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise AdapterFormatError(f"{SAFETENSORS_NAME}: cannot be opened ({exc})") from exc
-
-
-def _read_into(fd: int, name: str, stored: dict[str, StoredTensor], dest: torch.Tensor) -> None:
-    """Fill ``dest`` with tensor ``name`` of the open file ``fd`` (converted to ``dest.dtype``)."""
-    ref = stored.get(name)
-    if ref is None or ref.dtype not in _STORED_DTYPES or ref.shape != tuple(dest.shape):
-        raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} changed since it was checked")
-    source_dtype = _STORED_DTYPES[ref.dtype]
-    if ref.nbytes != dest.numel() * source_dtype.itemsize:
-        raise AdapterFormatError(f"tensor {name!r}: {ref.nbytes} bytes stored for shape {list(ref.shape)}")
-    if source_dtype == dest.dtype and dest.is_contiguous():
-        _pread_exact(fd, dest, ref.offset_bytes, name)
-        return
-    staging = torch.empty(ref.shape, dtype=source_dtype)
-    _pread_exact(fd, staging, ref.offset_bytes, name)
-    dest.copy_(staging)
-
-
-# A read of at least PARALLEL_READ_MIN_BYTES is split into PARALLEL_READ_PARTS parts read side by side (os.preadv
-# releases the GIL): one thread copies files from the page cache at ~5 GB/s (an H200 host: a 16.8 MB adapter's
-# pread took 3.2 ms of its 6.9 ms disk -> slot; benchmarks/diag_disk_to_slot.py, RESULTS.md session 14).
-PARALLEL_READ_MIN_BYTES = 4 << 20
-PARALLEL_READ_PARTS = 4
-PARALLEL_READ_ALIGN_BYTES = 4096  # parts start on page boundaries of the destination
-_read_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_read_pool_lock = threading.Lock()
-
-
-def _pread_exact(fd: int, dest: torch.Tensor, offset_bytes: int, name: str) -> None:
-    """Read ``dest.nbytes`` bytes at ``offset_bytes`` into the contiguous CPU tensor ``dest`` (in
-    ``PARALLEL_READ_PARTS`` parts on as many threads from ``PARALLEL_READ_MIN_BYTES`` on).
-    Raises ``AdapterFormatError`` if the file ends first."""
-    view = memoryview(dest.view(-1).view(torch.uint8).numpy())
-    if len(view) < PARALLEL_READ_MIN_BYTES or PARALLEL_READ_PARTS < 2:
-        _pread_part(fd, view, offset_bytes, name)
-        return
-    per_part = -(-len(view) // PARALLEL_READ_PARTS)
-    step = -(-per_part // PARALLEL_READ_ALIGN_BYTES) * PARALLEL_READ_ALIGN_BYTES
-    parts = [(start, min(start + step, len(view))) for start in range(0, len(view), step)]
-    futures = []
-    try:
-        try:
-            pool = _parallel_read_pool()
-            for start, end in parts[1:]:
-                futures.append(pool.submit(_pread_part, fd, view[start:end], offset_bytes + start, name))
-        except RuntimeError:  # the interpreter is shutting down (no new threads): the rest on this thread
-            for start, end in parts[1 + len(futures):]:
-                _pread_part(fd, view[start:end], offset_bytes + start, name)
-        _pread_part(fd, view[parts[0][0]:parts[0][1]], offset_bytes, name)
-    finally:
-        # every part has ended before the caller closes fd or reuses dest, whichever part failed
-        concurrent.futures.wait(futures)
-    for future in futures:
-        future.result()  # a later part's error (truncated file)
-
-
-def _pread_part(fd: int, view: memoryview, offset_bytes: int, name: str) -> None:
-    done = 0
-    while done < len(view):
-        count = os.preadv(fd, [view[done:]], offset_bytes + done)
-        if count <= 0:
-            raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} is truncated")
-        done += count
-
-
-def _parallel_read_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _read_pool
-    with _read_pool_lock:
-        if _read_pool is None:
-            _read_pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_READ_PARTS - 1,
-                                                               thread_name_prefix="loraplex-pread")
-        return _read_pool
-
-
-def _forget_read_pool_in_child() -> None:
-    """After ``fork`` the parent's pool has no threads in the child: the child starts its own."""
-    global _read_pool, _read_pool_lock
-    _read_pool, _read_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_read_pool_in_child)
+        # [K, out], a copy (a view could outlive the image buffer it lies in), converted holding the GIL
+        magnitude = torch.asarray(group.magnitude.tensor(), dtype=torch.float32, copy=True)
+        finite = finite and bool(np.isfinite(magnitude.numpy()).all())
+        for k, plan in enumerate(group.plans):
+            image.magnitude[(plan.layer, plan.module)] = magnitude[k]
+    if not finite:
+        for plan in layout.modules:
+            key = (plan.layer, plan.module)
+            if key in image.magnitude and not bool(torch.isfinite(image.magnitude[key]).all()):
+                raise AdapterFormatError(f"tensor {plan.magnitude_name!r} contains NaN or Inf values")
 
 
 def _empty_image(
@@ -514,8 +550,8 @@ def _check_finite(image: SlotImage, names: dict[ModuleKey, tuple[str, str]], dty
     """One pass over the whole buffer; only on failure is the offending tensor looked up."""
     if image.data.numel() == 0:
         return
-    low, high = torch.aminmax(image.data)
-    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+    low, high = (value.tolist() for value in torch.aminmax(image.data))  # one op; tolist keeps the GIL
+    if math.isfinite(low) and math.isfinite(high):
         return
     for key in _ordered(image.offsets, image.module_shapes):
         for name, tensor in zip(names[key], (image.a(key), image.b(key))):

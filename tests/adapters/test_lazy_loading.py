@@ -47,24 +47,23 @@ class ReadSpy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.tensor_reads = 0
         self.hashes = 0
-        read_tensors, hash_fn = peft_format._read_tensors, peft_format.compute_version_id
-        read_modules = loader.read_slot_image
+        first_read, reread, hash_fn = loader.read_new_slot_image, loader.read_slot_image, peft_format._content_hash
 
-        def counting_read(*args, **kwargs):
+        def counting_first_read(*args, **kwargs):
             self.tensor_reads += 1
-            return read_tensors(*args, **kwargs)
+            return first_read(*args, **kwargs)
 
         def counting_module_read(*args, **kwargs):
             self.tensor_reads += 1
-            return read_modules(*args, **kwargs)
+            return reread(*args, **kwargs)
 
         def counting_hash(*args, **kwargs):
             self.hashes += 1
             return hash_fn(*args, **kwargs)
 
-        monkeypatch.setattr(peft_format, "_read_tensors", counting_read)
+        monkeypatch.setattr(loader, "read_new_slot_image", counting_first_read)
         monkeypatch.setattr(loader, "read_slot_image", counting_module_read)
-        monkeypatch.setattr(peft_format, "compute_version_id", counting_hash)
+        monkeypatch.setattr(peft_format, "_content_hash", counting_hash)
 
     @property
     def counts(self) -> tuple[int, int]:
@@ -425,12 +424,13 @@ def test_many_declared_adapters_one_read_each(make_adapters, monkeypatch, backgr
 def test_verified_rereads_reuse_the_parsed_header_until_the_files_change(make_adapters, monkeypatch):
     """The safetensors header is parsed under the signature the first (hashed) read recorded; verified re-reads
     reuse it, and once the files change the read parses it again."""
+    made = make_adapters(2)  # (load_peft_adapter computes the declared ids: not counted)
     parses = []
     real = slot_image.stored_tensors
     counting = lambda path: parses.append(str(path)) or real(path)  # noqa: E731
     monkeypatch.setattr(slot_image, "stored_tensors", counting)
     monkeypatch.setattr(loader, "stored_tensors", counting)
-    made = make_adapters(2)
+    monkeypatch.setattr(peft_format, "stored_tensors", counting)  # a first read parses it with the config checks
     pool = make_pool(max_loras=1, max_cpu_loras=1)
     for request, _ in made:
         pool.add_lora(request)

@@ -121,20 +121,20 @@ def test_header_offsets_rewritten_after_inspection_are_refused(tmp_path, write_a
 def test_parallel_read_parts_give_the_same_image(tmp_path, write_adapter, monkeypatch, parts):
     """A read split into parts on several threads (PARALLEL_READ_*: page-aligned parts, the last shorter) equals
     the one-thread read, and a file that ends inside a later part is refused as truncated."""
-    from loraplex.adapters import slot_image
+    from loraplex.adapters import tensor_file
 
     folder, _ = write(tmp_path, write_adapter, MAX_RANK, torch.float32)  # verbatim: one read of the data section
     layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
     whole = read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
     assert whole.nbytes > 256 * parts  # several aligned blocks per part
     reads = []
-    real = slot_image._pread_part
-    monkeypatch.setattr(slot_image, "_pread_part", lambda fd, view, offset, name: reads.append(
+    real = tensor_file._pread_part
+    monkeypatch.setattr(tensor_file, "_pread_part", lambda fd, view, offset, name: reads.append(
         (offset, len(view))) or real(fd, view, offset, name))
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_MIN_BYTES", 1024)
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_ALIGN_BYTES", 256)
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_PARTS", parts)
-    monkeypatch.setattr(slot_image, "_read_pool", None)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_MIN_BYTES", 1024)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_ALIGN_BYTES", 256)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_PARTS", parts)
+    monkeypatch.setattr(tensor_file, "_read_pool", None)
     split = read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
     assert torch.equal(split.data, whole.data) and split.offsets == whole.offsets
     reads.sort()
@@ -146,7 +146,7 @@ def test_parallel_read_parts_give_the_same_image(tmp_path, write_adapter, monkey
     os.truncate(path, path.stat().st_size - 10)
     with pytest.raises(AdapterFormatError, match="truncated|data_offsets"):
         read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
-    monkeypatch.setattr(slot_image, "_read_pool", None)  # the pool created here is not the default's
+    monkeypatch.setattr(tensor_file, "_read_pool", None)  # the pool created here is not the default's
 
 
 def test_parallel_read_waits_for_every_part_when_one_fails(monkeypatch):
@@ -155,7 +155,7 @@ def test_parallel_read_waits_for_every_part_when_one_fails(monkeypatch):
     import threading
     import time as _time
 
-    from loraplex.adapters import slot_image
+    from loraplex.adapters import tensor_file
 
     ended, lock = [], threading.Lock()
 
@@ -167,29 +167,29 @@ def test_parallel_read_waits_for_every_part_when_one_fails(monkeypatch):
         with lock:
             ended.append(offset)
 
-    monkeypatch.setattr(slot_image, "_pread_part", part)
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_MIN_BYTES", 1024)
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_ALIGN_BYTES", 1024)
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_PARTS", 4)
-    monkeypatch.setattr(slot_image, "_read_pool", None)
+    monkeypatch.setattr(tensor_file, "_pread_part", part)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_MIN_BYTES", 1024)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_ALIGN_BYTES", 1024)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_PARTS", 4)
+    monkeypatch.setattr(tensor_file, "_read_pool", None)
     with pytest.raises(AdapterFormatError, match="truncated"):
-        slot_image._pread_exact(-1, torch.empty(4096, dtype=torch.uint8), 0, "t")
+        tensor_file.pread_exact(-1, memoryview(bytearray(4096)), 0, "t")
     assert sorted(ended) == [0, 2048, 3072]  # every other part had ended when the error was raised
-    monkeypatch.setattr(slot_image, "_read_pool", None)
+    monkeypatch.setattr(tensor_file, "_read_pool", None)
 
 
 def test_parallel_reads_work_in_a_forked_child(tmp_path, write_adapter, monkeypatch):
     """The parent's read pool (threads do not survive fork) is replaced in a forked child."""
     import multiprocessing
 
-    from loraplex.adapters import slot_image
+    from loraplex.adapters import tensor_file
 
     folder, _ = write(tmp_path, write_adapter, MAX_RANK, torch.float32)
     layout = inspect_peft_adapter(folder, SPEC, MAX_RANK)
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_MIN_BYTES", 1024)
-    monkeypatch.setattr(slot_image, "PARALLEL_READ_ALIGN_BYTES", 256)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_MIN_BYTES", 1024)
+    monkeypatch.setattr(tensor_file, "PARALLEL_READ_ALIGN_BYTES", 256)
     whole = read_slot_image(layout, SPEC, MAX_RANK, torch.float32, version_id="v" * 64, pin_memory=False)
-    assert slot_image._read_pool is not None  # the parent's pool exists at fork
+    assert tensor_file._read_pool is not None  # the parent's pool exists at fork
     child = multiprocessing.get_context("fork").Process(target=_read_in_child, args=(layout, whole.data))
     child.start()
     child.join(60)  # a liveness bound: without the reset the child waits forever for pool threads
