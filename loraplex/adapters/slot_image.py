@@ -240,8 +240,12 @@ def read_slot_image(
     names = [name for plan in layout.modules + layout.vocab_lora
              for name in (plan.a_name, plan.b_name, plan.magnitude_name) if name is not None]
     data = read_tensor_data(path, stored, names + [name for _, name in layout.full_modules], into=verbatim)
-    return _image(layout, module_groups(layout.modules, data), module_groups(layout.vocab_lora, data), data, target,
-                  version_id, verbatim, check_finite=check_finite)
+    # A verbatim image needs no stacked copy of the factors (for a 16.8 MB adapter it took 2.4 of a 4.8 ms
+    # re-read on a 2-core CPU), only of DoRA magnitudes when there are some.
+    needs_groups = verbatim is None or any(plan.magnitude_name is not None for plan in layout.modules)
+    modules = module_groups(layout.modules, data) if needs_groups else ()
+    return _image(layout, modules, module_groups(layout.vocab_lora, data), data, target, version_id, verbatim,
+                  check_finite=check_finite)
 
 
 def read_new_slot_image(

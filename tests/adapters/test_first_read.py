@@ -412,3 +412,20 @@ def test_first_read_calls_do_not_grow_with_the_layers(tmp_path, monkeypatch, dty
     assert ops <= 25 * 3 and hashes == 1 and preads == 1, counts  # 3 groups (module shapes); verbatim: 12 ops
     assert load_32[0] - load_2[0] == load_32[1] - load_2[1] == 2 * 3 * (32 - 2), counts  # views only
     assert load_32[2:] == (1, 1), counts
+
+
+def test_a_verbatim_re_read_copies_no_stacked_factors(tmp_path, monkeypatch):
+    """A re-read whose image is the file's data verbatim (every factor stored in the slot dtype at the pool's rank,
+    one page) takes the factors from the one ``pread`` into the image: no stacked copy of them (``gather_rows``),
+    which took half of a 16.8 MB adapter's re-read; the image equals the first read's."""
+    import loraplex.adapters.tensor_file as tensor_file
+
+    folder = write(tmp_path / "a", 32, r=8)
+    first, _ = read_new_slot_image(folder, SPEC, 8, torch.bfloat16, pin_memory=False)
+    gathers = []
+    real = tensor_file.gather_rows
+    monkeypatch.setattr(tensor_file, "gather_rows", lambda *args: gathers.append(1) or real(*args))
+    again = read_slot_image(inspect_peft_adapter(folder, SPEC, 8), SPEC, 8, torch.bfloat16,
+                            version_id=first.version_id, pin_memory=False, check_finite=False)
+    assert gathers == []
+    assert torch.equal(again.data, first.data) and torch.equal(again.scaling, first.scaling)
