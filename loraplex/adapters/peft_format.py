@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -787,13 +788,15 @@ def check_tensor_data(layout: AdapterLayout, data: TensorData, *, version_id: st
     """The value checks of ``load_peft_adapter`` on the tensors of ``layout`` read into ``data`` (every tensor
     of the file, ``read_peft_tensors``), then the ``version_id`` (``version_id``, or the hash of ``data``).
 
-    In order: every tensor finite (in name order), then per module (``layout.modules``, then
+    In order: every tensor finite (in name order), every DoRA magnitude finite in float32 (its ``max |value|`` at most
+    float32's largest finite value), then per module (``layout.modules``, then
     ``layout.vocab_lora``) the scaling finite in float32 and ``|scaling| * sum_k max_i |B[i, k]| * max_j |A[k, j]|``
     (float64) and every ``|A|``, ``|B|`` at most the largest finite value of ``serving_dtype``, then every
     ``modules_to_save`` copy's ``max |value|``; then an all-zero lora_B (as float32) is a warning.
 
-    Raises ``AdapterFormatError`` naming the first tensor (in name order) with a NaN or Inf value, or
-    ``AdapterIncompatibleError`` naming the module or tensor out of ``serving_dtype``'s range.
+    Raises ``AdapterFormatError`` naming the first tensor (in name order) with a NaN or Inf value, or the first
+    DoRA magnitude (in module order) out of float32's range, or ``AdapterIncompatibleError`` naming the module or
+    tensor out of ``serving_dtype``'s range.
     """
     modules, vocab = module_groups(layout.modules, data), module_groups(layout.vocab_lora, data)
     rank_max = _check_values(layout, modules + vocab, data, serving_dtype)
@@ -833,8 +836,11 @@ def _check_values(layout: AdapterLayout, groups: tuple[ModuleGroup, ...], data: 
     whole_max: dict[str, float] = {}  # other tensors -> max |value| (NaN if one is NaN)
     for group in groups:
         a_max, b_max = group.a.abs_max(1), group.b.abs_max(0)  # [K, r] float64
+        # Inf * 0 (refused below as Inf) and float64 overflow (refused as out of range) are no numpy warnings
+        with np.errstate(over="ignore", invalid="ignore"):
+            products = a_max * b_max
         # torch sums [K, r] rows as it sums one [r] vector, bit for bit (the bound as first defined)
-        totals = torch.sum(torch.from_numpy(a_max * b_max), dim=1).tolist()
+        totals = torch.sum(torch.from_numpy(products), dim=1).tolist()
         for plan, a_row, b_row, total in zip(group.plans, a_max.tolist(), b_max.tolist(), totals):
             rank_max[plan.a_name], rank_max[plan.b_name], sums[plan.a_name] = a_row, b_row, total
         if group.magnitude is not None:
@@ -848,6 +854,9 @@ def _check_values(layout: AdapterLayout, groups: tuple[ModuleGroup, ...], data: 
         if not (all(map(math.isfinite, values)) if values is not None else math.isfinite(whole_max[name])):
             raise AdapterFormatError(f"tensor {name!r} contains NaN or Inf values")
     fp32_max = torch.finfo(torch.float32).max
+    for plan in layout.modules:  # DoRA magnitudes are served in float32 (``SlotImage.magnitude``)
+        if plan.magnitude_name is not None and not whole_max[plan.magnitude_name] <= fp32_max:
+            raise AdapterFormatError(f"tensor {plan.magnitude_name!r} contains NaN or Inf values (as float32)")
     limit = torch.finfo(dtype).max
     for plan in layout.modules + layout.vocab_lora:
         where = f"layer {plan.layer} {plan.module}" if plan.layer >= 0 else plan.module

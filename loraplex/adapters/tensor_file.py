@@ -85,8 +85,12 @@ def _stored(entry: dict[str, Any], data_start: int, data_bytes: int) -> StoredTe
     begin, end = entry["data_offsets"]
     if not all(type(v) is int for v in (begin, end)) or not 0 <= begin <= end <= data_bytes:
         raise ValueError(f"data_offsets {entry['data_offsets']!r}: must be integers within the {data_bytes}-byte data section")
-    return StoredTensor(dtype=str(entry["dtype"]), shape=tuple(int(d) for d in entry["shape"]),
-                        offset_bytes=data_start + begin, nbytes=end - begin)
+    dtype, shape = entry["dtype"], tuple(entry["shape"])
+    # as the safetensors library reads them: a string, and integers >= 0 (``int()`` of a JSON 1e400 raised
+    # OverflowError, of 4.9 gave 4)
+    if type(dtype) is not str or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"dtype {dtype!r}, shape {list(shape)!r}: expected a string and integers >= 0")
+    return StoredTensor(dtype=dtype, shape=shape, offset_bytes=data_start + begin, nbytes=end - begin)
 
 
 def _check_disjoint(tensors: dict[str, StoredTensor]) -> None:

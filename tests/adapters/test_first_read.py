@@ -429,3 +429,60 @@ def test_a_verbatim_re_read_copies_no_stacked_factors(tmp_path, monkeypatch):
                             version_id=first.version_id, pin_memory=False, check_finite=False)
     assert gathers == []
     assert torch.equal(again.data, first.data) and torch.equal(again.scaling, first.scaling)
+
+
+# ------------------------------------------------------------------ refusals found in review
+
+
+def test_inf_against_a_zero_lora_b_column_and_float64_overflow_raise_no_numpy_warning(tmp_path):
+    """The bound's products ``max|A[k, :]| * max|B[:, k]|`` are taken before the finiteness check: Inf * 0 (an Inf
+    in lora_A, PEFT's all-zero initial lora_B) and a float64 overflow gave numpy RuntimeWarnings, raised instead
+    of the ``AdapterError`` where warnings are errors."""
+    import warnings
+
+    inf_a = write(tmp_path / "inf", edit=lambda t: (_set(Q0_A, (0, 0), float("inf"))(t), _zero(Q0_B)(t)))
+    huge = write(tmp_path / "huge", dtype=torch.float64,
+                 edit=lambda t: (_set(Q0_A, (0, 0), 1e300)(t), _set(Q0_B, (0, 0), 1e300)(t)))
+    for folder, error in ((inf_a, AdapterFormatError), (huge, AdapterIncompatibleError)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(error):
+                load_peft_adapter(folder, SPEC, 4, serving_dtype=torch.bfloat16)
+            with pytest.raises(error):
+                read_new_slot_image(folder, SPEC, 4, torch.bfloat16, pin_memory=False)
+
+
+@pytest.mark.parametrize("shape", ["[4, 1e400]", "[4.9, 16]", '["4", "16"]', "[4, true]"])
+def test_a_header_shape_that_is_not_integers_is_a_format_error(tmp_path, shape):
+    """``stored_tensors`` reads shapes as the safetensors library does (integers): 1e400 raised OverflowError (not
+    an ``AdapterError``: an upload rewritten between the library's parse and this one), 4.9 was read as 4."""
+    from loraplex.adapters.tensor_file import stored_tensors
+
+    path = write(tmp_path / "a") / SAFETENSORS_NAME
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    header[Q0_A]["shape"] = "@"
+    text = json.dumps(header).replace('"@"', shape).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+    with pytest.raises(AdapterFormatError, match="unreadable header"):
+        stored_tensors(path)
+
+
+def test_a_dora_magnitude_out_of_float32_range_is_refused_by_load_peft_adapter_too(peft_adapter, spec, tmp_path):
+    """A float64 magnitude beyond float32's range is Inf as served (``SlotImage.magnitude`` fp32): the first read
+    refuses it, and so does ``load_peft_adapter`` (``validate_adapter_dir`` checks uploads with it), which had
+    returned an adapter holding an Inf magnitude."""
+    dora, _ = peft_adapter(r=4, lora_alpha=8, target_modules=ALL, use_dora=True, seed=3)
+    magnitude = sorted(load_file(str(dora / SAFETENSORS_NAME)))[-1]
+
+    def edit(tensors):
+        tensors[magnitude] = tensors[magnitude].double()
+        tensors[magnitude][0] = 1e39
+
+    folder = _edited_copy(dora, tmp_path / "dora", edit)
+    message = f"tensor {magnitude!r} contains NaN or Inf values"
+    with pytest.raises(AdapterFormatError, match=message.replace(".", r"\.")):
+        load_peft_adapter(folder, spec, 8, serving_dtype=torch.float32)
+    with pytest.raises(AdapterFormatError, match=message.replace(".", r"\.")):
+        read_new_slot_image(folder, spec, 8, torch.float32, pin_memory=False)
