@@ -66,7 +66,9 @@ from loraplex.adapters.tensor_file import (
     STORED_DTYPES,
     Stacked,
     StoredTensor,
+    FileIdentity,
     TensorData,
+    file_identity,
     read_tensor_data,
     scatter_rows,
     stored_tensors,
@@ -199,25 +201,36 @@ def inspect_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_
 
 def inspect_peft_tensors(
     path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int
-) -> tuple[AdapterLayout, dict[str, StoredTensor]]:
-    """``inspect_peft_adapter``, and where every tensor of the file lies (``stored_tensors``), for reading them.
+) -> tuple[AdapterLayout, dict[str, StoredTensor], FileIdentity | None]:
+    """``inspect_peft_adapter``, where every tensor of the file lies (``stored_tensors``), for reading them, and
+    the weights file's identity (``file_identity``) taken before its header was read, for ``read_peft_tensors``.
 
     Raises what ``inspect_peft_adapter`` raises, and ``AdapterFormatError`` when the header parsed for the
     places does not list the tensors (names, dtypes, shapes) checked (the file was rewritten in between).
     """
+    identity = file_identity(Path(path) / SAFETENSORS_NAME)
     layout, header = _inspect(path, spec, max_lora_rank)
     stored = stored_tensors(Path(layout.path) / SAFETENSORS_NAME)
     if {name: (ref.dtype, ref.shape) for name, ref in stored.items()} != header:
         raise AdapterFormatError(f"{SAFETENSORS_NAME}: changed while it was read (its header is not the one checked)")
-    return layout, stored
+    return layout, stored, identity
 
 
-def read_peft_tensors(layout: AdapterLayout, stored: dict[str, StoredTensor], *,
+def read_peft_tensors(layout: AdapterLayout, stored: dict[str, StoredTensor], identity: FileIdentity | None, *,
                       into: tuple[int, torch.Tensor] | None = None) -> TensorData:
-    """Every tensor of the adapter's file (``stored``, from ``inspect_peft_tensors``) in host memory, read in
-    one ``pread`` per contiguous run (one for a file the safetensors library wrote); ``into``: as
-    ``read_tensor_data``. Raises ``AdapterFormatError`` (unreadable, truncated)."""
-    return read_tensor_data(Path(layout.path) / SAFETENSORS_NAME, stored, list(stored), into=into)
+    """Every tensor of the adapter's file (``stored``, ``identity``: from ``inspect_peft_tensors``) in host memory,
+    read in one ``pread`` per contiguous run (one for a file the safetensors library wrote); ``into``: as
+    ``read_tensor_data``.
+
+    The header and the data are read through two opens of the file: a file replaced or rewritten in between
+    (``os.replace`` of a same-size file with its tensors in another order) would give tensors at the old
+    header's offsets in the new file's bytes. So the file's identity after the read must be the one taken before
+    its header was read. Raises ``AdapterFormatError`` (unreadable, truncated, changed while read)."""
+    path = Path(layout.path) / SAFETENSORS_NAME
+    data = read_tensor_data(path, stored, list(stored), into=into)
+    if identity is None or file_identity(path) != identity:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: changed while it was read (replaced or rewritten)")
+    return data
 
 
 def load_peft_adapter(
@@ -242,8 +255,8 @@ def load_peft_adapter(
     Raises ``AdapterFormatError``, ``AdapterIncompatibleError`` or ``AdapterUnsupportedError``
     (all ``AdapterError``, a ``ValueError``) naming the field and value.
     """
-    layout, stored = inspect_peft_tensors(path, spec, max_lora_rank)
-    data = read_peft_tensors(layout, stored)
+    layout, stored, identity = inspect_peft_tensors(path, spec, max_lora_rank)
+    data = read_peft_tensors(layout, stored, identity)
     return _adapter_of(layout, check_tensor_data(layout, data, version_id=version_id, serving_dtype=serving_dtype),
                        data)
 

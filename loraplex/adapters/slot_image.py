@@ -271,10 +271,10 @@ def read_new_slot_image(
     Raises what ``load_peft_adapter`` raises, and ``AdapterFormatError`` if a value is NaN/Inf in ``dtype`` (a DoRA
     magnitude: in float32).
     """
-    layout, stored = inspect_peft_tensors(path, spec, max_rank)
+    layout, stored, identity = inspect_peft_tensors(path, spec, max_rank)
     target = _target(layout, spec, max_rank, dtype, allocate, pin_memory, page_rows)
     verbatim = _verbatim_buffer(layout, stored, target)
-    data = read_peft_tensors(layout, stored, into=verbatim)
+    data = read_peft_tensors(layout, stored, identity, into=verbatim)
     checked = check_tensor_data(layout, data, version_id=None, serving_dtype=dtype)
     image = _image(layout, checked.modules, checked.vocab, data, target, checked.version_id, verbatim,
                    check_finite=True)

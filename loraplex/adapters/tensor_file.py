@@ -52,6 +52,20 @@ class StoredTensor:
     nbytes: int
 
 
+FileIdentity = tuple[int, int, int, int]
+"""``(st_dev, st_ino, st_size, st_mtime_ns)`` of a file (``file_identity``)."""
+
+
+def file_identity(path: str | os.PathLike[str]) -> FileIdentity | None:
+    """``(st_dev, st_ino, st_size, st_mtime_ns)`` of ``path`` (one ``stat``): another value means the file was
+    replaced (another inode) or rewritten (size, modification time) in between. None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 

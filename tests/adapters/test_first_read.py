@@ -486,3 +486,43 @@ def test_a_dora_magnitude_out_of_float32_range_is_refused_by_load_peft_adapter_t
         load_peft_adapter(folder, spec, 8, serving_dtype=torch.float32)
     with pytest.raises(AdapterFormatError, match=message.replace(".", r"\.")):
         read_new_slot_image(folder, spec, 8, torch.float32, pin_memory=False)
+
+
+@pytest.mark.parametrize("reader", ["read_new_slot_image", "load_peft_adapter"])
+def test_a_file_replaced_between_its_header_and_its_data_is_refused(tmp_path, monkeypatch, reader):
+    """The header and the data are read through two opens: a same-size file with another adapter's tensors in
+    another order, put in place (``os.replace``) between them, would give tensors at the old header's offsets in
+    the new file's bytes (found by review: accepted, with an id of neither file). Refused, naming the change."""
+    import loraplex.adapters.tensor_file as tensor_file
+
+    a, b = write(tmp_path / "a", 2, seed=1), write(tmp_path / "b", 2, seed=2)
+    tensors = load_file(str(b / SAFETENSORS_NAME))
+    raw = (b / SAFETENSORS_NAME).read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    names = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])[::-1]
+    blob, reordered = b"", {}
+    for name in names:  # b's tensors, the last first
+        data = tensors[name].contiguous().view(torch.uint8).numpy().tobytes()
+        reordered[name] = {"dtype": header[name]["dtype"], "shape": header[name]["shape"],
+                           "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+    text = json.dumps(reordered, separators=(",", ":")).encode()
+    assert len(text) <= length
+    swap = tmp_path / "swap.safetensors"
+    swap.write_bytes(length.to_bytes(8, "little") + text + b" " * (length - len(text)) + blob)
+    assert swap.stat().st_size == (a / SAFETENSORS_NAME).stat().st_size
+    real_open = tensor_file._open
+
+    def racing_open(path):
+        if swap.exists():
+            os.replace(swap, path)  # lands between the header parse and the data read
+        return real_open(path)
+
+    monkeypatch.setattr(tensor_file, "_open", racing_open)
+    with pytest.raises(AdapterFormatError, match="changed while it was read"):
+        if reader == "read_new_slot_image":
+            read_new_slot_image(a, SPEC, 4, torch.bfloat16, pin_memory=False)
+        else:
+            load_peft_adapter(a, SPEC, 4, serving_dtype=torch.bfloat16)
+    assert not swap.exists()
