@@ -37,7 +37,7 @@ from common import make_model_dir, out_dir  # noqa: E402
 from loraplex.adapters import LoRASlotPool, tensor_file  # noqa: E402
 from loraplex.adapters.config import LoRAConfig  # noqa: E402
 from loraplex.adapters.model_spec import ModelSpec  # noqa: E402
-from loraplex.adapters.peft_format import stored_tensors  # noqa: E402
+from loraplex.adapters.tensor_file import stored_tensors  # noqa: E402
 
 
 def sync() -> None:

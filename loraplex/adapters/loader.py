@@ -30,24 +30,23 @@ from pathlib import Path
 
 import torch
 
+from loraplex.adapters import tensor_file
 from loraplex.adapters.cpu_cache import AdapterLRUCache
 from loraplex.adapters.errors import AdapterChangedError, AdapterError, AdapterFormatError
 from loraplex.adapters.host_arena import HostArena
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import (
-    SAFETENSORS_NAME,
     AdapterLayout,
     FileSignature,
-    StoredTensor,
     adapter_files_signature,
     inspect_peft_adapter,
-    stored_tensors,
     unpack_layout,
     unpack_stored,
 )
 from loraplex.adapters.registry import Registration
 from loraplex.adapters.slot_image import SlotImage, read_new_slot_image, read_slot_image
 from loraplex.adapters.spec import BaseModelSpec
+from loraplex.adapters.tensor_file import SAFETENSORS_NAME, StoredTensor
 
 
 @dataclass(frozen=True)
@@ -282,7 +281,7 @@ class AdapterLoader:
                 # path uses the registration's layout and header (a full read parses its own).
                 layout = None if packed_layout is None else unpack_layout(packed_layout)
                 stored = (unpack_stored(packed_stored) if packed_stored is not None
-                          else stored_tensors(Path(path) / SAFETENSORS_NAME))
+                          else tensor_file.stored_tensors(Path(path) / SAFETENSORS_NAME))
                 image = self._read_declared(path, version_id, layout, check_finite=False, stored=stored)
                 if adapter_files_signature(path) == before:
                     return _Read(image, before, stored)

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loraplex.adapters import tensor_file
 from loraplex.adapters.adapter import AdapterInfo, LoRAAdapter, LoRAWeight, VocabWeights
 from loraplex.adapters.errors import (
     AdapterFormatError,
@@ -64,14 +65,16 @@ from loraplex.adapters.spec import LORA_MODULE_NAMES, MODULE_PARENT, BaseModelSp
 from loraplex.adapters.tensor_file import (
     SAFETENSORS_NAME,
     STORED_DTYPES,
+    FileIdentity,
     Stacked,
     StoredTensor,
-    FileIdentity,
     TensorData,
+    check_listed,
+    check_same_file,
+    check_same_header,
     file_identity,
     read_tensor_data,
     scatter_rows,
-    stored_tensors,
 )
 
 logger = logging.getLogger(__name__)
@@ -189,6 +192,26 @@ def unpack_stored(packed: tuple) -> dict[str, StoredTensor]:
     return {name: StoredTensor(dtype, shape, offset_bytes, nbytes) for name, dtype, shape, offset_bytes, nbytes in packed}
 
 
+def checked_shapes(layout: AdapterLayout, spec: BaseModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of ``layout`` (lora_A, lora_B and DoRA magnitude per module of ``layout.modules`` then
+    ``layout.vocab_lora``, then the ``modules_to_save`` copies) with the shape its checks required, as
+    ``(name, shape)`` for ``tensor_file.check_listed``."""
+    vocab = spec.vocab_size or 0
+    expected: list[tuple[str, tuple[int, ...]]] = []
+    for plan in layout.modules + layout.vocab_lora:
+        if plan.layer >= 0:
+            in_features, out_features = spec.module_shapes[plan.module]
+        else:
+            in_features, out_features = ((vocab, spec.hidden_size) if plan.module == "embed_tokens"
+                                         else (spec.hidden_size, vocab))
+        rank = plan.hyper.rank
+        expected += [(plan.a_name, (rank, in_features)), (plan.b_name, (out_features, rank))]
+        if plan.magnitude_name is not None:
+            expected.append((plan.magnitude_name, (out_features,)))
+    expected += [(name, (vocab, spec.hidden_size)) for _, name in layout.full_modules]
+    return expected
+
+
 def inspect_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterLayout:
     """Run every check of ``load_peft_adapter`` that needs no tensor data, reading only
     ``adapter_config.json`` and the safetensors header (names, dtypes, shapes).
@@ -206,13 +229,13 @@ def inspect_peft_tensors(
     the weights file's identity (``file_identity``) taken before its header was read, for ``read_peft_tensors``.
 
     Raises what ``inspect_peft_adapter`` raises, and ``AdapterFormatError`` when the header parsed for the
-    places does not list the tensors (names, dtypes, shapes) checked (the file was rewritten in between).
+    places does not list the tensors (names, dtypes, shapes) checked (the file was rewritten in between:
+    ``check_same_header``).
     """
     identity = file_identity(Path(path) / SAFETENSORS_NAME)
     layout, header = _inspect(path, spec, max_lora_rank)
-    stored = stored_tensors(Path(layout.path) / SAFETENSORS_NAME)
-    if {name: (ref.dtype, ref.shape) for name, ref in stored.items()} != header:
-        raise AdapterFormatError(f"{SAFETENSORS_NAME}: changed while it was read (its header is not the one checked)")
+    stored = tensor_file.stored_tensors(Path(layout.path) / SAFETENSORS_NAME)
+    check_same_header(stored, header)
     return layout, stored, identity
 
 
@@ -225,11 +248,12 @@ def read_peft_tensors(layout: AdapterLayout, stored: dict[str, StoredTensor], id
     The header and the data are read through two opens of the file: a file replaced or rewritten in between
     (``os.replace`` of a same-size file with its tensors in another order) would give tensors at the old
     header's offsets in the new file's bytes. So the file's identity after the read must be the one taken before
-    its header was read. Raises ``AdapterFormatError`` (unreadable, truncated, changed while read)."""
+    its header was read (``check_same_file``). Raises ``AdapterFormatError`` (a byte count that does not match
+    its shape: ``check_listed``; unreadable, truncated, changed while read)."""
     path = Path(layout.path) / SAFETENSORS_NAME
+    check_listed(stored, ((name, None) for name in stored))
     data = read_tensor_data(path, stored, list(stored), into=into)
-    if identity is None or file_identity(path) != identity:
-        raise AdapterFormatError(f"{SAFETENSORS_NAME}: changed while it was read (replaced or rewritten)")
+    check_same_file(path, identity)
     return data
 
 

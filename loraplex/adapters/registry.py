@@ -15,12 +15,12 @@ from loraplex.adapters.lora_request import LoRARequest
 from loraplex.adapters.peft_format import (
     AdapterLayout,
     FileSignature,
-    StoredTensor,
     pack_layout,
     pack_stored,
     unpack_layout,
     unpack_stored,
 )
+from loraplex.adapters.tensor_file import StoredTensor
 
 
 @dataclass

@@ -38,21 +38,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loraplex.adapters import tensor_file
 from loraplex.adapters.adapter import LoRAAdapter, LoRAWeight
 from loraplex.adapters.errors import AdapterFormatError
 from loraplex.adapters.peft_format import (
-    SAFETENSORS_NAME,
     AdapterLayout,
     ModuleGroup,
-    StoredTensor,
     check_tensor_data,
+    checked_shapes,
     inspect_peft_tensors,
     module_groups,
     read_peft_tensors,
-    stored_tensors,
 )
 from loraplex.adapters.spec import BaseModelSpec
-from loraplex.adapters.tensor_file import STORED_DTYPES, TensorData, read_tensor_data, scatter_rows
+from loraplex.adapters.tensor_file import (
+    SAFETENSORS_NAME,
+    STORED_DTYPES,
+    StoredTensor,
+    TensorData,
+    check_listed,
+    read_tensor_data,
+    scatter_rows,
+)
 
 ModuleKey = tuple[int, str]  # (layer index, module name)
 Allocate = Callable[[int, torch.dtype], torch.Tensor]  # (numel, dtype) -> uninitialised [numel] host tensor
@@ -233,13 +240,12 @@ def read_slot_image(
     to ``dtype``, e.g. fp32 70000 into float16).
     """
     path = Path(layout.path) / SAFETENSORS_NAME
-    stored = stored if stored is not None else stored_tensors(path)
-    _check_stored(layout, stored, spec)
+    stored = stored if stored is not None else tensor_file.stored_tensors(path)
+    expected = checked_shapes(layout, spec)
+    check_listed(stored, expected)  # a header kept from an earlier read, or parsed again here
     target = _target(layout, spec, max_rank, dtype, allocate, pin_memory, page_rows)
     verbatim = _verbatim_buffer(layout, stored, target)
-    names = [name for plan in layout.modules + layout.vocab_lora
-             for name in (plan.a_name, plan.b_name, plan.magnitude_name) if name is not None]
-    data = read_tensor_data(path, stored, names + [name for _, name in layout.full_modules], into=verbatim)
+    data = read_tensor_data(path, stored, [name for name, _ in expected], into=verbatim)
     # A verbatim image needs no stacked copy of the factors (for a 16.8 MB adapter it took 2.4 of a 4.8 ms
     # re-read on a 2-core CPU), only of DoRA magnitudes when there are some.
     needs_groups = verbatim is None or any(plan.magnitude_name is not None for plan in layout.modules)
@@ -369,33 +375,13 @@ def _verbatim_buffer(layout: AdapterLayout, stored: dict[str, StoredTensor],
     return start, target.allocate((end - start) // target.dtype.itemsize, target.dtype)
 
 
-def _check_stored(layout: AdapterLayout, stored: dict[str, StoredTensor], spec: BaseModelSpec) -> None:
-    """The header still lists every tensor of ``layout`` in the shape checked (a header kept from an earlier
-    read, or parsed again here). Raises ``AdapterFormatError`` naming the first that differs."""
-    vocab = spec.vocab_size or 0
-    expected: list[tuple[str | None, tuple[int, ...]]] = []
-    for plan in layout.modules + layout.vocab_lora:
-        if plan.layer >= 0:
-            in_features, out_features = spec.module_shapes[plan.module]
-        else:
-            in_features, out_features = ((vocab, spec.hidden_size) if plan.module == "embed_tokens"
-                                         else (spec.hidden_size, vocab))
-        rank = plan.hyper.rank
-        expected += [(plan.a_name, (rank, in_features)), (plan.b_name, (out_features, rank)),
-                     (plan.magnitude_name, (out_features,))]
-    expected += [(name, (vocab, spec.hidden_size)) for _, name in layout.full_modules]
-    for name, shape in expected:
-        if name is not None and (name not in stored or stored[name].shape != shape):
-            raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} changed since it was checked")
-
-
 def _image(layout: AdapterLayout, modules: tuple[ModuleGroup, ...], vocab: tuple[ModuleGroup, ...], data: TensorData,
            target: _Target, version_id: str, verbatim: tuple[int, torch.Tensor] | None, *,
            check_finite: bool) -> SlotImage:
     """The image of ``layout`` from its tensors read into ``data`` (``verbatim``: the data span that is the
     image) and stacked (``modules``, ``vocab``): lora_A / lora_B laid out, DoRA magnitudes, scalings, and the
-    vocabulary parts. Raises ``AdapterFormatError`` for a NaN/Inf in ``dtype`` (``check_finite``), in a DoRA
-    magnitude as float32, or a file that changed since ``layout`` was checked."""
+    vocabulary parts. Raises ``AdapterFormatError`` for a NaN/Inf in ``dtype`` (``check_finite``) or in a DoRA
+    magnitude as float32."""
     spec, dtype = target.spec, target.dtype
     scaling = _scaling_table(layout, spec)
     if verbatim is not None:
@@ -436,16 +422,15 @@ def _scaling_table(layout: AdapterLayout, spec: BaseModelSpec) -> torch.Tensor:
 def _verbatim_image(layout: AdapterLayout, stored: dict[str, StoredTensor], verbatim: tuple[int, torch.Tensor],
                     target: _Target, version_id: str, scaling: torch.Tensor) -> SlotImage:
     """The image whose buffer holds the file's bytes from offset ``verbatim[0]`` on; module offsets from the
-    header."""
+    header ``stored``. Raises nothing: every lora_A / lora_B of ``stored`` is ``[R, in]`` / ``[out, R]``
+    (``check_listed`` against ``checked_shapes``, or ``check_same_header`` on a first read; every rank is R:
+    ``_is_verbatim``), stored in the slot dtype (``_is_verbatim``) with a byte count that matches its shape
+    (``check_listed``)."""
     spec, max_rank, dtype = target.spec, target.max_rank, target.dtype
     start, data = verbatim
     offsets = {}
     for plan in layout.modules:
         a, b = stored[plan.a_name], stored[plan.b_name]
-        in_features, out_features = spec.module_shapes[plan.module]
-        expected = max_rank * in_features * dtype.itemsize, out_features * max_rank * dtype.itemsize
-        if (a.shape, b.shape) != ((max_rank, in_features), (out_features, max_rank)) or (a.nbytes, b.nbytes) != expected:
-            raise AdapterFormatError(f"tensor {plan.a_name!r}: {SAFETENSORS_NAME} changed since it was checked")
         offsets[(plan.layer, plan.module)] = ((a.offset_bytes - start) // dtype.itemsize,
                                               (b.offset_bytes - start) // dtype.itemsize)
     return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes),

@@ -66,6 +66,52 @@ def file_identity(path: str | os.PathLike[str]) -> FileIdentity | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+# -- whether the file changed since its header was checked: decided here, for every read --------------------
+# ``peft_format`` checks a header (names, dtypes, shapes) parsed through another open of the file than the data
+# read: a first read compares the header it parses for the places with the one checked (``check_same_header``)
+# and the file's identity before the check with the one after the data read (``check_same_file``); a re-read
+# compares a header kept from an earlier read (or parsed again) with the layout's shapes (``check_listed``).
+
+
+def check_same_file(path: str | os.PathLike[str], identity: FileIdentity | None) -> None:
+    """The file ``path`` is the one whose ``file_identity`` was ``identity`` (not replaced or rewritten since).
+    Raises ``AdapterFormatError`` otherwise, or when either could not be stat'ed."""
+    if identity is None or file_identity(path) != identity:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: changed while it was read (replaced or rewritten)")
+
+
+def check_same_header(stored: dict[str, StoredTensor], header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """``stored`` (``stored_tensors``) lists exactly the tensors of ``header`` (name -> (dtype, shape), the
+    header checked, parsed through another open of the file). Raises ``AdapterFormatError`` otherwise."""
+    if {name: (ref.dtype, ref.shape) for name, ref in stored.items()} != header:
+        raise AdapterFormatError(f"{SAFETENSORS_NAME}: changed while it was read (its header is not the one checked)")
+
+
+def check_listed(stored: dict[str, StoredTensor], expected: Iterable[tuple[str, tuple[int, ...] | None]]) -> None:
+    """``stored`` (a header parsed again, or kept from an earlier read) still lists each tensor ``(name, shape)``
+    of ``expected`` as it was checked, and ``read_tensor_data`` can read them: first, every one is listed in
+    ``shape`` (None: any shape); then, in the same order, each is a float of ``STORED_DTYPES`` whose byte count
+    matches its shape.
+
+    Raises ``AdapterFormatError`` naming the first tensor that is missing, of another shape or not a float
+    (``changed since it was checked``), or whose byte count does not match its shape.
+    """
+    expected = list(expected)
+    for name, shape in expected:
+        if name not in stored or (shape is not None and stored[name].shape != shape):
+            raise _changed(name)
+    for name, _ in expected:
+        ref = stored[name]
+        if ref.dtype not in STORED_DTYPES:
+            raise _changed(name)
+        if ref.nbytes != math.prod(ref.shape) * STORED_DTYPES[ref.dtype].itemsize:
+            raise AdapterFormatError(f"tensor {name!r}: {ref.nbytes} bytes stored for shape {list(ref.shape)}")
+
+
+def _changed(name: str) -> AdapterFormatError:
+    return AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} changed since it was checked")
+
+
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 
@@ -235,26 +281,19 @@ def scatter_rows(buffer: np.ndarray, offsets: list[int], rows: np.ndarray) -> No
 
 def read_tensor_data(path: str | os.PathLike[str], stored: dict[str, StoredTensor], names: Iterable[str], *,
                      into: tuple[int, torch.Tensor] | None = None) -> TensorData:
-    """Read tensors ``names`` of the safetensors file ``path`` (``stored``: its header, ``stored_tensors``):
-    tensors that touch in the file form one run, read by one ``pread_exact`` into a new buffer.
+    """Read tensors ``names`` of the safetensors file ``path`` (``stored``: its header, ``stored_tensors``; the
+    entries of ``names`` passed ``check_listed``): tensors that touch in the file form one run, read by one
+    ``pread_exact`` into a new buffer.
 
     ``into``: ``(offset_bytes, buffer)``, a 1-D contiguous CPU tensor that receives the file's bytes
     ``[offset_bytes, offset_bytes + buffer.nbytes)`` (e.g. a slot image that is the file's data verbatim);
     the tensors of ``names`` inside that range are held there.
 
-    Raises ``AdapterFormatError`` naming the tensor when one is missing from ``stored`` or not a float of
-    ``STORED_DTYPES``, when its byte count does not match its shape, when a tensor straddles the edge of
-    ``into``, or when the file cannot be opened or ends early (truncated).
+    Raises ``AdapterFormatError`` naming the tensor when a tensor straddles the edge of ``into``, or when the
+    file cannot be opened or ends early (truncated).
     """
-    spans = []
-    for name in names:
-        ref = stored.get(name)
-        if ref is None or ref.dtype not in STORED_DTYPES:
-            raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} changed since it was checked")
-        if ref.nbytes != math.prod(ref.shape) * STORED_DTYPES[ref.dtype].itemsize:
-            raise AdapterFormatError(f"tensor {name!r}: {ref.nbytes} bytes stored for shape {list(ref.shape)}")
-        spans.append((ref.offset_bytes, ref.offset_bytes + ref.nbytes, name))
-    spans.sort()
+    spans = sorted((stored[name].offset_bytes, stored[name].offset_bytes + stored[name].nbytes, name)
+                   for name in names)
     low, high = (into[0], into[0] + into[1].numel() * into[1].element_size()) if into is not None else (-1, -1)
     inside: list[str] = []
     runs: list[list[Any]] = []  # [start, end, names] of the tensors outside ``into``
@@ -262,7 +301,7 @@ def read_tensor_data(path: str | os.PathLike[str], stored: dict[str, StoredTenso
         if low <= begin and end <= high:
             inside.append(name)
         elif end > low and begin < high:  # straddles an edge of ``into``
-            raise AdapterFormatError(f"tensor {name!r}: {SAFETENSORS_NAME} changed since it was checked")
+            raise _changed(name)
         elif runs and runs[-1][1] == begin:
             runs[-1][1] = end
             runs[-1][2].append(name)

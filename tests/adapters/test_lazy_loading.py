@@ -29,7 +29,7 @@ from loraplex.adapters import (
     peft_format,
 )
 from loraplex.adapters.lora_request import LoRARequest
-from loraplex.adapters import loader, slot_image
+from loraplex.adapters import loader, tensor_file
 
 SPEC = BaseModelSpec(
     num_layers=2,
@@ -426,11 +426,8 @@ def test_verified_rereads_reuse_the_parsed_header_until_the_files_change(make_ad
     reuse it, and once the files change the read parses it again."""
     made = make_adapters(2)  # (load_peft_adapter computes the declared ids: not counted)
     parses = []
-    real = slot_image.stored_tensors
-    counting = lambda path: parses.append(str(path)) or real(path)  # noqa: E731
-    monkeypatch.setattr(slot_image, "stored_tensors", counting)
-    monkeypatch.setattr(loader, "stored_tensors", counting)
-    monkeypatch.setattr(peft_format, "stored_tensors", counting)  # a first read parses it with the config checks
+    real = tensor_file.stored_tensors
+    monkeypatch.setattr(tensor_file, "stored_tensors", lambda path: parses.append(str(path)) or real(path))
     pool = make_pool(max_loras=1, max_cpu_loras=1)
     for request, _ in made:
         pool.add_lora(request)

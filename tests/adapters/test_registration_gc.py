@@ -15,10 +15,10 @@ from loraplex.adapters.peft_format import (
     load_peft_adapter,
     pack_layout,
     pack_stored,
-    stored_tensors,
     unpack_layout,
     unpack_stored,
 )
+from loraplex.adapters.tensor_file import stored_tensors
 from loraplex.adapters.slot_pool import LoRASlotPool
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
