@@ -267,11 +267,15 @@ def _adapter_upload(args: argparse.Namespace) -> int:
 
 def _open_parts(path: Path):
     """The upload parts of a folder (its two PEFT files) or of one archive file."""
-    from loraplex.platform.services.uploads import CONFIG_NAME, WEIGHTS_NAME, UploadPart
+    from loraplex.platform.services.uploads import CONFIG_NAME, PICKLE_SUFFIXES, WEIGHTS_NAME, UploadPart
 
     if not path.exists():
         raise ValueError(f"path {str(path)!r} does not exist")
     if path.is_dir():
+        pickled = sorted(f.name for f in path.iterdir() if f.name.lower().endswith(PICKLE_SUFFIXES))
+        if pickled and not (path / WEIGHTS_NAME).is_file():  # as the REST upload says it
+            raise ValueError(f"{str(path / pickled[0])!r}: pickle weights are refused; upload {WEIGHTS_NAME} "
+                             "(safetensors only)")
         files = [(path / CONFIG_NAME, "application/json"), (path / WEIGHTS_NAME, "application/octet-stream")]
     else:
         files = [(path, "application/octet-stream")]

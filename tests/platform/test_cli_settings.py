@@ -177,6 +177,14 @@ def test_tenant_key_and_adapter_commands(capsys, tmp_path, tiny_llama_dir):
     assert cli.main(["adapter", "upload", "acme", "poet", str(tmp_path / "missing"), "--model",
                      str(tiny_llama_dir), *common]) == 2
     assert "does not exist" in capsys.readouterr().err
+    pickled = tmp_path / "pickled"  # a PEFT folder saved with safe_serialization=False
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
+    (pickled / "adapter_model.bin").write_bytes(b"not read")
+    assert cli.main(["adapter", "upload", "acme", "poet", str(pickled), "--model", str(tiny_llama_dir),
+                     *common]) == 2
+    assert ("adapter_model.bin': pickle weights are refused; upload adapter_model.safetensors (safetensors only)"
+            in capsys.readouterr().err)
     assert cli.main(["adapter", "upload", "acme", "poet", str(adapter), "--model", str(tiny_llama_dir),
                      "--max-lora-rank", "2", *common]) == 2
     assert "max_lora_rank=2" in capsys.readouterr().err
