@@ -564,11 +564,33 @@ def register_adapters(ctx, folders: list[Path], tenant_keys: list[tuple[str, str
 
 def engine_counters(ctx) -> dict[str, int]:
     """Cumulative engine counters from the latest stats snapshot."""
-    stats = ctx.engine.stats_dict() or {}
+    return counters_of(ctx.engine.stats_dict() or {})
+
+
+def counters_of(stats: dict[str, Any]) -> dict[str, int]:
+    """The cumulative engine counters of one stats snapshot (``stats_dict``)."""
     lora = stats.get("lora") or {}
     out = {k: stats.get(k, 0) for k in ("num_preemptions", "generated_tokens_total", "prompt_tokens_total")}
     out.update({k: lora.get(k, 0) for k in ("disk_loads", "slot_loads", "slot_evictions", "cpu_evictions")})
     return out
+
+
+def settled_engine_counters(ctx, before: dict[str, int], results: list, timeout_s: float = 10.0) -> dict[str, int]:
+    """``engine_counters`` once the latest snapshot shows the engine idle and at least the tokens the clients
+    received since ``before`` (``results``' completion tokens), or after ``timeout_s``. A request's last output
+    reaches its client before the gateway's reader thread takes the snapshot sent after it (the engine process
+    sends it just behind the outputs): read at once, a burst's last tokens could be counted in the next window
+    (CI: a burst of 128 read 8,137 of 8,192 tokens, the next rate 2,615 of 2,560)."""
+    received = sum(r.completion_tokens for r in results if r.ok)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ctx.engine.stats_dict() or {}
+        counters = counters_of(stats)
+        idle = stats.get("num_running", 0) + stats.get("num_waiting", 0) == 0
+        if (idle and counters["generated_tokens_total"] - before.get("generated_tokens_total", 0) >= received) \
+                or time.monotonic() >= deadline:
+            return counters
+        time.sleep(0.01)
 
 
 def counter_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -629,7 +651,7 @@ def warm_up(pool, served: Served, w: Workload, profile: Profile) -> list[dict[st
         row = summarize_rate(math.inf, results)
         rows.append({"burst": size, "wall_s": time.perf_counter() - t0, "errors": row["error_examples"],
                      "ttft_ms_p50": row["ttft_ms"]["p50"], "itl_ms_p50": row["itl_ms"]["p50"],
-                     "engine": counter_delta(engine_counters(served.ctx), before),
+                     "engine": counter_delta(settled_engine_counters(served.ctx, before, results), before),
                      "requests_by_target": row["requests_by_target"]})
         print(f"[warm-up] burst of {size}: {rows[-1]['wall_s']:.1f} s, TTFT p50 {row['ttft_ms']['p50']:.0f} ms, "
               f"ITL p50 {row['itl_ms']['p50']:.1f} ms, engine {rows[-1]['engine']}", flush=True)
@@ -666,7 +688,7 @@ def measure_rates(pool, served: Served, w: Workload, profile: Profile, rates: tu
             print(f"[rate {rate:g}/s] server threads, sampled every {1e3 * sampler.interval_s:g} ms:\n"
                   + format_report(row["stack_profile"], SERVER_THREADS, top=20), flush=True)
         row["wall_s"] = time.perf_counter() - t0
-        row["engine"] = counter_delta(engine_counters(served.ctx), before)
+        row["engine"] = counter_delta(settled_engine_counters(served.ctx, before, results), before)
         rows.append(row)
         print(f"[rate {rate:g}/s] "
               f"{json.dumps({k: v for k, v in row.items() if k not in ('requests_by_target', 'stack_profile')})}",

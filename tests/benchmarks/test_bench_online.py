@@ -256,3 +256,28 @@ def test_online_wheels_cover_every_module_level_import_of_the_benchmark():
                             missing[dist] = str(path)
     assert "fastapi" in listed and "torch" in provided  # the parse found both lists
     assert not missing, f"imported at module level but neither in online_wheels.txt nor on the image: {missing}"
+
+
+def test_engine_counters_wait_for_the_snapshot_sent_behind_the_last_outputs():
+    """A window's engine counters are read once the gateway holds a snapshot of the idle engine with at least the
+    tokens its clients received: the clients see a request's last output before the reader thread takes the
+    snapshot sent after it (CI: a burst's last 55 tokens were counted in the next rate's window)."""
+    def snapshot(generated: int, running: int) -> dict:
+        return {"num_running": running, "num_waiting": 0, "generated_tokens_total": generated,
+                "prompt_tokens_total": 0, "num_preemptions": 0, "lora": {}}
+
+    # what the gateway holds at each read: a busy snapshot, the idle one of before the window, then the fresh one
+    held = [snapshot(50, 3), snapshot(40, 0), snapshot(40, 0), snapshot(52, 0)]
+
+    class Engine:
+        def stats_dict(self):
+            return held.pop(0) if len(held) > 1 else held[0]
+
+    ctx = type("Ctx", (), {"engine": Engine()})()
+    before = {"generated_tokens_total": 40}
+    results = [_result(0.1, [0.01] * 5, tokens=6), _result(0.1, [0.01] * 5, tokens=6), _result(0.1, [], error="x")]
+    after = bo.settled_engine_counters(ctx, before, results, timeout_s=30.0)
+    assert after["generated_tokens_total"] == 52 and held == [snapshot(52, 0)]
+    # without the fresh snapshot it gives up after its timeout with what there is
+    held[:] = [snapshot(40, 0)]
+    assert bo.settled_engine_counters(ctx, before, results, timeout_s=0.0)["generated_tokens_total"] == 40
