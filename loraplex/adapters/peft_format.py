@@ -196,20 +196,25 @@ def checked_shapes(layout: AdapterLayout, spec: BaseModelSpec) -> list[tuple[str
     """Every tensor of ``layout`` (lora_A, lora_B and DoRA magnitude per module of ``layout.modules`` then
     ``layout.vocab_lora``, then the ``modules_to_save`` copies) with the shape its checks required, as
     ``(name, shape)`` for ``tensor_file.check_listed``."""
-    vocab = spec.vocab_size or 0
     expected: list[tuple[str, tuple[int, ...]]] = []
     for plan in layout.modules + layout.vocab_lora:
-        if plan.layer >= 0:
-            in_features, out_features = spec.module_shapes[plan.module]
-        else:
-            in_features, out_features = ((vocab, spec.hidden_size) if plan.module == "embed_tokens"
-                                         else (spec.hidden_size, vocab))
+        in_features, out_features = _features(plan.module, spec)
         rank = plan.hyper.rank
         expected += [(plan.a_name, (rank, in_features)), (plan.b_name, (out_features, rank))]
         if plan.magnitude_name is not None:
             expected.append((plan.magnitude_name, (out_features,)))
-    expected += [(name, (vocab, spec.hidden_size)) for _, name in layout.full_modules]
+    expected += [(name, (spec.vocab_size, spec.hidden_size)) for _, name in layout.full_modules]
     return expected
+
+
+def _features(module: str, spec: BaseModelSpec) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a LoRA'd module: a decoder projection's from ``spec.module_shapes``,
+    ``embed_tokens`` ``(vocab_size, hidden_size)``, ``lm_head`` ``(hidden_size, vocab_size)``."""
+    if module == "embed_tokens":
+        return spec.vocab_size, spec.hidden_size
+    if module == "lm_head":
+        return spec.hidden_size, spec.vocab_size
+    return spec.module_shapes[module]
 
 
 def inspect_peft_adapter(path: str | os.PathLike[str], spec: BaseModelSpec, max_lora_rank: int) -> AdapterLayout:
@@ -479,8 +484,7 @@ def _plan_vocab_lora(
     module = a.module
     assert module is not None and spec.vocab_size is not None
     hyper = _targeted_hyperparams(a, config.targets_vocab(module), config, max_lora_rank)
-    in_features, out_features = ((spec.vocab_size, spec.hidden_size) if module == "embed_tokens"
-                                 else (spec.hidden_size, spec.vocab_size))
+    in_features, out_features = _features(module, spec)
     _check_tensor(a, (hyper.rank, in_features), rank_dim=0, hyper=hyper, spec=spec)
     _check_tensor(b, (out_features, hyper.rank), rank_dim=1, hyper=hyper, spec=spec)
     return _ModulePlan(layer=-1, module=module, a_name=a.name, b_name=b.name, hyper=hyper)
@@ -713,7 +717,7 @@ def _plan_module(
 ) -> _ModulePlan:
     assert a.layer is not None and a.module is not None  # _check_mapped ran
     hyper = _targeted_hyperparams(a, config.targets(a.module_key, a.layer), config, max_lora_rank)
-    in_features, out_features = spec.module_shapes[a.module]
+    in_features, out_features = _features(a.module, spec)
     _check_tensor(a, (hyper.rank, in_features), rank_dim=0, hyper=hyper, spec=spec)
     _check_tensor(b, (out_features, hyper.rank), rank_dim=1, hyper=hyper, spec=spec)
     _check_magnitude(a, magnitude, config, out_features)

@@ -444,12 +444,7 @@ def _image_from_groups(layout: AdapterLayout, groups: tuple[ModuleGroup, ...], t
     the stack already is that), then each module's two regions copied to their places in the buffer by two numpy
     calls per group (no tensor per module)."""
     spec, max_rank, dtype, step = target.spec, target.max_rank, target.dtype, target.page_rows
-    offsets: dict[ModuleKey, tuple[int, int]] = {}
-    numel = 0
-    for key in _ordered([(plan.layer, plan.module) for plan in layout.modules], spec.module_shapes):
-        in_features, out_features = spec.module_shapes[key[1]]
-        offsets[key] = (numel, numel + max_rank * in_features)
-        numel += max_rank * (in_features + out_features)
+    offsets, numel = _padded_offsets([(plan.layer, plan.module) for plan in layout.modules], spec, max_rank)
     data = target.allocate(numel, dtype)
     image_bytes = data.view(torch.uint8).numpy() if groups else None
     for group in groups:
@@ -507,17 +502,25 @@ def _empty_image(
 ) -> SlotImage:
     """An image of rank ``max_rank`` (pages of ``page_rows``) for the modules in ``ranks``; zero-filled only if
     some module needs rank padding."""
-    offsets: dict[ModuleKey, tuple[int, int]] = {}
-    numel = 0
-    for key in _ordered(ranks, spec.module_shapes):
-        in_features, out_features = spec.module_shapes[key[1]]
-        offsets[key] = (numel, numel + max_rank * in_features)
-        numel += max_rank * (in_features + out_features)
+    offsets, numel = _padded_offsets(ranks, spec, max_rank)
     data = allocate(numel, dtype)
     if any(rank != max_rank for rank in ranks.values()):
         data.zero_()
     scaling = torch.zeros(spec.num_layers, len(spec.module_shapes), dtype=torch.float32)
     return SlotImage(version_id, max_rank, data, offsets, scaling, dict(spec.module_shapes), page_rows=page_rows)
+
+
+def _padded_offsets(keys: Iterable[ModuleKey], spec: BaseModelSpec,
+                    max_rank: int) -> tuple[dict[ModuleKey, tuple[int, int]], int]:
+    """The layout of an image padded to rank ``max_rank`` for the modules ``keys``: per module (by layer, then
+    module order) the element offsets of its ``[R, in]`` A and its B pages, back to back; and the total numel."""
+    offsets: dict[ModuleKey, tuple[int, int]] = {}
+    numel = 0
+    for key in _ordered(keys, spec.module_shapes):
+        in_features, out_features = spec.module_shapes[key[1]]
+        offsets[key] = (numel, numel + max_rank * in_features)
+        numel += max_rank * (in_features + out_features)
+    return offsets, numel
 
 
 def _ordered(keys: Iterable[ModuleKey], module_order: Iterable[str]) -> list[ModuleKey]:
