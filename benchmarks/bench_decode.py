@@ -146,7 +146,8 @@ def kind_adapter_bytes(config: dict, kind: str, rank: int = RANK, itemsize: int 
 
 
 def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw: dict,
-          quantization: str | None = None, kinds: tuple[str, ...] = KINDS, page_rows: int = 16) -> LLM:
+          quantization: str | None = None, kinds: tuple[str, ...] = KINDS, page_rows: int = 16,
+          fold_shrink: str = "auto") -> LLM:
     """The engine of a run; with ``mixed-ranks`` among ``kinds`` its pool takes ranks up to 64 in pages of
     ``page_rows`` rows (every kind of the run shares that pool)."""
     adapters = sum(ADAPTER_KINDS[k][0] for k in kinds if k in ADAPTER_KINDS)
@@ -154,7 +155,7 @@ def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw
     max_rank = max(MIXED_RANKS) if "mixed-ranks" in kinds else RANK
     return LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len, gpu_memory_utilization=0.85,
                quantization=quantization, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=max_rank,
-               lora_page_rows=page_rows,
+               lora_page_rows=page_rows, lora_fold_shrink=fold_shrink,
                max_cpu_loras=max(2 * NUM_ADAPTERS, adapters), max_full_module_slots=full_slots,
                max_num_seqs=256, max_num_batched_tokens=8192, async_scheduling=async_scheduling, **device_kw)
 
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "types: DoRA, LoRA on embed_tokens + lm_head, an lm_head modules_to_save copy)")
     ap.add_argument("--lora-page-rows", type=int, default=16,
                     help="rank rows per adapter weight page (mixed-ranks: 8 gives every rank its own bytes)")
+    ap.add_argument("--lora-fold-shrink", default="auto", choices=["auto", "on", "off"],
+                    help="EngineConfig.lora_fold_shrink (the LoRA shrink in the base GEMM)")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
@@ -274,14 +277,14 @@ def main(argv: list[str] | None = None) -> dict:
                    for k in kinds if k in ADAPTER_KINDS}
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
-              "quantization": args.quantization,
+              "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1
     mean_ctx = PROMPT_LEN + args.out_len / 2
     for mode in args.async_modes.split(","):
         llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization, kinds,
-                    args.lora_page_rows)
+                    args.lora_page_rows, args.lora_fold_shrink)
         for kind_adapters in adapters_of.values():
             for a in kind_adapters:
                 llm.engine.preload_lora(a)

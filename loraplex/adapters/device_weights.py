@@ -204,6 +204,21 @@ class LoRADeviceWeights:
         ``start..stop`` of ``W [out_features, in_features]`` on this device (dequantized if stored in FP8)."""
         self._base_weight = rows
 
+    def replace_a(self, layer: int, module: str, storage: torch.Tensor) -> None:
+        """Hold the A pages of ``(layer, module)`` in ``storage`` from now on (``[num_pages, page_rows, in]``, the
+        pool's dtype and device; e.g. a view into a linear's folded base weight, ``LinearWithLoRA.fold_lora_a``),
+        the current pages copied into it.
+
+        Raises ``ValueError`` for another shape, dtype or device."""
+        current = self.a[layer][module]
+        if storage.shape != current.shape or storage.dtype != current.dtype or storage.device != current.device:
+            raise ValueError(f"LoRADeviceWeights.replace_a({layer}, {module!r}): storage {tuple(storage.shape)} "
+                             f"{storage.dtype} on {storage.device}, expected {tuple(current.shape)} {current.dtype} "
+                             f"on {current.device}")
+        if storage.data_ptr() != current.data_ptr():
+            storage.copy_(current)
+        self.a[layer][module] = storage
+
     def check_dora(self, lora_name: str) -> None:
         """Raise ``AdapterUnsupportedError`` unless DoRA adapters can be installed here (base weights bound)."""
         if self._base_weight is None:

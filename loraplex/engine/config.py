@@ -143,6 +143,15 @@ class EngineConfig:
     (benchmarks/RESULTS.md, session 14). A linear the engine computes fused is served whole (q_proj serves k_proj
     and v_proj too; gate_proj serves up_proj). Adapters on another module are refused at upload and at load, the
     setting named (as SGLang's --lora-target-modules). A name this model has no LoRA for is refused at start."""
+    lora_fold_shrink: Literal["auto", "on", "off"] = "auto"
+    """Where a LoRA'd linear computes its shrink (x @ A.T) at steps of at most 256 tokens: on = in its base GEMM,
+    over every slot's A (one cuBLAS GEMM over the weight and the pool's A rows, whose extra columns the expand
+    reads; one launch fewer per linear, the bytes of every slot's A whatever the batch uses); off = the SGMV shrink
+    kernel over the batch's adapters; auto = on for each linear whose pool A rows are at most a quarter of its base
+    rows (on an H200, Llama-2-7B, r=16: 32 slots took a step's LoRA from 95 to 58 us per layer; a 256-slot q/v pool
+    measured no faster: benchmarks/RESULTS.md, session 17), off where that does not hold or a linear is FP8 or
+    row-parallel, or the pool pages adapters (lora_page_rows < max_lora_rank). on: needs one page per adapter,
+    no fp8 and tensor_parallel_size 1."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))
@@ -216,6 +225,11 @@ class EngineConfig:
              "is not implemented with tensor_parallel_size > 1 (embed_tokens / lm_head adapters are not sharded)"),
             (merged["lora_target_modules"] is None or merged["enable_lora"], "lora_target_modules",
              "needs enable_lora"),
+            (merged["lora_fold_shrink"] != "on" or (merged["quantization"] is None
+                                                    and merged["tensor_parallel_size"] == 1
+                                                    and merged["lora_page_rows"] >= merged["max_lora_rank"]),
+             "lora_fold_shrink", "on needs one page per adapter (lora_page_rows >= max_lora_rank), no quantization "
+             "and tensor_parallel_size 1 (the folded GEMM is the bf16/fp16/fp32 weight's, whole)"),
             (merged["max_full_module_slots"] == 0 or merged["lora_target_modules"] is None
              or bool({"embed_tokens", "lm_head"} & set(module_names(merged["lora_target_modules"]) or ())),
              "max_full_module_slots", "needs embed_tokens or lm_head in lora_target_modules (the slots hold "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoTokenizer
 
-from loraplex.engine.config import EngineConfig, served_adapter_spec
+from loraplex.engine.config import ConfigError, EngineConfig, served_adapter_spec
 from loraplex.engine.detokenizer import SequenceTextState
 from loraplex.engine.fairness import TenantServiceStats, TenantShare
 from loraplex.engine.kv_cache import KVCache, size_kv_cache
@@ -180,7 +180,10 @@ class LLMEngine:
 
         pool = LoRASlotPool(self.adapter_spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device),
                             weights=self.tp.state.lora_weights if self.tp is not None else None)
-        bind_lora(self.model, pool.weights)
+        if self.config.lora_fold_shrink == "on" and self.spec.checkpoint_quantization is not None:
+            raise ConfigError("lora_fold_shrink", "on", "is not implemented for an FP8 checkpoint (the folded GEMM "
+                              "is the bf16/fp16/fp32 weight's)")
+        bind_lora(self.model, pool.weights, self.config.lora_fold_shrink if self.tp is None else "off")
         if self.tp is None:  # DoRA installs read the base weights (refused with tensor parallelism)
             pool.weights.bind_base_weights(self.model.base_weight_rows)
         weights = pool.weights

@@ -133,6 +133,7 @@ def _lora_expand_kernel(
     stride_v_split,
     stride_v_slice,
     stride_vt,
+    stride_v_slot,
     stride_yt,
     split_k,
     HAS_RANKS: tl.constexpr,
@@ -179,14 +180,15 @@ def _lora_expand_kernel(
         # one tile of all R rank columns: v loaded once for the program's N_ITERS column tiles
         r = tl.arange(0, BLOCK_R)
         r_mask = r < rank
-        v = _load_v(v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + r[None, :],
+        wslot = slot
+        if SLOT_PAGE:
+            wslot = tl.load(page_table_ptr + slot).to(tl.int64)
+        # stride_v_slot != 0: v holds every slot's (page's) row per token (a folded shrink), this slot's is read
+        v = _load_v(v_ptr + slice_id * stride_v_slice + tok[:, None] * stride_vt + wslot * stride_v_slot + r[None, :],
                     row_mask[:, None] & r_mask[None, :], split_k, stride_v_split, BLOCK_M, BLOCK_R)
         v = v.to(B_DTYPE).to(DOT_DTYPE)
         b_base = tl.load(b_ptrs + slice_id).to(tl.pointer_type(B_DTYPE))
         offset = tl.load(slice_offsets_ptr + slice_id)
-        wslot = slot
-        if SLOT_PAGE:
-            wslot = tl.load(page_table_ptr + slot).to(tl.int64)
         for it in tl.static_range(N_ITERS):
             cols = n_first + it * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < width
@@ -225,6 +227,18 @@ def _lora_expand_kernel(
             _add_into_y(y_ptr, tok, stride_yt, offset, cols, row_mask, col_mask, acc * scale)
 
 
+def _check_slot_rows(v: torch.Tensor, lora_b: list[torch.Tensor], page_table: torch.Tensor | None) -> torch.Tensor:
+    """Checks of a ``slot_rows`` ``v`` (``[n_slices, T, S, R]``); returns its ``[n_slices, T, R]`` view of slot 0
+    for :func:`_check_args`."""
+    check_shape(_OP, "v", v, (len(lora_b), None, lora_b[0].shape[0], lora_b[0].shape[2]))
+    check_dtype(_OP, "v", v, (torch.float32, lora_b[0].dtype))
+    check_last_dim_contiguous(_OP, "v", v)
+    if multi_page(page_table):
+        raise KernelArgumentError(f"{_OP}: slot_rows takes rectangles or one page per slot, got a page table "
+                                  f"of {page_table.shape[1]} pages per slot")
+    return v[:, :, 0]
+
+
 def _check_args(
     v: torch.Tensor,
     lora_b: list[torch.Tensor],
@@ -233,11 +247,12 @@ def _check_args(
     mapping: LoRAMapping,
     ranks: torch.Tensor | None,
     page_table: torch.Tensor | None = None,
+    v_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> int:
     """Shape/dtype/device/layout checks (no tensor contents read); returns R (with pages ``max_pages * PAGE``)."""
     check_dtype(_OP, "y", y, FLOAT_DTYPES)
     check_shape(_OP, "y", y, (None, None))
-    check_dtype(_OP, "v", v, (torch.float32,))
+    check_dtype(_OP, "v", v, v_dtypes)
     # y is the layer output (B's dtype) or a float32 delta buffer.
     like = lora_b[0] if y.dtype == torch.float32 and isinstance(lora_b, (list, tuple)) and lora_b else y
     if page_table is None:
@@ -321,20 +336,29 @@ def _launch_lora_expand(
     ranks: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
     blocks: tuple[int, ...] | None = None,
+    slot_rows: bool = False,
 ) -> None:
     """Triton launch of :func:`lora_expand_ref`; ``v`` may also be ``[SPLIT, n_slices, T, R]`` partial sums.
 
     Rows of ``v`` for tokens without an adapter are never read, nor (with pages) columns ``r >= ranks[slot]``.
     ``blocks``: (BLOCK_M, BLOCK_N, N_ITERS[, num_warps[, num_stages]]) override (benchmarks sweep it).
+    ``slot_rows``: ``v`` is ``[n_slices, T, S, R]`` (float32 or B's dtype, any strides but a contiguous last
+    dim), every slot's shrink per token, as one GEMM over all slots' A gives it
+    (:data:`LORA_EXPAND_SLOT_ROWS`); token t reads ``v[i, t, slot[t]]`` (with one page per slot, the slot's page).
+    Rectangles or one page per slot only.
     """
     require_triton(_OP)
-    split = v.shape[0] if v.dim() == 4 else 1
-    v3 = v[0] if v.dim() == 4 else v
-    max_rank = _check_args(v3, lora_b, scaling, y, mapping, ranks, page_table)
+    if slot_rows:
+        v3, split = _check_slot_rows(v, lora_b, page_table), 1
+    else:
+        split = v.shape[0] if v.dim() == 4 else 1
+        v3 = v[0] if v.dim() == 4 else v
+    max_rank = _check_args(v3, lora_b, scaling, y, mapping, ranks, page_table,
+                           (torch.float32, lora_b[0].dtype) if slot_rows else (torch.float32,))
     check_last_dim_contiguous(_OP, "y", y)
     for i, s in enumerate(scaling):
         check_last_dim_contiguous(_OP, f"scaling[{i}]", s)
-    if not v.is_contiguous():
+    if not slot_rows and not v.is_contiguous():
         raise KernelArgumentError(f"{_OP}: v must be contiguous, got stride()={v.stride()}")
     if not mapping.has_lora or max_rank == 0:
         return
@@ -365,8 +389,9 @@ def _launch_lora_expand(
         max_rank,
         n_tiles,
         v.stride(0) if split > 1 else 0,
-        v3.stride(0),
-        v3.stride(1),
+        v.stride(0) if slot_rows else v3.stride(0),
+        v.stride(1) if slot_rows else v3.stride(1),
+        v.stride(2) if slot_rows else 0,
         y.stride(0),
         split,
         HAS_RANKS=ranks is not None,
@@ -450,4 +475,67 @@ LORA_EXPAND = Op(
     ":, r % PAGE])",
     reference=lora_expand_ref,
     triton=_launch_lora_expand,
+)
+
+
+def lora_expand_slot_rows_ref(
+    v: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    scaling: list[torch.Tensor],
+    y: torch.Tensor,
+    mapping: LoRAMapping,
+    *,
+    ranks: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+) -> None:
+    """SGMV expand of a shrink computed for every slot: each token reads its own slot's row of ``v``.
+
+    This is the expand of a shrink folded into the base GEMM (``y_ext = x @ [W; A_0; ...; A_{n-1}].T``, every
+    slot's A rows under W; ``loraplex.engine.models.llama.LinearWithLoRA``): the GEMM's extra columns are ``v``.
+
+    Args:
+        v: ``[n_slices, T, S, R]`` float32 or B's dtype, last dim contiguous, other strides free (a view of the
+            GEMM's output): ``v[i, t, s] = x[t] @ A_i[s].T`` (S: slots, or with a one-page ``page_table`` pages).
+        lora_b, scaling, y, mapping, ranks: as :func:`lora_expand_ref`.
+        page_table: optional ``[S, 1] int32``, one page per slot: slot s's B_i (and row of ``v``) is page
+            ``page_table[s, 0]``. Tables of several pages per slot are refused.
+
+    Raises:
+        KernelArgumentError: as :func:`lora_expand_ref`, a ``v`` of another shape or dtype, or several pages
+            per slot.
+        TritonUnavailableError: Triton backend without triton installed.
+    """
+    v3 = _check_slot_rows(v, lora_b, page_table)
+    _check_args(v3, lora_b, scaling, y, mapping, ranks, page_table, (torch.float32, lora_b[0].dtype))
+    rows = mapping.token_slots.long()  # each token's row of v: its slot, or with one page per slot its page
+    if page_table is not None:
+        rows = torch.where(rows >= 0, page_table[:, 0].long()[rows.clamp(min=0)], rows)
+    lora = (rows >= 0).nonzero().flatten()
+    picked = torch.zeros(v.shape[0], y.shape[0], v.shape[3], dtype=torch.float32, device=v.device)
+    picked[:, lora] = v[:, lora, rows[lora]].float()
+    lora_expand_ref(picked, lora_b, scaling, y, mapping, ranks=ranks, page_table=page_table)
+
+
+def _launch_lora_expand_slot_rows(
+    v: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    scaling: list[torch.Tensor],
+    y: torch.Tensor,
+    mapping: LoRAMapping,
+    *,
+    ranks: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    blocks: tuple[int, ...] | None = None,
+) -> None:
+    """Triton launch of :func:`lora_expand_slot_rows_ref` (the expand kernel reading ``v`` per slot)."""
+    _launch_lora_expand(v, lora_b, scaling, y, mapping, ranks=ranks, page_table=page_table, blocks=blocks,
+                        slot_rows=True)
+
+
+LORA_EXPAND_SLOT_ROWS = Op(
+    name="lora_expand_slot_rows",
+    semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t, s] @ B_i[s].T, s = slot[t]; nothing for s == -1 "
+    "or scaling_i[s] == 0; with one page per slot, v's row and B_i[s] are page page_table[s, 0]'s",
+    reference=lora_expand_slot_rows_ref,
+    triton=_launch_lora_expand_slot_rows,
 )

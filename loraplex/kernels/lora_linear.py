@@ -13,6 +13,12 @@ slower up to 128 tokens on an H200 (one layer, Llama-2-7B shapes: 140 vs 40 us a
 Punica (Chen et al. 2023) and S-LoRA (Sheng et al. 2023) describe the SGMV
 shrink/expand pair.
 
+A linear can instead fold the shrink into its base GEMM (``LinearWithLoRA.fold_lora_a``): one cuBLAS GEMM over
+``[W; every slot's A]`` gives the base output and every slot's shrink, and the expand reads each token's own slot's
+columns (:data:`~loraplex.kernels.lora_expand.LORA_EXPAND_SLOT_ROWS`): one launch per linear instead of two, for
+the bytes of every slot's A whatever the batch uses. :func:`fold_shrink_pays` and :data:`FOLD_MAX_TOKENS` are when
+that measured faster.
+
 The slot weights are rectangles (``[S, R, H]`` / ``[S, out_i, R]``, lower ranks zero-padded) or, with a
 ``page_table``, pages of a paged pool (``[P, PAGE, H]`` / ``[P, out_i, PAGE]``; S-LoRA's unified paging), where
 each adapter's work and memory follow its own rank. The fused kernel takes rectangles only.
@@ -32,6 +38,25 @@ from loraplex.kernels.op import Op
 
 
 _OP = "add_lora"
+
+# The shrink folded into the base GEMM, measured on an H200 (benchmarks/diag_folded_shrink.py, Llama-2-7B layer,
+# r=16, bf16, CUDA-graph replay, cold L2; RESULTS.md, session 17), LoRA us per layer over the base GEMMs, SGMV pair ->
+# folded: 32 slots (A rows 12.5% of each linear's base rows): 1 token 35.5 -> 28.4, 32 tokens x 8 adapters
+# 65.0 -> 38.9, 32 x 32 95.0 -> 58.3, 128 x 32 108.1 -> 67.7. A q/v pool of 256 slots (the fused qkv linear's A rows
+# 100% of its base rows): 32 x 32 20.8 -> 34.2, 256 x 16 34.1 -> 58.2, 256 x 256 97.6 -> 94.8.
+FOLD_MAX_LORA_ROWS_FRACTION = 0.25
+"""A linear folds its shrink (``lora_fold_shrink="auto"``) when its pool's A rows (slices x pages x rank) are at
+most this fraction of its base weight's rows."""
+FOLD_MAX_TOKENS = 256
+"""Steps of more tokens take the SGMV pair even in a folded linear (the folded GEMM's extra columns are computed
+for every token and every slot; prompt-sized steps were not measured folded)."""
+
+
+def fold_shrink_pays(base_rows: int, lora_rows: int) -> bool:
+    """Whether folding a linear's shrink into its base GEMM measured faster: ``lora_rows <=``
+    :data:`FOLD_MAX_LORA_ROWS_FRACTION` ``* base_rows`` (``base_rows``: the weight's output rows; ``lora_rows``:
+    its pool's A rows over every slice, page and rank row)."""
+    return lora_rows <= FOLD_MAX_LORA_ROWS_FRACTION * base_rows
 
 
 def _launch_add_lora(

@@ -24,7 +24,7 @@ from loraplex.kernels.activation import GELU_TANH_AND_MUL, SILU_AND_MUL
 from loraplex.kernels.attention import PAGED_ATTENTION
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.fp8_linear import FP8_LINEAR
-from loraplex.kernels.lora_expand import LORA_EXPAND
+from loraplex.kernels.lora_expand import LORA_EXPAND, LORA_EXPAND_SLOT_ROWS
 from loraplex.kernels.lora_fused import FUSED_LORA
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_shrink import LORA_SHRINK
@@ -46,6 +46,7 @@ OPS: tuple[Op, ...] = (
     GELU_TANH_AND_MUL,
     LORA_SHRINK,
     LORA_EXPAND,
+    LORA_EXPAND_SLOT_ROWS,
     ADD_LORA,
     FUSED_LORA,
     FP8_LINEAR,
@@ -80,6 +81,7 @@ class Kernels:
         self.gelu_tanh_and_mul = GELU_TANH_AND_MUL.select(backend)
         self.lora_shrink = LORA_SHRINK.select(backend)
         self.lora_expand = LORA_EXPAND.select(backend)
+        self.lora_expand_slot_rows = LORA_EXPAND_SLOT_ROWS.select(backend)
         self.add_lora = ADD_LORA.select(backend)
         self.fused_lora = FUSED_LORA.select(backend)
         self.fp8_linear = FP8_LINEAR.select(backend)

@@ -469,3 +469,85 @@ def test_cuda_launch_shapes_are_the_measured_ones():
     assert lora_expand.cap_block_n(256, 128, 2) == 128
     assert lora_expand.cap_block_n(256, 64, 4) == 128
     assert lora_expand.cap_block_n(128, 256, 4) == 128
+
+
+def _folded(x: torch.Tensor, w: torch.Tensor, lora_a: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shrink folded into the base GEMM: ``out = x @ [W; A_0 (slot-major); ...].T`` and its ``[n, T, S, R]``
+    view of every slot's shrink (the layout LinearWithLoRA folds)."""
+    out = x @ torch.cat([w] + [a.reshape(-1, a.shape[-1]) for a in lora_a]).T
+    s, r = lora_a[0].shape[:2]
+    extra = out[:, w.shape[0]:]
+    return out, extra.as_strided((len(lora_a), x.shape[0], s, r), (s * r, out.stride(0), r, 1), extra.storage_offset())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["zipf", "some_none", "all_different"])
+def test_expand_of_a_shrink_folded_into_the_base_gemm_matches_naive(kernel_device, backend, dtype, case):
+    """Each token reads its own slot's rows of the folded GEMM's extra columns (bf16 there, as the GEMM writes
+    them); the base columns get the float32 loop's LoRA delta, tokens without an adapter keep the base output.
+    A slot with scaling 0 on the k slice (an untargeted module) adds nothing there."""
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    token_slots = _slots(case).to(device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN).to(device=device, dtype=dtype)
+    w = (torch.randn(sum(WIDTHS), HIDDEN) / HIDDEN**0.5).to(device=device, dtype=dtype)
+    lora_a, lora_b, scaling, _ = _weights(dtype, device, mixed_ranks=False)
+    scaling[1][2] = 0.0
+    out, v = _folded(x, w, lora_a)
+    y = out[:, : w.shape[0]]  # row-strided view: the expand adds into the GEMM's own output
+    base = y.clone()
+    v_naive = naive_lora_shrink(x, lora_a, token_slots)
+    expected = naive_lora_expand(v_naive, lora_b, scaling, base.clone(), token_slots)
+    magnitude = naive_lora_expand_magnitude(v_naive, lora_b, scaling, base, token_slots)
+    Kernels(backend).lora_expand_slot_rows(v, lora_b, scaling, y, mapping)
+    assert_lora_close(y, expected, magnitude, dtype, scale=2.0)
+    none = (token_slots < 0).cpu()
+    assert torch.equal(y.cpu()[none], base.cpu()[none]), "rows without adapter must be untouched"
+    k = slice(WIDTHS[0], WIDTHS[0] + WIDTHS[1])
+    on_slot2 = (token_slots == 2).cpu()
+    assert torch.equal(y.cpu()[on_slot2][:, k], base.cpu()[on_slot2][:, k]), "scaling 0 adds nothing"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_folded_expand_reads_each_slot_through_its_one_page(kernel_device, backend):
+    """One page per slot: slot s's B and row of v are page page_table[s, 0] (pages permuted against slots)."""
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    token_slots = _slots("zipf").to(device)
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN, device=device)
+    w = torch.randn(sum(WIDTHS), HIDDEN, device=device) / HIDDEN**0.5
+    pages_a, pages_b, scaling, _ = _weights(torch.float32, device, mixed_ranks=False)  # [P = SLOTS, ...] pages
+    page_of = torch.randperm(SLOTS)
+    page_table = page_of.to(torch.int32).view(SLOTS, 1).to(device)
+    ranks = torch.full((SLOTS,), RANK, dtype=torch.int32, device=device)
+    out, v = _folded(x, w, pages_a)
+    y = out[:, : w.shape[0]]
+    base = y.clone()
+    slot_a = [a[page_of.to(device)] for a in pages_a]  # slot s's rectangle
+    slot_b = [b[page_of.to(device)] for b in pages_b]
+    v_naive = naive_lora_shrink(x, slot_a, token_slots)
+    expected = naive_lora_expand(v_naive, slot_b, scaling, base.clone(), token_slots)
+    magnitude = naive_lora_expand_magnitude(v_naive, slot_b, scaling, base, token_slots)
+    Kernels(backend).lora_expand_slot_rows(v, pages_b, scaling, y, mapping, ranks=ranks, page_table=page_table)
+    assert_lora_close(y, expected, magnitude, torch.float32, scale=2.0)
+
+
+def test_folded_expand_refuses_several_pages_per_slot_and_a_wrong_v():
+    token_slots = _slots("zipf")
+    mapping = LoRAMapping.from_token_slots(token_slots)
+    x = torch.randn(token_slots.shape[0], HIDDEN)
+    w = torch.randn(sum(WIDTHS), HIDDEN)
+    lora_a, lora_b, scaling, _ = _weights(torch.float32, torch.device("cpu"), mixed_ranks=False)
+    out, v = _folded(x, w, lora_a)
+    y = out[:, : w.shape[0]]
+    table = torch.zeros(SLOTS, 2, dtype=torch.int32)
+    ranks = torch.full((SLOTS,), RANK, dtype=torch.int32)
+    half = [b[..., : RANK // 2].contiguous() for b in lora_b]
+    with pytest.raises(KernelArgumentError, match="one page per slot"):
+        Kernels("reference").lora_expand_slot_rows(v[..., : RANK // 2], half, scaling, y, mapping, ranks=ranks,
+                                                    page_table=table)
+    with pytest.raises(KernelArgumentError, match="v.shape"):
+        Kernels("reference").lora_expand_slot_rows(v[:, :, :2], lora_b, scaling, y, mapping)

@@ -25,6 +25,7 @@ from torch import nn
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.host_copy import host_to_device
 from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.lora_linear import FOLD_MAX_TOKENS
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 from loraplex.kernels.ops import Kernels
 from loraplex.kernels.rotary import compute_cos_sin_cache, rope_inv_freq
@@ -105,6 +106,8 @@ class LinearWithLoRA(nn.Module):
     Semantics: ``y[t, off_i:off_i+out_i] += scaling_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T``, ``s = slot[t]``.
     DoRA steps (``LoRABatch.dora``), then: ``y[t] = gain[s] * (y[t] - bias) + bias`` (the bias added after
     the rescale; ``gain [S + 1, sum(out_i)]`` from ``LoRADeviceWeights.gain_columns``, 1 for non-DoRA slots).
+    A folded linear (:meth:`fold_lora_a`) computes ``x @ A_i[s].T`` for every slot in its base GEMM at steps of up
+    to ``FOLD_MAX_TOKENS`` tokens; its output ``y`` is then a row-strided view of that GEMM's output.
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], module_names: list[str], bias: bool,
@@ -124,6 +127,9 @@ class LinearWithLoRA(nn.Module):
         self.lora_gain: torch.Tensor | None = None  # [S + 1, sum(out_sizes)] fp32 DoRA gains
         self.lora_ranks: torch.Tensor | None = None  # [S] int32 rank rows per slot
         self.lora_page_table: torch.Tensor | None = None  # [S, max_pages] int32 pages per slot
+        # fold_lora_a(): [out + n·P·R, in], W's rows then each slice's A pages (weight and the pool's A are views)
+        self.folded_weight: torch.Tensor | None = None
+        self.folded_bias: torch.Tensor | None = None  # the bias, zeros under the A rows (when there is a bias)
         self.qweight: torch.Tensor | None = None  # FP8 weight [out, in] once quantize_fp8() ran
         self.weight_scale: torch.Tensor | None = None  # its per-output-channel scale [out] float32
         # Row-parallel (tensor parallelism): sums the ranks' partial outputs, LoRA delta included; the
@@ -158,6 +164,38 @@ class LinearWithLoRA(nn.Module):
         self.lora_gain = gain
         self.lora_ranks, self.lora_page_table = ranks, page_table
 
+    def fold_lora_a(self, lora_a: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Put the pool's A pages of every slice (``lora_a``: ``[P, R, in]`` each, one page per slot) under the base
+        weight, in one tensor ``folded_weight [out + n·P·R, in]`` (W's rows, then slice 0's pages, slice 1's, ...),
+        so that one GEMM gives a step's base output and every page's shrink (:meth:`forward`, steps of at most
+        ``FOLD_MAX_TOKENS`` tokens; the expand then reads each token's own slot's columns). ``weight`` becomes a
+        view of it. Returns the views of ``lora_a`` (contents copied) that the pool holds from now on
+        (``LoRADeviceWeights.replace_a``).
+
+        Raises ``ValueError`` for an FP8 weight, a row-parallel linear (tensor parallelism: its shrink would need
+        its own all-reduce before the expand), a folded linear, or A of another dtype, device or width."""
+        if self.weight is None or self.all_reduce is not None or self.folded_weight is not None:
+            raise ValueError("fold_lora_a: only an unfolded, unquantized, complete (not row-parallel) linear folds its "
+                             f"shrink ({self.module_names})")
+        w = self.weight.data
+        if any(a.dim() != 3 or a.shape[2] != w.shape[1] or a.dtype != w.dtype or a.device != w.device or
+               a.shape[:2] != lora_a[0].shape[:2] for a in lora_a):
+            raise ValueError(f"fold_lora_a: A pages {[(tuple(a.shape), a.dtype) for a in lora_a]} do not fit weight "
+                             f"{tuple(w.shape)} {w.dtype} of {self.module_names}")
+        rows = [a.shape[0] * a.shape[1] for a in lora_a]
+        folded = torch.empty(w.shape[0] + sum(rows), w.shape[1], dtype=w.dtype, device=w.device)
+        folded[: w.shape[0]].copy_(w)
+        views, start = [], w.shape[0]
+        for a, n in zip(lora_a, rows):
+            views.append(folded[start:start + n].view(a.shape))
+            views[-1].copy_(a)
+            start += n
+        self.folded_weight = folded
+        self.weight = nn.Parameter(folded[: w.shape[0]], requires_grad=False)
+        if self.bias is not None:
+            self.folded_bias = torch.cat([self.bias.data, self.bias.new_zeros(sum(rows))])
+        return views
+
     def weight_rows(self, module: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start..stop`` of slice ``module``'s weight: ``[stop - start, in_features]`` in the model
         dtype, or float32 dequantized from FP8 (what the layer computes with). For DoRA's column norms."""
@@ -174,11 +212,23 @@ class LinearWithLoRA(nn.Module):
         reduce = self.all_reduce
         dora = lora is not None and lora.dora and self.lora_gain is not None
         bias = self.bias if reduce is None and not dora else None  # else added last
+        with_lora = lora is not None and bool(self.lora_a) and lora.mapping.has_lora
         if self.qweight is not None:
             y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias)
+        elif with_lora and self.folded_weight is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS:
+            # one GEMM: the base output (a row-strided view) and every page's shrink, read by the expand
+            out = F.linear(x, self.folded_weight, self.folded_bias if bias is not None else None)
+            n = self.weight.shape[0]
+            y, extra = out[:, :n], out[:, n:]
+            pages, rank = self.lora_a[0].shape[:2]
+            v = extra.as_strided((len(self.lora_a), out.shape[0], pages, rank),
+                                 (pages * rank, out.stride(0), rank, 1), extra.storage_offset())
+            self.kernels.lora_expand_slot_rows(v, self.lora_b, self.lora_scaling, y, lora.mapping,
+                                               ranks=self.lora_ranks, page_table=self.lora_page_table)
+            with_lora = False
         else:
             y = F.linear(x, self.weight, bias)
-        if lora is not None and self.lora_a and lora.mapping.has_lora:
+        if with_lora:
             self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping,
                                   ranks=self.lora_ranks, page_table=self.lora_page_table)
         if reduce is not None:
