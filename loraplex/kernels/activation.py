@@ -22,6 +22,8 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
+                                         slice_of_columns)
 from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
@@ -47,11 +49,50 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK
     tl.store(out_ptr + t * stride_ot + cols, out.to(gate.dtype), mask=mask)
 
 
+_LORA_BLOCK = 256  # columns per program with a LoRA delta (two [BLOCK, R] B tiles)
+
+
+@triton.jit
+def _act_and_mul_lora_kernel(
+    x_ptr, out_ptr, inter_size, stride_xt, stride_ot,
+    slots_ptr, table_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
+    uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
+    BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter_size
+    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
+    dg = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width,
+                         g_col0, g_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
+    du = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width,
+                         u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
+    gate = (gate.to(tl.float32) + dg).to(gate.dtype)
+    up = (up.to(tl.float32) + du).to(up.dtype)
+    g = gate.to(tl.float32)
+    if GELU_TANH:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = (0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))).to(gate.dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, out.to(gate.dtype), mask=mask)
+
+
 def _check_args(x: torch.Tensor) -> None:
     check_dtype(_OP, "x", x, FLOAT_DTYPES)
     check_shape(_OP, "x", x, (None, None))
     if x.shape[1] % 2:
         raise KernelArgumentError(f"{_OP}: x.shape[1]={x.shape[1]} must be even ([T, 2 * intermediate_size])")
+
+
+def _check_halves(lora: LoRADelta, x: torch.Tensor) -> None:
+    """``lora`` fits ``x``, and gate and up each lie in one of its slices."""
+    check_delta(_OP, lora, x)
+    half = x.shape[1] // 2
+    slice_of_columns(lora, 0, half)
+    slice_of_columns(lora, half, half)
 
 
 def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -60,11 +101,14 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
     check_device(_OP, "out", out, x.device)
 
 
-def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, gelu_tanh: bool = False) -> torch.Tensor:
-    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns); ``gelu_tanh``
-    switches the gate to :func:`gelu_tanh_and_mul_ref`'s."""
+def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                         gelu_tanh: bool = False) -> torch.Tensor:
+    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns, 256 with ``lora``);
+    ``gelu_tanh`` switches the gate to :func:`gelu_tanh_and_mul_ref`'s."""
     require_triton(_OP)
     _check_args(x)
+    if lora is not None:
+        _check_halves(lora, x)
     check_last_dim_contiguous(_OP, "x", x)
     num_tokens, inter_size = x.shape[0], x.shape[1] // 2
     if out is None:
@@ -73,18 +117,30 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, ge
     check_last_dim_contiguous(_OP, "out", out)
     if num_tokens == 0 or inter_size == 0:
         return out
+    if lora is not None:
+        gate, up = delta_args(lora, x, 0, inter_size), delta_args(lora, x, inter_size, inter_size)
+        _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, _LORA_BLOCK))](
+            x, out, inter_size, x.stride(0), out.stride(0), *gate[:2], *gate[2:9], *up[2:9], gate[9],
+            BLOCK=_LORA_BLOCK, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGE=lora.page_table is not None,
+            num_warps=4,
+        )
+        return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](
         x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4
     )
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
+                     lora: LoRADelta | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for a fused gate/up projection (plain torch: HF ``act_fn(gate) * up``).
 
     Args:
         x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
         out: optional ``[T, I]`` output of x's dtype.
+        lora: optional expand of the folded gate/up linear that made ``x``
+            (:class:`~loraplex.kernels.lora_delta.LoRADelta`): ``x`` is first replaced by ``x + delta`` rounded to
+            its dtype.
 
     Returns:
         ``[T, I]`` in x.dtype (``out`` when given).
@@ -94,6 +150,9 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
         TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x)
+    if lora is not None:
+        _check_halves(lora, x)
+        x = lora_delta_ref(lora, x)
     gate, up = x.chunk(2, dim=-1)
     result = torch.nn.functional.silu(gate) * up
     if out is None:
@@ -104,25 +163,30 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
 
 SILU_AND_MUL = Op(
     name=_OP,
-    semantics="out[t, i] = silu(x[t, i]) * x[t, I + i], x [T, 2I] -> out [T, I]",
+    semantics="out[t, i] = silu(x'[t, i]) * x'[t, I + i], x' = x + delta (x without lora), x [T, 2I] -> out [T, I]",
     reference=silu_and_mul_ref,
     triton=_launch_silu_and_mul,
 )
 
 
 
-def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None,
+                              lora: LoRADelta | None = None) -> torch.Tensor:
     """Triton launch of :func:`gelu_tanh_and_mul_ref` (the SwiGLU kernel with the GeGLU gate)."""
-    return _launch_silu_and_mul(x, out=out, gelu_tanh=True)
+    return _launch_silu_and_mul(x, out=out, lora=lora, gelu_tanh=True)
 
 
-def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
+                          lora: LoRADelta | None = None) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection (plain torch: HF
     ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
 
     Args:
         x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
         out: optional ``[T, I]`` output of x's dtype.
+        lora: optional expand of the folded gate/up linear that made ``x``
+            (:class:`~loraplex.kernels.lora_delta.LoRADelta`): ``x`` is first replaced by ``x + delta`` rounded to
+            its dtype.
 
     Returns:
         ``[T, I]`` in x.dtype (``out`` when given).
@@ -132,6 +196,9 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -
         TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x)
+    if lora is not None:
+        _check_halves(lora, x)
+        x = lora_delta_ref(lora, x)
     gate, up = x.chunk(2, dim=-1)
     result = torch.nn.functional.gelu(gate, approximate="tanh") * up
     if out is None:
@@ -142,7 +209,8 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -
 
 GELU_TANH_AND_MUL = Op(
     name="gelu_tanh_and_mul",
-    semantics="out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i], x [T, 2I] -> out [T, I]",
+    semantics="out[t, i] = gelu_tanh(x'[t, i]) * x'[t, I + i], x' = x + delta (x without lora), x [T, 2I] -> "
+    "out [T, I]",
     reference=gelu_tanh_and_mul_ref,
     triton=_launch_gelu_tanh_and_mul,
 )

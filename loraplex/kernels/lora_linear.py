@@ -43,13 +43,15 @@ _OP = "add_lora"
 # r=16, bf16, CUDA-graph replay, cold L2; RESULTS.md, session 17), LoRA us per layer over the base GEMMs, SGMV pair ->
 # folded: 32 slots (A rows 12.5% of each linear's base rows): 1 token 35.5 -> 28.4, 32 tokens x 8 adapters
 # 65.0 -> 38.9, 32 x 32 95.0 -> 58.3, 128 x 32 108.1 -> 67.7. A q/v pool of 256 slots (the fused qkv linear's A rows
-# 100% of its base rows): 32 x 32 20.8 -> 34.2, 256 x 16 34.1 -> 58.2, 256 x 256 97.6 -> 94.8.
+# 100% of its base rows): 32 x 32 20.8 -> 34.2, 256 x 16 34.1 -> 58.2, 256 x 256 97.6 -> 94.8. 64 slots (25%):
+# 1 token 36.5 -> 30.5, 32 x 32 95.4 -> 64.2, 128 x 64 176.8 -> 119.4.
 FOLD_MAX_LORA_ROWS_FRACTION = 0.25
 """A linear folds its shrink (``lora_fold_shrink="auto"``) when its pool's A rows (slices x pages x rank) are at
 most this fraction of its base weight's rows."""
-FOLD_MAX_TOKENS = 256
+FOLD_MAX_TOKENS = 512
 """Steps of more tokens take the SGMV pair even in a folded linear (the folded GEMM's extra columns are computed
-for every token and every slot; prompt-sized steps were not measured folded)."""
+for every token and every slot). Measured: 256 tokens x 32 adapters 136.3 -> 87.1 us per layer, 512 x 32 145.9 ->
+90.5 (32 slots); longer steps were not measured folded."""
 
 
 def fold_shrink_pays(base_rows: int, lora_rows: int) -> bool:

@@ -20,7 +20,8 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
+from loraplex.kernels._triton import cdiv, next_pow2, require_triton, tl, triton
+from loraplex.kernels.lora_delta import LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref
 from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
@@ -59,6 +60,51 @@ def _rms_norm_kernel(
     tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Columns per pass of the kernel with a LoRA delta (a [CHUNK, R] B tile per pass).
+_LORA_CHUNK = 1024
+
+
+@triton.jit
+def _rms_norm_lora_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt, stride_ot,
+    stride_rot, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, rank_rows,
+    HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+    SLOT_PAGE: tl.constexpr,
+):
+    # One program per row, two passes over CHUNK-column pieces: s = (x + delta) + residual written out (to
+    # residual_out, or to out as scratch) with the sum of squares; then the norm of s read back.
+    t = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for c in tl.static_range(N_CHUNKS):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < hidden_size
+        x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+        delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
+                                width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
+        x = (x.to(tl.float32) + delta).to(x.dtype)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + t * stride_rt + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(residual_out_ptr + t * stride_rot + cols, x, mask=mask)
+        else:
+            tl.store(out_ptr + t * stride_ot + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        acc += xf * xf
+    inv = tl.math.rsqrt(tl.sum(acc, 0) / hidden_size + eps)
+    tl.debug_barrier()  # the first pass's stores are read back by other threads of the program
+    for c in tl.static_range(N_CHUNKS):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < hidden_size
+        if HAS_RESIDUAL:
+            x = tl.load(residual_out_ptr + t * stride_rot + cols, mask=mask, other=0.0)
+        else:
+            x = tl.load(out_ptr + t * stride_ot + cols, mask=mask, other=0.0)
+        normed = (x.to(tl.float32) * inv).to(x.dtype)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + t * stride_ot + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> None:
     check_dtype(_OP, "x", x, FLOAT_DTYPES)
     check_shape(_OP, "x", x, (None, None))
@@ -73,11 +119,15 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 
 def _launch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+    lora: LoRADelta | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton launch of :func:`rms_norm_ref` (one program per row)."""
+    """Triton launch of :func:`rms_norm_ref` (one program per row; with ``lora`` two passes over 1024-column
+    pieces)."""
     require_triton(_OP)
     _check_args(x, weight, eps, residual)
+    if lora is not None:
+        check_delta(_OP, lora, x)
     check_last_dim_contiguous(_OP, "x", x)
     check_last_dim_contiguous(_OP, "weight", weight)
     if residual is not None:
@@ -86,6 +136,16 @@ def _launch_rms_norm(
     out = torch.empty((num_tokens, hidden_size), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else None
     if num_tokens == 0:
+        return out if residual_out is None else (out, residual_out)
+    if lora is not None:
+        chunk = min(_LORA_CHUNK, next_pow2(hidden_size))
+        _rms_norm_lora_kernel[(num_tokens,)](
+            x, residual if residual is not None else x, weight, out, residual_out if residual_out is not None else out,
+            hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+            residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size),
+            HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk), BLOCK_R=block_r(lora),
+            SLOT_PAGE=lora.page_table is not None, num_warps=min(max(chunk // 256, 1), 16),
+        )
         return out if residual_out is None else (out, residual_out)
     block_h = next_pow2(hidden_size)
     _rms_norm_kernel[(num_tokens,)](
@@ -108,7 +168,8 @@ def _launch_rms_norm(
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+    lora: LoRADelta | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm, optionally fused with the residual add (plain torch: HF ``LlamaRMSNorm.forward`` after the add).
 
@@ -117,6 +178,8 @@ def rms_norm_ref(
         weight: ``[H]``, dtype of ``x``.
         eps: variance epsilon (> 0).
         residual: optional ``[T, H]`` residual stream, dtype of ``x``.
+        lora: optional expand of the folded linear that made ``x`` (:class:`~loraplex.kernels.lora_delta.LoRADelta`,
+            one slice of H columns): ``x`` is first replaced by ``x + delta`` rounded to its dtype.
 
     Returns:
         ``out [T, H]`` when ``residual`` is None, else ``(out, x + residual)``; new ``[T, H]`` tensors in x.dtype.
@@ -126,6 +189,9 @@ def rms_norm_ref(
         TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x, weight, eps, residual)
+    if lora is not None:
+        check_delta(_OP, lora, x)
+        x = lora_delta_ref(lora, x)
     s = x if residual is None else x + residual
     sf = s.to(torch.float32)
     variance = sf.pow(2).mean(-1, keepdim=True)
@@ -135,7 +201,8 @@ def rms_norm_ref(
 
 RMS_NORM = Op(
     name=_OP,
-    semantics="s = x + residual (s = x without); out = w * (s * rsqrt(mean(s^2) + eps)); returns out or (out, s)",
+    semantics="s = (x + delta) + residual (without: s = x + delta; delta = 0 without lora); "
+    "out = w * (s * rsqrt(mean(s^2) + eps)); returns out or (out, s)",
     reference=rms_norm_ref,
     triton=_launch_rms_norm,
 )

@@ -25,6 +25,7 @@ from torch import nn
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.host_copy import host_to_device
 from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.lora_delta import LoRADelta
 from loraplex.kernels.lora_linear import FOLD_MAX_TOKENS
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 from loraplex.kernels.ops import Kernels
@@ -209,6 +210,14 @@ class LinearWithLoRA(nn.Module):
         return self.weight[offset + start:offset + stop]
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        return self.forward_deferred(x, lora, defer=False)[0]
+
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None,
+                         defer: bool = True) -> tuple[torch.Tensor, LoRADelta | None]:
+        """``(y, delta)``: with ``defer`` and a folded step (folded linear, LoRA tokens, at most
+        ``FOLD_MAX_TOKENS`` tokens, no DoRA), ``y`` is the base output and ``delta`` its expand for the kernel that
+        reads ``y`` next (``rms_norm``, ``silu_and_mul``, ``gelu_tanh_and_mul`` take ``lora=delta``); otherwise
+        ``(forward's y, None)``."""
         reduce = self.all_reduce
         dora = lora is not None and lora.dora and self.lora_gain is not None
         bias = self.bias if reduce is None and not dora else None  # else added last
@@ -223,6 +232,9 @@ class LinearWithLoRA(nn.Module):
             pages, rank = self.lora_a[0].shape[:2]
             v = extra.as_strided((len(self.lora_a), out.shape[0], pages, rank),
                                  (pages * rank, out.stride(0), rank, 1), extra.storage_offset())
+            if defer and not dora:
+                return y, LoRADelta(v, self.lora_b, self.lora_scaling, lora.mapping, page_table=self.lora_page_table,
+                                    ranks=self.lora_ranks)
             self.kernels.lora_expand_slot_rows(v, self.lora_b, self.lora_scaling, y, lora.mapping,
                                                ranks=self.lora_ranks, page_table=self.lora_page_table)
             with_lora = False
@@ -237,7 +249,7 @@ class LinearWithLoRA(nn.Module):
             y.mul_(self.lora_gain.index_select(0, lora.gain_rows))
         if self.bias is not None and bias is None:
             y = y + self.bias
-        return y
+        return y, None
 
 
 class RMSNorm(nn.Module):
@@ -247,8 +259,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: LoRADelta | None = None):
+        """``rms_norm``; ``lora``: the expand of the folded linear that made ``x``, added first."""
+        if lora is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual, lora=lora)
 
 
 class Attention(nn.Module):
@@ -280,7 +295,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, kernels) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRABatch | None):
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                lora: LoRABatch | None) -> tuple[torch.Tensor, LoRADelta | None]:
+        """``(o_proj's output, its deferred LoRA expand or None)``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # row-strided views of qkv
@@ -293,7 +310,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
                                            softcap=self.softcap)
-        return self.o_proj(out.reshape(t, self.q_size), lora)
+        return self.o_proj.forward_deferred(out.reshape(t, self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -309,8 +326,12 @@ class MLP(nn.Module):
         gelu = spec.activation == "gelu_pytorch_tanh"
         self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x, lora)), lora)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, LoRADelta | None]:
+        """``(down_proj's output, its deferred LoRA expand or None)``; gate/up's expand, if deferred, is added by
+        the activation kernel."""
+        gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)
+        act = self.act_and_mul(gate_up) if delta is None else self.act_and_mul(gate_up, lora=delta)
+        return self.down_proj.forward_deferred(act, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -327,23 +348,25 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, device, kernels)
             self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, device, kernels)
 
-    def forward(self, hidden, residual, positions, cos_sin, kv, meta, lora):
-        """Llama: ``(hidden, residual)`` carried with the residual add fused into the next norm.
-        Sandwich (Gemma 2): ``h += post_attn_norm(attn(in_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))``,
-        residual stays None."""
+    def forward(self, hidden, residual, positions, cos_sin, kv, meta, lora, pending=None):
+        """Llama: ``(hidden, residual, pending)`` carried with the residual add fused into the next norm, and
+        ``pending`` the LoRA expand of the down_proj that made ``hidden`` (folded linears, :class:`LoRADelta`), which
+        that norm adds first. Sandwich (Gemma 2): ``h += post_attn_norm(attn(in_norm(h)));
+        h += post_ff_norm(mlp(pre_ff_norm(h)))``, residual and pending stay None."""
         if self.sandwich:
-            attn = self.self_attn(self.input_layernorm(hidden), positions, cos_sin, kv, meta, lora)
-            hidden = hidden + self.post_attention_layernorm(attn)
-            mlp = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
-            return hidden + self.post_feedforward_layernorm(mlp), None
+            attn, delta = self.self_attn(self.input_layernorm(hidden), positions, cos_sin, kv, meta, lora)
+            hidden = hidden + self.post_attention_layernorm(attn, lora=delta)
+            mlp, delta = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+            return hidden + self.post_feedforward_layernorm(mlp, lora=delta), None, None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin, kv, meta, lora)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, lora), residual
+            hidden, residual = self.input_layernorm(hidden, residual, lora=pending)
+        hidden, delta = self.self_attn(hidden, positions, cos_sin, kv, meta, lora)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, lora=delta)
+        hidden, pending = self.mlp(hidden, lora)
+        return hidden, residual, pending
 
 
 class LlamaForCausalLM(nn.Module):
@@ -387,11 +410,11 @@ class LlamaForCausalLM(nn.Module):
             hidden = self._adapter_embeddings(input_ids, hidden, lora)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        residual = None
+        residual = pending = None
         caches = [getattr(self, f"cos_sin_cache_{i}") for i in range(len(self.rope_keys))]
         for layer, kv, rope in zip(self.layers, kv_caches, self.layer_rope_index):
-            hidden, residual = layer(hidden, residual, positions, caches[rope], kv, meta, lora)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+            hidden, residual, pending = layer(hidden, residual, positions, caches[rope], kv, meta, lora, pending)
+        return self.norm(hidden, lora=pending) if residual is None else self.norm(hidden, residual, lora=pending)[0]
 
     def _adapter_embeddings(self, input_ids: torch.Tensor, hidden: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """The adapters' embedding rows, before Gemma's scale (PEFT scales the LoRA delta and the copies too).

@@ -1,0 +1,125 @@
+"""A folded linear's LoRA expand, left to the kernel that consumes the linear's output.
+
+Semantics: ``delta[t, off_i + c] = scaling_i[s] * v[i, t, p] @ B_i[p, c, :]``, ``s = slot[t]``, ``p = page_table[s, 0]``
+(or ``s`` without a table); 0 where ``s == -1`` or ``scaling_i[s] == 0``.
+
+A linear that folds its shrink into its base GEMM (``LinearWithLoRA.fold_lora_a``) has every slot's shrink ``v`` in
+that GEMM's extra columns. Instead of an expand launch that adds ``delta`` into ``y`` (read, add, write), the next
+kernel, which reads ``y`` anyway, adds each token's delta as it loads its row: ``rms_norm`` (after o_proj and
+down_proj: ``s = (y + delta) + residual``) and ``silu_and_mul`` / ``gelu_tanh_and_mul`` (after gate/up). Each
+consumer rounds ``y + delta`` to ``y``'s dtype first, as the expand kernel rounds its sum into ``y``, so both paths
+compute the same values up to the order of the rank sum. One launch fewer per LoRA'd linear; the B bytes are read
+by the consumer instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_shape
+from loraplex.kernels._triton import next_pow2, tl, triton
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_expand import _check_slot_rows, lora_expand_slot_rows_ref
+from loraplex.kernels.lora_mapping import LoRAMapping
+
+
+@dataclass(frozen=True)
+class LoRADelta:
+    """The expand of one folded linear, not yet applied.
+
+    ``v``: ``[n_slices, T, P, R]`` (the folded GEMM's extra columns: every page's shrink per token; last dim
+    contiguous); ``lora_b``: ``n_slices`` contiguous ``[P, out_i, R]``; ``scaling``: ``n_slices`` ``[S]`` float32;
+    ``mapping``: the step's :class:`LoRAMapping` (its ``token_slots [T] int32``, -1 = no adapter);
+    ``page_table``: None (slot s is page s) or ``[S, 1] int32`` (one page per slot); ``ranks``: optional
+    ``[S] int32`` (rank rows past a slot's rank are zero in a one-page pool; not needed here).
+    """
+
+    v: torch.Tensor
+    lora_b: list[torch.Tensor]
+    scaling: list[torch.Tensor]
+    mapping: LoRAMapping
+    page_table: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
+
+    @property
+    def widths(self) -> list[int]:
+        return [b.shape[1] for b in self.lora_b]
+
+
+def check_delta(op: str, delta: LoRADelta, y: torch.Tensor) -> None:
+    """``delta`` fits ``y`` (``[T, sum(out_i)]``, its dtype and device). Raises ``KernelArgumentError``."""
+    _check_slot_rows(delta.v, delta.lora_b, delta.page_table)
+    check_shape(op, "delta.v", delta.v, (len(delta.lora_b), y.shape[0], None, None))
+    if sum(delta.widths) != y.shape[1]:
+        raise KernelArgumentError(f"{op}: LoRA delta widths {delta.widths} do not add up to {y.shape[1]} columns")
+    for i, (b, s) in enumerate(zip(delta.lora_b, delta.scaling)):
+        check_dtype(op, f"delta.lora_b[{i}]", b, (y.dtype,))
+        check_device(op, f"delta.lora_b[{i}]", b, y.device)
+        if not b.is_contiguous():
+            raise KernelArgumentError(f"{op}: delta.lora_b[{i}] must be contiguous")
+        check_dtype(op, f"delta.scaling[{i}]", s, (torch.float32,))
+        check_last_dim_contiguous(op, f"delta.scaling[{i}]", s)
+    if delta.mapping.num_tokens != y.shape[0]:
+        raise KernelArgumentError(f"{op}: LoRA delta for {delta.mapping.num_tokens} tokens, y has {y.shape[0]}")
+
+
+def lora_delta_ref(delta: LoRADelta, y: torch.Tensor) -> torch.Tensor:
+    """``y + delta`` (module docstring), rounded once to ``y``'s dtype (a new tensor), as the expand adds it."""
+    out = y.clone()
+    lora_expand_slot_rows_ref(delta.v, delta.lora_b, delta.scaling, out, delta.mapping, ranks=delta.ranks,
+                              page_table=delta.page_table)
+    return out
+
+
+def slice_of_columns(delta: LoRADelta, start: int, width: int) -> tuple[int, int]:
+    """(slice, first column in it) of columns ``start .. start + width`` of ``y``, which must lie in one slice.
+    Raises ``KernelArgumentError`` otherwise."""
+    offset = 0
+    for i, w in enumerate(delta.widths):
+        if offset <= start and start + width <= offset + w:
+            return i, start - offset
+        offset += w
+    raise KernelArgumentError(f"LoRA delta: columns {start}..{start + width} span slices of widths {delta.widths}")
+
+
+def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int) -> tuple:
+    """The kernel arguments of :func:`lora_delta_cols` for columns ``start .. start + width`` of ``y`` (one
+    slice): ``(token_slots, page_table, v slice, stride_vt, stride_vp, b, width_i, col0, scaling_i, R)``; dummies
+    (``y`` itself, zeros) without ``delta``."""
+    if delta is None:
+        return (y, y, y, 0, 0, y, 0, 0, y, 1)
+    i, col0 = slice_of_columns(delta, start, width)
+    v = delta.v[i]
+    return (delta.mapping.token_slots, delta.page_table if delta.page_table is not None else delta.mapping.token_slots,
+            v, v.stride(0), v.stride(1), delta.lora_b[i], delta.lora_b[i].shape[1], col0, delta.scaling[i],
+            delta.lora_b[i].shape[2])
+
+
+def block_r(delta: LoRADelta | None) -> int:
+    """``BLOCK_R`` of :func:`lora_delta_cols`: every rank row of a page (1 without a delta)."""
+    return 1 if delta is None else max(1, next_pow2(delta.lora_b[0].shape[2]))
+
+
+@triton.jit
+def lora_delta_cols(t, cols, col_mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width,
+                    col0, scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr):
+    """float32 ``delta[t, cols]`` of one slice (module docstring; ``cols`` count from the slice's column ``col0``):
+    0 without an adapter or with scaling 0 (then neither v nor B is read). ``b_ptr``: ``[P, width, rank_rows]``."""
+    slot = tl.load(token_slots_ptr + t).to(tl.int64)
+    delta = tl.zeros(cols.shape, tl.float32)
+    if slot >= 0:
+        scale = tl.load(scale_ptr + slot)
+        if scale != 0.0:
+            page = slot
+            if SLOT_PAGE:
+                page = tl.load(page_table_ptr + slot).to(tl.int64)
+            r = tl.arange(0, BLOCK_R)
+            r_mask = r < rank_rows
+            vr = tl.load(v_ptr + t * stride_vt + page * stride_vp + r, mask=r_mask, other=0.0)
+            vr = vr.to(b_ptr.dtype.element_ty).to(tl.float32)
+            b = tl.load(b_ptr + page * width * rank_rows + (col0 + cols)[:, None] * rank_rows + r[None, :],
+                        mask=col_mask[:, None] & r_mask[None, :], other=0.0)
+            delta = tl.sum(b.to(tl.float32) * vr[None, :], axis=1) * scale
+    return delta

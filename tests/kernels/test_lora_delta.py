@@ -1,0 +1,97 @@
+"""A folded linear's expand applied by the next kernel (LoRADelta): rms_norm and the gated activations, both
+backends, against the float32 per-token loop followed by the plain op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_test_utils import assert_close, naive_lora_expand, naive_lora_shrink, zipf_slots
+
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_delta import LoRADelta
+from loraplex.kernels.lora_mapping import LoRAMapping
+from loraplex.kernels.ops import Kernels
+
+HIDDEN, SLOTS, RANK, T = 24, 4, 8, 19
+
+
+def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False, zero_scale: bool = False):
+    """A folded GEMM over x for ``widths`` slices: (y, LoRADelta, the expected y + delta in float32)."""
+    x = torch.randn(T, HIDDEN).to(device=device, dtype=dtype)
+    w = (torch.randn(sum(widths), HIDDEN) / HIDDEN**0.5).to(device=device, dtype=dtype)
+    lora_a = [(torch.randn(SLOTS, RANK, HIDDEN) / HIDDEN**0.5).to(device=device, dtype=dtype) for _ in widths]
+    lora_b = [torch.randn(SLOTS, width, RANK).to(device=device, dtype=dtype) for width in widths]
+    scaling = [(torch.rand(SLOTS) + 0.5).to(device) for _ in widths]
+    if zero_scale:
+        scaling[-1][1] = 0.0
+    out = x @ torch.cat([w] + [a.reshape(-1, HIDDEN) for a in lora_a]).T
+    extra = out[:, w.shape[0]:]
+    v = extra.as_strided((len(widths), T, SLOTS, RANK), (SLOTS * RANK, out.stride(0), RANK, 1), extra.storage_offset())
+    y = out[:, : w.shape[0]]
+    table = None
+    slot_a, slot_b = lora_a, lora_b
+    if pages:  # one page per slot, pages permuted against slots
+        order = torch.randperm(SLOTS)
+        table = order.to(torch.int32).view(SLOTS, 1).to(device)
+        slot_a = [a[order.to(device)] for a in lora_a]
+        slot_b = [b[order.to(device)] for b in lora_b]
+    mapping = LoRAMapping.from_token_slots(token_slots.to(device))
+    expected = naive_lora_expand(naive_lora_shrink(x, slot_a, token_slots.to(device)), slot_b, scaling,
+                                 y.float().clone(), token_slots.to(device))
+    return y, LoRADelta(v, lora_b, scaling, mapping, page_table=table), expected
+
+
+def _slots() -> torch.Tensor:
+    slots = zipf_slots(T, SLOTS)
+    slots[torch.randperm(T)[:5]] = -1
+    return slots
+
+
+def _backend_device(backend, kernel_device):
+    return kernel_device if backend == "triton" else torch.device("cpu")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_adds_the_delta_before_the_residual(kernel_device, backend, dtype, with_residual):
+    device = _backend_device(backend, kernel_device)
+    kernels = Kernels(backend)
+    y, delta, expected = _delta([HIDDEN], dtype, device, _slots(), pages=backend == "triton")
+    weight = (torch.rand(HIDDEN) + 0.5).to(device=device, dtype=dtype)
+    residual = torch.randn(T, HIDDEN).to(device=device, dtype=dtype) if with_residual else None
+    got = kernels.rms_norm(y, weight, 1e-6, residual, lora=delta)
+    want = Kernels("reference").rms_norm(expected.to(dtype).cpu(), weight.cpu(), 1e-6,
+                                         residual.cpu() if with_residual else None)
+    scale = 1.0 if dtype == torch.float32 else 4.0  # bf16: v is the GEMM's bf16 output, not the float32 loop's
+    if with_residual:
+        assert_close(got[1].cpu(), want[1], dtype, scale=scale)
+        got, want = got[0], want[0]
+    assert_close(got.cpu(), want, dtype, scale=scale)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op, widths", [("silu_and_mul", [10, 10]), ("gelu_tanh_and_mul", [20])])
+def test_gated_activation_adds_the_delta_to_gate_and_up(kernel_device, backend, dtype, op, widths):
+    """gate_proj/up_proj slices, or one fused gate_up_proj slice (Phi-3); a slot whose up slice has scaling 0."""
+    device = _backend_device(backend, kernel_device)
+    y, delta, expected = _delta(widths, dtype, device, _slots(), zero_scale=True)
+    got = getattr(Kernels(backend), op)(y, lora=delta)
+    want = getattr(Kernels("reference"), op)(expected.to(dtype).cpu())
+    # bf16: v is the GEMM's bf16 output, the expected delta the float32 loop's; gate x up amplifies the rounding
+    assert_close(got.cpu(), want, dtype, scale=1.0 if dtype == torch.float32 else 4.0)
+
+
+@pytest.mark.interpreter
+def test_a_delta_that_does_not_fit_is_refused(kernel_device):
+    y, delta, _ = _delta([10, 10], torch.float32, torch.device("cpu"), _slots())
+    with pytest.raises(KernelArgumentError, match="widths"):
+        Kernels("reference").rms_norm(y[:, :12], torch.ones(12), 1e-6, lora=delta)
+    for backend in ("reference", "triton"):
+        device = _backend_device(backend, kernel_device)
+        y, delta, _ = _delta([6, 14], torch.float32, device, _slots())  # gate (10 columns) spans two slices
+        with pytest.raises(KernelArgumentError, match="span slices"):
+            Kernels(backend).silu_and_mul(y, lora=delta)
