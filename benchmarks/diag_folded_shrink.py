@@ -98,6 +98,69 @@ def run_row(layer, tokens: int, adapters: int, slots: int, rank: int, dtype, dev
     return row
 
 
+NORM_VARIANTS = ((1024, 4), (1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (4096, 32))
+ACT_VARIANTS = ((128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8))
+
+
+def consumer_sweep(tokens: int, slots: int, rank: int, dtype, device, timer, hidden: int = 4096,
+                   inter: int = 11008) -> dict:
+    """The expands of o_proj/down_proj and gate_up left to the next kernel: ``rms_norm(y, residual, lora=delta)``
+    and ``silu_and_mul(y, lora=delta)`` per launch shape, against the expand launch plus the plain op. µs per call;
+    every token on its own adapter (tokens <= slots), checked against the reference first."""
+    from loraplex.kernels.lora_delta import LoRADelta, lora_delta_ref
+    from loraplex.kernels.lora_mapping import plan_segments
+    from loraplex.kernels.ops import Kernels
+
+    kernels = Kernels("triton")
+    slots_host = torch.arange(tokens, dtype=torch.int32) % slots
+    mapping = plan_segments(slots_host.to(device), slots, has_lora=True)
+
+    def folded(widths):
+        out = torch.randn(tokens, sum(widths) + len(widths) * slots * rank, device=device).to(dtype)
+        n = sum(widths)
+        extra = out[:, n:]
+        v = extra.as_strided((len(widths), tokens, slots, rank), (slots * rank, out.stride(0), rank, 1),
+                             extra.storage_offset())
+        b = [(torch.randn(slots, w, rank, device=device) / rank**0.5).to(dtype) for w in widths]
+        s = [torch.full((slots,), 0.5, device=device) for _ in widths]
+        return out[:, :n], LoRADelta(v, b, s, mapping)
+
+    result: dict = {"tokens": tokens, "slots": slots}
+    y, delta = folded([hidden])
+    residual = torch.randn(tokens, hidden, device=device).to(dtype)
+    weight = torch.rand(hidden, device=device).to(dtype) + 0.5
+    want = kernels.rms_norm(lora_delta_ref(delta, y), weight, 1e-6, residual)[0].float()
+
+    def expand_then_norm():
+        yy = y.clone()
+        kernels.lora_expand_slot_rows(delta.v, delta.lora_b, delta.scaling, yy, mapping)
+        return kernels.rms_norm(yy, weight, 1e-6, residual)
+
+    result["norm: clone (subtract)"] = timer(lambda: y.clone()) * 1e3
+    result["norm: expand + rms_norm"] = timer(expand_then_norm) * 1e3
+    result["norm: rms_norm alone"] = timer(lambda: kernels.rms_norm(y, weight, 1e-6, residual)) * 1e3
+    for blocks in NORM_VARIANTS:
+        fn = lambda b=blocks: kernels.rms_norm(y, weight, 1e-6, residual, lora=delta, lora_blocks=b)  # noqa: E731
+        err = (fn()[0].float() - want).abs().max().item()
+        result[f"norm: fused {blocks}"] = timer(fn) * 1e3 if err < 0.1 else f"wrong ({err:.3g})"
+    y2, delta2 = folded([inter, inter])
+    want2 = kernels.silu_and_mul(lora_delta_ref(delta2, y2)).float()
+
+    def expand_then_act():
+        yy = y2.clone()
+        kernels.lora_expand_slot_rows(delta2.v, delta2.lora_b, delta2.scaling, yy, mapping)
+        return kernels.silu_and_mul(yy)
+
+    result["act: clone (subtract)"] = timer(lambda: y2.clone()) * 1e3
+    result["act: expand + silu_and_mul"] = timer(expand_then_act) * 1e3
+    result["act: silu_and_mul alone"] = timer(lambda: kernels.silu_and_mul(y2)) * 1e3
+    for blocks in ACT_VARIANTS:
+        fn = lambda b=blocks: kernels.silu_and_mul(y2, lora=delta2, lora_blocks=b)  # noqa: E731
+        err = (fn().float() - want2).abs().max().item()
+        result[f"act: fused {blocks}"] = timer(fn) * 1e3 if err < 0.1 else f"wrong ({err:.3g})"
+    return result
+
+
 def parse_rows(text: str) -> list[tuple[str, int, int, int]]:
     out = []
     for item in text.split(","):
@@ -113,11 +176,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, checks and wall-clock times")
+    parser.add_argument("--consumers", default=None,
+                        help="TxS,...: sweep the norm and activation that apply a folded linear's expand instead")
     args = parser.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
     timer = blk.wall_timer if smoke else blk.graph_timer()
+    if args.consumers:
+        out = []
+        for item in args.consumers.split(","):
+            t, slots = (int(v) for v in item.split("x"))
+            out.append(consumer_sweep(t, slots, args.rank, dtype, device, timer,
+                                      *((24, 20) if smoke else ())))
+            print(json.dumps(out[-1]), flush=True)
+        return out
     rows = parse_rows("all:4x2x3,qv:6x3x4" if smoke else args.rows)
     results = []
     for targets, t, a, s in rows:

@@ -102,9 +102,10 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
-                         gelu_tanh: bool = False) -> torch.Tensor:
+                         gelu_tanh: bool = False, lora_blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns, 256 with ``lora``);
-    ``gelu_tanh`` switches the gate to :func:`gelu_tanh_and_mul_ref`'s."""
+    ``gelu_tanh`` switches the gate to :func:`gelu_tanh_and_mul_ref`'s. ``lora_blocks``: (columns per program,
+    num_warps) with ``lora`` (benchmarks)."""
     require_triton(_OP)
     _check_args(x)
     if lora is not None:
@@ -119,10 +120,11 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         return out
     if lora is not None:
         gate, up = delta_args(lora, x, 0, inter_size), delta_args(lora, x, inter_size, inter_size)
-        _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, _LORA_BLOCK))](
+        block, warps = lora_blocks or (_LORA_BLOCK, 4)
+        _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:2], *gate[2:9], *up[2:9], gate[9],
-            BLOCK=_LORA_BLOCK, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGE=lora.page_table is not None,
-            num_warps=4,
+            BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGE=lora.page_table is not None,
+            num_warps=warps,
         )
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](

@@ -60,7 +60,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Columns per pass of the kernel with a LoRA delta (a [CHUNK, R] B tile per pass).
+# With a LoRA delta: rows up to this many columns in one tile, longer ones in two passes over pieces of _LORA_CHUNK
+# (a [CHUNK, R] B tile per piece).
+_LORA_ONE_PASS_MAX = 4096
 _LORA_CHUNK = 1024
 
 
@@ -74,6 +76,23 @@ def _rms_norm_lora_kernel(
     # One program per row, two passes over CHUNK-column pieces: s = (x + delta) + residual written out (to
     # residual_out, or to out as scratch) with the sum of squares; then the norm of s read back.
     t = tl.program_id(0).to(tl.int64)
+    if N_CHUNKS == 1:  # the whole row in one tile: s stays in registers
+        cols = tl.arange(0, CHUNK)
+        mask = cols < hidden_size
+        x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+        delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
+                                width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
+        x = (x.to(tl.float32) + delta).to(x.dtype)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + t * stride_rt + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(residual_out_ptr + t * stride_rot + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        normed = (xf * tl.math.rsqrt(tl.sum(xf * xf, 0) / hidden_size + eps)).to(x.dtype)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + t * stride_ot + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        return
     acc = tl.zeros([CHUNK], tl.float32)
     for c in tl.static_range(N_CHUNKS):
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -120,10 +139,11 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 def _launch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-    lora: LoRADelta | None = None,
+    lora: LoRADelta | None = None, lora_blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton launch of :func:`rms_norm_ref` (one program per row; with ``lora`` two passes over 1024-column
-    pieces)."""
+    """Triton launch of :func:`rms_norm_ref` (one program per row; with ``lora`` the row in one tile up to
+    :data:`_LORA_ONE_PASS_MAX` columns, else two passes over 1024-column pieces). ``lora_blocks``: (columns per
+    piece, num_warps) override (benchmarks)."""
     require_triton(_OP)
     _check_args(x, weight, eps, residual)
     if lora is not None:
@@ -138,13 +158,16 @@ def _launch_rms_norm(
     if num_tokens == 0:
         return out if residual_out is None else (out, residual_out)
     if lora is not None:
-        chunk = min(_LORA_CHUNK, next_pow2(hidden_size))
+        chunk = next_pow2(hidden_size) if hidden_size <= _LORA_ONE_PASS_MAX else _LORA_CHUNK
+        warps = min(max(chunk // 256, 1), 16)
+        if lora_blocks is not None:
+            chunk, warps = lora_blocks
         _rms_norm_lora_kernel[(num_tokens,)](
             x, residual if residual is not None else x, weight, out, residual_out if residual_out is not None else out,
             hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk), BLOCK_R=block_r(lora),
-            SLOT_PAGE=lora.page_table is not None, num_warps=min(max(chunk // 256, 1), 16),
+            SLOT_PAGE=lora.page_table is not None, num_warps=warps,
         )
         return out if residual_out is None else (out, residual_out)
     block_h = next_pow2(hidden_size)

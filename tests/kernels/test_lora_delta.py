@@ -55,13 +55,17 @@ def _backend_device(backend, kernel_device):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_rms_norm_adds_the_delta_before_the_residual(kernel_device, backend, dtype, with_residual):
+@pytest.mark.parametrize("pieces", [None, (8, 2)], ids=["one tile", "two passes over 8-column pieces"])
+def test_rms_norm_adds_the_delta_before_the_residual(kernel_device, backend, dtype, with_residual, pieces):
+    if backend == "reference" and pieces:
+        pytest.skip("launch shapes are the Triton launcher's")
     device = _backend_device(backend, kernel_device)
     kernels = Kernels(backend)
     y, delta, expected = _delta([HIDDEN], dtype, device, _slots(), pages=backend == "triton")
     weight = (torch.rand(HIDDEN) + 0.5).to(device=device, dtype=dtype)
     residual = torch.randn(T, HIDDEN).to(device=device, dtype=dtype) if with_residual else None
-    got = kernels.rms_norm(y, weight, 1e-6, residual, lora=delta)
+    blocks = {"lora_blocks": pieces} if pieces else {}
+    got = kernels.rms_norm(y, weight, 1e-6, residual, lora=delta, **blocks)
     want = Kernels("reference").rms_norm(expected.to(dtype).cpu(), weight.cpu(), 1e-6,
                                          residual.cpu() if with_residual else None)
     scale = 1.0 if dtype == torch.float32 else 4.0  # bf16: v is the GEMM's bf16 output, not the float32 loop's
