@@ -6,7 +6,8 @@ Semantics: ``delta[t, off_i + c] = scaling_i[s] * v[i, t, p] @ B_i[p, c, :]``, `
 A linear that folds its shrink into its base GEMM (``LinearWithLoRA.fold_lora_a``) has every slot's shrink ``v`` in
 that GEMM's extra columns. Instead of an expand launch that adds ``delta`` into ``y`` (read, add, write), the next
 kernel, which reads ``y`` anyway, adds each token's delta as it loads its row: ``rms_norm`` (after o_proj and
-down_proj: ``s = (y + delta) + residual``) and ``silu_and_mul`` / ``gelu_tanh_and_mul`` (after gate/up). Each
+down_proj: ``s = (y + delta) + residual``), ``silu_and_mul`` / ``gelu_tanh_and_mul`` (after gate/up) and
+``rotary_and_cache`` (after q/k/v, when no per-head q/k norm comes between). Each
 consumer rounds ``y + delta`` to ``y``'s dtype first, as the expand kernel rounds its sum into ``y``, so both paths
 compute the same values up to the order of the rank sum. One launch fewer per LoRA'd linear; the B bytes are read
 by the consumer instead.
@@ -48,12 +49,14 @@ class LoRADelta:
         return [b.shape[1] for b in self.lora_b]
 
 
-def check_delta(op: str, delta: LoRADelta, y: torch.Tensor) -> None:
-    """``delta`` fits ``y`` (``[T, sum(out_i)]``, its dtype and device). Raises ``KernelArgumentError``."""
+def check_delta(op: str, delta: LoRADelta, y: torch.Tensor, width: int | None = None) -> None:
+    """``delta`` fits ``y`` (``[T, sum(out_i)]``, its dtype and device; ``width``: the columns it covers, when ``y``
+    holds only the first of them). Raises ``KernelArgumentError``."""
+    width = y.shape[1] if width is None else width
     _check_slot_rows(delta.v, delta.lora_b, delta.page_table)
     check_shape(op, "delta.v", delta.v, (len(delta.lora_b), y.shape[0], None, None))
-    if sum(delta.widths) != y.shape[1]:
-        raise KernelArgumentError(f"{op}: LoRA delta widths {delta.widths} do not add up to {y.shape[1]} columns")
+    if sum(delta.widths) != width:
+        raise KernelArgumentError(f"{op}: LoRA delta widths {delta.widths} do not add up to {width} columns")
     for i, (b, s) in enumerate(zip(delta.lora_b, delta.scaling)):
         check_dtype(op, f"delta.lora_b[{i}]", b, (y.dtype,))
         check_device(op, f"delta.lora_b[{i}]", b, y.device)
@@ -122,4 +125,26 @@ def lora_delta_cols(t, cols, col_mask, token_slots_ptr, page_table_ptr, v_ptr, s
             b = tl.load(b_ptr + page * width * rank_rows + (col0 + cols)[:, None] * rank_rows + r[None, :],
                         mask=col_mask[:, None] & r_mask[None, :], other=0.0)
             delta = tl.sum(b.to(tl.float32) * vr[None, :], axis=1) * scale
+    return delta
+
+
+@triton.jit
+def lora_delta_tile(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
+                    scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr):
+    """:func:`lora_delta_cols` for a 2-D tile of columns ``cols [A, B]`` (e.g. heads x half a head)."""
+    slot = tl.load(token_slots_ptr + t).to(tl.int64)
+    delta = tl.zeros(cols.shape, tl.float32)
+    if slot >= 0:
+        scale = tl.load(scale_ptr + slot)
+        if scale != 0.0:
+            page = slot
+            if SLOT_PAGE:
+                page = tl.load(page_table_ptr + slot).to(tl.int64)
+            r = tl.arange(0, BLOCK_R)
+            r_mask = r < rank_rows
+            vr = tl.load(v_ptr + t * stride_vt + page * stride_vp + r, mask=r_mask, other=0.0)
+            vr = vr.to(b_ptr.dtype.element_ty).to(tl.float32)
+            b = tl.load(b_ptr + page * width * rank_rows + (col0 + cols)[:, :, None] * rank_rows + r[None, None, :],
+                        mask=mask[:, :, None] & r_mask[None, None, :], other=0.0)
+            delta = tl.sum(b.to(tl.float32) * vr[None, None, :], axis=2) * scale
     return delta

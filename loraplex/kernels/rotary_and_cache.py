@@ -32,9 +32,11 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_delta import LoRADelta, block_r, check_delta, delta_args, lora_delta_ref, lora_delta_tile
 from loraplex.kernels.op import Op
 from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
-from loraplex.kernels.rotary import check_positions_in_table, load_cos_sin, rotary_embedding_ref, rotate_heads
+from loraplex.kernels.rotary import (check_positions_in_table, load_cos_sin, rope_halves, rotary_embedding_ref,
+                                     rotate_heads)
 
 _OP = "rotary_and_cache"
 
@@ -91,6 +93,86 @@ def _rotary_and_cache_kernel(
         tl.store(vc + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
 
 
+# With a LoRA delta: heads per program (grid = tokens x head groups of q, then k, then v).
+_LORA_HEADS = 4
+
+
+@triton.jit
+def _rotary_and_cache_lora_kernel(
+    positions_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, cos_sin_ptr,
+    stride_qt, stride_qot, stride_kt, stride_vt, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+    stride_vch, stride_cs, block_size, num_q_heads, num_kv_heads,
+    slots_ptr, table_ptr,
+    qd_v, qd_svt, qd_svp, qd_b, qd_width, qd_col0, qd_scale,
+    kd_v, kd_svt, kd_svp, kd_b, kd_width, kd_col0, kd_scale,
+    vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0, vd_scale, rank_rows,
+    HALF: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    SLOT_PAGE: tl.constexpr,
+):
+    # Program (t, g): HEADS heads of token t's q (g < n_q), k (next n_kv groups) or v (last n_kv): their rows plus
+    # the LoRA delta (rounded to the dtype, as the expand rounds into y), then q rotated in place, k rotated into
+    # the cache slot, v copied into it.
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    n_q = tl.cdiv(num_q_heads, HEADS)
+    n_kv = tl.cdiv(num_kv_heads, HEADS)
+    i = tl.arange(0, BLOCK_HALF)
+    slot = tl.load(slot_mapping_ptr + t)
+    blk = slot // block_size
+    off = slot % block_size
+    if g < n_q:
+        h = g * HEADS + tl.arange(0, HEADS)
+        mask = (h[:, None] < num_q_heads) & (i[None, :] < HALF)
+        cols = h[:, None] * (2 * HALF) + i[None, :]
+        src = q_ptr + t * stride_qt + cols
+        x1 = tl.load(src, mask=mask, other=0.0)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0)
+        d1 = lora_delta_tile(t, cols, mask, slots_ptr, table_ptr, qd_v, qd_svt, qd_svp, qd_b, qd_width, qd_col0,
+                             qd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+        d2 = lora_delta_tile(t, cols + HALF, mask, slots_ptr, table_ptr, qd_v, qd_svt, qd_svp, qd_b, qd_width,
+                             qd_col0, qd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+        x1 = (x1.to(tl.float32) + d1).to(x1.dtype)
+        x2 = (x2.to(tl.float32) + d2).to(x2.dtype)
+        cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty, HALF,
+                                BLOCK_HALF)
+        o1, o2 = rope_halves(x1, x2, cos, sin)
+        dst = q_out_ptr + t * stride_qot + cols
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + HALF, o2, mask=mask)
+    elif slot >= 0:
+        is_k = g < n_q + n_kv
+        h = (g - n_q - tl.where(is_k, 0, n_kv)) * HEADS + tl.arange(0, HEADS)
+        mask = (h[:, None] < num_kv_heads) & (i[None, :] < HALF)
+        cols = h[:, None] * (2 * HALF) + i[None, :]
+        if is_k:
+            src = k_ptr + t * stride_kt + cols
+            x1 = tl.load(src, mask=mask, other=0.0)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0)
+            d1 = lora_delta_tile(t, cols, mask, slots_ptr, table_ptr, kd_v, kd_svt, kd_svp, kd_b, kd_width, kd_col0,
+                                 kd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+            d2 = lora_delta_tile(t, cols + HALF, mask, slots_ptr, table_ptr, kd_v, kd_svt, kd_svp, kd_b, kd_width,
+                                 kd_col0, kd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+            x1 = (x1.to(tl.float32) + d1).to(x1.dtype)
+            x2 = (x2.to(tl.float32) + d2).to(x2.dtype)
+            cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty,
+                                    HALF, BLOCK_HALF)
+            o1, o2 = rope_halves(x1, x2, cos, sin)
+            dst = key_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + i[None, :]
+            tl.store(dst, o1, mask=mask)
+            tl.store(dst + HALF, o2, mask=mask)
+        else:
+            src = v_ptr + t * stride_vt + cols
+            x1 = tl.load(src, mask=mask, other=0.0)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0)
+            d1 = lora_delta_tile(t, cols, mask, slots_ptr, table_ptr, vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0,
+                                 vd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+            d2 = lora_delta_tile(t, cols + HALF, mask, slots_ptr, table_ptr, vd_v, vd_svt, vd_svp, vd_b, vd_width,
+                                 vd_col0, vd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+            dst = value_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + i[None, :]
+            tl.store(dst, (x1.to(tl.float32) + d1).to(x1.dtype), mask=mask)
+            tl.store(dst + HALF, (x2.to(tl.float32) + d2).to(x2.dtype), mask=mask)
+
+
 def _check_args(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -141,11 +223,15 @@ def _launch_rotary_and_cache(
     slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    lora: LoRADelta | None = None,
 ) -> torch.Tensor:
-    """Triton launch of :func:`rotary_and_cache_ref` (one program per token; positions and slots unchecked:
-    no sync)."""
+    """Triton launch of :func:`rotary_and_cache_ref` (one program per token; with ``lora`` one per token and
+    group of 4 heads of q, k or v; positions and slots unchecked: no sync)."""
     require_triton(_OP)
     _check_args(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, out)
+    if lora is not None:
+        _check_lora(lora, query, key, value)
     q_out = query if out is None else out
     for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("cos_sin_cache", cos_sin_cache), ("out", q_out),
@@ -157,6 +243,21 @@ def _launch_rotary_and_cache(
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     half = head_dim // 2
     num_q_heads = query.shape[1] // head_dim
+    if lora is not None:
+        q_size, kv_size = query.shape[1], key.shape[1]
+        parts = [delta_args(lora, query, start, width)
+                 for start, width in ((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size))]
+        groups = -(-num_q_heads // _LORA_HEADS) + 2 * -(-num_kv_heads // _LORA_HEADS)
+        _rotary_and_cache_lora_kernel[(num_tokens, groups)](
+            positions, query, q_out, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache,
+            query.stride(0), q_out.stride(0), key.stride(0), value.stride(0), key_cache.stride(0),
+            key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
+            value_cache.stride(2), cos_sin_cache.stride(0), block_size, num_q_heads, num_kv_heads,
+            *parts[0][:2], *parts[0][2:9], *parts[1][2:9], *parts[2][2:9], parts[0][9],
+            HALF=half, HEADS=_LORA_HEADS, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
+            SLOT_PAGE=lora.page_table is not None, num_warps=4,
+        )
+        return q_out
     _rotary_and_cache_kernel[(num_tokens,)](
         positions,
         query,
@@ -200,6 +301,8 @@ def rotary_and_cache_ref(
     slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    lora: LoRADelta | None = None,
 ) -> torch.Tensor:
     """RoPE on query (in place, or into ``out``) and key, then rotated key and value into the paged cache
     (plain torch: :func:`rotary_embedding_ref` then :func:`reshape_and_cache_ref`).
@@ -215,6 +318,10 @@ def rotary_and_cache_ref(
         cos_sin_cache: ``[max_pos, D]`` fp32, ``cat(cos, sin)`` halves
             (:func:`~loraplex.kernels.rotary.compute_cos_sin_cache`).
         out: ``[T, Hq*D]`` of query's dtype for the rotated query, or None (in place).
+        lora: optional expand of the folded q/k/v linear that made query, key and value
+            (:class:`~loraplex.kernels.lora_delta.LoRADelta` over their ``Hq*D + 2*Hkv*D`` columns, in that order):
+            each is first replaced by itself plus its delta, rounded to its dtype (key and value stay unwritten:
+            the cache gets them).
 
     Returns:
         The rotated query: ``out``, or ``query`` itself.
@@ -228,7 +335,13 @@ def rotary_and_cache_ref(
     check_positions_in_table(_OP, positions, cos_sin_cache)
     check_slots_in_cache(_OP, slot_mapping, key_cache)
     num_tokens, num_kv_heads, head_dim = positions.shape[0], key_cache.shape[2], key_cache.shape[3]
-    q_out = query if out is None else out.copy_(query)
+    if lora is not None:
+        _check_lora(lora, query, key, value)
+        qkv = lora_delta_ref(lora, torch.cat([query, key, value], dim=1))
+        source, key, value = qkv.split([query.shape[1], key.shape[1], value.shape[1]], dim=1)
+        q_out = (query if out is None else out).copy_(source)
+    else:
+        q_out = query if out is None else out.copy_(query)
     rotated_key = key.clone()
     rotary_embedding_ref(positions, q_out, rotated_key, cos_sin_cache, head_dim)
     reshape_and_cache_ref(rotated_key.reshape(num_tokens, num_kv_heads, head_dim),
@@ -236,10 +349,19 @@ def rotary_and_cache_ref(
     return q_out
 
 
+def _check_lora(lora: LoRADelta, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``lora`` covers query, key and value side by side, each inside one of its slices."""
+    q_size, kv_size = query.shape[1], key.shape[1]
+    check_delta(_OP, lora, query, q_size + 2 * kv_size)
+    for start, width in ((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)):
+        delta_args(lora, query, start, width)
+
+
 ROTARY_AND_CACHE = Op(
     name=_OP,
-    semantics="q[t] <- rope(q[t], p); key_cache[s // bs, s % bs] = rope(k[t], p), value_cache[...] = v[t], "
-    "p = positions[t], s = slot_mapping[t]; rows with s == -1 write no cache",
+    semantics="q[t] <- rope(q'[t], p); key_cache[s // bs, s % bs] = rope(k'[t], p), value_cache[...] = v'[t], "
+    "p = positions[t], s = slot_mapping[t], [q' k' v'] = [q k v] + delta ([q k v] without lora); rows with s == -1 "
+    "write no cache",
     reference=rotary_and_cache_ref,
     triton=_launch_rotary_and_cache,
 )

@@ -99,18 +99,18 @@ def test_slot_churn_rewrites_the_folded_rows(tiny_llama_dir, adapters, prompts, 
 def test_prompt_steps_above_the_fold_limit_take_the_sgmv_pair(tiny_llama_dir, adapters, prompts, references,
                                                               monkeypatch):
     """A step of more than FOLD_MAX_TOKENS tokens runs the SGMV pair over the folded linear's base rows; decode
-    steps the folded GEMM, the qkv expand launched, the others' applied by the norm and the activation after
-    them: every path runs and the rows equal PEFT."""
+    steps the folded GEMM, each expand applied by the kernel after it (rotary, norm, activation): every path runs
+    and the rows equal PEFT."""
     monkeypatch.setattr(llama, "FOLD_MAX_TOKENS", 4)
     llm = make_llm(tiny_llama_dir)
     kernels = llm.engine.model.norm.kernels
-    calls = {"add_lora": 0, "lora_expand_slot_rows": 0, "rms_norm": 0, "silu_and_mul": 0}
+    calls = {"add_lora": 0, "rms_norm": 0, "silu_and_mul": 0, "rotary_and_cache": 0}
     for name in calls:
         real = getattr(kernels, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
-            if _name in ("add_lora", "lora_expand_slot_rows") or kwargs.get("lora") is not None:
-                calls[_name] += 1  # the norm and the activation: only when they apply a deferred expand
+            if _name == "add_lora" or kwargs.get("lora") is not None:
+                calls[_name] += 1  # the others: only when they apply a deferred expand
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(kernels, name, spy)
@@ -120,7 +120,7 @@ def test_prompt_steps_above_the_fold_limit_take_the_sgmv_pair(tiny_llama_dir, ad
                         lora_request=[adapters["b"], adapters["a"]])
     for i, (name, out) in enumerate(zip(["b", "a"], outs)):
         check_row(out, *references[(name, i)])
-    assert all(calls.values()), calls  # qkv's expand launched, o/gate_up/down's applied by the next kernel
+    assert all(calls.values()), calls  # every folded linear's expand applied by the kernel after it
 
 
 @pytest.mark.interpreter

@@ -99,3 +99,33 @@ def test_a_delta_that_does_not_fit_is_refused(kernel_device):
         y, delta, _ = _delta([6, 14], torch.float32, device, _slots())  # gate (10 columns) spans two slices
         with pytest.raises(KernelArgumentError, match="span slices"):
             Kernels(backend).silu_and_mul(y, lora=delta)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("shape", [(4, 4, 16), (6, 2, 24)], ids=["MHA", "GQA 3:1, 6 heads"])
+@pytest.mark.parametrize("fused", [False, True], ids=["q/k/v slices", "one qkv_proj slice"])
+def test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, shape, fused):
+    """q rotated in place and k/v written to the cache after each gets its delta (the float32 loop's, rounded);
+    rows with slot -1 in the slot mapping write no cache; padding rows of the LoRA mapping (slot -1) get none."""
+    from test_rotary_and_cache_kernel import _composed, _inputs
+    from test_rotary_kernel import hf_cache
+
+    device = _backend_device(backend, kernel_device)
+    hq, hkv, d = shape
+    widths = [hq * d + 2 * hkv * d] if fused else [hq * d, hkv * d, hkv * d]
+    y, delta, expected = _delta(widths, torch.float32, device, _slots(), pages=backend == "triton")
+    positions, _, _, _, _, key_cache, value_cache, slots = _inputs(hq, hkv, d, T, torch.float32, device)
+    cache = hf_cache(d, 10000.0, None).to(device)
+    q_size, kv_size = hq * d, hkv * d
+    query, key, value = y.split([q_size, kv_size, kv_size], dim=-1)
+    eq, ek, ev = expected.split([q_size, kv_size, kv_size], dim=-1)
+    want_q, want_kc, want_vc = _composed(positions, eq, ek, ev, key_cache, value_cache, slots, cache, d)
+    key_before, value_before = key.clone(), value.clone()
+    got_q = Kernels(backend).rotary_and_cache(positions, query, key, value, key_cache, value_cache, slots, cache,
+                                              lora=delta)
+    assert got_q.data_ptr() == query.data_ptr()
+    assert_close(got_q, want_q, torch.float32)
+    assert_close(key_cache, want_kc, torch.float32)
+    assert_close(value_cache, want_vc, torch.float32)
+    assert torch.equal(key, key_before) and torch.equal(value, value_before), "k and v are only read"

@@ -299,14 +299,16 @@ class Attention(nn.Module):
                 lora: LoRABatch | None) -> tuple[torch.Tensor, LoRADelta | None]:
         """``(o_proj's output, its deferred LoRA expand or None)``."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x, lora)
+        # A folded qkv linear's expand is added by the rotary kernel, unless a per-head norm comes first.
+        qkv, delta = self.qkv_proj.forward_deferred(x, lora, defer=self.q_norm is None)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # row-strided views of qkv
         if self.q_norm is not None:  # RMSNorm over each head's D values, before RoPE (HF order)
             q = self.q_norm(q.contiguous().view(-1, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.contiguous().view(-1, self.head_dim)).view(t, self.kv_size)
         k_cache, v_cache = kv
         # One launch: q rotated in place (inside qkv), rotated k and v written to the cache slots.
-        q = self.kernels.rotary_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin)
+        extra = {} if delta is None else {"lora": delta}
+        q = self.kernels.rotary_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin, **extra)
         q = q.view(t, self.num_heads, self.head_dim)
         out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
                                            softcap=self.softcap)
