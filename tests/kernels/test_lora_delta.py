@@ -119,7 +119,7 @@ def test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, sh
     cache = hf_cache(d, 10000.0, None).to(device)
     q_size, kv_size = hq * d, hkv * d
     query, key, value = y.split([q_size, kv_size, kv_size], dim=-1)
-    eq, ek, ev = expected.split([q_size, kv_size, kv_size], dim=-1)
+    eq, ek, ev = expected.to(device).split([q_size, kv_size, kv_size], dim=-1)
     want_q, want_kc, want_vc = _composed(positions, eq, ek, ev, key_cache, value_cache, slots, cache, d)
     key_before, value_before = key.clone(), value.clone()
     got_q = Kernels(backend).rotary_and_cache(positions, query, key, value, key_cache, value_cache, slots, cache,
