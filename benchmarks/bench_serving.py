@@ -266,7 +266,7 @@ def engine(model_dir: Path, max_loras: int, max_cpu_loras: int, max_model_len: i
               gpu_memory_utilization=0.85, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
               max_cpu_loras=max_cpu_loras, max_num_seqs=256, max_num_batched_tokens=8192,
               async_scheduling=RESULTS["async_scheduling"], lora_target_modules=RESULTS.get("lora_target_modules"),
-              enable_prefix_caching=enable_prefix_caching,
+              lora_fold_shrink=RESULTS.get("lora_fold_shrink", "auto"), enable_prefix_caching=enable_prefix_caching,
               **({"dtype": "bfloat16"} | device))
     llm.engine.lora_pool.pin_host_cache = RESULTS["host_cache"] == "pinned"
     return llm
@@ -547,6 +547,8 @@ def main() -> None:
     ap.add_argument("--lora-target-modules", default=None,
                     help="the engines' lora_target_modules (e.g. q_proj,v_proj for the scaling part's q/v adapters: "
                          "the other linears launch no LoRA kernel); default: every module")
+    ap.add_argument("--lora-fold-shrink", choices=["auto", "on", "off"], default="auto",
+                    help="the engines' lora_fold_shrink (the LoRA shrink in the base GEMM)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="scaling: without the server's freeze_gc_heap() after the engine's warm-up (the default "
                          "freezes it before the adapters are registered, as the server does at start-up)")
@@ -556,6 +558,7 @@ def main() -> None:
     RESULTS["host_cache"] = args.host_cache
     RESULTS["async_scheduling"] = args.async_scheduling
     RESULTS["lora_target_modules"] = args.lora_target_modules
+    RESULTS["lora_fold_shrink"] = args.lora_fold_shrink
     RESULTS["gc_freeze"] = not args.no_gc_freeze
     config = dict(LLAMA2_7B)
     if args.quick or args.cpu_check:
@@ -615,7 +618,8 @@ def summarize() -> None:
         rows = {k: v for k, v in scl.items() if isinstance(v, dict) and "fraction_of_base" in v}
         print_table("Adapter-count scaling (q/v r=16, 256 slots; host cache holds every adapter unless cold; async "
                     f"scheduling {'on' if RESULTS['async_scheduling'] else 'off'}; lora_target_modules "
-                    f"{RESULTS['lora_target_modules'] or 'all'}; gc.freeze after warm-up "
+                    f"{RESULTS['lora_target_modules'] or 'all'}; lora_fold_shrink {RESULTS['lora_fold_shrink']}; "
+                    "gc.freeze after warm-up "
                     f"{'on' if RESULTS['gc_freeze'] else 'off'}; {title})",
                     ["row", "popularity", "requests", "distinct adapters", "out tok/s", "of base", "steps",
                      "min steps", "disk reads", "slot loads", "install batches"],
