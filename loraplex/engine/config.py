@@ -144,14 +144,16 @@ class EngineConfig:
     and v_proj too; gate_proj serves up_proj). Adapters on another module are refused at upload and at load, the
     setting named (as SGLang's --lora-target-modules). A name this model has no LoRA for is refused at start."""
     lora_fold_shrink: Literal["auto", "on", "off"] = "auto"
-    """Where a LoRA'd linear computes its shrink (x @ A.T) at steps of at most 256 tokens: on = in its base GEMM,
-    over every slot's A (one cuBLAS GEMM over the weight and the pool's A rows, whose extra columns the expand
-    reads; one launch fewer per linear, the bytes of every slot's A whatever the batch uses); off = the SGMV shrink
-    kernel over the batch's adapters; auto = on for each linear whose pool A rows are at most a quarter of its base
-    rows (on an H200, Llama-2-7B, r=16: 32 slots took a step's LoRA from 95 to 58 us per layer; a 256-slot q/v pool
-    measured no faster: benchmarks/RESULTS.md, session 17), off where that does not hold or a linear is FP8 or
-    row-parallel, or the pool pages adapters (lora_page_rows < max_lora_rank). on: needs one page per adapter,
-    no fp8 and tensor_parallel_size 1."""
+    """Where a LoRA'd linear computes its shrink (x @ A.T) at steps of at most 512 tokens: on = in its base GEMM,
+    over every slot's A (one cuBLAS GEMM over the weight and the pool's A rows), the expand then added by the kernel
+    that reads the linear's output (rotary, norm or activation): two launches fewer per linear, for the bytes of
+    every slot's A whatever the batch uses; off = the SGMV shrink and expand kernels over the batch's adapters;
+    auto = on for each linear whose pool A rows are at most its base rows (on an H200, Llama-2-7B, r=16: 32 slots
+    on every module took a batch-32 decode step from 8.69 to 6.16 ms, the 512-adapter q/v row of 256 slots from
+    +2.75 to +1.36 ms per decode step over the base model: benchmarks/RESULTS.md, session 17), off where a linear
+    is FP8 or row-parallel or the pool pages adapters (lora_page_rows < max_lora_rank). A large pool whose batches
+    use few of its slots reads its A for nothing: off suits it. on: needs one page per adapter, no fp8 and
+    tensor_parallel_size 1."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))

@@ -41,11 +41,15 @@ _OP = "add_lora"
 
 # The shrink folded into the base GEMM, measured on an H200 (benchmarks/diag_folded_shrink.py, Llama-2-7B layer,
 # r=16, bf16, CUDA-graph replay, cold L2; RESULTS.md, session 17), LoRA us per layer over the base GEMMs, SGMV pair ->
-# folded: 32 slots (A rows 12.5% of each linear's base rows): 1 token 35.5 -> 28.4, 32 tokens x 8 adapters
-# 65.0 -> 38.9, 32 x 32 95.0 -> 58.3, 128 x 32 108.1 -> 67.7. A q/v pool of 256 slots (the fused qkv linear's A rows
-# 100% of its base rows): 32 x 32 20.8 -> 34.2, 256 x 16 34.1 -> 58.2, 256 x 256 97.6 -> 94.8. 64 slots (25%):
-# 1 token 36.5 -> 30.5, 32 x 32 95.4 -> 64.2, 128 x 64 176.8 -> 119.4.
-FOLD_MAX_LORA_ROWS_FRACTION = 0.25
+# folded GEMM + expand launch: 32 slots (A rows 12.5% of each linear's base rows): 1 token 35.5 -> 28.4, 32 tokens x
+# 8 adapters 65.0 -> 38.9, 32 x 32 95.0 -> 58.3, 128 x 32 108.1 -> 67.7; 64 slots (25%): 32 x 32 95.4 -> 64.2. A q/v
+# pool of 256 slots (the qkv linear's A rows 100% of its base rows): 32 x 32 20.8 -> 34.2, 256 x 16 34.1 -> 58.2,
+# 256 x 256 97.6 -> 94.8. With each expand then applied by the kernel after the linear (lora_delta), the expand
+# launch is gone too: the 512-adapter scaling row (256 slots, q/v, ~246 adapters per decode step) took +1.36 ms per
+# decode step over the base model folded against +2.75 unfolded (0.87 of base against 0.85). A pool of 100% whose
+# batches use few of its slots pays the extra bytes for nothing (e.g. 100 MB of A per layer at 256 q/v slots, ~0.8 ms
+# per Llama-2-7B step, where the SGMV pair of one adapter costs ~0.5 ms): lora_fold_shrink="off" serves such loads.
+FOLD_MAX_LORA_ROWS_FRACTION = 1.0
 """A linear folds its shrink (``lora_fold_shrink="auto"``) when its pool's A rows (slices x pages x rank) are at
 most this fraction of its base weight's rows."""
 FOLD_MAX_TOKENS = 512
