@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dora_gpu import PARENT, write_adapter
+from test_dora_gpu import PARENT, _run, write_adapter
 from tiny_models import make_tiny_model
 
 from loraplex import LLM, LoRARequest, SamplingParams
@@ -24,11 +24,6 @@ def setup(tmp_path_factory):
     return base, {name: LoRARequest(name, i + 1, str(write_adapter(base, root / name, r=r, alpha=alpha, targets=t,
                                                                    dora=False, seed=70 + i)))
                   for i, (name, (r, alpha, t)) in enumerate(specs.items())}
-
-
-def _run(llm: LLM, prompts, params, loras):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, loras)
-    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
