@@ -192,12 +192,16 @@ class LLMEngine:
                                                  weights.vocab_scaling, weights.full, weights.full_index,
                                                  weights.full_index_host, weights.vocab_lora_host))
         if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
-            from loraplex.kernels.self_check import check_add_lora
+            from loraplex.kernels.self_check import check_add_lora, check_folded_lora
 
-            shapes = {(lin.weight_in_features, tuple(lin.out_sizes))
-                      for _, lin in self.model.lora_linears() if lin.lora_a}  # the linears bound to the pool
+            bound = [lin for _, lin in self.model.lora_linears() if lin.lora_a]  # the linears bound to the pool
+            shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for lin in bound}
             check_add_lora(sorted(shapes), self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device,
                            page_rows=pool.weights.page_rows)
+            folded = {(lin.weight_in_features, tuple(lin.out_sizes)) for lin in bound if lin.folded_weight is not None}
+            if folded:
+                check_folded_lora(sorted(folded), self.rank_spec.hidden_size, self.config.max_loras,
+                                  self.config.max_lora_rank, self.dtype, self.device)
         return pool
 
     def _build_kv_cache(self) -> None:

@@ -1,4 +1,5 @@
-"""Start-up self-check of the batched LoRA op on the serving device (``add_lora`` against its reference).
+"""Start-up self-check of the batched LoRA ops on the serving device (``add_lora``, and for linears that fold
+their shrink into the base GEMM the slot-rows expand and a norm that adds the expand, against their references).
 
 The Triton kernels are tested under the CPU interpreter in CI; compiled on a GPU they take other launch
 shapes. Before an engine serves adapters on a GPU it runs the op once per layer shape, for one decode token,
@@ -15,8 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels.lora_delta import LoRADelta
+from loraplex.kernels.lora_expand import LORA_EXPAND_SLOT_ROWS
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_mapping import plan_segments
+from loraplex.kernels.rms_norm import RMS_NORM
 
 TOKEN_COUNTS = (1, 32, 300)  # one decode token, a decode batch, a prompt chunk (their own launch shapes)
 
@@ -69,6 +73,45 @@ def check_add_lora(shapes: Sequence[tuple[int, Sequence[int]]], num_slots: int, 
                     f"(delta scale {delta:.4g}) for {tokens} tokens, in_features={hidden}, widths={list(widths)}, "
                     f"rank={rank}, slots={num_slots}, {layout}; refusing to serve adapters with a wrong LoRA kernel "
                     "(enable_lora=False serves the base model)")
+
+
+def check_folded_lora(shapes: Sequence[tuple[int, Sequence[int]]], hidden_size: int, num_slots: int, rank: int,
+                      dtype: torch.dtype, device: torch.device, *, seed: int = 0) -> None:
+    """For linears that fold their shrink into the base GEMM: ``LORA_EXPAND_SLOT_ROWS.triton`` for each
+    ``(in_features, out_widths)`` of ``shapes``, and ``RMS_NORM.triton`` with a ``LoRADelta`` of ``hidden_size``
+    columns (the kernel helper every consumer of a deferred expand shares), at every count of
+    :data:`TOKEN_COUNTS`, against the references in float32 (the bound of :func:`check_add_lora`). ``v`` is random
+    here (it is a GEMM's output in the engine). Raises :class:`LoRAKernelMismatch`."""
+    gen = torch.Generator().manual_seed(seed)
+    slots_used = max(1, min(num_slots, 4))
+    for tokens in TOKEN_COUNTS:
+        base = min(round(0.2 * tokens), tokens - 1)
+        token_slots = torch.tensor([-1] * base + [i % slots_used for i in range(tokens - base)], dtype=torch.int32)
+        mapping = plan_segments(token_slots[torch.randperm(tokens, generator=gen)].to(device), num_slots)
+        for widths, norm in [(list(w), False) for _, w in shapes] + [([hidden_size], True)]:
+            v = torch.randn(len(widths), tokens, num_slots, rank, generator=gen).to(device, dtype)
+            b = [(torch.randn(num_slots, w, rank, generator=gen) / rank**0.5).to(device, dtype) for w in widths]
+            scaling = [torch.full((num_slots,), 2.0, device=device) for _ in widths]
+            y = torch.randn(tokens, sum(widths), generator=gen).to(device, dtype)
+            ref = y.to(torch.float32, copy=True)
+            LORA_EXPAND_SLOT_ROWS.reference(v.float(), [t.float() for t in b], scaling, ref, mapping)
+            if norm:
+                weight = torch.ones(hidden_size, device=device, dtype=dtype)
+                ours = RMS_NORM.triton(y, weight, 1e-6, lora=LoRADelta(v, b, scaling, mapping)).float()
+                ref, y = RMS_NORM.reference(ref, weight.float(), 1e-6), RMS_NORM.reference(y.float(), weight.float(),
+                                                                                            1e-6)
+                what = f"rms_norm with a LoRA delta of {hidden_size} columns"
+            else:
+                ours = y.clone()
+                LORA_EXPAND_SLOT_ROWS.triton(v, b, scaling, ours, mapping)
+                what = f"lora_expand_slot_rows, widths={widths}"
+            err = (ours.float() - ref).abs().max().item()
+            delta = (ref - y.float()).abs().max().item()
+            if not err <= 0.03 * delta + 0.05:
+                raise LoRAKernelMismatch(
+                    f"{what} on {device} ({dtype}): max error {err:.4g} against the float32 reference (delta scale "
+                    f"{delta:.4g}) for {tokens} tokens, rank={rank}, slots={num_slots}; refusing to serve adapters "
+                    "with a wrong LoRA kernel (lora_fold_shrink='off' serves them without these kernels)")
 
 
 @dataclass(frozen=True)

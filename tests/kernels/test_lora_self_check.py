@@ -56,3 +56,24 @@ def test_paged_pool_has_mixed_ranks_shuffled_pages_and_nan_where_unused():
     assert torch.isfinite(a[table[0]]).all() and torch.isnan(a[table[2][0], 2:]).all()  # rank 2: rows 2-3 unused
     spare = [p for p in range(9) if p not in used]
     assert torch.isnan(a[spare]).all() and torch.isnan(b[spare]).all()
+
+
+@pytest.mark.interpreter
+def test_the_folded_kernels_pass_and_a_wrong_one_is_refused(kernel_device, monkeypatch):
+    """The slot-rows expand and the norm that adds a deferred expand: pass as built; an expand reading the next
+    slot's rows of v is refused, naming the kernel."""
+    from loraplex.kernels import lora_expand
+
+    self_check.check_folded_lora([(32, (16, 8))], hidden_size=24, num_slots=3, rank=4, dtype=torch.float32,
+                                 device=kernel_device)
+
+    def next_slots_rows(v, lora_b, scaling, y, mapping, **kw):
+        lora_expand._launch_lora_expand_slot_rows(v.roll(1, 2), lora_b, scaling, y, mapping, **kw)
+
+    wrong = Op(name="lora_expand_slot_rows", semantics="", reference=lora_expand.lora_expand_slot_rows_ref,
+               triton=lora_expand._launch_lora_expand_slot_rows)
+    monkeypatch.setattr(self_check, "LORA_EXPAND_SLOT_ROWS", wrong)
+    object.__setattr__(wrong, "triton", next_slots_rows)
+    with pytest.raises(self_check.LoRAKernelMismatch, match=r"lora_expand_slot_rows, widths=\[16, 8\] .* for 1 tokens"):
+        self_check.check_folded_lora([(32, (16, 8))], hidden_size=24, num_slots=3, rank=4, dtype=torch.float32,
+                                     device=kernel_device)
