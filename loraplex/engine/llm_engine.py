@@ -183,7 +183,9 @@ class LLMEngine:
         if self.config.lora_fold_shrink == "on" and self.spec.checkpoint_quantization is not None:
             raise ConfigError("lora_fold_shrink", "on", "is not implemented for an FP8 checkpoint (the folded GEMM "
                               "is the bf16/fp16/fp32 weight's)")
-        bind_lora(self.model, pool.weights, self.config.lora_fold_shrink if self.tp is None else "off")
+        if bind_lora(self.model, pool.weights, self.config.lora_fold_shrink if self.tp is None else "off") \
+                and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the weights the folded ones replaced: to the KV cache, as with FP8
         if self.tp is None:  # DoRA installs read the base weights (refused with tensor parallelism)
             pool.weights.bind_base_weights(self.model.base_weight_rows)
         weights = pool.weights

@@ -126,17 +126,19 @@ class RankState:
             bind_lora(self.model, self.lora_weights)
 
 
-def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> None:
+def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> bool:
     """Point every LoRA-capable linear of ``model`` at its slices of the adapter weight pool ``weights``
     (a ``LoRADeviceWeights``: pages, scalings, DoRA gains, ranks and page table). A linear whose modules the
     pool does not hold (``lora_target_modules``) stays unbound: it launches no LoRA kernel.
 
     ``fold_shrink`` (``EngineConfig.lora_fold_shrink``): "on" folds the shrink of every bound linear into its base
     GEMM (``LinearWithLoRA.fold_lora_a``; the pool's A pages become views of the folded weight), "auto" those
-    where :func:`~loraplex.kernels.lora_linear.fold_shrink_pays`, "off" none. Raises ``ValueError`` when folding
+    where :func:`~loraplex.kernels.lora_linear.fold_shrink_pays`, "off" none. Returns whether any linear folded
+    (the weights it replaced are free: on CUDA the caller returns them to the device before sizing the KV cache). Raises ``ValueError`` when folding
     is asked of a pool of several pages per adapter, an FP8 or a row-parallel linear."""
     if fold_shrink not in ("on", "auto", "off"):
         raise ValueError(f"bind_lora: fold_shrink={fold_shrink!r}, expected 'on', 'auto' or 'off'")
+    folded = False
     for layer, lin in model.lora_linears():
         if not all(m in weights.a[layer] for m in lin.module_names):
             assert not any(m in weights.a[layer] for m in lin.module_names), "fused linears are served whole"
@@ -145,16 +147,18 @@ def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> Non
         lora_rows = sum(a.shape[0] * a.shape[1] for a in pages)
         if fold_shrink == "on" or (fold_shrink == "auto" and lin.qweight is None and lin.all_reduce is None
                                    and weights.page_rows == weights.max_lora_rank
-                                   and fold_shrink_pays(sum(lin.out_sizes), lora_rows)):
+                                   and fold_shrink_pays(sum(lin.out_sizes), lora_rows, weights.max_lora_rank)):
             if weights.page_rows != weights.max_lora_rank:
                 raise ValueError(f"bind_lora: folding the shrink needs one page per adapter (page rows "
                                  f"{weights.page_rows} < max_lora_rank {weights.max_lora_rank})")
             for module, view in zip(lin.module_names, lin.fold_lora_a(pages)):
                 weights.replace_a(layer, module, view)
+            folded = True
         lin.bind_lora([weights.a[layer][m] for m in lin.module_names], [weights.b[layer][m] for m in lin.module_names],
                       [weights.scaling[layer][m] for m in lin.module_names],
                       weights.gain_columns(layer, lin.module_names), ranks=weights.ranks,
                       page_table=weights.page_table)
+    return folded
 
 
 class TensorParallelDriver:

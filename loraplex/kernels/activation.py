@@ -23,7 +23,7 @@ from loraplex.kernels._checks import (
 from loraplex.kernels._triton import cdiv, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         slice_of_columns)
+                                         slice_of_columns, tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
@@ -54,7 +54,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK
     tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
 
 
-_LORA_BLOCK = 256  # columns per program with a LoRA delta (two [BLOCK, R] B tiles)
+_LORA_BLOCK = 256  # columns per program with a LoRA delta (two [BLOCK, R] B tiles; fewer for ranks above 16)
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         return out
     if lora is not None:
         gate, up = delta_args(lora, x, 0, inter_size), delta_args(lora, x, inter_size, inter_size)
-        block, warps = lora_blocks or (_LORA_BLOCK, 4)
+        block, warps = lora_blocks or (max(16, tile_columns(_LORA_BLOCK, lora)), 4)
         _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:2], *gate[2:9], *up[2:9], gate[9],
             BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGE=lora.page_table is not None,

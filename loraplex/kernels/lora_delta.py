@@ -100,6 +100,17 @@ def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int)
             delta.lora_b[i].shape[2])
 
 
+# The consumers' launch shapes were measured at rank 16 (RESULTS.md, session 17); for higher ranks their column
+# tiles narrow so that a [columns, BLOCK_R] B tile holds no more elements than at that rank.
+MEASURED_BLOCK_R = 16
+
+
+def tile_columns(columns: int, delta: LoRADelta | None) -> int:
+    """``columns`` (a power of two, the tile width measured at rank 16) narrowed for a higher rank:
+    ``columns * 16 // BLOCK_R``, at least 1."""
+    return columns if delta is None else max(1, columns * MEASURED_BLOCK_R // max(MEASURED_BLOCK_R, block_r(delta)))
+
+
 def block_r(delta: LoRADelta | None) -> int:
     """``BLOCK_R`` of :func:`lora_delta_cols`: every rank row of a page (1 without a delta)."""
     return 1 if delta is None else max(1, next_pow2(delta.lora_b[0].shape[2]))

@@ -58,11 +58,16 @@ for every token and every slot). Measured: 256 tokens x 32 adapters 136.3 -> 87.
 90.5 (32 slots); longer steps were not measured folded."""
 
 
-def fold_shrink_pays(base_rows: int, lora_rows: int) -> bool:
+FOLD_MAX_RANK = 16
+"""The fold was measured with pools of rank 16 only; ``auto`` leaves pools of higher ``max_lora_rank`` unfolded."""
+
+
+def fold_shrink_pays(base_rows: int, lora_rows: int, rank: int) -> bool:
     """Whether folding a linear's shrink into its base GEMM measured faster: ``lora_rows <=``
-    :data:`FOLD_MAX_LORA_ROWS_FRACTION` ``* base_rows`` (``base_rows``: the weight's output rows; ``lora_rows``:
-    its pool's A rows over every slice, page and rank row)."""
-    return lora_rows <= FOLD_MAX_LORA_ROWS_FRACTION * base_rows
+    :data:`FOLD_MAX_LORA_ROWS_FRACTION` ``* base_rows`` and ``rank <=`` :data:`FOLD_MAX_RANK` (``base_rows``: the
+    weight's output rows; ``lora_rows``: its pool's A rows over every slice, page and rank row; ``rank``: the
+    pool's rank rows per page)."""
+    return lora_rows <= FOLD_MAX_LORA_ROWS_FRACTION * base_rows and rank <= FOLD_MAX_RANK
 
 
 def _launch_add_lora(

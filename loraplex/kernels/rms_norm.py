@@ -21,7 +21,8 @@ from loraplex.kernels._checks import (
     check_shape,
 )
 from loraplex.kernels._triton import cdiv, next_pow2, require_triton, tl, triton
-from loraplex.kernels.lora_delta import LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref
+from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
+                                         tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
@@ -74,7 +75,7 @@ def _rms_norm_kernel(
 
 
 # With a LoRA delta: rows up to this many columns in one tile, longer ones in two passes over pieces of _LORA_CHUNK
-# (a [CHUNK, R] B tile per piece).
+# (a [CHUNK, R] B tile per piece; both narrowed for ranks above 16, lora_delta.tile_columns).
 _LORA_ONE_PASS_MAX = 4096
 _LORA_CHUNK = 1024
 
@@ -152,7 +153,8 @@ def _launch_rms_norm(
     if num_tokens == 0:
         return out if residual_out is None else (out, residual_out)
     if lora is not None:
-        chunk = next_pow2(hidden_size) if hidden_size <= _LORA_ONE_PASS_MAX else _LORA_CHUNK
+        chunk = max(16, tile_columns(next_pow2(hidden_size) if hidden_size <= _LORA_ONE_PASS_MAX else _LORA_CHUNK,
+                                     lora))
         warps = min(max(chunk // 256, 1), 16)
         if lora_blocks is not None:
             chunk, warps = lora_blocks

@@ -32,7 +32,8 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_delta import LoRADelta, block_r, check_delta, delta_args, lora_delta_ref, lora_delta_cols
+from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
+                                         tile_columns)
 from loraplex.kernels.op import Op
 from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
 from loraplex.kernels.rotary import (check_positions_in_table, load_cos_sin, rope_halves, rotary_embedding_ref,
@@ -93,7 +94,7 @@ def _rotary_and_cache_kernel(
         tl.store(vc + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
 
 
-# With a LoRA delta: heads per program (grid = tokens x head groups of q, then k, then v).
+# With a LoRA delta: heads per program (grid = tokens x head groups of q, then k, then v; fewer for high ranks).
 _LORA_HEADS = 4
 
 
@@ -239,14 +240,15 @@ def _launch_rotary_and_cache(
         q_size, kv_size = query.shape[1], key.shape[1]
         parts = [delta_args(lora, query, start, width)
                  for start, width in ((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size))]
-        groups = -(-num_q_heads // _LORA_HEADS) + 2 * -(-num_kv_heads // _LORA_HEADS)
+        heads = max(1, tile_columns(_LORA_HEADS * next_pow2(half), lora) // next_pow2(half))
+        groups = -(-num_q_heads // heads) + 2 * -(-num_kv_heads // heads)
         _rotary_and_cache_lora_kernel[(num_tokens, groups)](
             positions, query, q_out, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache,
             query.stride(0), q_out.stride(0), key.stride(0), value.stride(0), key_cache.stride(0),
             key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
             value_cache.stride(2), cos_sin_cache.stride(0), block_size, num_q_heads, num_kv_heads,
             *parts[0][:2], *parts[0][2:9], *parts[1][2:9], *parts[2][2:9], parts[0][9],
-            HALF=half, HEADS=_LORA_HEADS, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
+            HALF=half, HEADS=heads, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
             SLOT_PAGE=lora.page_table is not None, num_warps=4,
         )
         return q_out

@@ -97,8 +97,9 @@ def test_qwen2_dora_with_biased_projections_equals_peft(tiny_qwen2_dir, prompts,
     assert _max_gain_deviation(llm) > 0.05
 
 
-def test_mixed_batch_dora_lora_base_dora2_rows_equal_peft(tiny_llama_dir, llama_adapters, prompts, references):
-    llm = make_llm(tiny_llama_dir, max_loras=3)
+@pytest.mark.parametrize("fold", ["off", "on"])  # the SGMV kernels, and the shrink in the base GEMM
+def test_mixed_batch_dora_lora_base_dora2_rows_equal_peft(tiny_llama_dir, llama_adapters, prompts, references, fold):
+    llm = make_llm(tiny_llama_dir, max_loras=3, lora_fold_shrink=fold)
     order = ["dora", "lora", None, "dora2"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
                         lora_request=[llama_adapters[n] if n else None for n in order])

@@ -48,9 +48,9 @@ def references(tiny_llama_dir, adapters, prompts):
 
 def make_llm(path, **kw) -> LLM:
     kw.setdefault("max_loras", 3)
+    kw.setdefault("max_lora_rank", 16)
     kw.setdefault("lora_fold_shrink", "on")
-    return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=512, enable_lora=True,
-               max_lora_rank=16, **kw)
+    return LLM(model=str(path), max_model_len=128, block_size=4, num_kv_blocks=512, enable_lora=True, **kw)
 
 
 def _bound(llm: LLM):
@@ -142,24 +142,29 @@ def test_folded_rows_through_the_triton_kernels_equal_peft(tiny_llama_dir, adapt
 
 
 def test_auto_folds_the_linears_whose_pool_rows_are_small_and_off_folds_none(tiny_llama_dir):
-    """auto: a linear folds exactly when fold_shrink_pays(its base rows, its pool's A rows); off: none."""
+    """auto: a linear folds exactly when fold_shrink_pays(its base rows, its pool's A rows, rank 16); not in a pool
+    of rank 32; off: none."""
     seen = set()
     for max_loras in (2, 4, 8):
         llm = make_llm(tiny_llama_dir, max_loras=max_loras, max_cpu_loras=8, lora_fold_shrink="auto")
         decisions = [(lin.folded_weight is not None,
-                      fold_shrink_pays(sum(lin.out_sizes), sum(max_loras * 16 for _ in lin.module_names)))
+                      fold_shrink_pays(sum(lin.out_sizes), sum(max_loras * 16 for _ in lin.module_names), 16))
                      for _, lin in _bound(llm)]
         assert decisions and all(folded == pays for folded, pays in decisions), decisions
         seen |= {pays for _, pays in decisions}
     assert seen == {True, False}, "both kinds among these pools"
     llm = make_llm(tiny_llama_dir, lora_fold_shrink="off")
     assert all(lin.folded_weight is None for _, lin in _bound(llm))
+    llm = make_llm(tiny_llama_dir, max_loras=1, max_lora_rank=32, lora_page_rows=32, lora_fold_shrink="auto")
+    assert all(lin.folded_weight is None for _, lin in _bound(llm)), "ranks above 16 were not measured folded"
 
 
 @pytest.mark.parametrize("fields, fragment", [
     ({"lora_page_rows": 8, "max_lora_rank": 16}, "one page per adapter"),
     ({"quantization": "fp8"}, "no quantization"),
     ({"enable_lora": True, "lora_fold_shrink": "sometimes"}, "lora_fold_shrink"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size 1"),
+    ({"enable_lora": False}, "needs enable_lora"),
 ])
 def test_fold_on_where_it_cannot_run_is_refused(fields, fragment):
     values = {"enable_lora": True, "lora_fold_shrink": "on"} | fields

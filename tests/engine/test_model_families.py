@@ -55,10 +55,11 @@ def make_llm(path, **kw) -> LLM:
 
 
 
-def test_mixed_batch_equals_hf_and_peft(family):
+@pytest.mark.parametrize("fold", ["off", "on"])  # the SGMV kernels, and the shrink in the base GEMM
+def test_mixed_batch_equals_hf_and_peft(family, fold):
     path, prompts, adapters, refs = family
     order = ["a", None, "b", "a", None]
-    outs = make_llm(path).generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+    outs = make_llm(path, lora_fold_shrink=fold).generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                    lora_request=[adapters[n] if n else None for n in order])
     for i, (name, out) in enumerate(zip(order, outs)):
         check_row(out, *refs[(name or "base", i)])

@@ -62,8 +62,9 @@ def test_each_adapter_equals_peft(tiny_llama_dir, adapters, prompts, references,
         check_row(out, *references[(name, i)])
 
 
-def test_mixed_batch_rows_equal_peft_and_base_unaffected(tiny_llama_dir, adapters, prompts, references):
-    llm = make_llm(tiny_llama_dir, max_loras=3)
+@pytest.mark.parametrize("fold", ["off", "on"])  # the SGMV kernels, and the shrink in the base GEMM
+def test_mixed_batch_rows_equal_peft_and_base_unaffected(tiny_llama_dir, adapters, prompts, references, fold):
+    llm = make_llm(tiny_llama_dir, max_loras=3, lora_fold_shrink=fold)
     order = ["a", "b", None, "a", "c"]
     loras = [adapters[n] if n else None for n in order]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, lora_request=loras)

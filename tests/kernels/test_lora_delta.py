@@ -105,7 +105,8 @@ def test_a_delta_that_does_not_fit_is_refused(kernel_device):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("shape", [(4, 4, 16), (6, 2, 24)], ids=["MHA", "GQA 3:1, 6 heads"])
 @pytest.mark.parametrize("fused", [False, True], ids=["q/k/v slices", "one qkv_proj slice"])
-def test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, shape, fused):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, shape, fused, dtype):
     """q rotated in place and k/v written to the cache after each gets its delta (the float32 loop's, rounded);
     rows with slot -1 in the slot mapping write no cache; padding rows of the LoRA mapping (slot -1) get none."""
     from test_rotary_and_cache_kernel import _composed, _inputs
@@ -114,18 +115,52 @@ def test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, sh
     device = _backend_device(backend, kernel_device)
     hq, hkv, d = shape
     widths = [hq * d + 2 * hkv * d] if fused else [hq * d, hkv * d, hkv * d]
-    y, delta, expected = _delta(widths, torch.float32, device, _slots(), pages=backend == "triton")
-    positions, _, _, _, _, key_cache, value_cache, slots = _inputs(hq, hkv, d, T, torch.float32, device)
+    y, delta, expected = _delta(widths, dtype, device, _slots(), pages=backend == "triton")
+    positions, _, _, _, _, key_cache, value_cache, slots = _inputs(hq, hkv, d, T, dtype, device)
     cache = hf_cache(d, 10000.0, None).to(device)
     q_size, kv_size = hq * d, hkv * d
     query, key, value = y.split([q_size, kv_size, kv_size], dim=-1)
-    eq, ek, ev = expected.to(device).split([q_size, kv_size, kv_size], dim=-1)
+    eq, ek, ev = expected.to(device=device, dtype=dtype).split([q_size, kv_size, kv_size], dim=-1)
     want_q, want_kc, want_vc = _composed(positions, eq, ek, ev, key_cache, value_cache, slots, cache, d)
     key_before, value_before = key.clone(), value.clone()
     got_q = Kernels(backend).rotary_and_cache(positions, query, key, value, key_cache, value_cache, slots, cache,
                                               lora=delta)
     assert got_q.data_ptr() == query.data_ptr()
-    assert_close(got_q, want_q, torch.float32)
-    assert_close(key_cache, want_kc, torch.float32)
-    assert_close(value_cache, want_vc, torch.float32)
+    scale = 1.0 if dtype == torch.float32 else 4.0  # bf16: v is the GEMM's bf16 output, not the float32 loop's
+    for got, want in ((got_q, want_q), (key_cache, want_kc), (value_cache, want_vc)):
+        assert_close(got, want, dtype, scale=scale)
     assert torch.equal(key, key_before) and torch.equal(value, value_before), "k and v are only read"
+
+
+def test_consumer_tiles_narrow_for_ranks_above_16():
+    """A B tile of a consumer holds no more elements than at rank 16, where its launch shapes were measured."""
+    from loraplex.kernels.lora_delta import tile_columns
+
+    def delta_of_rank(rank):
+        return LoRADelta(torch.zeros(1, 1, 1, rank), [torch.zeros(1, 8, rank)], [torch.zeros(1)],
+                         LoRAMapping.from_token_slots(torch.zeros(1, dtype=torch.int32)))
+
+    assert [tile_columns(4096, delta_of_rank(r)) for r in (4, 16, 64, 256)] == [4096, 4096, 1024, 256]
+    assert [tile_columns(256, delta_of_rank(r)) for r in (16, 48, 256)] == [256, 64, 16]
+    assert tile_columns(256, None) == 256 and tile_columns(16, delta_of_rank(256)) == 1
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "rotary_and_cache"])
+def test_rank_64_deltas_take_narrower_tiles_and_stay_exact(kernel_device, op, monkeypatch):
+    """Rank 64 (pool pages of 64 rows): the consumers' narrowed tiles (rms_norm in two passes) against the
+    float32 loop."""
+    import test_lora_delta as this
+
+    monkeypatch.setattr(this, "RANK", 64)
+    monkeypatch.setattr(this, "HIDDEN", 40)
+    if op == "rms_norm":  # 40 columns: a 64-column tile at rank 16 narrows to 16 at rank 64, three passes' pieces
+        y, delta, expected = _delta([40], torch.float32, kernel_device, _slots())
+        got = Kernels("triton").rms_norm(y, torch.ones(40, device=kernel_device), 1e-6, lora=delta)
+        assert_close(got.cpu(), Kernels("reference").rms_norm(expected.cpu(), torch.ones(40), 1e-6), torch.float32)
+    elif op == "silu_and_mul":
+        y, delta, expected = _delta([20, 20], torch.float32, kernel_device, _slots())
+        got = Kernels("triton").silu_and_mul(y, lora=delta)
+        assert_close(got.cpu(), Kernels("reference").silu_and_mul(expected.cpu()), torch.float32)
+    else:
+        test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, "triton", (4, 2, 8), False, torch.float32)
