@@ -618,7 +618,8 @@ def summarize() -> None:
         rows = {k: v for k, v in scl.items() if isinstance(v, dict) and "fraction_of_base" in v}
         print_table("Adapter-count scaling (q/v r=16, 256 slots; host cache holds every adapter unless cold; async "
                     f"scheduling {'on' if RESULTS['async_scheduling'] else 'off'}; lora_target_modules "
-                    f"{RESULTS['lora_target_modules'] or 'all'}; lora_fold_shrink {RESULTS.get('lora_fold_shrink', 'auto')}; "
+                    f"{RESULTS['lora_target_modules'] or 'all'}; "
+                    f"lora_fold_shrink {RESULTS.get('lora_fold_shrink', 'auto')}; "
                     "gc.freeze after warm-up "
                     f"{'on' if RESULTS['gc_freeze'] else 'off'}; {title})",
                     ["row", "popularity", "requests", "distinct adapters", "out tok/s", "of base", "steps",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_lora_kernels as blk  # noqa: E402
-from loraplex.kernels.lora_expand import _launch_lora_expand  # noqa: E402
+from loraplex.kernels.lora_expand import _launch_lora_expand, slot_rows_view  # noqa: E402
 from loraplex.kernels.lora_linear import ADD_LORA, add_lora_ref  # noqa: E402
 
 DEFAULT_ROWS = ("all:1x1x32,all:32x32x32,all:32x8x32,all:128x32x32,qv:32x32x256,qv:128x128x256,qv:256x256x256,"
@@ -45,13 +45,6 @@ LAYERS = {("all", False): blk.LLAMA2_7B_LAYER, ("qv", False): blk.LLAMA2_7B_QV,
 def folded_weight(w: torch.Tensor, lora_a: list[torch.Tensor]) -> torch.Tensor:
     """``[N + n·S·R, H]``: W's rows, then slice 0's slots' A rows (slot-major), slice 1's, ..."""
     return torch.cat([w] + [a.reshape(-1, a.shape[-1]) for a in lora_a])
-
-
-def slot_rows_view(out: torch.Tensor, n: int, lora_a: list[torch.Tensor]) -> torch.Tensor:
-    """``[n, T, S, R]`` view of the folded GEMM's extra columns (``out[:, n_base:]``)."""
-    s, r = lora_a[0].shape[0], lora_a[0].shape[1]
-    extra = out[:, n:]
-    return extra.as_strided((len(lora_a), out.shape[0], s, r), (s * r, out.stride(0), r, 1), extra.storage_offset())
 
 
 def run_row(layer, tokens: int, adapters: int, slots: int, rank: int, dtype, device, timer) -> dict:
@@ -74,8 +67,8 @@ def run_row(layer, tokens: int, adapters: int, slots: int, rank: int, dtype, dev
         for lin, w, wf in zip(linears, weights, folded):
             out = F.linear(lin.x, wf)
             y = out[:, : w.shape[0]]
-            _launch_lora_expand(slot_rows_view(out, w.shape[0], lin.lora_a), lin.lora_b, lin.scaling, y, mapping,
-                                slot_rows=True)
+            _launch_lora_expand(slot_rows_view(out, w.shape[0], len(lin.lora_a), *lin.lora_a[0].shape[:2]), lin.lora_b,
+                                lin.scaling, y, mapping, slot_rows=True)
             ys.append(y)
         return ys
 
@@ -118,9 +111,7 @@ def consumer_sweep(tokens: int, slots: int, rank: int, dtype, device, timer, hid
     def folded(widths):
         out = torch.randn(tokens, sum(widths) + len(widths) * slots * rank, device=device).to(dtype)
         n = sum(widths)
-        extra = out[:, n:]
-        v = extra.as_strided((len(widths), tokens, slots, rank), (slots * rank, out.stride(0), rank, 1),
-                             extra.storage_offset())
+        v = slot_rows_view(out, n, len(widths), slots, rank)
         b = [(torch.randn(slots, w, rank, device=device) / rank**0.5).to(dtype) for w in widths]
         s = [torch.full((slots,), 0.5, device=device) for _ in widths]
         return out[:, :n], LoRADelta(v, b, s, mapping)

@@ -148,11 +148,11 @@ class EngineConfig:
     over every slot's A (one cuBLAS GEMM over the weight and the pool's A rows), the expand then added by the kernel
     that reads the linear's output (rotary, norm or activation): two launches fewer per linear, for the bytes of
     every slot's A whatever the batch uses; off = the SGMV shrink and expand kernels over the batch's adapters;
-    auto = on for each linear whose pool A rows are at most its base rows and pools of max_lora_rank <= 16 (the
-    ranks measured; on an H200, Llama-2-7B, r=16: 32 slots
-    on every module took a batch-32 decode step from 8.69 to 6.16 ms, the 512-adapter q/v row of 256 slots from
-    +2.75 to +1.36 ms per decode step over the base model: benchmarks/RESULTS.md, session 17), off where a linear
-    is FP8 or row-parallel or the pool pages adapters (lora_page_rows < max_lora_rank). A large pool whose batches
+    auto = on for each linear whose pool A rows are at most its base rows, in pools of max_lora_rank <= 16 (the
+    ranks measured; on an H200, Llama-2-7B, r=16: 32 slots on every module took a batch-32 decode step from 8.69
+    to 6.16 ms, the 512-adapter q/v row of 256 slots from +2.75 to +1.36 ms per decode step over the base model:
+    benchmarks/RESULTS.md, session 17), off where a linear is FP8 or row-parallel or the pool pages adapters
+    (lora_page_rows < max_lora_rank). A large pool whose batches
     use few of its slots reads its A for nothing: off suits it. on: needs one page per adapter, no fp8 and
     tensor_parallel_size 1."""
     max_cpu_loras: int | None = None

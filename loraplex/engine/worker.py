@@ -134,8 +134,9 @@ def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> boo
     ``fold_shrink`` (``EngineConfig.lora_fold_shrink``): "on" folds the shrink of every bound linear into its base
     GEMM (``LinearWithLoRA.fold_lora_a``; the pool's A pages become views of the folded weight), "auto" those
     where :func:`~loraplex.kernels.lora_linear.fold_shrink_pays`, "off" none. Returns whether any linear folded
-    (the weights it replaced are free: on CUDA the caller returns them to the device before sizing the KV cache). Raises ``ValueError`` when folding
-    is asked of a pool of several pages per adapter, an FP8 or a row-parallel linear."""
+    (the weights it replaced are free: on CUDA the caller returns them to the device before sizing the KV cache).
+    Raises ``ValueError`` when folding is asked of a pool of several pages per adapter, an FP8 or a row-parallel
+    linear."""
     if fold_shrink not in ("on", "auto", "off"):
         raise ValueError(f"bind_lora: fold_shrink={fold_shrink!r}, expected 'on', 'auto' or 'off'")
     folded = False

@@ -478,6 +478,15 @@ LORA_EXPAND = Op(
 )
 
 
+def slot_rows_view(out: torch.Tensor, base_columns: int, n_slices: int, pages: int, rank: int) -> torch.Tensor:
+    """The ``[n_slices, T, pages, rank]`` ``v`` of :data:`LORA_EXPAND_SLOT_ROWS` inside the output ``out [T, N]`` of a
+    GEMM over ``[W (base_columns rows); A_0 (pages x rank rows, page-major); A_1; ...]``: its columns past
+    ``base_columns`` (a view, no copy)."""
+    extra = out[:, base_columns:]
+    return extra.as_strided((n_slices, out.shape[0], pages, rank), (pages * rank, out.stride(0), rank, 1),
+                            extra.storage_offset())
+
+
 def lora_expand_slot_rows_ref(
     v: torch.Tensor,
     lora_b: list[torch.Tensor],

@@ -9,6 +9,7 @@ from kernel_test_utils import assert_close, naive_lora_expand, naive_lora_shrink
 
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import LoRADelta
+from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.ops import Kernels
 
@@ -25,8 +26,7 @@ def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False
     if zero_scale:
         scaling[-1][1] = 0.0
     out = x @ torch.cat([w] + [a.reshape(-1, HIDDEN) for a in lora_a]).T
-    extra = out[:, w.shape[0]:]
-    v = extra.as_strided((len(widths), T, SLOTS, RANK), (SLOTS * RANK, out.stride(0), RANK, 1), extra.storage_offset())
+    v = slot_rows_view(out, w.shape[0], len(widths), SLOTS, RANK)
     y = out[:, : w.shape[0]]
     table = None
     slot_a, slot_b = lora_a, lora_b

@@ -14,7 +14,7 @@ from kernel_test_utils import (
 )
 
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_expand import lora_expand_ref
+from loraplex.kernels.lora_expand import lora_expand_ref, slot_rows_view
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_fused import FUSED_LORA, fused_launch_shape
 from loraplex.kernels.lora_linear import ADD_LORA
@@ -475,9 +475,7 @@ def _folded(x: torch.Tensor, w: torch.Tensor, lora_a: list[torch.Tensor]) -> tup
     """The shrink folded into the base GEMM: ``out = x @ [W; A_0 (slot-major); ...].T`` and its ``[n, T, S, R]``
     view of every slot's shrink (the layout LinearWithLoRA folds)."""
     out = x @ torch.cat([w] + [a.reshape(-1, a.shape[-1]) for a in lora_a]).T
-    s, r = lora_a[0].shape[:2]
-    extra = out[:, w.shape[0]:]
-    return out, extra.as_strided((len(lora_a), x.shape[0], s, r), (s * r, out.stride(0), r, 1), extra.storage_offset())
+    return out, slot_rows_view(out, w.shape[0], len(lora_a), *lora_a[0].shape[:2])
 
 
 @pytest.mark.interpreter

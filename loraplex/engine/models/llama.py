@@ -26,6 +26,7 @@ from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.host_copy import host_to_device
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_delta import LoRADelta
+from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_linear import FOLD_MAX_TOKENS
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 from loraplex.kernels.ops import Kernels
@@ -228,10 +229,8 @@ class LinearWithLoRA(nn.Module):
             # one GEMM: the base output (a row-strided view) and every page's shrink, read by the expand
             out = F.linear(x, self.folded_weight, self.folded_bias if bias is not None else None)
             n = self.weight.shape[0]
-            y, extra = out[:, :n], out[:, n:]
-            pages, rank = self.lora_a[0].shape[:2]
-            v = extra.as_strided((len(self.lora_a), out.shape[0], pages, rank),
-                                 (pages * rank, out.stride(0), rank, 1), extra.storage_offset())
+            y = out[:, :n]
+            v = slot_rows_view(out, n, len(self.lora_a), *self.lora_a[0].shape[:2])
             if defer and not dora:
                 return y, LoRADelta(v, self.lora_b, self.lora_scaling, lora.mapping, page_table=self.lora_page_table,
                                     ranks=self.lora_ranks)
@@ -261,8 +260,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: LoRADelta | None = None):
         """``rms_norm``; ``lora``: the expand of the folded linear that made ``x``, added first."""
-        if lora is None:
-            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         return self.kernels.rms_norm(x, self.weight, self.eps, residual, lora=lora)
 
 
@@ -307,8 +304,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.contiguous().view(-1, self.head_dim)).view(t, self.kv_size)
         k_cache, v_cache = kv
         # One launch: q rotated in place (inside qkv), rotated k and v written to the cache slots.
-        extra = {} if delta is None else {"lora": delta}
-        q = self.kernels.rotary_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin, **extra)
+        q = self.kernels.rotary_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin, lora=delta)
         q = q.view(t, self.num_heads, self.head_dim)
         out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
                                            softcap=self.softcap)
@@ -332,8 +328,7 @@ class MLP(nn.Module):
         """``(down_proj's output, its deferred LoRA expand or None)``; gate/up's expand, if deferred, is added by
         the activation kernel."""
         gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)
-        act = self.act_and_mul(gate_up) if delta is None else self.act_and_mul(gate_up, lora=delta)
-        return self.down_proj.forward_deferred(act, lora)
+        return self.down_proj.forward_deferred(self.act_and_mul(gate_up, lora=delta), lora)
 
 
 class DecoderLayer(nn.Module):
