@@ -31,6 +31,58 @@ from loraplex.kernels.op import Op
 _OP = "fp8_linear"
 FP8_DTYPE = torch.float8_e4m3fn
 
+# WIDEN: how a kernel turns the e4m3 weight tile into the dot's operand dtype.
+#   0: Triton's conversion (exact; on sm_90 one cvt per two values to fp16, then fp16 -> bf16 one value each).
+#   1: bit operations giving value * 2^-E exactly (E = WIDEN_EXPONENT[dtype]): the sign and the 7 exponent/mantissa bits
+#      move into the wide format's positions unchanged, so e4m3's exponent bias (7) stands in for the wide one's (127 or
+#      15); subnormal e4m3 values become subnormal wide values. The epilogue multiplies by 2^E.
+#   2: as 1, in inline PTX over four bytes per 32-bit register (CUDA, bf16 only).
+WIDEN_EXPONENT = {torch.bfloat16: 120, torch.float16: 8, torch.float32: 120}
+
+
+@triton.jit
+def _widen_e4m3(w, WIDE: tl.constexpr, WIDEN: tl.constexpr):
+    """e4m3 ``w`` -> ``WIDE`` (bf16, fp16 or fp32): ``float(w)`` (WIDEN 0) or ``float(w) * 2^-E`` (1, 2)."""
+    if WIDEN == 0:
+        return w.to(WIDE)
+    elif WIDEN == 1:
+        b = w.to(tl.uint8, bitcast=True)
+        if WIDE == tl.float32:
+            v = b.to(tl.uint32)
+            return (((v & 0x7F) << 20) | ((v & 0x80) << 24)).to(tl.float32, bitcast=True)
+        elif WIDE == tl.float16:
+            v = b.to(tl.uint16)
+            return (((v & 0x7F) << 7) | ((v & 0x80) << 8)).to(tl.float16, bitcast=True)
+        else:
+            v = b.to(tl.uint16)
+            return (((v & 0x7F) << 4) | ((v & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
+    else:
+        # bytes [e0 e1 e2 e3] -> {e0 << 8, e1 << 8}, {e2 << 8, e3 << 8} (prmt), then per 16-bit half
+        # (v & 0x8000) | ((v >> 4) & 0x07F0): the bf16 bits of e * 2^-120.
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a<2>, b<2>;
+            prmt.b32 a0, 0, $2, 0x5040;
+            prmt.b32 a1, 0, $2, 0x7060;
+            shr.b32 b0, a0, 4;
+            shr.b32 b1, a1, 4;
+            and.b32 b0, b0, 0x07f007f0;
+            and.b32 b1, b1, 0x07f007f0;
+            lop3.b32 $0, a0, 0x80008000, b0, 0xea;
+            lop3.b32 $1, a1, 0x80008000, b1, 0xea;
+            }""",
+            constraints="=r,=r,r",
+            args=[w.to(tl.uint8, bitcast=True)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+
+
+def widen_unscale(dtype: torch.dtype, widen: int) -> float:
+    """The factor the epilogue multiplies by after :func:`_widen_e4m3` mode ``widen`` (2^E, or 1)."""
+    return 1.0 if widen == 0 else float(2 ** WIDEN_EXPONENT[dtype])
+
 
 @triton.jit
 def _fp8_linear_kernel(
@@ -51,6 +103,9 @@ def _fp8_linear_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    WIDE: tl.constexpr = tl.float32,
+    WIDEN: tl.constexpr = 0,
+    UNSCALE: tl.constexpr = 1.0,
 ):
     # One program per (token tile, output-column tile); the K loop streams the fp8 weight tile.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -65,9 +120,10 @@ def _fp8_linear_kernel(
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _widen_e4m3(w, WIDE, WIDEN)
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
     scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
-    acc = acc * scale[None, :]
+    acc = (acc * UNSCALE) * scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :]
@@ -96,6 +152,9 @@ def _fp8_linear_swap_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    WIDE: tl.constexpr = tl.float32,
+    WIDEN: tl.constexpr = 0,
+    UNSCALE: tl.constexpr = 1.0,
 ):
     # "Swap AB" for small token counts (65-128 in _block_sizes): acc[n, t] = W[n, k] @ x[t, k]^T, so the weight tile
     # is the dot's M operand (64+ rows: Hopper's wgmma) and the tokens its N. Grid = (column tiles, K splits, token
@@ -114,7 +173,9 @@ def _fp8_linear_swap_kernel(
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xt + k[:, None],
                     mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        w = _widen_e4m3(w, WIDE, WIDEN)
         acc += tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=PRECISION)
+    acc = acc * UNSCALE
     mask = col_mask[:, None] & row_mask[None, :]
     if PARTIAL:
         out = out_ptr + tl.program_id(1) * stride_os + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
@@ -184,8 +245,12 @@ def _block_sizes(num_tokens: int, out_features: int, in_features: int,
     return 128, 128, 64, 8, 3
 
 
+def _widen_args(x: torch.Tensor, widen: int) -> dict:
+    return {"WIDE": dot_dtype(x.dtype, torch.device("cuda")), "WIDEN": widen, "UNSCALE": widen_unscale(x.dtype, widen)}
+
+
 def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 out: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
+                 out: torch.Tensor, config: tuple[int, int, int, int, int, int], widen: int = 0) -> torch.Tensor:
     """The swapped-operand kernel (weight tile as the dot's M side), split over K when ``config[5] > 1``."""
     block_t, block_n, block_k, num_warps, num_stages, split = config
     num_tokens, in_features = x.shape
@@ -201,7 +266,7 @@ def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
         x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if split > 1 else 0,
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
+        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device), **_widen_args(x, widen),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split > 1:
@@ -216,7 +281,7 @@ def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
 
 def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None = None, *,
-                       config: tuple[int, ...] | None = None) -> torch.Tensor:
+                       config: tuple[int, ...] | None = None, widen: int = 0) -> torch.Tensor:
     """Triton launch of :func:`fp8_linear_ref`. ``config``: (BLOCK_T, BLOCK_N, BLOCK_K, num_warps,
     num_stages) override of the token-major kernel, or (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages,
     SPLIT_K) for the swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both)."""
@@ -232,7 +297,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if config is None:
         config = _block_sizes(num_tokens, out_features, in_features, x.device)
     if len(config) == 6:
-        return _launch_swap(x, weight, scale, bias, out, config)
+        return _launch_swap(x, weight, scale, bias, out, config, widen)
     block_t, block_n, block_k, num_warps, num_stages = config
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
     _fp8_linear_kernel[grid](
@@ -241,7 +306,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
+        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device), **_widen_args(x, widen),
         num_warps=num_warps,
         num_stages=num_stages,
     )
