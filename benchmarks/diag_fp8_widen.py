@@ -30,9 +30,9 @@ from loraplex.kernels.fp8_linear import _block_sizes, _launch_fp8_linear, fp8_li
 def check_every_byte(dev: torch.device) -> dict:
     """Relative error of each widening on weights made of every finite e4m3 byte, and on subnormals only."""
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
-    full = codes.repeat(64, 4)[:, :1024].contiguous().view(torch.float8_e4m3fn).to(dev)  # [64, 1016->1024]
+    full = codes.repeat(64, 5)[:, :1024].contiguous().view(torch.float8_e4m3fn).to(dev)  # [64, 1016->1024]
     sub = torch.tensor([b for b in range(256) if (b & 0x78) == 0], dtype=torch.uint8)
-    subn = sub.repeat(64, 64)[:, :1024].contiguous().view(torch.float8_e4m3fn).to(dev)
+    subn = sub.repeat(64, 1024 // len(sub) + 1)[:, :1024].contiguous().view(torch.float8_e4m3fn).to(dev)
     out = {}
     x = torch.randn(32, 1024, device=dev, dtype=torch.bfloat16)
     scale = torch.rand(64, device=dev) + 0.5
