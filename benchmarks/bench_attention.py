@@ -135,11 +135,14 @@ def sweep_configs(case: Case, device: torch.device, which: str) -> list[DecodeCo
             if block_n % case.page and case.page % block_n:
                 continue
             for target in SWEEP_SPLIT_TARGETS:
-                min_chunk = 4 * block_n if device.type == "cuda" else block_n
-                splits = 1 if target == 0 else choose_num_splits(programs, case.context, device,
-                                                                  programs_per_sm=target, min_chunk=min_chunk)
-                configs.append(DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits,
-                                            min_chunk=min_chunk, use_dot=default.use_dot))
+                # splits of at least 4 tiles, and (split targets >= 4) of one tile each
+                chunks = (4 * block_n, block_n) if device.type == "cuda" and target >= 4 else (
+                    (4 * block_n,) if device.type == "cuda" else (block_n,))
+                for min_chunk in chunks:
+                    splits = 1 if target == 0 else choose_num_splits(programs, case.context, device,
+                                                                      programs_per_sm=target, min_chunk=min_chunk)
+                    configs.append(DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
+                                                num_splits=splits, min_chunk=min_chunk, use_dot=default.use_dot))
             if case.group == 1:  # MHA: also the 16-row tl.dot tile at the default split count
                 configs.append(DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
                                             num_splits=default.num_splits, min_chunk=min_chunk, use_dot=True))
