@@ -20,19 +20,24 @@ Design (after FlashDecoding, Dao et al. 2023, and vLLM's Triton decode attention
 - Configs (``block_n``, warps, pipeline stages, splits) come from :func:`decode_config`, a small shape-keyed
   heuristic; ``benchmarks/bench_attention.py --configs sweep`` times the alternatives on a GPU.
 
-Configs on CUDA (chosen by reasoning, not yet measured: vLLM's and SGLang's Triton decode kernels use 32-position
-tiles of 16 query-head rows, 4 warps, 2 stages for GQA; sm_90 compiles of these tiles take 72-78 registers and
-17-21 KB of shared memory per program, so 6+ programs share an SM and keep enough K/V loads in flight):
+Configs on CUDA (from a sweep on an H200, ``benchmarks/bench_attention.py --configs sweep``, RESULTS.md session 18:
+7 tiles x split targets x chunk floors over Llama-2-7B and Llama-3-8B heads, contexts 128-4096, batch 1-128; the
+rule below is within 0.8 µs or 6% of each grid point's best):
 
-=====================  =======  =====  ======  ====================  ==============================================
-shape                  block_n  warps  stages  tile                  splits
-=====================  =======  =====  ======  ====================  ==============================================
-G >= 2, bf16 D <= 128  32       4      2       max(16, G) rows, dot  power of 2 reaching 4 programs / SM (B x Hkv x
-G == 1 (MHA)           32       4      2       16 rows, dot (*)      splits >= 4 x SMs), >= 128 positions each, <= 64
-D > 128 (bf16)         16*      4      2       as above              as above
-=====================  =======  =====  ======  ====================  ==============================================
+=====================  =======  =====  ===================================  ==========================================
+shape                  block_n  warps  stages                               splits
+=====================  =======  =====  ===================================  ==========================================
+bf16 D <= 128          64       4      3 (2 where max_seq_len < 512: short  power of 2 reaching 2 programs / SM (B x Hkv
+                                       contexts lose 6-9% to the third      x splits >= 2 x SMs), at most
+                                       stage, long ones gain 3-7% from it)  cdiv(max_seq_len, min_chunk); min_chunk one
+                                                                            tile where B x Hkv < SMs / 4 (batch 1),
+                                                                            else 4 tiles
+D > 128 (bf16)         16*      4      2                                    (not swept) reaching 4 programs / SM,
+                                                                            min_chunk 128
+=====================  =======  =====  ===================================  ==========================================
 
-(* or the KV block size, if larger, up to 64.) On the CPU interpreter tiles are 16 positions, one stage, and
+(* or the KV block size, if larger, up to 64.) Every tile is ``max(16, G)`` query-head rows on ``tl.dot``, MHA
+too. On the CPU interpreter tiles are 16 positions, one stage, and
 MHA uses one-row FMA tiles (kept for that: on an H200 they read Llama-2-7B's KV at only ~1.3 TB/s, half of
 what the dot tiles reach, so CUDA uses dot tiles for MHA too).
 """
@@ -101,16 +106,22 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
         return DecodeConfig(block_n=block_n, num_warps=4, num_stages=1, min_chunk=block_n, use_dot=group > 1,
                             num_splits=choose_num_splits(num_seqs * num_kv_heads, max_seq_len, device,
                                                          programs_per_sm=1, min_chunk=block_n))
-    # 32-position tiles of 128 bf16 channels: ~72 registers and ~21 KB of pipelined shared memory per 4-warp
-    # program on sm_90, so ~8 programs (and their K/V loads) fit on an SM; a tile never splits a KV block of
-    # up to 64 positions.
-    block_n = 32 if head_dim * torch.finfo(dtype).bits // 8 <= 256 else 16
-    block_n = max(block_n, min(page, 64))
-    min_chunk = max(128, block_n)
-    splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, device, programs_per_sm=4, min_chunk=min_chunk)
+    programs = num_seqs * num_kv_heads
+    if head_dim * torch.finfo(dtype).bits // 8 > 256:  # not swept: 16-position tiles (32 KB of K+V per stage)
+        block_n = max(16, min(page, 64))
+        min_chunk = max(128, block_n)
+        return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, min_chunk=min_chunk, use_dot=True,
+                            num_splits=choose_num_splits(programs, max_seq_len, device, programs_per_sm=4,
+                                                         min_chunk=min_chunk))
+    # 64-position tiles, 3 pipeline stages from 512 positions of context (under a CUDA graph max_seq_len is the
+    # model's length, so graphs take 3); a tile never splits a KV block of up to 64 positions.
+    block_n = 64
+    num_stages = 3 if max_seq_len >= 512 else 2
+    min_chunk = block_n if 4 * programs < num_sms(device) else 4 * block_n
+    splits = choose_num_splits(programs, max_seq_len, device, programs_per_sm=2, min_chunk=min_chunk)
     # MHA too takes 16-row tl.dot tiles on CUDA: measured on an H200 (benchmarks/RESULTS.md, session 5), the
     # one-row FMA tiles read Llama-2-7B's KV at ~1.3 TB/s, the dot tiles of GQA at 3.3-3.9 TB/s.
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, num_splits=splits, min_chunk=min_chunk,
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages, num_splits=splits, min_chunk=min_chunk,
                         use_dot=True)
 
 

@@ -3,14 +3,16 @@
 Semantics: :data:`FP8_LINEAR`. The weight is read as 1 byte per element (half the bytes of
 bf16: a decode step, bound by weight reads, moves half as much), widened to the activation
 dtype inside the kernel (every e4m3 value is exact in bf16, fp16 and fp32), multiplied on
-tensor cores with fp32 accumulation, and rescaled per output channel in the epilogue. The
+tensor cores with fp32 accumulation, and rescaled per output channel in the epilogue. With bf16
+on CUDA the widening moves bits instead of converting (:func:`_widen_e4m3`, the idea of Marlin's
+FP8 dequantization in vLLM): the e4m3 value times 2^-120, exactly, and 2^120 in the epilogue. The
 format is the one of vLLM's and compressed-tensors' per-channel FP8 (``float8_e4m3fn``,
 ``scale = amax(|W[n, :]|) / 448``); activations are not quantized.
 
 Two kernels compute it: the token-major one (a token tile times a weight tile transposed, up to 64 and past 128
 tokens) and, from 65 to 128 tokens, the swapped-operand one (the weight tile as the dot's 64-row side, the tokens as
 its other side; for long reductions split over K, the fp32 partial sums added in a fixed order by a second kernel).
-:func:`_block_sizes` picks by token count and shape (H200 sweeps, benchmarks/RESULTS.md sessions 7 and 13).
+:func:`_block_sizes` picks by token count and shape (H200 sweeps, benchmarks/RESULTS.md sessions 7, 13 and 18).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from loraplex.kernels._checks import (
     check_shape,
 )
 from loraplex.kernels._triton import dot_dtype, dot_precision, require_triton, tl, triton
+from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 
 _OP = "fp8_linear"
@@ -77,6 +80,13 @@ def _widen_e4m3(w, WIDE: tl.constexpr, WIDEN: tl.constexpr):
             is_pure=True,
             pack=4,
         )
+
+
+def default_widen(dtype: torch.dtype, device: torch.device) -> int:
+    """2 (inline PTX) for bf16 activations on CUDA, where Triton's conversion costs three instructions per two
+    weights and the PTX two per weight on the integer pipes (H200, session 18: a Llama-2-7B layer's four linears
+    at 32 tokens in 133 µs against 170 µs, each swept); otherwise 0 (exact conversion)."""
+    return 2 if device.type == "cuda" and dtype == torch.bfloat16 else 0
 
 
 def widen_unscale(dtype: torch.dtype, widen: int) -> float:
@@ -233,11 +243,11 @@ def _block_sizes(num_tokens: int, out_features: int, in_features: int,
     if device.type != "cuda":
         return 16, 32, 32, 4, 3
     narrow = out_features <= 8192
-    if num_tokens <= 16:
-        return (16, 32, 512, 4, 4) if narrow else (16, 64, 256, 4, 3)
+    if num_tokens <= 32:  # session 18's sweep with the PTX widening (widen 2)
+        block_t = 16 if num_tokens <= 16 else 32
+        return (block_t, 32, 512, 4, 4) if narrow else (block_t, 32, 256, 4, 4)
     if num_tokens <= 64:
-        block_t = 32 if num_tokens <= 32 else 64
-        return (block_t, 16, 256, 4, 4) if narrow else (block_t, 64, 256, 4, 3)
+        return (64, 16, 256, 4, 4) if narrow else (64, 64, 256, 4, 3)
     if num_tokens <= 128:
         if in_features > 8192:
             return 128, 64, 128, 4, 3, 4
@@ -281,10 +291,11 @@ def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
 
 def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None = None, *,
-                       config: tuple[int, ...] | None = None, widen: int = 0) -> torch.Tensor:
+                       config: tuple[int, ...] | None = None, widen: int | None = None) -> torch.Tensor:
     """Triton launch of :func:`fp8_linear_ref`. ``config``: (BLOCK_T, BLOCK_N, BLOCK_K, num_warps,
     num_stages) override of the token-major kernel, or (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages,
-    SPLIT_K) for the swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both)."""
+    SPLIT_K) for the swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both). ``widen``: how the
+    weight tile is widened (:data:`WIDEN_EXPONENT`'s comment; default :func:`default_widen`)."""
     require_triton(_OP)
     _check_args(x, weight, scale, bias)
     check_last_dim_contiguous(_OP, "x", x)
@@ -296,6 +307,10 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         return out
     if config is None:
         config = _block_sizes(num_tokens, out_features, in_features, x.device)
+    if widen is None:
+        widen = default_widen(x.dtype, x.device)
+    if widen not in (0, 1, 2) or (widen == 2 and x.dtype != torch.bfloat16):
+        raise KernelArgumentError(f"{_OP}: widen={widen} with {x.dtype} activations (0, 1, or 2 for bf16 on CUDA)")
     if len(config) == 6:
         return _launch_swap(x, weight, scale, bias, out, config, widen)
     block_t, block_n, block_k, num_warps, num_stages = config

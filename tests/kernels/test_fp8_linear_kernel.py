@@ -84,9 +84,51 @@ def test_cuda_launch_shapes_are_the_measured_ones():
     from loraplex.kernels.fp8_linear import _block_sizes
 
     cuda = torch.device("cuda")
-    assert _block_sizes(1, 12288, 4096, cuda) == (16, 64, 256, 4, 3)
-    assert _block_sizes(32, 4096, 11008, cuda) == (32, 16, 256, 4, 4)
+    assert _block_sizes(1, 12288, 4096, cuda) == (16, 32, 256, 4, 4)
+    assert _block_sizes(32, 4096, 11008, cuda) == (32, 32, 512, 4, 4)
+    assert _block_sizes(33, 4096, 11008, cuda) == (64, 16, 256, 4, 4)
     assert _block_sizes(128, 12288, 4096, cuda) == (128, 64, 128, 4, 3, 1)
     assert _block_sizes(100, 4096, 11008, cuda) == (128, 64, 128, 4, 3, 4)
     assert _block_sizes(128, 4096, 4096, cuda) == (64, 16, 256, 4, 3)
     assert _block_sizes(129, 22016, 4096, cuda) == (128, 128, 64, 8, 3)
+
+
+def _every_e4m3_byte(out_features: int, in_features: int, normal_only: bool = False) -> torch.Tensor:
+    """A weight whose rows cycle through every finite e4m3 byte (both signs, zeros, subnormals, 448), or the
+    normal values and zeros only."""
+    codes = [b for b in range(256) if b not in (0x7F, 0xFF) and not (normal_only and (b & 0x78) == 0 and b & 7)]
+    flat = torch.tensor(codes, dtype=torch.uint8).repeat(out_features * in_features // len(codes) + 1)
+    rows = flat[: out_features * in_features].view(out_features, in_features)
+    return rows.roll(shifts=1, dims=1).contiguous().view(FP8_DTYPE)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("widen", [0, 1, 2])
+def test_every_widening_is_exact_on_every_e4m3_byte(kernel_device, dtype, widen):
+    """_widen_e4m3: Triton's conversion (0), bit moves scaled by 2^-E (1), the same in inline PTX (2, bf16 on CUDA
+    only), each against the float64 loop on weights holding every finite e4m3 byte. The CPU interpreter turns bf16
+    subnormals into other values (its own bf16 emulation), so there the bf16 bit moves see normal values and zeros."""
+    from loraplex.kernels.fp8_linear import _launch_fp8_linear
+
+    if widen == 2 and (kernel_device.type != "cuda" or dtype != torch.bfloat16):
+        pytest.skip("inline PTX: bf16 on CUDA")
+    normal_only = widen == 1 and dtype == torch.bfloat16 and kernel_device.type != "cuda"
+    weight = _every_e4m3_byte(24, 600, normal_only).to(kernel_device)
+    x = torch.randn(5, 600).to(device=kernel_device, dtype=dtype)
+    scale = (torch.rand(24) * 0.02 + 1e-3).to(kernel_device)
+    for config in ((16, 16, 64, 4, 2), (16, 16, 64, 4, 2, 3)):
+        out = _launch_fp8_linear(x, weight, scale, config=config, widen=widen)
+        err = (out.double().cpu() - _loop(x, weight, scale, None)).abs() / _magnitude(x, weight, scale, None)
+        assert err.max().item() <= TOL[dtype], (config, err.max().item())
+
+
+def test_default_widening_and_bad_widen():
+    from loraplex.kernels.fp8_linear import _launch_fp8_linear, default_widen
+
+    assert default_widen(torch.bfloat16, torch.device("cuda")) == 2
+    assert default_widen(torch.float16, torch.device("cuda")) == 0
+    assert default_widen(torch.bfloat16, torch.device("cpu")) == 0
+    x, weight, scale, _ = _inputs(2, 16, 8, torch.float16, torch.device("cpu"), False)
+    with pytest.raises(KernelArgumentError, match="widen=2 with torch.float16"):
+        _launch_fp8_linear(x, weight, scale, widen=2)
