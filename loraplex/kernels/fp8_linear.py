@@ -255,6 +255,19 @@ def _block_sizes(num_tokens: int, out_features: int, in_features: int,
     return 128, 128, 64, 8, 3
 
 
+SHARED_MEMORY_BYTES = 200 * 1024  # of an H100/H200 SM's 227 KB per block, with room for the epilogue's
+
+
+def _fit_shared_memory(config: tuple[int, ...], x_bytes: int) -> tuple[int, ...]:
+    """``config`` with BLOCK_K halved until its pipelined x and weight tiles, ``(BLOCK_T * x_bytes + BLOCK_N) *
+    BLOCK_K * num_stages`` bytes, fit :data:`SHARED_MEMORY_BYTES` (the shapes are swept with 16-bit activations;
+    fp32 ones take twice the x tile)."""
+    block_t, block_n, block_k, _, stages = config[:5]
+    while (block_t * x_bytes + block_n) * block_k * stages > SHARED_MEMORY_BYTES and block_k > 32:
+        block_k //= 2
+    return (block_t, block_n, block_k, *config[3:])
+
+
 def _widen_args(x: torch.Tensor, widen: int) -> dict:
     return {"WIDE": dot_dtype(x.dtype, torch.device("cuda")), "WIDEN": widen, "UNSCALE": widen_unscale(x.dtype, widen)}
 
@@ -306,7 +319,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if num_tokens == 0:
         return out
     if config is None:
-        config = _block_sizes(num_tokens, out_features, in_features, x.device)
+        config = _fit_shared_memory(_block_sizes(num_tokens, out_features, in_features, x.device), x.element_size())
     if widen is None:
         widen = default_widen(x.dtype, x.device)
     if widen not in (0, 1, 2) or (widen == 2 and x.dtype != torch.bfloat16):

@@ -93,6 +93,24 @@ def test_cuda_launch_shapes_are_the_measured_ones():
     assert _block_sizes(129, 22016, 4096, cuda) == (128, 128, 64, 8, 3)
 
 
+def test_default_shapes_fit_shared_memory_with_fp32_activations():
+    """The swept shapes hold 16-bit x tiles; fp32 ones double them, and (32, 32, 512) x 4 stages would need 256 KB
+    of shared memory (the H200 failed to launch it, session 18): BLOCK_K halves until the tiles fit."""
+    from loraplex.kernels.fp8_linear import _block_sizes, _fit_shared_memory
+
+    cuda = torch.device("cuda")
+    assert _fit_shared_memory(_block_sizes(32, 4096, 11008, cuda), 2) == (32, 32, 512, 4, 4)
+    assert _fit_shared_memory(_block_sizes(32, 4096, 11008, cuda), 4) == (32, 32, 256, 4, 4)
+    assert _fit_shared_memory(_block_sizes(64, 4096, 4096, cuda), 4) == (64, 16, 128, 4, 4)
+    assert _fit_shared_memory((128, 64, 128, 4, 3, 4), 2) == (128, 64, 128, 4, 3, 4)
+    assert _fit_shared_memory((128, 64, 128, 4, 3, 4), 4) == (128, 64, 64, 4, 3, 4)
+    for tokens in (1, 16, 32, 64, 100, 128, 129, 4096):
+        for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
+            for x_bytes in (2, 4):
+                bt, bn, bk, _, stages = _fit_shared_memory(_block_sizes(tokens, n, k, cuda), x_bytes)[:5]
+                assert (bt * x_bytes + bn) * bk * stages <= 200 * 1024
+
+
 def _every_e4m3_byte(out_features: int, in_features: int, normal_only: bool = False) -> torch.Tensor:
     """A weight whose rows cycle through every finite e4m3 byte (both signs, zeros, subnormals, 448), or the
     normal values and zeros only."""
