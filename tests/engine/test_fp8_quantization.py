@@ -65,8 +65,9 @@ def prompts(tiny_llama_dir) -> list[list[int]]:
 def test_fp8_engine_equals_hf_and_peft_over_the_dequantized_weights(tiny_llama_dir, dequantized_dir, prompts,
                                                                    tmp_path):
     adapter = make_peft_adapter(tiny_llama_dir, tmp_path / "a", r=8, alpha=16, targets=LINEARS, seed=5)
+    # float32 on every device (auto is bf16 on CUDA): the comparison is with HF in float32, token for token
     llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=256, enable_lora=True,
-              max_lora_rank=8, max_loras=2, quantization="fp8")
+              max_lora_rank=8, max_loras=2, quantization="fp8", dtype="float32")
     report = llm.engine.quantization
     assert report.num_linears == 4 * 2  # fused qkv, o, gate_up, down per layer
     assert report.weight_bytes_after < 0.26 * report.weight_bytes_before + 8 * 1024  # fp32 -> 1 byte + scales
@@ -163,11 +164,11 @@ def test_fp8_checkpoint_is_served_as_stored_and_equals_hf_over_its_dequantized_w
     fp8_dir, deq_dir = write_fp8_checkpoint(tiny_llama_dir, tmp_path, qc, per_tensor)
     adapter = make_peft_adapter(tiny_llama_dir, tmp_path / "a", r=8, alpha=16, targets=LINEARS, seed=5)
     llm = LLM(model=str(fp8_dir), max_model_len=128, block_size=4, num_kv_blocks=256, enable_lora=True,
-              max_lora_rank=8, max_loras=2)
+              max_lora_rank=8, max_loras=2, dtype="float32")
     qkv = llm.engine.model.layers[0].self_attn.qkv_proj
     assert qkv.weight is None and qkv.qweight.dtype == torch.float8_e4m3fn
     stored = load_file(str(fp8_dir / "model.safetensors"))
-    assert torch.equal(qkv.qweight[:qkv.out_sizes[0]].view(torch.uint8),
+    assert torch.equal(qkv.qweight[:qkv.out_sizes[0]].view(torch.uint8).cpu(),
                        stored["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8))  # bytes as stored
     lora = LoRARequest("a", 1, str(adapter))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
