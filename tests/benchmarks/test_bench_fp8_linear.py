@@ -16,7 +16,7 @@ def test_rotated_copies_span_twice_the_l2():
 
 
 def test_the_grid_has_both_kernels_and_token_tiles_that_fit_the_count():
-    for tokens in bf.TOKENS:
+    for tokens in (1, 32, 128):
         grid = list(bf.configs(tokens))
         token_major = [c for c in grid if len(c) == 5]
         swapped = [c for c in grid if len(c) == 6]
@@ -24,3 +24,5 @@ def test_the_grid_has_both_kernels_and_token_tiles_that_fit_the_count():
         assert {c[5] for c in swapped} == {1, 2, 4, 8}  # split-K
         assert all(c[1] in (64, 128) for c in swapped)  # the weight tile is the dot's 64/128-row side
         assert all(c[0] >= min(tokens, 16) for c in grid)
+        # token-major shapes whose bf16 x and fp8 weight tiles would not fit the shared memory are left out
+        assert all((c[0] * 2 + c[1]) * c[2] * c[4] <= 200 * 1024 for c in token_major)
