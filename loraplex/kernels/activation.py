@@ -31,13 +31,8 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr,
-                         GELU_TANH: tl.constexpr = False):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter_size
-    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
+def _gated(gate, up, GELU_TANH: tl.constexpr):
+    """``act(gate) * up`` rounded as HF: the activation in fp32 rounded to the dtype, then the product."""
     g = gate.to(tl.float32)
     if GELU_TANH:  # tanh(z) = 2 sigmoid(2z) - 1
         # sqrt(2 / pi) written out: a @triton.jit body may read only constexpr globals (GPU compile error)
@@ -45,8 +40,18 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK
         act = (0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))).to(gate.dtype)
     else:
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols, out.to(gate.dtype), mask=mask)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr,
+                         GELU_TANH: tl.constexpr = False):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter_size
+    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
 
 
 _LORA_BLOCK = 256  # columns per program with a LoRA delta (two [BLOCK, R] B tiles; fewer for ranks above 16)
@@ -70,14 +75,7 @@ def _act_and_mul_lora_kernel(
                          u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
     gate = (gate.to(tl.float32) + dg).to(gate.dtype)
     up = (up.to(tl.float32) + du).to(up.dtype)
-    g = gate.to(tl.float32)
-    if GELU_TANH:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = (0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))).to(gate.dtype)
-    else:
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols, out.to(gate.dtype), mask=mask)
+    tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
 
 
 def _check_args(x: torch.Tensor) -> None:

@@ -117,32 +117,11 @@ def block_r(delta: LoRADelta | None) -> int:
 
 
 @triton.jit
-def lora_delta_cols(t, cols, col_mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width,
-                    col0, scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr):
-    """float32 ``delta[t, cols]`` of one slice (module docstring; ``cols`` count from the slice's column ``col0``):
-    0 without an adapter or with scaling 0 (then neither v nor B is read). ``b_ptr``: ``[P, width, rank_rows]``."""
-    slot = tl.load(token_slots_ptr + t).to(tl.int64)
-    delta = tl.zeros(cols.shape, tl.float32)
-    if slot >= 0:
-        scale = tl.load(scale_ptr + slot)
-        if scale != 0.0:
-            page = slot
-            if SLOT_PAGE:
-                page = tl.load(page_table_ptr + slot).to(tl.int64)
-            r = tl.arange(0, BLOCK_R)
-            r_mask = r < rank_rows
-            vr = tl.load(v_ptr + t * stride_vt + page * stride_vp + r, mask=r_mask, other=0.0)
-            vr = vr.to(b_ptr.dtype.element_ty).to(tl.float32)
-            b = tl.load(b_ptr + page * width * rank_rows + (col0 + cols)[:, None] * rank_rows + r[None, :],
-                        mask=col_mask[:, None] & r_mask[None, :], other=0.0)
-            delta = tl.sum(b.to(tl.float32) * vr[None, :], axis=1) * scale
-    return delta
-
-
-@triton.jit
-def lora_delta_tile(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
+def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
                     scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr):
-    """:func:`lora_delta_cols` for a 2-D tile of columns ``cols [A, B]`` (e.g. heads x half a head)."""
+    """float32 ``delta[t, cols]`` of one slice (module docstring) for a tile of columns ``cols`` of any rank (a row
+    piece ``[N]``, heads x half a head ``[A, B]``; counted from the slice's column ``col0``): 0 without an adapter or
+    with scaling 0 (then neither v nor B is read). ``b_ptr``: ``[P, width, rank_rows]``."""
     slot = tl.load(token_slots_ptr + t).to(tl.int64)
     delta = tl.zeros(cols.shape, tl.float32)
     if slot >= 0:
@@ -155,7 +134,8 @@ def lora_delta_tile(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, strid
             r_mask = r < rank_rows
             vr = tl.load(v_ptr + t * stride_vt + page * stride_vp + r, mask=r_mask, other=0.0)
             vr = vr.to(b_ptr.dtype.element_ty).to(tl.float32)
-            b = tl.load(b_ptr + page * width * rank_rows + (col0 + cols)[:, :, None] * rank_rows + r[None, None, :],
-                        mask=mask[:, :, None] & r_mask[None, None, :], other=0.0)
-            delta = tl.sum(b.to(tl.float32) * vr[None, None, :], axis=2) * scale
+            # a trailing rank axis on the column tile: [..., BLOCK_R]
+            b = tl.load(b_ptr + page * width * rank_rows + tl.expand_dims((col0 + cols) * rank_rows, len(cols.shape))
+                        + r, mask=tl.expand_dims(mask, len(cols.shape)) & r_mask, other=0.0)
+            delta = tl.sum(b.to(tl.float32) * vr, axis=len(cols.shape)) * scale
     return delta

@@ -29,6 +29,25 @@ _OP = "rms_norm"
 
 
 @triton.jit
+def _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL: tl.constexpr):
+    """``s = x + residual`` rounded to x's dtype and stored to ``residual_out`` (x itself without a residual)."""
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + t * stride_rt + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + t * stride_rot + cols, x, mask=mask)
+    return x
+
+
+@triton.jit
+def _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot):
+    """``out = w * (s * inv)`` with HF's roundings (the normed value to s's dtype, the product to out's)."""
+    normed = (s.to(tl.float32) * inv).to(s.dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * stride_ot + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -49,16 +68,10 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
     x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + t * stride_rt + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(residual_out_ptr + t * stride_rot + cols, x, mask=mask)
+    x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / hidden_size
-    normed = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normed(out_ptr, weight_ptr, t, cols, mask, x, tl.math.rsqrt(tl.sum(xf * xf, 0) / hidden_size + eps),
+                  stride_ot)
 
 
 # With a LoRA delta: rows up to this many columns in one tile, longer ones in two passes over pieces of _LORA_CHUNK
@@ -74,26 +87,10 @@ def _rms_norm_lora_kernel(
     HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_PAGE: tl.constexpr,
 ):
-    # One program per row, two passes over CHUNK-column pieces: s = (x + delta) + residual written out (to
-    # residual_out, or to out as scratch) with the sum of squares; then the norm of s read back.
+    # One program per row: s = (x + delta) + residual, each sum rounded to the dtype. The row in one tile
+    # (N_CHUNKS 1: s stays in registers), or two passes over CHUNK-column pieces: s written out (to residual_out,
+    # or to out as scratch) with the sum of squares, then the norm of s read back.
     t = tl.program_id(0).to(tl.int64)
-    if N_CHUNKS == 1:  # the whole row in one tile: s stays in registers
-        cols = tl.arange(0, CHUNK)
-        mask = cols < hidden_size
-        x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
-        delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
-                                width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
-        x = (x.to(tl.float32) + delta).to(x.dtype)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + t * stride_rt + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(residual_out_ptr + t * stride_rot + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        normed = (xf * tl.math.rsqrt(tl.sum(xf * xf, 0) / hidden_size + eps)).to(x.dtype)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + t * stride_ot + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
-        return
     acc = tl.zeros([CHUNK], tl.float32)
     for c in tl.static_range(N_CHUNKS):
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -102,27 +99,24 @@ def _rms_norm_lora_kernel(
         delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
                                 width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
         x = (x.to(tl.float32) + delta).to(x.dtype)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + t * stride_rt + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(residual_out_ptr + t * stride_rot + cols, x, mask=mask)
-        else:
+        x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
+        if N_CHUNKS > 1 and not HAS_RESIDUAL:
             tl.store(out_ptr + t * stride_ot + cols, x, mask=mask)
         xf = x.to(tl.float32)
         acc += xf * xf
     inv = tl.math.rsqrt(tl.sum(acc, 0) / hidden_size + eps)
-    tl.debug_barrier()  # the first pass's stores are read back by other threads of the program
-    for c in tl.static_range(N_CHUNKS):
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        mask = cols < hidden_size
-        if HAS_RESIDUAL:
-            x = tl.load(residual_out_ptr + t * stride_rot + cols, mask=mask, other=0.0)
-        else:
-            x = tl.load(out_ptr + t * stride_ot + cols, mask=mask, other=0.0)
-        normed = (x.to(tl.float32) * inv).to(x.dtype)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + t * stride_ot + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    if N_CHUNKS == 1:
+        _store_normed(out_ptr, weight_ptr, t, cols, mask, x, inv, stride_ot)
+    else:
+        tl.debug_barrier()  # the first pass's stores are read back by other threads of the program
+        for c in tl.static_range(N_CHUNKS):
+            cols = c * CHUNK + tl.arange(0, CHUNK)
+            mask = cols < hidden_size
+            if HAS_RESIDUAL:
+                s = tl.load(residual_out_ptr + t * stride_rot + cols, mask=mask, other=0.0)
+            else:
+                s = tl.load(out_ptr + t * stride_ot + cols, mask=mask, other=0.0)
+            _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot)
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> None:

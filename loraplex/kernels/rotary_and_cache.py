@@ -32,7 +32,7 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_ref, lora_delta_tile,
+from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
                                          tile_columns)
 from loraplex.kernels.op import Op
 from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
@@ -99,6 +99,20 @@ _LORA_HEADS = 4
 
 
 @triton.jit
+def _heads_plus_delta(src, cols, mask, t, slots_ptr, table_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0, d_scale,
+                      rank_rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr):
+    """Both halves of a ``[heads, HALF]`` tile of heads (``src + cols``, ``cols`` their columns in the slice) plus
+    their LoRA delta, each rounded to the dtype (as the expand rounds its sum into y)."""
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    d1 = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0, d_scale,
+                         rank_rows, BLOCK_R, SLOT_PAGE)
+    d2 = lora_delta_cols(t, cols + HALF, mask, slots_ptr, table_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0,
+                         d_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+    return (x1.to(tl.float32) + d1).to(x1.dtype), (x2.to(tl.float32) + d2).to(x2.dtype)
+
+
+@triton.jit
 def _rotary_and_cache_lora_kernel(
     positions_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, cos_sin_ptr,
     stride_qt, stride_qot, stride_kt, stride_vt, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
@@ -111,8 +125,7 @@ def _rotary_and_cache_lora_kernel(
     SLOT_PAGE: tl.constexpr,
 ):
     # Program (t, g): HEADS heads of token t's q (g < n_q), k (next n_kv groups) or v (last n_kv): their rows plus
-    # the LoRA delta (rounded to the dtype, as the expand rounds into y), then q rotated in place, k rotated into
-    # the cache slot, v copied into it.
+    # the LoRA delta, then q rotated in place, k rotated into the cache slot, v copied into it.
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     n_q = tl.cdiv(num_q_heads, HEADS)
@@ -125,15 +138,8 @@ def _rotary_and_cache_lora_kernel(
         h = g * HEADS + tl.arange(0, HEADS)
         mask = (h[:, None] < num_q_heads) & (i[None, :] < HALF)
         cols = h[:, None] * (2 * HALF) + i[None, :]
-        src = q_ptr + t * stride_qt + cols
-        x1 = tl.load(src, mask=mask, other=0.0)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0)
-        d1 = lora_delta_tile(t, cols, mask, slots_ptr, table_ptr, qd_v, qd_svt, qd_svp, qd_b, qd_width, qd_col0,
-                             qd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
-        d2 = lora_delta_tile(t, cols + HALF, mask, slots_ptr, table_ptr, qd_v, qd_svt, qd_svp, qd_b, qd_width,
-                             qd_col0, qd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
-        x1 = (x1.to(tl.float32) + d1).to(x1.dtype)
-        x2 = (x2.to(tl.float32) + d2).to(x2.dtype)
+        x1, x2 = _heads_plus_delta(q_ptr + t * stride_qt + cols, cols, mask, t, slots_ptr, table_ptr, qd_v, qd_svt,
+                                   qd_svp, qd_b, qd_width, qd_col0, qd_scale, rank_rows, HALF, BLOCK_R, SLOT_PAGE)
         cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty, HALF,
                                 BLOCK_HALF)
         o1, o2 = rope_halves(x1, x2, cos, sin)
@@ -146,32 +152,18 @@ def _rotary_and_cache_lora_kernel(
         mask = (h[:, None] < num_kv_heads) & (i[None, :] < HALF)
         cols = h[:, None] * (2 * HALF) + i[None, :]
         if is_k:
-            src = k_ptr + t * stride_kt + cols
-            x1 = tl.load(src, mask=mask, other=0.0)
-            x2 = tl.load(src + HALF, mask=mask, other=0.0)
-            d1 = lora_delta_tile(t, cols, mask, slots_ptr, table_ptr, kd_v, kd_svt, kd_svp, kd_b, kd_width, kd_col0,
-                                 kd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
-            d2 = lora_delta_tile(t, cols + HALF, mask, slots_ptr, table_ptr, kd_v, kd_svt, kd_svp, kd_b, kd_width,
-                                 kd_col0, kd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
-            x1 = (x1.to(tl.float32) + d1).to(x1.dtype)
-            x2 = (x2.to(tl.float32) + d2).to(x2.dtype)
+            x1, x2 = _heads_plus_delta(k_ptr + t * stride_kt + cols, cols, mask, t, slots_ptr, table_ptr, kd_v, kd_svt,
+                                       kd_svp, kd_b, kd_width, kd_col0, kd_scale, rank_rows, HALF, BLOCK_R, SLOT_PAGE)
             cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty,
                                     HALF, BLOCK_HALF)
-            o1, o2 = rope_halves(x1, x2, cos, sin)
+            x1, x2 = rope_halves(x1, x2, cos, sin)
             dst = key_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + i[None, :]
-            tl.store(dst, o1, mask=mask)
-            tl.store(dst + HALF, o2, mask=mask)
         else:
-            src = v_ptr + t * stride_vt + cols
-            x1 = tl.load(src, mask=mask, other=0.0)
-            x2 = tl.load(src + HALF, mask=mask, other=0.0)
-            d1 = lora_delta_tile(t, cols, mask, slots_ptr, table_ptr, vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0,
-                                 vd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
-            d2 = lora_delta_tile(t, cols + HALF, mask, slots_ptr, table_ptr, vd_v, vd_svt, vd_svp, vd_b, vd_width,
-                                 vd_col0, vd_scale, rank_rows, BLOCK_R, SLOT_PAGE)
+            x1, x2 = _heads_plus_delta(v_ptr + t * stride_vt + cols, cols, mask, t, slots_ptr, table_ptr, vd_v, vd_svt,
+                                       vd_svp, vd_b, vd_width, vd_col0, vd_scale, rank_rows, HALF, BLOCK_R, SLOT_PAGE)
             dst = value_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + i[None, :]
-            tl.store(dst, (x1.to(tl.float32) + d1).to(x1.dtype), mask=mask)
-            tl.store(dst + HALF, (x2.to(tl.float32) + d2).to(x2.dtype), mask=mask)
+        tl.store(dst, x1, mask=mask)
+        tl.store(dst + HALF, x2, mask=mask)
 
 
 def _check_args(

@@ -34,6 +34,7 @@ from loraplex.kernels import (  # noqa: E402
     attention,
     attention_decode,
     attention_prefill,
+    fp8_linear,
     lora_expand,
     lora_fused,
     lora_shrink,
@@ -42,6 +43,7 @@ from loraplex.kernels import (  # noqa: E402
     rotary,
     rotary_and_cache,
 )
+from loraplex.kernels import lora_delta  # noqa: E402
 from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from loraplex.kernels.lora_mapping import LoRAMapping  # noqa: E402
 
@@ -55,15 +57,17 @@ _PTR_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 _KERNELS = {
     reshape_and_cache: ["_reshape_and_cache_kernel"],
     attention_decode: ["_paged_decode_kernel", "_paged_decode_reduce_kernel"],
     attention_prefill: ["_paged_prefill_kernel"],
-    rms_norm: ["_rms_norm_kernel"],
+    rms_norm: ["_rms_norm_kernel", "_rms_norm_lora_kernel"],
     rotary: ["_rotary_kernel"],
-    rotary_and_cache: ["_rotary_and_cache_kernel"],
-    activation: ["_silu_and_mul_kernel"],
+    rotary_and_cache: ["_rotary_and_cache_kernel", "_rotary_and_cache_lora_kernel"],
+    activation: ["_silu_and_mul_kernel", "_act_and_mul_lora_kernel"],
+    fp8_linear: ["_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_fp8_split_sum_kernel"],
     lora_shrink: ["_lora_shrink_kernel"],
     lora_expand: ["_lora_expand_kernel"],
     lora_fused: ["_fused_lora_kernel"],
@@ -95,9 +99,9 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
-    for module in (attention_decode, attention_prefill, lora_shrink, lora_expand, lora_fused):
+    for module in (attention_decode, attention_prefill, lora_shrink, lora_expand, lora_fused, fp8_linear):
         for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config",
-                     "prefill_tiles"):
+                     "prefill_tiles", "default_widen"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
     attention_decode.num_sms = lambda device: 132
@@ -158,6 +162,9 @@ def drive_launchers() -> None:
     _lora(torch.float32)
     _paged_lora(bf16)
     _paged_lora(torch.float32)
+    for dtype in (bf16, torch.float32):
+        _lora_consumers(dtype)
+        _fp8(dtype)
 
 
 def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16) -> None:
@@ -249,6 +256,51 @@ def _paged_lora(dtype: torch.dtype, hidden: int = 4096, slots: int = 32, pages: 
             ADD_LORA.triton(x, a, b, scaling, torch.zeros(num_tokens, 6144, dtype=dtype), mapping, ranks=ranks,
                             page_table=table)
             lora_shrink.LORA_SHRINK.triton(x, a, mapping, ranks=ranks, page_table=table)
+
+
+def _folded_delta(dtype: torch.dtype, widths: list[int], num_tokens: int, rank: int = 16,
+                  slots: int = 32) -> lora_delta.LoRADelta:
+    """A folded linear's LoRA delta at real shapes: ``v`` as the folded GEMM's slot-rows view."""
+    out = torch.zeros(num_tokens, sum(widths) + len(widths) * slots * rank, dtype=dtype)
+    v = lora_expand.slot_rows_view(out, sum(widths), len(widths), slots, rank)
+    mapping = LoRAMapping.from_token_slots((torch.arange(num_tokens) % slots).to(torch.int32), slots)
+    return lora_delta.LoRADelta(v, [torch.zeros(slots, w, rank, dtype=dtype) for w in widths],
+                                [torch.ones(slots) for _ in widths], mapping)
+
+
+def _lora_consumers(dtype: torch.dtype, hidden: int = 4096, inter: int = 11008) -> None:
+    """The kernels that add a folded linear's delta (decode and prompt sizes; ranks 16 and 64), and the expand that
+    reads v per slot (DoRA steps, q/k-norm models)."""
+    for num_tokens, rank in ((32, 16), (512, 16), (32, 64)):
+        x = torch.zeros(num_tokens, hidden, dtype=dtype)
+        delta = _folded_delta(dtype, [hidden], num_tokens, rank)
+        rms_norm.RMS_NORM.triton(x, torch.ones(hidden, dtype=dtype), 1e-5, x.clone(), lora=delta)
+        wide = torch.zeros(num_tokens, 8192, dtype=dtype)  # two passes above 4096 columns
+        rms_norm.RMS_NORM.triton(wide, torch.ones(8192, dtype=dtype), 1e-5, wide.clone(),
+                                 lora=_folded_delta(dtype, [8192], num_tokens, rank))
+        gate_up = torch.zeros(num_tokens, 2 * inter, dtype=dtype)
+        for op in (activation.SILU_AND_MUL, activation.GELU_TANH_AND_MUL):
+            op.triton(gate_up, lora=_folded_delta(dtype, [inter, inter], num_tokens, rank))
+        for hq, hkv in ((32, 8), (32, 32)):
+            d, bs = 128, 16
+            caches = [torch.zeros(64, bs, hkv, d, dtype=dtype) for _ in range(2)]
+            q, k, v = torch.zeros(num_tokens, (hq + 2 * hkv) * d, dtype=dtype).split([hq * d, hkv * d, hkv * d], -1)
+            rope = rotary.compute_cos_sin_cache(rotary.rope_inv_freq(d, 500000.0), 64)
+            rotary_and_cache.ROTARY_AND_CACHE.triton(
+                torch.zeros(num_tokens, dtype=torch.int64), q, k, v, *caches,
+                torch.arange(num_tokens, dtype=torch.int64), rope,
+                lora=_folded_delta(dtype, [hq * d, hkv * d, hkv * d], num_tokens, rank))
+        delta = _folded_delta(dtype, [hidden, 1024, 1024], num_tokens, rank)
+        lora_expand.LORA_EXPAND_SLOT_ROWS.triton(delta.v, delta.lora_b, delta.scaling,
+                                                 torch.zeros(num_tokens, hidden + 2048, dtype=dtype), delta.mapping)
+
+
+def _fp8(dtype: torch.dtype) -> None:
+    """FP8 linears (W8A16) at Llama-2-7B shapes: decode, 65-128 tokens (swapped operands, split-K) and prefill."""
+    for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
+        weight = torch.zeros(n, k, dtype=fp8_linear.FP8_DTYPE)
+        for num_tokens in (1, 32, 64, 100, 128, 512):
+            fp8_linear.FP8_LINEAR.triton(torch.zeros(num_tokens, k, dtype=dtype), weight, torch.ones(n))
 
 
 def main() -> int:
