@@ -149,12 +149,17 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
         KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
         TritonUnavailableError: Triton backend without triton installed.
     """
+    return _gated_ref(x, out, lora, torch.nn.functional.silu)
+
+
+def _gated_ref(x: torch.Tensor, out: torch.Tensor | None, lora: LoRADelta | None, act) -> torch.Tensor:
+    """``act(gate) * up`` of ``x + delta`` (the references' shared body)."""
     _check_args(x)
     if lora is not None:
         _check_halves(lora, x)
         x = lora_delta_ref(lora, x)
     gate, up = x.chunk(2, dim=-1)
-    result = torch.nn.functional.silu(gate) * up
+    result = act(gate) * up
     if out is None:
         return result
     _check_out(x, out)
@@ -179,32 +184,8 @@ def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = Non
 def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
                           lora: LoRADelta | None = None) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection (plain torch: HF
-    ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
-
-    Args:
-        x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
-        out: optional ``[T, I]`` output of x's dtype.
-        lora: optional expand of the folded gate/up linear that made ``x``
-            (:class:`~loraplex.kernels.lora_delta.LoRADelta`): ``x`` is first replaced by ``x + delta`` rounded to
-            its dtype.
-
-    Returns:
-        ``[T, I]`` in x.dtype (``out`` when given).
-
-    Raises:
-        KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
-        TritonUnavailableError: Triton backend without triton installed.
-    """
-    _check_args(x)
-    if lora is not None:
-        _check_halves(lora, x)
-        x = lora_delta_ref(lora, x)
-    gate, up = x.chunk(2, dim=-1)
-    result = torch.nn.functional.gelu(gate, approximate="tanh") * up
-    if out is None:
-        return result
-    _check_out(x, out)
-    return out.copy_(result)
+    ``ACT2FN["gelu_pytorch_tanh"](gate) * up``); arguments, result and errors as :func:`silu_and_mul_ref`."""
+    return _gated_ref(x, out, lora, lambda gate: torch.nn.functional.gelu(gate, approximate="tanh"))
 
 
 GELU_TANH_AND_MUL = Op(
