@@ -145,7 +145,8 @@ def sweep_configs(case: Case, device: torch.device, which: str) -> list[DecodeCo
                                                 num_splits=splits, min_chunk=min_chunk, use_dot=default.use_dot))
             if case.group == 1:  # MHA: also the 16-row tl.dot tile at the default split count
                 configs.append(DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                                            num_splits=default.num_splits, min_chunk=min_chunk, use_dot=True))
+                                            num_splits=default.num_splits,
+                                            min_chunk=4 * block_n if device.type == "cuda" else block_n, use_dot=True))
     unique: list[DecodeConfig] = []
     for c in configs:
         if c not in unique:

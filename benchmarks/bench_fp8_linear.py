@@ -35,6 +35,7 @@ from loraplex.kernels.fp8_linear import (  # noqa: E402
     _launch_fp8_linear,
     default_widen,
     fp8_linear_ref,
+    shared_memory_budget,
 )
 
 LINEARS = (("qkv", 4096, 12288), ("o", 4096, 4096), ("gate_up", 4096, 22016), ("down", 11008, 4096))
@@ -50,10 +51,12 @@ def copies_for(weight_bytes: int) -> int:
 
 
 def configs(tokens: int):
-    """Token-major shapes (5-tuples), then swapped-operand shapes with split-K (6-tuples)."""
+    """Token-major shapes (5-tuples) whose bf16 x and fp8 weight tiles fit an H100/H200's shared memory, then
+    swapped-operand shapes with split-K (6-tuples)."""
+    budget = shared_memory_budget(torch.device("cpu"))  # off CUDA: the sm_90 figure
     block_ts = [16] if tokens <= 16 else ([32, 64] if tokens <= 64 else [64, 128])
     for bt, bn, bk, w, s in itertools.product(block_ts, (16, 32, 64, 128), (128, 256, 512), (4,), (3, 4)):
-        if bn * bk > 64 * 512 or (bt >= 128 and bn == 16) or (bt * 2 + bn) * bk * s > 200 * 1024:
+        if bn * bk > 64 * 512 or (bt >= 128 and bn == 16) or (bt * 2 + bn) * bk * s > budget:
             continue
         yield (bt, bn, bk, w, s)
     swap_ts = [16] if tokens <= 16 else ([32] if tokens <= 32 else [64] if tokens <= 64 else [128])
@@ -107,7 +110,7 @@ def main() -> None:
             scales = [torch.rand(n, device=dev) * 1e-3 + 5e-4 for _ in range(copies)]
             w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
             ref = fp8_linear_ref(x.float(), ws[0], scales[0]).float()
-            default = _fit_shared_memory(_block_sizes(tokens, n, k, dev), 2)
+            default = _fit_shared_memory(_block_sizes(tokens, n, k, dev), 2, shared_memory_budget(dev))
             row = {"tokens": tokens, "linear": name, "floor_us": (n * k + 4 * n) / bw * 1e6, "default": str(default)}
             candidates = {}  # label -> fn(copy index), each checked against the reference first
             for widen in widens:

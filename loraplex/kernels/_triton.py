@@ -75,6 +75,22 @@ def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+SM90_SHARED_MEMORY_BYTES = 232448  # H100/H200: opt-in shared memory per block
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_max_shared_memory(index: int) -> int:
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may take on ``device`` (the driver's opt-in limit; off CUDA the sm_90
+    figure, so launch decisions made for the interpreter or a compile check match an H100/H200)."""
+    if device.type == "cuda":
+        return _cuda_max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return SM90_SHARED_MEMORY_BYTES
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (a fixed small number off CUDA)."""
     if device.type == "cuda":

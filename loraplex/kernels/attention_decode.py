@@ -25,14 +25,16 @@ Configs on CUDA (from a sweep on an H200, ``benchmarks/bench_attention.py --conf
 rule below is within 0.8 µs or 6% of each grid point's best):
 
 =====================  =======  =====  ===================================  ==========================================
-shape                  block_n  warps  stages                               splits
+D x bytes <= 256       block_n  warps  stages                               splits
+(bf16/fp16 D <= 128)
 =====================  =======  =====  ===================================  ==========================================
-bf16 D <= 128          64       4      3 (2 where max_seq_len < 512: short  power of 2 reaching 2 programs / SM (B x Hkv
-                                       contexts lose 6-9% to the third      x splits >= 2 x SMs), at most
-                                       stage, long ones gain 3-7% from it)  cdiv(max_seq_len, min_chunk); min_chunk one
-                                                                            tile where B x Hkv < SMs / 4 (batch 1),
-                                                                            else 4 tiles
-D > 128 (bf16)         16*      4      2                                    (not swept) reaching 4 programs / SM,
+as above               64       4      3 (2 where max_seq_len < 512: short  a power of 2 reaching 2 programs / SM
+                                       contexts lose 6-9% to the third      (B x Hkv x splits >= 2 x SMs), at most the
+                                       stage, long ones gain 3-7% from it)  power of 2 >= cdiv(max_seq_len,
+                                                                            min_chunk); min_chunk one tile where
+                                                                            B x Hkv < SMs / 4 (32 KV heads: batch 1;
+                                                                            8: up to batch 4), else 4 tiles
+D x bytes > 256        16*      4      2                                    (not swept) reaching 4 programs / SM,
                                                                             min_chunk 128
 =====================  =======  =====  ===================================  ==========================================
 

@@ -27,7 +27,7 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import dot_dtype, dot_precision, require_triton, tl, triton
+from loraplex.kernels._triton import dot_dtype, dot_precision, max_shared_memory, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 
@@ -40,6 +40,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 #      move into the wide format's positions unchanged, so e4m3's exponent bias (7) stands in for the wide one's (127 or
 #      15); subnormal e4m3 values become subnormal wide values. The epilogue multiplies by 2^E.
 #   2: as 1, in inline PTX over four bytes per 32-bit register (CUDA, bf16 only).
+# 1 and 2 read e4m3's NaN (0x7F / 0xFF) as +-480 where 0 gives NaN (a quantizer never writes NaN; a corrupt
+# checkpoint would show as large values, not NaN). The fp32 accumulator holds sums 2^-120 low: products under
+# 2^-126 become fp32 subnormals (held exactly on the H200: every-byte test), as in Marlin.
 WIDEN_EXPONENT = {torch.bfloat16: 120, torch.float16: 8, torch.float32: 120}
 
 
@@ -86,7 +89,7 @@ def default_widen(dtype: torch.dtype, device: torch.device) -> int:
     """2 (inline PTX) for bf16 activations on CUDA, where Triton's conversion costs three instructions per two
     weights and the PTX two per weight on the integer pipes (H200, session 18: a Llama-2-7B layer's four linears
     at 32 tokens in 133 µs against 170 µs, each swept); otherwise 0 (exact conversion)."""
-    return 2 if device.type == "cuda" and dtype == torch.bfloat16 else 0
+    return 2 if device.type == "cuda" and torch.version.hip is None and dtype == torch.bfloat16 else 0
 
 
 def widen_unscale(dtype: torch.dtype, widen: int) -> float:
@@ -234,12 +237,14 @@ def _block_sizes(num_tokens: int, out_features: int, in_features: int,
     """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages) of the token-major kernel, or those and SPLIT_K
     (a 6-tuple) for the swapped-operand kernel.
 
-    On CUDA, from sweeps on an H200 (benchmarks/bench_fp8_linear.py; RESULTS.md, sessions 7 and 13) over
-    Llama-2-7B's linears: decode token counts take the smallest token tile that holds them, narrow
-    column tiles for narrow outputs (<= 8192 columns: more programs, each streaming long K tiles) and
-    64-column tiles for wide ones; from 65 to 128 tokens the swapped-operand kernel (weight tile as the
-    dot's 64-row side, 128 tokens as its other side; split over K for long reductions) except for narrow
-    outputs of short reductions (o_proj: two 64-token tiles); prefill-sized counts take square-ish tiles."""
+    On CUDA, from sweeps on an H200 (benchmarks/bench_fp8_linear.py; RESULTS.md, sessions 7, 13 and 18) over
+    Llama-2-7B's linears: up to 32 tokens (session 18, with the PTX widening) the smallest token tile that holds
+    them, 32-column tiles and 512-long K tiles for outputs of <= 8192 columns (256 for wider ones), 4 stages; 33-64
+    tokens narrow column tiles for narrow outputs and 64-column tiles for wide ones; from 65 to 128 tokens the
+    swapped-operand kernel (weight tile as the dot's 64-row side, 128 tokens as its other side; split over K for
+    long reductions) except for narrow outputs of short reductions (o_proj: two 64-token tiles); prefill-sized
+    counts take square-ish tiles. The launcher shrinks BLOCK_K where the tiles exceed the device's shared memory
+    (:func:`_fit_shared_memory`)."""
     if device.type != "cuda":
         return 16, 32, 32, 4, 3
     narrow = out_features <= 8192
@@ -255,17 +260,20 @@ def _block_sizes(num_tokens: int, out_features: int, in_features: int,
     return 128, 128, 64, 8, 3
 
 
-SHARED_MEMORY_BYTES = 200 * 1024  # of an H100/H200 SM's 227 KB per block, with room for the epilogue's
-
-
-def _fit_shared_memory(config: tuple[int, ...], x_bytes: int) -> tuple[int, ...]:
+def _fit_shared_memory(config: tuple[int, ...], x_bytes: int, budget_bytes: int) -> tuple[int, ...]:
     """``config`` with BLOCK_K halved until its pipelined x and weight tiles, ``(BLOCK_T * x_bytes + BLOCK_N) *
-    BLOCK_K * num_stages`` bytes, fit :data:`SHARED_MEMORY_BYTES` (the shapes are swept with 16-bit activations;
-    fp32 ones take twice the x tile)."""
+    BLOCK_K * num_stages`` bytes, fit ``budget_bytes`` (the shapes are swept on an H200 with 16-bit activations;
+    fp32 ones take twice the x tile, and other GPUs have less shared memory)."""
     block_t, block_n, block_k, _, stages = config[:5]
-    while (block_t * x_bytes + block_n) * block_k * stages > SHARED_MEMORY_BYTES and block_k > 32:
+    while (block_t * x_bytes + block_n) * block_k * stages > budget_bytes and block_k > 32:
         block_k //= 2
     return (block_t, block_n, block_k, *config[3:])
+
+
+def shared_memory_budget(device: torch.device) -> int:
+    """Bytes :func:`_fit_shared_memory` fits the tiles in: 7/8 of the device's limit (200 KB on an H200), the rest
+    left to the epilogue and the compiler's layouts (its own count of these tiles runs below this model's)."""
+    return max_shared_memory(device) * 7 // 8
 
 
 def _widen_args(x: torch.Tensor, widen: int) -> dict:
@@ -319,7 +327,8 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if num_tokens == 0:
         return out
     if config is None:
-        config = _fit_shared_memory(_block_sizes(num_tokens, out_features, in_features, x.device), x.element_size())
+        config = _fit_shared_memory(_block_sizes(num_tokens, out_features, in_features, x.device), x.element_size(),
+                                    shared_memory_budget(x.device))
     if widen is None:
         widen = default_widen(x.dtype, x.device)
     if widen not in (0, 1, 2) or (widen == 2 and x.dtype != torch.bfloat16):

@@ -87,6 +87,31 @@ def test_fp8_engine_equals_hf_and_peft_over_the_dequantized_weights(tiny_llama_d
     assert max((a - b).abs().max().item() for a, b in zip(logits, deq_logits)) > 1e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the PTX widening runs on CUDA (bf16)")
+def test_bf16_fp8_engine_widening_by_bit_moves_gives_the_exact_conversions_tokens(tiny_llama_dir, prompts,
+                                                                                  monkeypatch):
+    """The default CUDA engine (bf16) widens e4m3 by bit moves (fp8_linear widen 2, value x 2^-120, 2^120 in the
+    epilogue); forced to Triton's exact conversion (widen 0), the same launch shapes give the same tokens and
+    logprobs to 1e-3: the widening is exact and only products below 2^-6 (fp32 subnormals when scaled) may round
+    differently."""
+    from loraplex.kernels import fp8_linear
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+
+    def run():
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=256, quantization="fp8")
+        assert llm.engine.model.layers[0].self_attn.qkv_proj.qweight.dtype == torch.float8_e4m3fn
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+    assert fp8_linear.default_widen(torch.bfloat16, torch.device("cuda")) == 2
+    bit_moves = run()
+    monkeypatch.setattr(fp8_linear, "default_widen", lambda dtype, device: 0)
+    converted = run()
+    assert [o.token_ids for o in bit_moves] == [o.token_ids for o in converted]
+    for a, b in zip(bit_moves, converted):
+        assert abs(a.cumulative_logprob - b.cumulative_logprob) <= 1e-3
+
+
 def test_smollm2_projection_errors_stay_within_e4m3_precision(smollm2_dir):
     """Per-layer relative output error ``||x Wq^T - x W^T|| / ||x W^T||`` of every quantized
     projection on real activations (HF transformers forward, two held-out questions): e4m3's 3
