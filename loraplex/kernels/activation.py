@@ -184,7 +184,22 @@ def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = Non
 def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
                           lora: LoRADelta | None = None) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection (plain torch: HF
-    ``ACT2FN["gelu_pytorch_tanh"](gate) * up``); arguments, result and errors as :func:`silu_and_mul_ref`."""
+    ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
+
+    Args:
+        x: ``[T, 2I]`` fp16/bf16/fp32 (last dim stride 1 for Triton).
+        out: optional ``[T, I]`` output of x's dtype.
+        lora: optional expand of the folded gate/up linear that made ``x``
+            (:class:`~loraplex.kernels.lora_delta.LoRADelta`): ``x`` is first replaced by ``x + delta`` rounded to
+            its dtype.
+
+    Returns:
+        ``[T, I]`` in x.dtype (``out`` when given).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
+        TritonUnavailableError: Triton backend without triton installed.
+    """
     return _gated_ref(x, out, lora, lambda gate: torch.nn.functional.gelu(gate, approximate="tanh"))
 
 

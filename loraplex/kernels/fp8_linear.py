@@ -116,9 +116,9 @@ def _fp8_linear_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
-    WIDE: tl.constexpr = tl.float32,
-    WIDEN: tl.constexpr = 0,
-    UNSCALE: tl.constexpr = 1.0,
+    WIDE: tl.constexpr,
+    WIDEN: tl.constexpr,
+    UNSCALE: tl.constexpr,
 ):
     # One program per (token tile, output-column tile); the K loop streams the fp8 weight tile.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -165,9 +165,9 @@ def _fp8_linear_swap_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
-    WIDE: tl.constexpr = tl.float32,
-    WIDEN: tl.constexpr = 0,
-    UNSCALE: tl.constexpr = 1.0,
+    WIDE: tl.constexpr,
+    WIDEN: tl.constexpr,
+    UNSCALE: tl.constexpr,
 ):
     # "Swap AB" for small token counts (65-128 in _block_sizes): acc[n, t] = W[n, k] @ x[t, k]^T, so the weight tile
     # is the dot's M operand (64+ rows: Hopper's wgmma) and the tokens its N. Grid = (column tiles, K splits, token
