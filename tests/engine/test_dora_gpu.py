@@ -59,6 +59,17 @@ def setup(tmp_path_factory):
     return base, adapters
 
 
+def mixed_batch(base: Path, dtype: str, seed: int) -> tuple[dict, list[list[int]], SamplingParams]:
+    """Engine keyword arguments (CUDA, 3 adapter slots of rank 8, 20-token steps: decode and mixed graphs), six
+    random prompts of 3-14 tokens and greedy 12-token sampling: the batch the GPU engine tests compare."""
+    kw = {"model": str(base), "device": "cuda", "dtype": dtype, "max_model_len": 64, "block_size": 4,
+          "num_kv_blocks": 256, "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "max_num_seqs": 8,
+          "max_num_batched_tokens": 20}
+    rng = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 300, (n,), generator=rng).tolist() for n in (5, 9, 3, 14, 7, 11)]
+    return kw, prompts, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+
+
 def _run(llm: LLM, prompts, params, loras):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, loras)
     return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
@@ -67,12 +78,7 @@ def _run(llm: LLM, prompts, params, loras):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_captured_dora_graphs_equal_eager(setup, dtype):
     base, adapters = setup
-    kw = {"model": str(base), "device": "cuda", "dtype": dtype, "max_model_len": 64, "block_size": 4,
-          "num_kv_blocks": 256, "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "max_num_seqs": 8,
-          "max_num_batched_tokens": 20}
-    rng = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 300, (n,), generator=rng).tolist() for n in (5, 9, 3, 14, 7, 11)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    kw, prompts, params = mixed_batch(base, dtype, seed=9)
     order = ["dora", "lora", None, "dora2", "dora", None]
     loras = [adapters[n] if n else None for n in order]
     expected = _run(LLM(**kw, enforce_eager=True), prompts, params, loras)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dora_gpu import PARENT, _run, write_adapter
+from test_dora_gpu import PARENT, _run, mixed_batch, write_adapter
 from tiny_models import make_tiny_model
 
-from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex import LLM, LoRARequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -29,12 +29,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_folded_graphs_equal_the_unfolded_engine(setup, dtype):
     base, adapters = setup
-    kw = {"model": str(base), "device": "cuda", "dtype": dtype, "max_model_len": 64, "block_size": 4,
-          "num_kv_blocks": 256, "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "max_num_seqs": 8,
-          "max_num_batched_tokens": 20}
-    rng = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 300, (n,), generator=rng).tolist() for n in (5, 9, 3, 14, 7, 11)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    kw, prompts, params = mixed_batch(base, dtype, seed=11)
     loras = [adapters[n] if n else None for n in ["all", "qv", None, "mlp", "all", None]]
     expected = _run(LLM(**kw, enforce_eager=True, lora_fold_shrink="off"), prompts, params, loras)
     llm = LLM(**kw, lora_fold_shrink="on")
