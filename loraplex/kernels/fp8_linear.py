@@ -27,7 +27,15 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import dot_dtype, dot_precision, max_shared_memory, require_triton, tl, triton
+from loraplex.kernels._triton import (
+    dot_dtype,
+    dot_precision,
+    max_shared_memory,
+    require_triton,
+    tl,
+    tl_dtype,
+    triton,
+)
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 
@@ -277,7 +285,7 @@ def shared_memory_budget(device: torch.device) -> int:
 
 
 def _widen_args(x: torch.Tensor, widen: int) -> dict:
-    return {"WIDE": dot_dtype(x.dtype, torch.device("cuda")), "WIDEN": widen, "UNSCALE": widen_unscale(x.dtype, widen)}
+    return {"WIDE": tl_dtype(x.dtype), "WIDEN": widen, "UNSCALE": widen_unscale(x.dtype, widen)}
 
 
 def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
