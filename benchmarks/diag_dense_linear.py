@@ -1,0 +1,277 @@
+"""bf16 decode GEMMs as the engine runs them: cuBLAS, cuBLASLt and Triton launch shapes, 32 layers in a CUDA graph.
+
+Issue 16: at batch 32 the GEMMs of a Llama-2-7B decode step take 3.75 ms against 3.2 ms of weight bytes at copy
+bandwidth (cuBLAS at ~0.85 of copy). This measures whether another GEMM gets closer, the way a decode step runs them:
+each linear (Llama-2-7B and Llama-3-8B shapes) over 32 distinct weight copies (one per layer, so no weight is in L2),
+captured in one CUDA graph and replayed back to back (warm clocks, no launch gaps). Variants:
+
+- ``cublas``: ``F.linear`` (what the engine calls), ``cublaslt``: the same through
+  ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
+- ``tm``: a token-major Triton kernel (token tile x weight tile^T, mma), ``swap``: the weight tile as the dot's
+  64/128-row side (Hopper wgmma), ``gemv``: one-token rows without tensor cores (T = 1 only), each over a grid of
+  launch shapes; every shape is checked against cuBLAS first (relative error < 1e-2).
+
+Then a whole step's GEMMs (4 linears x 32 layers in one graph): cuBLAS, cuBLASLt, and each linear's best variant.
+Times are the least of ``--rounds`` interleaved rounds, each the median of 10 replays; fraction of copy =
+weight bytes / copy bandwidth / time (a read-only kernel can pass 1.0: copy counts read + write).
+Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,32,128] [--models llama2,llama3] [--out F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+LAYERS = 32
+MODELS = {
+    "llama2": (("qkv", 4096, 12288), ("o", 4096, 4096), ("gate_up", 4096, 22016), ("down", 11008, 4096)),
+    "llama3": (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)),
+}
+
+
+@triton.jit
+def _tm_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
+               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # out[t, n] = sum_k x[t, k] * w[n, k]; one program per (column tile, token tile)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < T
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=row_mask[:, None] & (k[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
+
+
+@triton.jit
+def _swap_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # acc[n, t] = sum_k w[n, k] * x[t, k]: the weight tile is the dot's M side
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < T
+    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
+            x = tl.load(x_ptr + rows[None, :] * stride_xt + k[:, None], mask=row_mask[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
+            x = tl.load(x_ptr + rows[None, :] * stride_xt + k[:, None], mask=row_mask[None, :] & (k[:, None] < K),
+                        other=0.0)
+        acc += tl.dot(w, x)
+    tl.store(out_ptr + rows[None, :] * stride_ot + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[None, :])
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # out[0, n] = sum_k x[0, k] * w[n, k], fp32 sums on CUDA cores
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + k)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
+        else:
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(out_ptr + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
+
+
+def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out [T, N] = x [T, K] @ w [N, K]^T`` with Triton kernel ``kind`` and ``cfg`` = (BLOCK_T, BLOCK_N, BLOCK_K,
+    warps, stages); N must be a multiple of BLOCK_N."""
+    t, k = x.shape
+    n = w.shape[0]
+    bt, bn, bk, warps, stages = cfg
+    if kind == "gemv":
+        _gemv_kernel[(n // bn,)](x, w, out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                                 num_warps=warps, num_stages=stages)
+        return
+    kernel = _tm_kernel if kind == "tm" else _swap_kernel
+    kernel[(n // bn, triton.cdiv(t, bt))](x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0),
+                                          BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                                          num_warps=warps, num_stages=stages)
+
+
+def configs(tokens: int, budget: int = 227 * 1024):
+    """(kind, cfg) launch shapes for ``tokens`` whose pipelined tiles fit ``budget`` bytes of shared memory."""
+    bt_tm = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
+    for bt, bn, bk, w, s in itertools.product(bt_tm, (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4)):
+        if (bt + bn) * bk * 2 * s > budget or bn * bk > 128 * 256 or (w == 8 and bt * bn < 64 * 128):
+            continue
+        yield "tm", (bt, bn, bk, w, s)
+    bt_sw = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
+    for bt, bn, bk, w, s in itertools.product(bt_sw, (64, 128), (64, 128, 256), (4, 8), (3, 4)):
+        if (bt + bn) * bk * 2 * s > budget or (w == 8 and bn * bt < 128 * 32):
+            continue
+        yield "swap", (bt, bn, bk, w, s)
+    if tokens == 1:
+        for bn, bk, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4,), (1, 3)):
+            if bn * bk > 16 * 512:
+                continue
+            yield "gemv", (1, bn, bk, w, s)
+
+
+def graph_ms(calls, rounds_replays: int = 10) -> float:
+    """Median ms of one replay of a CUDA graph running ``calls`` (a list of no-arg callables)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(rounds_replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
+
+
+def blas(lib: str):
+    def run(x, w, out):
+        torch.backends.cuda.preferred_blas_library(lib)
+        torch.matmul(x, w.t(), out=out)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,32,128")
+    ap.add_argument("--models", default="llama2,llama3")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = graph_ms([lambda: dst.copy_(src)])
+    bw = 2 * src.numel() / (copy_ms * 1e-3)
+    del src, dst
+    report = {"copy_TBps": bw / 1e12, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "commit": os.environ.get("LORAPLEX_COMMIT", "?"), "rows": [], "steps": []}
+    print(f"copy {bw / 1e12:.3f} TB/s", flush=True)
+    out_path = Path(args.out) if args.out else None
+    spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for _ in range(50):
+        spin @ spin  # clocks up
+    for model in args.models.split(","):
+        weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+                   for name, k, n in MODELS[model]}
+        step_bytes = sum(n * k * 2 * LAYERS for _, k, n in MODELS[model])
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            best = {}
+            for name, k, n in MODELS[model]:
+                ws = weights[name]
+                x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+                outs = [torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+                ref = (x.float() @ ws[0].float().t())
+                variants = {"cublas": blas("cublas"), "cublaslt": blas("cublaslt")}
+                row = {"model": model, "tokens": tokens, "linear": name, "floor_us": n * k * 2 / bw * 1e6}
+                t0 = time.perf_counter()
+                for kind, cfg in configs(tokens):
+                    if n % cfg[1]:
+                        continue
+                    try:
+                        launch(kind, cfg, x, ws[0], outs[0])
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # noqa: BLE001 - a shape that does not compile is recorded and skipped
+                        row[f"{kind} {cfg}"] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+                        continue
+                    rel = ((outs[0].float() - ref).norm() / ref.norm()).item()
+                    if not rel < 1e-2:
+                        row[f"{kind} {cfg}"] = f"wrong: rel {rel:.3g}"
+                        continue
+                    variants[f"{kind} {cfg}"] = (lambda x_, w_, o_, kind=kind, cfg=cfg: launch(kind, cfg, x_, w_, o_))
+                row["compile_s"] = time.perf_counter() - t0
+                times = {}
+                for _ in range(args.rounds):
+                    for label, fn in variants.items():
+                        try:
+                            ms = graph_ms([lambda j=j, fn=fn: fn(x, ws[j], outs[j]) for j in range(LAYERS)])
+                        except Exception as exc:  # noqa: BLE001
+                            row[label] = f"graph failed: {type(exc).__name__}"
+                            continue
+                        times[label] = min(times.get(label, ms), ms)
+                torch.backends.cuda.preferred_blas_library("cublas")
+                us = {label: ms * 1e3 / LAYERS for label, ms in times.items()}
+                ranked = sorted(us.items(), key=lambda kv: kv[1])
+                row["us"] = dict(ranked[:12])
+                row["cublas_us"], row["cublaslt_us"] = us.get("cublas"), us.get("cublaslt")
+                row["best"], row["best_us"] = ranked[0]
+                for kind in ("tm", "swap", "gemv"):
+                    mine = [kv for kv in ranked if kv[0].startswith(kind + " ")]
+                    if mine:
+                        row[f"best_{kind}"], row[f"best_{kind}_us"] = mine[0]
+                best[name] = (ranked[0][0], variants[ranked[0][0]])
+                report["rows"].append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "us"}), flush=True)
+                del outs
+            # a whole step's GEMMs: 4 linears x 32 layers in one graph
+            xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16) for name, k, n in MODELS[model]}
+            outs = {name: torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for name, k, n in MODELS[model]}
+            step = {"model": model, "tokens": tokens, "floor_ms": step_bytes / bw * 1e3,
+                    "best_per_linear": {name: label for name, (label, _) in best.items()}}
+            plans = {"cublas": {name: blas("cublas") for name in xs},
+                     "cublaslt": {name: blas("cublaslt") for name in xs},
+                     "best": {name: fn for name, (_, fn) in best.items()}}
+            for _ in range(args.rounds):
+                for plan, fns in plans.items():
+                    calls = [lambda j=j, name=name: fns[name](xs[name], weights[name][j], outs[name])
+                             for j in range(LAYERS) for name in xs]
+                    ms = graph_ms(calls)
+                    step[f"{plan}_ms"] = min(step.get(f"{plan}_ms", ms), ms)
+            torch.backends.cuda.preferred_blas_library("cublas")
+            for plan in plans:
+                step[f"{plan}_of_copy"] = step["floor_ms"] / step[f"{plan}_ms"]
+            report["steps"].append(step)
+            print(json.dumps(step), flush=True)
+            if out_path:
+                out_path.write_text(json.dumps(report, indent=1))
+        del weights
+        torch.cuda.empty_cache()
+    if out_path:
+        out_path.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
