@@ -66,6 +66,30 @@ def _tm_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
 
 
 @triton.jit
+def _ptm_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
+                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # as _tm_kernel (one token tile), persistent: program p takes column tiles p, p + P, ...
+    rows = tl.arange(0, BLOCK_T)
+    row_mask = rows < T
+    for tile in range(tl.program_id(0), N // BLOCK_N, tl.num_programs(0)):
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=row_mask[:, None], other=0.0)
+                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
+            else:
+                x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :],
+                            mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
+                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K,
+                            other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None])
+
+
+@triton.jit
 def _swap_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # acc[n, t] = sum_k w[n, k] * x[t, k]: the weight tile is the dot's M side
@@ -115,6 +139,12 @@ def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.T
         _gemv_kernel[(n // bn,)](x, w, out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
                                  num_warps=warps, num_stages=stages)
         return
+    if kind.startswith("ptm"):  # "ptm<programs per SM>"
+        programs = min(n // bn, int(kind[3:]) * (torch.cuda.get_device_properties(x.device).multi_processor_count
+                                                 if x.is_cuda else 1))
+        _ptm_kernel[(programs,)](x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_T=bt, BLOCK_N=bn,
+                                 BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages)
+        return
     kernel = _tm_kernel if kind == "tm" else _swap_kernel
     kernel[(n // bn, triton.cdiv(t, bt))](x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0),
                                           BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
@@ -128,6 +158,10 @@ def configs(tokens: int, budget: int = 227 * 1024):
         if (bt + bn) * bk * 2 * s > budget or bn * bk > 128 * 256 or (w == 8 and bt * bn < 64 * 128):
             continue
         yield "tm", (bt, bn, bk, w, s)
+    if tokens <= 32:
+        for occ, bn, bk, s in itertools.product((1, 2, 3), (16, 32), (256, 512), (3, 4)):
+            if (bt_tm[0] + bn) * bk * 2 * s * occ <= budget:
+                yield f"ptm{occ}", (bt_tm[0], bn, bk, 4, s)
     bt_sw = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
     for bt, bn, bk, w, s in itertools.product(bt_sw, (64, 128), (64, 128, 256), (4, 8), (3, 4)):
         if (bt + bn) * bk * 2 * s > budget or (w == 8 and bn * bt < 128 * 32):
@@ -238,7 +272,7 @@ def main() -> None:
                 row["us"] = dict(ranked[:12])
                 row["cublas_us"], row["cublaslt_us"] = us.get("cublas"), us.get("cublaslt")
                 row["best"], row["best_us"] = ranked[0]
-                for kind in ("tm", "swap", "gemv"):
+                for kind in ("tm", "swap", "gemv", "ptm1", "ptm2", "ptm3"):
                     mine = [kv for kv in ranked if kv[0].startswith(kind + " ")]
                     if mine:
                         row[f"best_{kind}"], row[f"best_{kind}_us"] = mine[0]
