@@ -75,7 +75,8 @@ def kernel_class(name: str) -> str:
         return "lora"
     if any(k in low for k in ("attention", "attn", "paged_decode", "paged_prefill")):
         return "attention"
-    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "fp8_linear", "sm90_")):
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "fp8_linear", "sm90_",
+                                      "dense_linear", "dense_gemv")):
         return "gemm"
     return "other"
 
@@ -254,9 +255,18 @@ def main(argv: list[str] | None = None) -> dict:
                     help="rank rows per adapter weight page (mixed-ranks: 8 gives every rank its own bytes)")
     ap.add_argument("--lora-fold-shrink", default="auto", choices=["auto", "on", "off"],
                     help="EngineConfig.lora_fold_shrink (the LoRA shrink in the base GEMM)")
+    ap.add_argument("--dense-configs", default=None,
+                    help="JSON from diag_dense_linear.py --table: Triton GEMM launches to use instead of the measured "
+                         "table (dense_linear.MEASURED_CONFIGS); 'none' = cuBLAS everywhere")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
+    if args.dense_configs:
+        from loraplex.kernels import dense_linear
+
+        dense_linear.MEASURED_CONFIGS.clear()
+        if args.dense_configs != "none":
+            dense_linear.MEASURED_CONFIGS.update(dense_linear.configs_from_json(Path(args.dense_configs).read_text()))
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:
@@ -278,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
+              "dense_configs": args.dense_configs,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1

@@ -7,14 +7,18 @@ captured in one CUDA graph and replayed back to back (warm clocks, no launch gap
 
 - ``cublas``: ``F.linear`` (what the engine calls), ``cublaslt``: the same through
   ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
-- ``tm``: a token-major Triton kernel (token tile x weight tile^T, mma), ``swap``: the weight tile as the dot's
-  64/128-row side (Hopper wgmma), ``gemv``: one-token rows without tensor cores (T = 1 only), each over a grid of
-  launch shapes; every shape is checked against cuBLAS first (relative error < 1e-2).
+- ``loraplex.kernels.dense_linear``'s kernels: ``tm`` token-major (token tile x weight tile^T, mma), ``ptm<k>``
+  the same persistent with k programs per SM, ``gemv`` one-token rows without tensor cores (T = 1 only); and this
+  script's ``swap``, the weight tile as the dot's 64/128-row side (Hopper wgmma); each over a grid of launch
+  shapes, every shape checked against a float32 product first (relative error < 1e-2).
 
-Then a whole step's GEMMs (4 linears x 32 layers in one graph): cuBLAS, cuBLASLt, and each linear's best variant.
+The LM head is measured the same way, and counted once in a whole step's GEMMs (4 linears x 32 layers + head
+in one graph): cuBLAS, cuBLASLt, and each linear's best variant.
 Times are the least of ``--rounds`` interleaved rounds, each the median of 10 replays; fraction of copy =
 weight bytes / copy bandwidth / time (a read-only kernel can pass 1.0: copy counts read + write).
-Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,32,128] [--models llama2,llama3] [--out F]``.
+``--table F`` writes ``dense_linear.MEASURED_CONFIGS`` rows (``bench_decode.py --dense-configs F`` runs with them).
+Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,32,128] [--models llama2,llama3] [--out F]
+[--table F]``.
 """
 
 from __future__ import annotations
@@ -29,64 +33,21 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from loraplex.kernels.dense_linear import TOKEN_BUCKETS, _launch_dense_linear, configs_to_json  # noqa: E402
+
 LAYERS = 32
 MODELS = {
     "llama2": (("qkv", 4096, 12288), ("o", 4096, 4096), ("gate_up", 4096, 22016), ("down", 11008, 4096)),
     "llama3": (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)),
 }
-
-
-@triton.jit
-def _tm_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
-               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # out[t, n] = sum_k x[t, k] * w[n, k]; one program per (column tile, token tile)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < T
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=row_mask[:, None], other=0.0)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
-        else:
-            x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=row_mask[:, None] & (k[None, :] < K),
-                        other=0.0)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None])
-
-
-@triton.jit
-def _ptm_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
-                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # as _tm_kernel (one token tile), persistent: program p takes column tiles p, p + P, ...
-    rows = tl.arange(0, BLOCK_T)
-    row_mask = rows < T
-    for tile in range(tl.program_id(0), N // BLOCK_N, tl.num_programs(0)):
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=row_mask[:, None], other=0.0)
-                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
-            else:
-                x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :],
-                            mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
-                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K,
-                            other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None])
+HEADS = {"llama2": ("head", 4096, 32000), "llama3": ("head", 4096, 128256)}  # once per step
+PRODUCT_KINDS = ("tm", "ptm", "gemv")  # dense_linear's kernels (swap is this script's experiment)
 
 
 @triton.jit
@@ -111,44 +72,19 @@ def _swap_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot
              mask=row_mask[None, :])
 
 
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # out[0, n] = sum_k x[0, k] * w[n, k], fp32 sums on CUDA cores
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(x_ptr + k)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
-        else:
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(out_ptr + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
-
-
-def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """``out [T, N] = x [T, K] @ w [N, K]^T`` with Triton kernel ``kind`` and ``cfg`` = (BLOCK_T, BLOCK_N, BLOCK_K,
-    warps, stages); N must be a multiple of BLOCK_N."""
+def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] @ w [N, K]^T`` with Triton kernel ``kind`` and ``cfg`` = (BLOCK_T, BLOCK_N, BLOCK_K, warps,
+    stages): the product's kernels (``dense_linear``: tm, ptm<k>, gemv; returns a new tensor) or this script's
+    swapped-operand one (writes ``out``; N a multiple of BLOCK_N)."""
+    if kind != "swap":
+        return _launch_dense_linear(x, w, config=(kind, *cfg))
     t, k = x.shape
     n = w.shape[0]
     bt, bn, bk, warps, stages = cfg
-    if kind == "gemv":
-        _gemv_kernel[(n // bn,)](x, w, out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                 num_warps=warps, num_stages=stages)
-        return
-    if kind.startswith("ptm"):  # "ptm<programs per SM>"
-        programs = min(n // bn, int(kind[3:]) * (torch.cuda.get_device_properties(x.device).multi_processor_count
-                                                 if x.is_cuda else 1))
-        _ptm_kernel[(programs,)](x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_T=bt, BLOCK_N=bn,
-                                 BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages)
-        return
-    kernel = _tm_kernel if kind == "tm" else _swap_kernel
-    kernel[(n // bn, triton.cdiv(t, bt))](x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                          BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                          num_warps=warps, num_stages=stages)
+    _swap_kernel[(n // bn, triton.cdiv(t, bt))](x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0),
+                                                BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                                                num_warps=warps, num_stages=stages)
+    return out
 
 
 def configs(tokens: int, budget: int = 227 * 1024):
@@ -203,7 +139,7 @@ def graph_ms(calls, rounds_replays: int = 10) -> float:
 def blas(lib: str):
     def run(x, w, out):
         torch.backends.cuda.preferred_blas_library(lib)
-        torch.matmul(x, w.t(), out=out)
+        return torch.matmul(x, w.t(), out=out)
     return run
 
 
@@ -213,7 +149,10 @@ def main() -> None:
     ap.add_argument("--models", default="llama2,llama3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
+                    "the best product kernel launch where it beat cuBLAS by >= 2%%")
     args = ap.parse_args()
+    table = {}
     dev = torch.device("cuda")
     torch.manual_seed(0)
     src = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
@@ -229,33 +168,36 @@ def main() -> None:
     for _ in range(50):
         spin @ spin  # clocks up
     for model in args.models.split(","):
+        linears = (*MODELS[model], HEADS[model])
         weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-                   for name, k, n in MODELS[model]}
-        step_bytes = sum(n * k * 2 * LAYERS for _, k, n in MODELS[model])
+                   for name, k, n in linears}
+        step_bytes = sum(n * k * 2 * LAYERS for _, k, n in MODELS[model]) + HEADS[model][1] * HEADS[model][2] * 2
         for tokens in (int(t) for t in args.tokens.split(",")):
             best = {}
-            for name, k, n in MODELS[model]:
+            for name, k, n in linears:
                 ws = weights[name]
                 x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
                 outs = [torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
                 ref = (x.float() @ ws[0].float().t())
                 variants = {"cublas": blas("cublas"), "cublaslt": blas("cublaslt")}
+                launches = {}
                 row = {"model": model, "tokens": tokens, "linear": name, "floor_us": n * k * 2 / bw * 1e6}
                 t0 = time.perf_counter()
                 for kind, cfg in configs(tokens):
                     if n % cfg[1]:
                         continue
                     try:
-                        launch(kind, cfg, x, ws[0], outs[0])
+                        got = launch(kind, cfg, x, ws[0], outs[0])
                         torch.cuda.synchronize()
                     except Exception as exc:  # noqa: BLE001 - a shape that does not compile is recorded and skipped
                         row[f"{kind} {cfg}"] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
                         continue
-                    rel = ((outs[0].float() - ref).norm() / ref.norm()).item()
+                    rel = ((got.float() - ref).norm() / ref.norm()).item()
                     if not rel < 1e-2:
                         row[f"{kind} {cfg}"] = f"wrong: rel {rel:.3g}"
                         continue
                     variants[f"{kind} {cfg}"] = (lambda x_, w_, o_, kind=kind, cfg=cfg: launch(kind, cfg, x_, w_, o_))
+                    launches[f"{kind} {cfg}"] = (kind, *cfg)
                 row["compile_s"] = time.perf_counter() - t0
                 times = {}
                 for _ in range(args.rounds):
@@ -277,12 +219,16 @@ def main() -> None:
                     if mine:
                         row[f"best_{kind}"], row[f"best_{kind}_us"] = mine[0]
                 best[name] = (ranked[0][0], variants[ranked[0][0]])
+                product = [kv for kv in ranked if kv[0] in launches and launches[kv[0]][0].startswith(PRODUCT_KINDS)]
+                if tokens in TOKEN_BUCKETS and product and product[0][1] < 0.98 * us["cublas"]:
+                    table[(report["device"], tokens, n, k)] = launches[product[0][0]]
+                    row["table"] = product[0][0]
                 report["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "us"}), flush=True)
                 del outs
-            # a whole step's GEMMs: 4 linears x 32 layers in one graph
-            xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16) for name, k, n in MODELS[model]}
-            outs = {name: torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for name, k, n in MODELS[model]}
+            # a whole step's GEMMs: 4 linears x 32 layers and the head once, in one graph
+            xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16) for name, k, n in linears}
+            outs = {name: torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for name, k, n in linears}
             step = {"model": model, "tokens": tokens, "floor_ms": step_bytes / bw * 1e3,
                     "best_per_linear": {name: label for name, (label, _) in best.items()}}
             plans = {"cublas": {name: blas("cublas") for name in xs},
@@ -291,7 +237,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for plan, fns in plans.items():
                     calls = [lambda j=j, name=name: fns[name](xs[name], weights[name][j], outs[name])
-                             for j in range(LAYERS) for name in xs]
+                             for j in range(LAYERS) for name, _, _ in MODELS[model]]
+                    calls.append(lambda: fns["head"](xs["head"], weights["head"][0], outs["head"]))
                     ms = graph_ms(calls)
                     step[f"{plan}_ms"] = min(step.get(f"{plan}_ms", ms), ms)
             torch.backends.cuda.preferred_blas_library("cublas")
@@ -301,6 +248,8 @@ def main() -> None:
             print(json.dumps(step), flush=True)
             if out_path:
                 out_path.write_text(json.dumps(report, indent=1))
+            if args.table:
+                Path(args.table).write_text(configs_to_json(table))
         del weights
         torch.cuda.empty_cache()
     if out_path:

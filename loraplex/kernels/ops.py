@@ -22,6 +22,7 @@ import torch
 from loraplex.kernels._triton import require_triton
 from loraplex.kernels.activation import GELU_TANH_AND_MUL, SILU_AND_MUL
 from loraplex.kernels.attention import PAGED_ATTENTION
+from loraplex.kernels.dense_linear import DENSE_LINEAR
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.fp8_linear import FP8_LINEAR
 from loraplex.kernels.lora_expand import LORA_EXPAND, LORA_EXPAND_SLOT_ROWS
@@ -50,6 +51,7 @@ OPS: tuple[Op, ...] = (
     ADD_LORA,
     FUSED_LORA,
     FP8_LINEAR,
+    DENSE_LINEAR,
 )
 
 
@@ -85,6 +87,7 @@ class Kernels:
         self.add_lora = ADD_LORA.select(backend)
         self.fused_lora = FUSED_LORA.select(backend)
         self.fp8_linear = FP8_LINEAR.select(backend)
+        self.dense_linear = DENSE_LINEAR.select(backend)
 
     def __repr__(self) -> str:
         return f"Kernels({self.backend!r})"

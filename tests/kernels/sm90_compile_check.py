@@ -34,6 +34,7 @@ from loraplex.kernels import (  # noqa: E402
     attention,
     attention_decode,
     attention_prefill,
+    dense_linear,
     fp8_linear,
     lora_expand,
     lora_fused,
@@ -68,6 +69,7 @@ _KERNELS = {
     rotary_and_cache: ["_rotary_and_cache_kernel", "_rotary_and_cache_lora_kernel"],
     activation: ["_silu_and_mul_kernel", "_act_and_mul_lora_kernel"],
     fp8_linear: ["_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_fp8_split_sum_kernel"],
+    dense_linear: ["_dense_linear_kernel", "_dense_gemv_kernel"],
     lora_shrink: ["_lora_shrink_kernel"],
     lora_expand: ["_lora_expand_kernel"],
     lora_fused: ["_fused_lora_kernel"],
@@ -165,6 +167,7 @@ def drive_launchers() -> None:
     for dtype in (bf16, torch.float32):
         _lora_consumers(dtype)
         _fp8(dtype)
+    _dense(torch.bfloat16)
 
 
 def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16) -> None:
@@ -301,6 +304,18 @@ def _fp8(dtype: torch.dtype) -> None:
         weight = torch.zeros(n, k, dtype=fp8_linear.FP8_DTYPE)
         for num_tokens in (1, 32, 64, 100, 128, 512):
             fp8_linear.FP8_LINEAR.triton(torch.zeros(num_tokens, k, dtype=dtype), weight, torch.ones(n))
+
+
+def _dense(dtype: torch.dtype) -> None:
+    """Dense linears: every launch of the measured table (``dense_linear.MEASURED_CONFIGS``) at its shape, and one of
+    each kernel kind at Llama-2-7B's shapes (bias and uneven K included)."""
+    launches = [((t, n, k), c) for (_dev, t, n, k), c in dense_linear.MEASURED_CONFIGS.items()]
+    launches += [((32, 12288, 4096), ("tm", 32, 32, 256, 4, 4)), ((1, 4096, 11008), ("ptm2", 16, 16, 512, 4, 3)),
+                 ((1, 22016, 4096), ("gemv", 1, 8, 512, 4, 1))]
+    for (t, n, k), config in launches:
+        x, w = torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
+        dense_linear.DENSE_LINEAR.triton(x, w, config=config)
+        dense_linear.DENSE_LINEAR.triton(x, w, torch.zeros(n, dtype=dtype), config=config)
 
 
 def main() -> int:

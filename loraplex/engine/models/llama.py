@@ -238,7 +238,7 @@ class LinearWithLoRA(nn.Module):
                                                ranks=self.lora_ranks, page_table=self.lora_page_table)
             with_lora = False
         else:
-            y = F.linear(x, self.weight, bias)
+            y = self.kernels.dense_linear(x, self.weight, bias)
         if with_lora:
             self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping,
                                   ranks=self.lora_ranks, page_table=self.lora_page_table)

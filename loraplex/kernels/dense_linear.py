@@ -1,0 +1,259 @@
+"""Dense linear over 16-bit weights at decode-sized token counts: a Triton GEMM where it reads the weights faster than
+cuBLAS, cuBLAS (``F.linear``) everywhere else.
+
+Semantics: :data:`DENSE_LINEAR`. A decode step reads every weight once for a handful of tokens, so these GEMMs are
+bound by weight bytes; on an H200 cuBLAS reads Llama-2-7B's linears at ~0.85 of copy bandwidth at 1-32 tokens
+(issue 16, benchmarks/RESULTS.md session 18). Two kernels:
+
+- token-major (``kind`` ``"tm"``): a token tile (16-64 rows) times a weight tile transposed (``tl.dot``, fp32
+  accumulation), one program per column tile; or persistent (``"ptm<k>"``): ``k`` programs per SM, each taking
+  column tiles ``p, p + P, ...`` (no wave tail);
+- GEMV (``"gemv"``, one token): fp32 products on CUDA cores, summed along K per column.
+
+Which one runs, and with which tiles, comes from :data:`MEASURED_CONFIGS`: the best of an H200 sweep
+(``benchmarks/diag_dense_linear.py``) per token bucket and weight shape, kept only where it beat cuBLAS in the same
+run. Any other device, dtype or shape, and every step over 64 tokens, takes ``F.linear``: that is the measured
+choice there, not a fallback from an error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_same_dtype, check_shape
+from loraplex.kernels._triton import dot_dtype, dot_precision, num_sms, require_triton, tl, triton
+from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.op import Op
+
+_OP = "dense_linear"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_tokens, out_features, in_features,
+                         stride_xt, stride_wn, stride_ot,
+                         HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    # out[t, n] = sum_k x[t, k] * w[n, k] + bias[n]. Grid: (column tiles, token tiles), or with PERSISTENT
+    # (programs, token tiles), program p taking column tiles p, p + P, ... (out_features % BLOCK_N == 0).
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_tokens
+    first = tl.program_id(0)
+    step = tl.num_programs(0) if PERSISTENT else 1
+    last = tl.cdiv(out_features, BLOCK_N) if PERSISTENT else first + 1
+    for tile in range(first, last, step):
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < out_features
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, in_features, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], mask=row_mask[:, None],
+                            other=0.0)
+                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_mask[:, None],
+                            other=0.0)
+            else:
+                k_mask = k < in_features
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, out_features, in_features, stride_wn,
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[0, n] = sum_k x[0, k] * w[n, k] + bias[n]: products and sums in fp32 on CUDA cores, one column tile each
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < out_features
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + k)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_mask[:, None],
+                        other=0.0)
+        else:
+            k_mask = k < in_features
+            x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# (kind, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages); kind "tm", "ptm<programs per SM>" or "gemv"
+DenseConfig = tuple[str, int, int, int, int, int]
+
+# Measured on an H200 (bf16, benchmarks/diag_dense_linear.py): {(device name, token bucket, out_features,
+# in_features): config} where the config beat cuBLAS in a CUDA graph of 32 layers. Token buckets: 1, 16, 32, 64
+# (a step's token count rounded up to the next of them).
+MEASURED_CONFIGS: dict[tuple[str, int, int, int], DenseConfig] = {}
+TOKEN_BUCKETS = (1, 16, 32, 64)
+
+
+def configs_to_json(table: dict[tuple[str, int, int, int], DenseConfig]) -> str:
+    """:data:`MEASURED_CONFIGS`-shaped ``table`` as JSON (a list of rows), as benchmarks write it."""
+    import json
+
+    return json.dumps([{"device": d, "tokens": t, "out_features": n, "in_features": k, "config": list(c)}
+                       for (d, t, n, k), c in table.items()], indent=1)
+
+
+def configs_from_json(text: str) -> dict[tuple[str, int, int, int], DenseConfig]:
+    """Inverse of :func:`configs_to_json`. Raises ``ValueError`` for a row that is not a config
+    (:func:`check_dense_config`) or a token count that is not a bucket."""
+    import json
+
+    table = {}
+    for row in json.loads(text):
+        config = tuple(row["config"])
+        if len(config) != 6 or row["tokens"] not in TOKEN_BUCKETS:
+            raise ValueError(f"dense_linear: bad table row {row}")
+        try:
+            check_dense_config(config, row["tokens"], row["out_features"])
+        except KernelArgumentError as exc:
+            raise ValueError(str(exc)) from exc
+        table[(row["device"], row["tokens"], row["out_features"], row["in_features"])] = config
+    return table
+
+
+def token_bucket(num_tokens: int) -> int | None:
+    """The :data:`TOKEN_BUCKETS` entry ``num_tokens`` falls in (the least one at or above it); None above 64."""
+    for bucket in TOKEN_BUCKETS:
+        if num_tokens <= bucket:
+            return bucket
+    return None
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+_NAMES: dict[int, str] = {}
+
+
+def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dtype: torch.dtype,
+                        device: torch.device) -> DenseConfig | None:
+    """The measured Triton launch for this GEMM, or None where ``F.linear`` (cuBLAS) is the faster or the only
+    measured choice: off CUDA, for dtypes other than bf16, above 64 tokens and for shapes not in
+    :data:`MEASURED_CONFIGS`."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not MEASURED_CONFIGS:
+        return None
+    bucket = token_bucket(num_tokens)
+    if bucket is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _NAMES.get(index)
+    if name is None:
+        name = _NAMES[index] = _device_name(torch.device("cuda", index))
+    return MEASURED_CONFIGS.get((name, bucket, out_features, in_features))
+
+
+def check_dense_config(config: DenseConfig, num_tokens: int, out_features: int) -> None:
+    """Raise :class:`KernelArgumentError` for a launch config the kernels cannot run."""
+    kind, block_t, block_n, block_k, warps, stages = config
+    problems = []
+    if kind not in ("tm", "gemv") and not (kind.startswith("ptm") and kind[3:].isdigit() and int(kind[3:]) > 0):
+        problems.append(f"kind={kind!r} (tm, ptm<k> or gemv)")
+    if kind == "gemv" and num_tokens != 1:
+        problems.append(f"gemv with {num_tokens} tokens (one)")
+    if kind != "gemv" and (block_t < 16 or block_n < 16 or block_k < 16):
+        problems.append(f"tiles {block_t}x{block_n}x{block_k} (tl.dot needs >= 16 each)")
+    if any(b & (b - 1) for b in (block_t, block_n, block_k)):
+        problems.append(f"tiles {block_t}x{block_n}x{block_k} (powers of two)")
+    if kind.startswith("ptm") and out_features % block_n:
+        problems.append(f"persistent tiles of {block_n} columns over {out_features} (a multiple)")
+    if warps not in (1, 2, 4, 8) or not 1 <= stages <= 6:
+        problems.append(f"num_warps={warps}, num_stages={stages}")
+    if problems:
+        raise KernelArgumentError(f"{_OP}: bad config {config}: " + "; ".join(problems))
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_dtype(_OP, "x", x, _DTYPES)
+    check_shape(_OP, "x", x, (None, None))
+    check_shape(_OP, "weight", weight, (None, x.shape[1]))
+    check_same_dtype(_OP, "weight", weight, "x", x)
+    check_device(_OP, "weight", weight, x.device)
+    if bias is not None:
+        check_shape(_OP, "bias", bias, (weight.shape[0],))
+        check_same_dtype(_OP, "bias", bias, "x", x)
+        check_device(_OP, "bias", bias, x.device)
+
+
+def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                         config: DenseConfig | None = None) -> torch.Tensor:
+    """Triton launch of :func:`dense_linear_ref` with ``config`` (benchmarks and tests), else with
+    :func:`dense_linear_config`'s measured one; where there is none, ``F.linear``."""
+    if config is None:
+        config = dense_linear_config(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.device)
+        if config is None:
+            return F.linear(x, weight, bias)
+    require_triton(_OP)
+    _check_args(x, weight, bias)
+    check_last_dim_contiguous(_OP, "x", x)
+    check_last_dim_contiguous(_OP, "weight", weight)
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    check_dense_config(config, num_tokens, out_features)
+    kind, block_t, block_n, block_k, warps, stages = config
+    out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    bias_arg = bias if bias is not None else out
+    even_k = in_features % block_k == 0
+    if kind == "gemv":
+        _dense_gemv_kernel[(triton.cdiv(out_features, block_n),)](
+            x, weight, bias_arg, out, out_features, in_features, weight.stride(0),
+            HAS_BIAS=bias is not None, EVEN_K=even_k, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, num_stages=stages)
+        return out
+    tiles = triton.cdiv(out_features, block_n)
+    persistent = kind != "tm"
+    programs = min(tiles, int(kind[3:]) * num_sms(x.device)) if persistent else tiles
+    _dense_linear_kernel[(programs, triton.cdiv(num_tokens, block_t))](
+        x, weight, bias_arg, out, num_tokens, out_features, in_features,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, PERSISTENT=persistent, EVEN_K=even_k,
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def dense_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``F.linear``).
+
+    Args:
+        x: ``[T, K]`` bf16/fp16/fp32 activations (last dim stride 1 for Triton).
+        weight: ``[N, K]`` in x's dtype (last dim stride 1 for Triton).
+        bias: optional ``[N]`` in x's dtype.
+
+    Returns:
+        ``[T, N]`` in x's dtype (fp32 accumulation).
+
+    Raises:
+        KernelArgumentError: bad shape/dtype/device/layout, or a bad launch config (Triton).
+        TritonUnavailableError: a Triton launch without triton installed.
+    """
+    _check_args(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+DENSE_LINEAR = Op(
+    name=_OP,
+    semantics="out[t, n] = sum_k x[t, k] * weight[n, k] + bias[n]  (fp32 accumulation)",
+    reference=dense_linear_ref,
+    triton=_launch_dense_linear,
+)

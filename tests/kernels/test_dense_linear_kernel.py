@@ -1,0 +1,121 @@
+"""dense_linear: the Triton GEMMs (token-major, persistent, GEMV) and the reference against a float64 loop over
+output channels; the measured-table lookup and its JSON form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels import dense_linear
+from loraplex.kernels.dense_linear import (
+    check_dense_config,
+    configs_from_json,
+    configs_to_json,
+    dense_linear_config,
+    dense_linear_ref,
+    token_bucket,
+)
+from loraplex.kernels.errors import KernelArgumentError
+
+
+def _loop(x, weight, bias):
+    """out[t, n] = sum_k x[t, k] * weight[n, k] + bias[n], one output channel at a time, in float64."""
+    xd, wd = x.double().cpu(), weight.double().cpu()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float64)
+    for n in range(weight.shape[0]):
+        out[:, n] = (xd * wd[n]).sum(1) + (float(bias[n]) if bias is not None else 0.0)
+    return out
+
+
+def _magnitude(x, weight, bias):
+    """``sum_k |x[t, k] * weight[n, k]| + |bias[n]|``: what the rounding of a float32 sum is relative to."""
+    mag = x.double().cpu().abs() @ weight.double().cpu().abs().T
+    return mag + (bias.double().cpu().abs() if bias is not None else 0.0)
+
+
+# bf16 / fp16 outputs are rounded once (2^-8 / 2^-11 of the value); the fp32 sum's own error is far below
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+# (config, T, K, N): every kind, token tiles with masked rows, K not a multiple of BLOCK_K, N not a multiple of
+# BLOCK_N (tm and gemv), persistent programs taking several tiles each (4 programs per "SM" off CUDA)
+CASES = [
+    (("tm", 16, 16, 32, 4, 1), 3, 80, 40),
+    (("tm", 32, 32, 64, 4, 2), 33, 128, 64),
+    (("ptm1", 16, 16, 32, 4, 1), 5, 72, 96),
+    (("ptm2", 16, 16, 64, 4, 1), 16, 64, 160),
+    (("gemv", 1, 8, 32, 4, 1), 1, 72, 20),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0][0]}-T{c[1]}-K{c[2]}-N{c[3]}")
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernels_and_reference_match_the_loop(kernel_device, triton_kernels, poison_allocations, dtype, case, bias):
+    config, t, k, n = case
+    x = torch.randn(t, k).to(device=kernel_device, dtype=dtype)
+    w = (torch.randn(n, k) / k**0.5).to(device=kernel_device, dtype=dtype)
+    b = torch.randn(n).to(device=kernel_device, dtype=dtype) if bias else None
+    expected = _loop(x, w, b)
+    for out in (triton_kernels.dense_linear(x, w, b, config=config), dense_linear_ref(x, w, b)):
+        assert out.dtype == dtype and out.shape == (t, n)
+        err = (out.double().cpu() - expected).abs() / _magnitude(x, w, b).clamp_min(1.0)
+        assert err.max().item() <= TOL[dtype], err.max().item()
+
+
+@pytest.mark.interpreter
+def test_empty_batch_bad_configs_and_arguments(kernel_device, triton_kernels):
+    w = torch.randn(32, 16, device=kernel_device)
+    assert triton_kernels.dense_linear(torch.randn(0, 16, device=kernel_device), w,
+                                       config=("tm", 16, 16, 16, 4, 1)).shape == (0, 32)
+    x = torch.randn(2, 16, device=kernel_device)
+    for config, match in ((("gemv", 1, 8, 16, 4, 1), "gemv with 2 tokens"), (("tm", 8, 16, 16, 4, 1), ">= 16"),
+                          (("tm", 16, 24, 16, 4, 1), "powers of two"), (("ptm0", 16, 16, 16, 4, 1), "kind"),
+                          (("ptm1", 16, 64, 16, 4, 1), "a multiple"), (("tm", 16, 16, 16, 3, 1), "num_warps")):
+        with pytest.raises(KernelArgumentError, match=match):
+            triton_kernels.dense_linear(x, w, config=config)
+    with pytest.raises(KernelArgumentError, match="weight"):
+        triton_kernels.dense_linear(x, w.half(), config=("tm", 16, 16, 16, 4, 1))
+    with pytest.raises(KernelArgumentError, match="weight"):
+        dense_linear_ref(x, torch.randn(32, 8, device=kernel_device))
+
+
+def test_measured_table_lookup(monkeypatch):
+    """Token buckets round up to 1 / 16 / 32 / 64 and stop above 64; off CUDA, for other dtypes, devices and
+    shapes the lookup is None (``F.linear``); the JSON form round-trips and refuses bad rows."""
+    assert [token_bucket(t) for t in (1, 2, 16, 17, 32, 33, 64, 65)] == [1, 16, 16, 32, 32, 64, 64, None]
+    table = {("NVIDIA H200", 32, 12288, 4096): ("tm", 32, 32, 256, 4, 4),
+             ("NVIDIA H200", 1, 4096, 11008): ("gemv", 1, 8, 512, 4, 1)}
+    assert configs_from_json(configs_to_json(table)) == table
+    with pytest.raises(ValueError, match="bad table row"):
+        configs_from_json('[{"device": "d", "tokens": 3, "out_features": 8, "in_features": 8, '
+                          '"config": ["tm", 16, 16, 16, 4, 1]}]')
+    with pytest.raises(ValueError, match="kind"):
+        configs_from_json('[{"device": "d", "tokens": 16, "out_features": 8, "in_features": 8, '
+                          '"config": ["wide", 16, 16, 16, 4, 1]}]')
+    monkeypatch.setattr(dense_linear, "MEASURED_CONFIGS", dict(table))
+    assert dense_linear_config(32, 12288, 4096, torch.bfloat16, torch.device("cpu")) is None
+    monkeypatch.setattr(dense_linear, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(dense_linear, "_NAMES", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda = torch.device("cuda", 0)
+    assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
+    assert dense_linear_config(17, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
+    assert dense_linear_config(16, 12288, 4096, torch.bfloat16, cuda) is None  # bucket 16 not measured
+    assert dense_linear_config(1, 4096, 11008, torch.bfloat16, cuda) == ("gemv", 1, 8, 512, 4, 1)
+    assert dense_linear_config(32, 12288, 4096, torch.float16, cuda) is None
+    assert dense_linear_config(65, 12288, 4096, torch.bfloat16, cuda) is None
+    monkeypatch.setattr(dense_linear, "_NAMES", {0: "NVIDIA A100"})
+    assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) is None
+
+
+def test_every_measured_config_is_valid():
+    for (_device, tokens, out_features, _in_features), config in dense_linear.MEASURED_CONFIGS.items():
+        assert tokens in dense_linear.TOKEN_BUCKETS
+        check_dense_config(config, tokens, out_features)
+
+
+def test_without_a_measured_config_the_launcher_is_f_linear(triton_kernels):
+    """On CPU tensors (and wherever the table has no row) the launcher is ``F.linear`` itself, bit for bit."""
+    x, w, b = torch.randn(3, 24), torch.randn(10, 24), torch.randn(10)
+    assert torch.equal(triton_kernels.dense_linear(x, w, b), torch.nn.functional.linear(x, w, b))
