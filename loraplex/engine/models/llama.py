@@ -441,7 +441,7 @@ class LlamaForCausalLM(nn.Module):
         ``k = full_index[1, s] >= 0`` get ``h[t] @ full[k].T`` instead (one matmul per copy in the batch).
         """
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(hidden, head)
+        logits = self.kernels.dense_linear(hidden, head)
         if lora_slots is not None and self.vocab_lora is not None and max(lora_slots, default=-1) >= 0:
             self._adapter_logits(hidden, logits, lora_slots)
         cap = self.spec.final_logit_softcapping
