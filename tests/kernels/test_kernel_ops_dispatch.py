@@ -21,7 +21,7 @@ def test_kernels_binds_every_registered_op_to_one_backend(kernel_device):
     assert [op.name for op in OPS] == [
         "reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "rotary_and_cache",
         "silu_and_mul", "gelu_tanh_and_mul", "lora_shrink", "lora_expand",
-        "lora_expand_slot_rows", "add_lora", "fused_lora", "fp8_linear",
+        "lora_expand_slot_rows", "add_lora", "fused_lora", "fp8_linear", "dense_linear",
     ]
     for backend in BACKENDS:
         kernels = Kernels(backend)
