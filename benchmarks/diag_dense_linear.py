@@ -7,10 +7,11 @@ captured in one CUDA graph and replayed back to back (warm clocks, no launch gap
 
 - ``cublas``: ``F.linear`` (what the engine calls), ``cublaslt``: the same through
   ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
-- ``loraplex.kernels.dense_linear``'s kernels: ``tm`` token-major (token tile x weight tile^T, mma), ``ptm<k>``
-  the same persistent with k programs per SM, ``gemv`` one-token rows without tensor cores (T = 1 only); and this
-  script's ``swap``, the weight tile as the dot's 64/128-row side (Hopper wgmma); each over a grid of launch
-  shapes, every shape checked against a float32 product first (relative error < 1e-2).
+- ``loraplex.kernels.dense_linear``'s kernels: ``tm`` token-major (token tile x weight tile^T, mma), ``swap`` the
+  weight tile as the dot's 64/128-row side (Hopper wgmma), ``gemv`` one-token rows without tensor cores (T = 1
+  only); each over a grid of launch shapes, every shape checked against a float32 product first (relative error
+  < 1e-2). (Session 19 also tried a persistent token-major variant, k programs per SM taking column tiles
+  p, p + P, ...: never the best, and dropped.)
 
 The LM head is measured the same way, and counted once in a whole step's GEMMs (4 linears x 32 layers + head
 in one graph): cuBLAS, cuBLASLt, and each linear's best variant.
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton.testing  # noqa: E402
 
 from loraplex.kernels.dense_linear import TOKEN_BUCKETS, _launch_dense_linear, configs_to_json  # noqa: E402
 
@@ -47,44 +48,12 @@ MODELS = {
     "llama3": (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)),
 }
 HEADS = {"llama2": ("head", 4096, 32000), "llama3": ("head", 4096, 128256)}  # once per step
-PRODUCT_KINDS = ("tm", "ptm", "gemv")  # dense_linear's kernels (swap is this script's experiment)
-
-
-@triton.jit
-def _swap_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # acc[n, t] = sum_k w[n, k] * x[t, k]: the weight tile is the dot's M side
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < T
-    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :])
-            x = tl.load(x_ptr + rows[None, :] * stride_xt + k[:, None], mask=row_mask[None, :], other=0.0)
-        else:
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
-            x = tl.load(x_ptr + rows[None, :] * stride_xt + k[:, None], mask=row_mask[None, :] & (k[:, None] < K),
-                        other=0.0)
-        acc += tl.dot(w, x)
-    tl.store(out_ptr + rows[None, :] * stride_ot + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[None, :])
 
 
 def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``x [T, K] @ w [N, K]^T`` with Triton kernel ``kind`` and ``cfg`` = (BLOCK_T, BLOCK_N, BLOCK_K, warps,
-    stages): the product's kernels (``dense_linear``: tm, ptm<k>, gemv; returns a new tensor) or this script's
-    swapped-operand one (writes ``out``; N a multiple of BLOCK_N)."""
-    if kind != "swap":
-        return _launch_dense_linear(x, w, config=(kind, *cfg))
-    t, k = x.shape
-    n = w.shape[0]
-    bt, bn, bk, warps, stages = cfg
-    _swap_kernel[(n // bn, triton.cdiv(t, bt))](x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                                BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                                num_warps=warps, num_stages=stages)
-    return out
+    """``x [T, K] @ w [N, K]^T`` with ``dense_linear``'s kernel ``kind`` and ``cfg`` = (BLOCK_T, BLOCK_N, BLOCK_K,
+    warps, stages); ``out`` is unused (the launcher allocates)."""
+    return _launch_dense_linear(x, w, config=(kind, *cfg))
 
 
 def configs(tokens: int, budget: int = 227 * 1024):
@@ -94,10 +63,6 @@ def configs(tokens: int, budget: int = 227 * 1024):
         if (bt + bn) * bk * 2 * s > budget or bn * bk > 128 * 256 or (w == 8 and bt * bn < 64 * 128):
             continue
         yield "tm", (bt, bn, bk, w, s)
-    if tokens <= 32:
-        for occ, bn, bk, s in itertools.product((1, 2, 3), (16, 32), (256, 512), (3, 4)):
-            if (bt_tm[0] + bn) * bk * 2 * s * occ <= budget:
-                yield f"ptm{occ}", (bt_tm[0], bn, bk, 4, s)
     bt_sw = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
     for bt, bn, bk, w, s in itertools.product(bt_sw, (64, 128), (64, 128, 256), (4, 8), (3, 4)):
         if (bt + bn) * bk * 2 * s > budget or (w == 8 and bn * bt < 128 * 32):
@@ -145,7 +110,7 @@ def blas(lib: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1,32,128")
+    ap.add_argument("--tokens", default="1,16,32,64")
     ap.add_argument("--models", default="llama2,llama3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -155,18 +120,18 @@ def main() -> None:
     table = {}
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    src = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
+    spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for _ in range(50):
+        spin @ spin  # clocks up
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_ms = graph_ms([lambda: dst.copy_(src)])
-    bw = 2 * src.numel() / (copy_ms * 1e-3)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    bw = 2 * src.numel() / (copy_ms * 1e-3)  # session 19's first run timed a 2 GB copy in a graph, cold: 2.7 TB/s
     del src, dst
     report = {"copy_TBps": bw / 1e12, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "commit": os.environ.get("LORAPLEX_COMMIT", "?"), "rows": [], "steps": []}
     print(f"copy {bw / 1e12:.3f} TB/s", flush=True)
     out_path = Path(args.out) if args.out else None
-    spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    for _ in range(50):
-        spin @ spin  # clocks up
     for model in args.models.split(","):
         linears = (*MODELS[model], HEADS[model])
         weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
@@ -214,12 +179,12 @@ def main() -> None:
                 row["us"] = dict(ranked[:12])
                 row["cublas_us"], row["cublaslt_us"] = us.get("cublas"), us.get("cublaslt")
                 row["best"], row["best_us"] = ranked[0]
-                for kind in ("tm", "swap", "gemv", "ptm1", "ptm2", "ptm3"):
+                for kind in ("tm", "swap", "gemv"):
                     mine = [kv for kv in ranked if kv[0].startswith(kind + " ")]
                     if mine:
                         row[f"best_{kind}"], row[f"best_{kind}_us"] = mine[0]
                 best[name] = (ranked[0][0], variants[ranked[0][0]])
-                product = [kv for kv in ranked if kv[0] in launches and launches[kv[0]][0].startswith(PRODUCT_KINDS)]
+                product = [kv for kv in ranked if kv[0] in launches]
                 if tokens in TOKEN_BUCKETS and product and product[0][1] < 0.98 * us["cublas"]:
                     table[(report["device"], tokens, n, k)] = launches[product[0][0]]
                     row["table"] = product[0][0]

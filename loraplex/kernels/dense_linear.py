@@ -5,9 +5,9 @@ Semantics: :data:`DENSE_LINEAR`. A decode step reads every weight once for a han
 bound by weight bytes; on an H200 cuBLAS reads Llama-2-7B's linears at ~0.85 of copy bandwidth at 1-32 tokens
 (issue 16, benchmarks/RESULTS.md session 18). Two kernels:
 
-- token-major (``kind`` ``"tm"``): a token tile (16-64 rows) times a weight tile transposed (``tl.dot``, fp32
-  accumulation), one program per column tile; or persistent (``"ptm<k>"``): ``k`` programs per SM, each taking
-  column tiles ``p, p + P, ...`` (no wave tail);
+- tiled (``kind`` ``"tm"``, token-major: a 16-64-token tile times a weight tile transposed; ``"swap"``: the weight
+  tile times the token tile transposed, so that the weight tile is the dot's 64/128-row side), ``tl.dot`` with
+  fp32 accumulation, one program per (column tile, token tile);
 - GEMV (``"gemv"``, one token): fp32 products on CUDA cores, summed along K per column.
 
 Which one runs, and with which tiles, comes from :data:`MEASURED_CONFIGS`: the best of an H200 sweep
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_same_dtype, check_shape
-from loraplex.kernels._triton import dot_dtype, dot_precision, num_sms, require_triton, tl, triton
+from loraplex.kernels._triton import dot_dtype, dot_precision, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 
@@ -33,34 +33,36 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_tokens, out_features, in_features,
                          stride_xt, stride_wn, stride_ot,
-                         HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    # out[t, n] = sum_k x[t, k] * w[n, k] + bias[n]. Grid: (column tiles, token tiles), or with PERSISTENT
-    # (programs, token tiles), program p taking column tiles p, p + P, ... (out_features % BLOCK_N == 0).
+    # out[t, n] = sum_k x[t, k] * w[n, k] + bias[n]; grid (column tiles, token tiles). Token-major: acc[t, n] =
+    # x_tile @ w_tile^T; SWAP: acc[n, t] = w_tile @ x_tile^T (the weight tile as the dot's M side: Hopper's wgmma
+    # takes 64-row M tiles, and a 16/32-token tile is its N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col_mask = cols < out_features
     row_mask = rows < num_tokens
-    first = tl.program_id(0)
-    step = tl.num_programs(0) if PERSISTENT else 1
-    last = tl.cdiv(out_features, BLOCK_N) if PERSISTENT else first + 1
-    for tile in range(first, last, step):
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < out_features
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    else:
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        for k0 in range(0, in_features, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], mask=row_mask[:, None],
-                            other=0.0)
-                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_mask[:, None],
-                            other=0.0)
-            else:
-                k_mask = k < in_features
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
-                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k[None, :] < in_features)
+        w_mask = col_mask[:, None] if EVEN_K else col_mask[:, None] & (k[None, :] < in_features)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], mask=x_mask, other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=w_mask, other=0.0)
+        if SWAP:
+            acc += tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), input_precision=PRECISION)
+        else:
             acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+    if SWAP:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=col_mask[:, None] & row_mask[None, :])
+    else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -92,13 +94,26 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, out_features, in_feature
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-# (kind, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages); kind "tm", "ptm<programs per SM>" or "gemv"
+# (kind, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages); kind "tm", "swap" or "gemv"
 DenseConfig = tuple[str, int, int, int, int, int]
 
 # Measured on an H200 (bf16, benchmarks/diag_dense_linear.py): {(device name, token bucket, out_features,
 # in_features): config} where the config beat cuBLAS in a CUDA graph of 32 layers. Token buckets: 1, 16, 32, 64
 # (a step's token count rounded up to the next of them).
-MEASURED_CONFIGS: dict[tuple[str, int, int, int], DenseConfig] = {}
+_H200 = "NVIDIA H200"
+MEASURED_CONFIGS: dict[tuple[str, int, int, int], DenseConfig] = {
+    # session 19 (benchmarks/RESULTS.md), Llama-2-7B's linears and head, us per call against cuBLAS's
+    (_H200, 1, 12288, 4096): ("swap", 16, 64, 128, 4, 4),  # qkv 24.9 (27.9)
+    (_H200, 1, 4096, 4096): ("gemv", 1, 4, 512, 4, 3),  # o 10.9 (13.2)
+    (_H200, 1, 22016, 4096): ("swap", 16, 64, 128, 4, 3),  # gate_up 42.6 (44.6)
+    (_H200, 1, 4096, 11008): ("gemv", 1, 4, 512, 4, 3),  # down 23.5 (27.7)
+    (_H200, 1, 32000, 4096): ("swap", 16, 128, 128, 4, 3),  # head 60.4 (63.5)
+    (_H200, 32, 12288, 4096): ("swap", 32, 128, 128, 4, 4),  # qkv 26.5 (28.2)
+    (_H200, 32, 4096, 4096): ("tm", 32, 32, 256, 4, 4),  # o 11.9 (13.0)
+    (_H200, 32, 22016, 4096): ("swap", 32, 64, 64, 4, 4),  # gate_up 44.3 (45.1)
+    (_H200, 32, 4096, 11008): ("tm", 32, 32, 256, 4, 4),  # down 25.9 (26.9)
+    (_H200, 32, 32000, 4096): ("swap", 32, 64, 64, 4, 3),  # head 62.4 (65.4)
+}
 TOKEN_BUCKETS = (1, 16, 32, 64)
 
 
@@ -121,7 +136,7 @@ def configs_from_json(text: str) -> dict[tuple[str, int, int, int], DenseConfig]
         if len(config) != 6 or row["tokens"] not in TOKEN_BUCKETS:
             raise ValueError(f"dense_linear: bad table row {row}")
         try:
-            check_dense_config(config, row["tokens"], row["out_features"])
+            check_dense_config(config, row["tokens"])
         except KernelArgumentError as exc:
             raise ValueError(str(exc)) from exc
         table[(row["device"], row["tokens"], row["out_features"], row["in_features"])] = config
@@ -160,20 +175,18 @@ def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dt
     return MEASURED_CONFIGS.get((name, bucket, out_features, in_features))
 
 
-def check_dense_config(config: DenseConfig, num_tokens: int, out_features: int) -> None:
+def check_dense_config(config: DenseConfig, num_tokens: int) -> None:
     """Raise :class:`KernelArgumentError` for a launch config the kernels cannot run."""
     kind, block_t, block_n, block_k, warps, stages = config
     problems = []
-    if kind not in ("tm", "gemv") and not (kind.startswith("ptm") and kind[3:].isdigit() and int(kind[3:]) > 0):
-        problems.append(f"kind={kind!r} (tm, ptm<k> or gemv)")
+    if kind not in ("tm", "swap", "gemv"):
+        problems.append(f"kind={kind!r} (tm, swap or gemv)")
     if kind == "gemv" and num_tokens != 1:
         problems.append(f"gemv with {num_tokens} tokens (one)")
     if kind != "gemv" and (block_t < 16 or block_n < 16 or block_k < 16):
         problems.append(f"tiles {block_t}x{block_n}x{block_k} (tl.dot needs >= 16 each)")
     if any(b & (b - 1) for b in (block_t, block_n, block_k)):
         problems.append(f"tiles {block_t}x{block_n}x{block_k} (powers of two)")
-    if kind.startswith("ptm") and out_features % block_n:
-        problems.append(f"persistent tiles of {block_n} columns over {out_features} (a multiple)")
     if warps not in (1, 2, 4, 8) or not 1 <= stages <= 6:
         problems.append(f"num_warps={warps}, num_stages={stages}")
     if problems:
@@ -206,7 +219,7 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     check_last_dim_contiguous(_OP, "weight", weight)
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
-    check_dense_config(config, num_tokens, out_features)
+    check_dense_config(config, num_tokens)
     kind, block_t, block_n, block_k, warps, stages = config
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
@@ -219,13 +232,10 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             HAS_BIAS=bias is not None, EVEN_K=even_k, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=warps, num_stages=stages)
         return out
-    tiles = triton.cdiv(out_features, block_n)
-    persistent = kind != "tm"
-    programs = min(tiles, int(kind[3:]) * num_sms(x.device)) if persistent else tiles
-    _dense_linear_kernel[(programs, triton.cdiv(num_tokens, block_t))](
+    _dense_linear_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t))](
         x, weight, bias_arg, out, num_tokens, out_features, in_features,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, PERSISTENT=persistent, EVEN_K=even_k,
+        HAS_BIAS=bias is not None, SWAP=kind == "swap", EVEN_K=even_k,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
         num_warps=warps, num_stages=stages)

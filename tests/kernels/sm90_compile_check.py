@@ -310,7 +310,7 @@ def _dense(dtype: torch.dtype) -> None:
     """Dense linears: every launch of the measured table (``dense_linear.MEASURED_CONFIGS``) at its shape, and one of
     each kernel kind at Llama-2-7B's shapes (bias and uneven K included)."""
     launches = [((t, n, k), c) for (_dev, t, n, k), c in dense_linear.MEASURED_CONFIGS.items()]
-    launches += [((32, 12288, 4096), ("tm", 32, 32, 256, 4, 4)), ((1, 4096, 11008), ("ptm2", 16, 16, 512, 4, 3)),
+    launches += [((32, 12288, 4096), ("tm", 32, 32, 256, 4, 4)), ((1, 4096, 11008), ("swap", 16, 64, 128, 4, 3)),
                  ((1, 22016, 4096), ("gemv", 1, 8, 512, 4, 1))]
     for (t, n, k), config in launches:
         x, w = torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
