@@ -257,16 +257,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="EngineConfig.lora_fold_shrink (the LoRA shrink in the base GEMM)")
     ap.add_argument("--dense-configs", default=None,
                     help="JSON from diag_dense_linear.py --table: Triton GEMM launches to use instead of the measured "
-                         "table (dense_linear.MEASURED_CONFIGS); 'none' = cuBLAS everywhere")
+                         "table (dense_linear.use_configs); 'none' = cuBLAS everywhere")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
     if args.dense_configs:
         from loraplex.kernels import dense_linear
 
-        dense_linear.MEASURED_CONFIGS.clear()
-        if args.dense_configs != "none":
-            dense_linear.MEASURED_CONFIGS.update(dense_linear.configs_from_json(Path(args.dense_configs).read_text()))
+        dense_linear.use_configs({} if args.dense_configs == "none"
+                                 else dense_linear.configs_from_json(Path(args.dense_configs).read_text()))
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:

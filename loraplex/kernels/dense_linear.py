@@ -175,14 +175,40 @@ def _device_name(device: torch.device) -> str:
 
 
 _NAMES: dict[int, str] = {}
+FOLD_WIDENING = 1.25  # a measured shape's config serves outputs up to this much wider (folded LoRA A rows)
+_active: dict[tuple[str, int, int, int], DenseConfig] = MEASURED_CONFIGS
+_resolved: dict[tuple[str, int, int, int], DenseConfig | None] = {}
+
+
+def use_configs(table: dict[tuple[str, int, int, int], DenseConfig]) -> dict[tuple[str, int, int, int], DenseConfig]:
+    """Make ``table`` (:data:`MEASURED_CONFIGS`-shaped) the one :func:`dense_linear_config` reads, for benchmarks
+    and tests (``{}``: cuBLAS everywhere); returns the table it replaces. Launches captured in CUDA graphs keep the
+    config they were captured with."""
+    global _active
+    previous, _active = _active, table
+    _resolved.clear()
+    return previous
+
+
+def _resolve(key: tuple[str, int, int, int]) -> DenseConfig | None:
+    config = _active.get(key)
+    if config is not None:
+        return config
+    name, bucket, out_features, in_features = key
+    # a folded linear ([W; A pages], LoRA's shrink in the base GEMM) is a measured shape plus its pool's A rows
+    wider = [(n, c) for (d, t, n, k), c in _active.items()
+             if (d, t, k) == (name, bucket, in_features) and n < out_features <= n * FOLD_WIDENING]
+    return max(wider)[1] if wider else None
 
 
 def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dtype: torch.dtype,
                         device: torch.device) -> DenseConfig | None:
     """The measured Triton launch for this GEMM, or None where ``F.linear`` (cuBLAS) is the faster or the only
-    measured choice: off CUDA, for dtypes other than bf16, above 64 tokens and for shapes not in
-    :data:`MEASURED_CONFIGS`."""
-    if device.type != "cuda" or dtype != torch.bfloat16 or not MEASURED_CONFIGS:
+    measured choice: off CUDA, for dtypes other than bf16, above 64 tokens and for shapes not in the table
+    (:data:`MEASURED_CONFIGS`, or :func:`use_configs`'). An output up to :data:`FOLD_WIDENING` times wider than a
+    measured one of the same reduction (a folded LoRA linear: the base rows and its pool's A rows) takes the widest
+    such shape's config (the mixed-adapter rows of the decode table measure it, RESULTS.md session 19)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not _active:
         return None
     bucket = token_bucket(num_tokens)
     if bucket is None:
@@ -191,7 +217,10 @@ def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dt
     name = _NAMES.get(index)
     if name is None:
         name = _NAMES[index] = _device_name(torch.device("cuda", index))
-    return MEASURED_CONFIGS.get((name, bucket, out_features, in_features))
+    key = (name, bucket, out_features, in_features)
+    if key not in _resolved:
+        _resolved[key] = _resolve(key)
+    return _resolved[key]
 
 
 def check_dense_config(config: DenseConfig, num_tokens: int) -> None:

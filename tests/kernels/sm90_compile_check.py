@@ -101,7 +101,7 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
-    for module in (attention_decode, attention_prefill, lora_shrink, lora_expand, lora_fused, fp8_linear):
+    for module in (attention_decode, attention_prefill, lora_shrink, lora_expand, lora_fused, fp8_linear, dense_linear):
         for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config",
                      "prefill_tiles", "default_widen"):
             if hasattr(module, name):

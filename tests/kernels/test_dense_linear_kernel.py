@@ -81,9 +81,11 @@ def test_empty_batch_bad_configs_and_arguments(kernel_device, triton_kernels):
 
 def test_measured_table_lookup(monkeypatch):
     """Token buckets round up to 1 / 16 / 32 / 64 and stop above 64; off CUDA, for other dtypes, devices and
-    shapes the lookup is None (``F.linear``); the JSON form round-trips and refuses bad rows."""
+    shapes the lookup is None (``F.linear``); an output up to 1.25x wider than a measured one of the same K (a
+    folded LoRA linear) takes the widest such config; the JSON form round-trips and refuses bad rows."""
     assert [token_bucket(t) for t in (1, 2, 16, 17, 32, 33, 64, 65)] == [1, 16, 16, 32, 32, 64, 64, None]
     table = {("NVIDIA H200", 32, 12288, 4096): ("tm", 32, 32, 256, 4, 4),
+             ("NVIDIA H200", 32, 11000, 4096): ("swap", 32, 64, 64, 4, 4),
              ("NVIDIA H200", 1, 4096, 11008): ("gemv", 1, 8, 512, 4, 1)}
     assert configs_from_json(configs_to_json(table)) == table
     with pytest.raises(ValueError, match="bad table row"):
@@ -92,20 +94,32 @@ def test_measured_table_lookup(monkeypatch):
     with pytest.raises(ValueError, match="kind"):
         configs_from_json('[{"device": "d", "tokens": 16, "out_features": 8, "in_features": 8, '
                           '"config": ["wide", 16, 16, 16, 4, 1]}]')
-    monkeypatch.setattr(dense_linear, "MEASURED_CONFIGS", dict(table))
-    assert dense_linear_config(32, 12288, 4096, torch.bfloat16, torch.device("cpu")) is None
-    monkeypatch.setattr(dense_linear, "_device_name", lambda device: "NVIDIA H200")
-    monkeypatch.setattr(dense_linear, "_NAMES", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    cuda = torch.device("cuda", 0)
-    assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
-    assert dense_linear_config(17, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
-    assert dense_linear_config(16, 12288, 4096, torch.bfloat16, cuda) is None  # bucket 16 not measured
-    assert dense_linear_config(1, 4096, 11008, torch.bfloat16, cuda) == ("gemv", 1, 8, 512, 4, 1)
-    assert dense_linear_config(32, 12288, 4096, torch.float16, cuda) is None
-    assert dense_linear_config(65, 12288, 4096, torch.bfloat16, cuda) is None
-    monkeypatch.setattr(dense_linear, "_NAMES", {0: "NVIDIA A100"})
-    assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) is None
+    previous = dense_linear.use_configs(dict(table))
+    try:
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, torch.device("cpu")) is None
+        monkeypatch.setattr(dense_linear, "_device_name", lambda device: "NVIDIA H200")
+        monkeypatch.setattr(dense_linear, "_NAMES", {})
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        cuda = torch.device("cuda", 0)
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
+        assert dense_linear_config(17, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
+        assert dense_linear_config(16, 12288, 4096, torch.bfloat16, cuda) is None  # bucket 16 not measured
+        assert dense_linear_config(1, 4096, 11008, torch.bfloat16, cuda) == ("gemv", 1, 8, 512, 4, 1)
+        assert dense_linear_config(32, 12288, 4096, torch.float16, cuda) is None
+        assert dense_linear_config(65, 12288, 4096, torch.bfloat16, cuda) is None
+        # folded: 12288 + 1536 A rows takes the 12288 config (the widest measured below it); 11000 * 1.25 = 13750
+        assert dense_linear_config(32, 13824, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
+        assert dense_linear_config(32, 12000, 4096, torch.bfloat16, cuda) == ("swap", 32, 64, 64, 4, 4)
+        assert dense_linear_config(32, 12288 * 5 // 4 + 1, 4096, torch.bfloat16, cuda) is None
+        assert dense_linear_config(32, 10000, 4096, torch.bfloat16, cuda) is None  # narrower: never
+        assert dense_linear_config(1, 4608, 11008, torch.bfloat16, cuda) == ("gemv", 1, 8, 512, 4, 1)
+        monkeypatch.setattr(dense_linear, "_NAMES", {0: "NVIDIA A100"})
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) is None
+        dense_linear.use_configs({})
+        monkeypatch.setattr(dense_linear, "_NAMES", {0: "NVIDIA H200"})
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) is None
+    finally:
+        dense_linear.use_configs(previous)
 
 
 def test_every_measured_config_is_valid():
