@@ -227,7 +227,7 @@ class LinearWithLoRA(nn.Module):
             y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias)
         elif with_lora and self.folded_weight is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS:
             # one GEMM: the base output (a row-strided view) and every page's shrink, read by the expand
-            out = F.linear(x, self.folded_weight, self.folded_bias if bias is not None else None)
+            out = self.kernels.dense_linear(x, self.folded_weight, self.folded_bias if bias is not None else None)
             n = self.weight.shape[0]
             y = out[:, :n]
             v = slot_rows_view(out, n, len(self.lora_a), *self.lora_a[0].shape[:2])
