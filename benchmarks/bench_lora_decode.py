@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import git_commit, measure_copy_bandwidth, out_dir, print_table  # noqa: E402
+from common import git_commit, graph_replay_ms, measure_copy_bandwidth, out_dir, print_table  # noqa: E402
 
 from loraplex.engine.models.llama import LinearWithLoRA, LoRABatch  # noqa: E402
 from loraplex.kernels import lora_shrink as shrink_mod  # noqa: E402
@@ -42,21 +42,7 @@ CALLS_PER_GRAPH = 20
 
 def graph_ms(fn) -> float:
     """Median ms per call of ``fn`` replayed from a CUDA graph of CALLS_PER_GRAPH calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms([fn] * CALLS_PER_GRAPH, replays=30) / CALLS_PER_GRAPH
 
 
 def layer_case(h: int, widths: list[int], tokens: int, slots: int):

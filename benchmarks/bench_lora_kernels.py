@@ -43,8 +43,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import graph_replay_ms  # noqa: E402
 from loraplex.kernels.lora_fused import FUSED_LORA, _block_sizes, fused_launch_shape  # noqa: E402
 from loraplex.kernels.lora_linear import ADD_LORA, add_lora_ref  # noqa: E402
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments  # noqa: E402
@@ -562,21 +564,7 @@ def graph_timer(flush_bytes: int = 256 << 20) -> Timer:
     flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
 
     def replay_ms(body: Callable[[], None]) -> float:
-        body()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(CALLS):
-                body()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+        return graph_replay_ms([body] * CALLS, replays=10)
 
     def timer(fn: Callable[[], object]) -> float:
         both = replay_ms(lambda: (flush.zero_(), fn()))

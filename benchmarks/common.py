@@ -117,6 +117,34 @@ def cuda_time(fn, warmup: int = 1, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_replay_ms(calls: list, replays: int = 10, warm_replays: int = 0) -> float:
+    """Median ms of one replay of a CUDA graph that runs ``calls`` (no-arg callables) in order. Each distinct
+    callable runs once eagerly first, on a side stream (Triton compiles, cuBLAS allocates its workspace), then
+    ``warm_replays`` untimed replays; times are CUDA events around each of ``replays`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in dict.fromkeys(calls):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(warm_replays):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def measure_copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")

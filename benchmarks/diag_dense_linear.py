@@ -28,18 +28,19 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from common import graph_replay_ms  # noqa: E402
 from loraplex.kernels.dense_linear import TOKEN_BUCKETS, _launch_dense_linear, configs_to_json  # noqa: E402
 
 LAYERS = 32
@@ -75,30 +76,9 @@ def configs(tokens: int, budget: int = 227 * 1024):
             yield "gemv", (1, bn, bk, w, s)
 
 
-def graph_ms(calls, rounds_replays: int = 10) -> float:
-    """Median ms of one replay of a CUDA graph running ``calls`` (a list of no-arg callables)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(rounds_replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times)
+def graph_ms(calls) -> float:
+    """Median ms of one replay of a CUDA graph running ``calls`` (a list of no-arg callables), after 3 warm ones."""
+    return graph_replay_ms(calls, replays=10, warm_replays=3)
 
 
 def blas(lib: str):
