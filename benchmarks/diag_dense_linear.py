@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--models", default="llama2,llama3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--extra", default="", help="more shapes, measured per call only (not in the step): "
+                    "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
     ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
                     "the best product kernel launch where it beat cuBLAS by >= 2%%")
     args = ap.parse_args()
@@ -114,12 +116,13 @@ def main() -> None:
     out_path = Path(args.out) if args.out else None
     for model in args.models.split(","):
         linears = (*MODELS[model], HEADS[model])
+        extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
         weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-                   for name, k, n in linears}
+                   for name, k, n in linears + extras}
         step_bytes = sum(n * k * 2 * LAYERS for _, k, n in MODELS[model]) + HEADS[model][1] * HEADS[model][2] * 2
         for tokens in (int(t) for t in args.tokens.split(",")):
             best = {}
-            for name, k, n in linears:
+            for name, k, n in linears + extras:
                 ws = weights[name]
                 x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
                 outs = [torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]

@@ -1,4 +1,4 @@
-"""Dense linear over 16-bit weights at decode-sized token counts: a Triton GEMM where it reads the weights faster than
+"""Dense linear over bf16 weights at decode-sized token counts: a Triton GEMM where it reads the weights faster than
 cuBLAS, cuBLAS (``F.linear``) everywhere else.
 
 Semantics: :data:`DENSE_LINEAR`. A decode step reads every weight once for a handful of tokens, so these GEMMs are
@@ -175,9 +175,7 @@ def _device_name(device: torch.device) -> str:
 
 
 _NAMES: dict[int, str] = {}
-FOLD_WIDENING = 1.25  # a measured shape's config serves outputs up to this much wider (folded LoRA A rows)
 _active: dict[tuple[str, int, int, int], DenseConfig] = MEASURED_CONFIGS
-_resolved: dict[tuple[str, int, int, int], DenseConfig | None] = {}
 
 
 def use_configs(table: dict[tuple[str, int, int, int], DenseConfig]) -> dict[tuple[str, int, int, int], DenseConfig]:
@@ -186,28 +184,15 @@ def use_configs(table: dict[tuple[str, int, int, int], DenseConfig]) -> dict[tup
     config they were captured with."""
     global _active
     previous, _active = _active, table
-    _resolved.clear()
     return previous
-
-
-def _resolve(key: tuple[str, int, int, int]) -> DenseConfig | None:
-    config = _active.get(key)
-    if config is not None:
-        return config
-    name, bucket, out_features, in_features = key
-    # a folded linear ([W; A pages], LoRA's shrink in the base GEMM) is a measured shape plus its pool's A rows
-    wider = [(n, c) for (d, t, n, k), c in _active.items()
-             if (d, t, k) == (name, bucket, in_features) and n < out_features <= n * FOLD_WIDENING]
-    return max(wider)[1] if wider else None
 
 
 def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dtype: torch.dtype,
                         device: torch.device) -> DenseConfig | None:
     """The measured Triton launch for this GEMM, or None where ``F.linear`` (cuBLAS) is the faster or the only
     measured choice: off CUDA, for dtypes other than bf16, above 64 tokens and for shapes not in the table
-    (:data:`MEASURED_CONFIGS`, or :func:`use_configs`'). An output up to :data:`FOLD_WIDENING` times wider than a
-    measured one of the same reduction (a folded LoRA linear: the base rows and its pool's A rows) takes the widest
-    such shape's config (the mixed-adapter rows of the decode table measure it, RESULTS.md session 19)."""
+    (:data:`MEASURED_CONFIGS`, or :func:`use_configs`'). Shapes match exactly: a tensor-parallel shard or a folded
+    LoRA linear (``[W; A pages]``) takes a launch only where its own shape was measured."""
     if device.type != "cuda" or dtype != torch.bfloat16 or not _active:
         return None
     bucket = token_bucket(num_tokens)
@@ -217,10 +202,7 @@ def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dt
     name = _NAMES.get(index)
     if name is None:
         name = _NAMES[index] = _device_name(torch.device("cuda", index))
-    key = (name, bucket, out_features, in_features)
-    if key not in _resolved:
-        _resolved[key] = _resolve(key)
-    return _resolved[key]
+    return _active.get((name, bucket, out_features, in_features))
 
 
 def check_dense_config(config: DenseConfig, num_tokens: int) -> None:
@@ -256,7 +238,8 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          config: DenseConfig | None = None) -> torch.Tensor:
     """Triton launch of :func:`dense_linear_ref` with ``config`` (benchmarks and tests), else with
-    :func:`dense_linear_config`'s measured one; where there is none, ``F.linear``."""
+    :func:`dense_linear_config`'s measured one; where there is none, ``F.linear`` itself, unchecked (bad arguments
+    then raise ``F.linear``'s ``RuntimeError``: the checks cost host time on every eager step's linears)."""
     if config is None:
         config = dense_linear_config(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.device)
         if config is None:
@@ -265,13 +248,15 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _check_args(x, weight, bias)
     check_last_dim_contiguous(_OP, "x", x)
     check_last_dim_contiguous(_OP, "weight", weight)
+    if bias is not None:
+        check_last_dim_contiguous(_OP, "bias", bias)
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
-    check_dense_config(config, num_tokens)
-    kind, block_t, block_n, block_k, warps, stages = config
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
+    check_dense_config(config, num_tokens)
+    kind, block_t, block_n, block_k, warps, stages = config
     bias_arg = bias if bias is not None else out
     even_k = in_features % block_k == 0
     if kind == "gemv":
@@ -302,7 +287,8 @@ def dense_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         ``[T, N]`` in x's dtype (fp32 accumulation).
 
     Raises:
-        KernelArgumentError: bad shape/dtype/device/layout, or a bad launch config (Triton).
+        KernelArgumentError: bad shape/dtype/device/layout, or a bad launch config (a Triton launch; where the
+            Triton backend calls ``F.linear``, that function's ``RuntimeError``).
         TritonUnavailableError: a Triton launch without triton installed.
     """
     _check_args(x, weight, bias)
