@@ -41,7 +41,12 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from common import graph_replay_ms  # noqa: E402
-from loraplex.kernels.dense_linear import TOKEN_BUCKETS, _launch_dense_linear, configs_to_json  # noqa: E402
+from loraplex.kernels.dense_linear import (  # noqa: E402
+    MEASURED_CONFIGS,
+    TOKEN_BUCKETS,
+    _launch_dense_linear,
+    configs_to_json,
+)
 
 LAYERS = 32
 MODELS = {
@@ -94,6 +99,8 @@ def main() -> None:
     ap.add_argument("--models", default="llama2,llama3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merged", default=None, help="write dense_linear.MEASURED_CONFIGS plus this run's table rows "
+                    "for the --extra shapes (JSON, for bench_decode.py --dense-configs)")
     ap.add_argument("--extra", default="", help="more shapes, measured per call only (not in the step): "
                     "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
     ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
@@ -198,6 +205,11 @@ def main() -> None:
                 out_path.write_text(json.dumps(report, indent=1))
             if args.table:
                 Path(args.table).write_text(configs_to_json(table))
+            if args.merged:
+                shapes = {(n, k) for _, k, n in extras}
+                merged = dict(MEASURED_CONFIGS)
+                merged.update({key: c for key, c in table.items() if (key[2], key[3]) in shapes})
+                Path(args.merged).write_text(configs_to_json(merged))
         del weights
         torch.cuda.empty_cache()
     if out_path:
