@@ -101,12 +101,26 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--merged", default=None, help="write dense_linear.MEASURED_CONFIGS plus this run's table rows "
                     "for the --extra shapes (JSON, for bench_decode.py --dense-configs)")
+    ap.add_argument("--only", default="", help="measure only these linears (names, comma-separated; no whole step)")
     ap.add_argument("--extra", default="", help="more shapes, measured per call only (not in the step): "
                     "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
     ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
                     "the best product kernel launch where it beat cuBLAS by >= 2%%")
     args = ap.parse_args()
     table = {}
+
+    def save(report: dict, table: dict, extras: tuple) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+        if args.table:
+            Path(args.table).write_text(configs_to_json(table))
+        if args.merged:
+            shapes = {(n, k) for _, k, n in extras}
+            merged = dict(MEASURED_CONFIGS)
+            merged.update({key: c for key, c in table.items() if (key[2], key[3]) in shapes})
+            Path(args.merged).write_text(configs_to_json(merged))
+
+    only = set(filter(None, args.only.split(",")))
     dev = torch.device("cuda")
     torch.manual_seed(0)
     spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -120,16 +134,17 @@ def main() -> None:
     report = {"copy_TBps": bw / 1e12, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "commit": os.environ.get("LORAPLEX_COMMIT", "?"), "rows": [], "steps": []}
     print(f"copy {bw / 1e12:.3f} TB/s", flush=True)
-    out_path = Path(args.out) if args.out else None
     for model in args.models.split(","):
         linears = (*MODELS[model], HEADS[model])
         extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
         weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-                   for name, k, n in linears + extras}
+                   for name, k, n in linears + extras if not only or name in only}
         step_bytes = sum(n * k * 2 * LAYERS for _, k, n in MODELS[model]) + HEADS[model][1] * HEADS[model][2] * 2
         for tokens in (int(t) for t in args.tokens.split(",")):
             best = {}
             for name, k, n in linears + extras:
+                if only and name not in only:
+                    continue
                 ws = weights[name]
                 x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
                 outs = [torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -181,6 +196,9 @@ def main() -> None:
                 report["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "us"}), flush=True)
                 del outs
+            if only:
+                save(report, table, extras)
+                continue
             # a whole step's GEMMs: 4 linears x 32 layers and the head once, in one graph
             xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16) for name, k, n in linears}
             outs = {name: torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for name, k, n in linears}
@@ -201,19 +219,10 @@ def main() -> None:
                 step[f"{plan}_of_copy"] = step["floor_ms"] / step[f"{plan}_ms"]
             report["steps"].append(step)
             print(json.dumps(step), flush=True)
-            if out_path:
-                out_path.write_text(json.dumps(report, indent=1))
-            if args.table:
-                Path(args.table).write_text(configs_to_json(table))
-            if args.merged:
-                shapes = {(n, k) for _, k, n in extras}
-                merged = dict(MEASURED_CONFIGS)
-                merged.update({key: c for key, c in table.items() if (key[2], key[3]) in shapes})
-                Path(args.merged).write_text(configs_to_json(merged))
+            save(report, table, extras)
         del weights
         torch.cuda.empty_cache()
-    if out_path:
-        out_path.write_text(json.dumps(report, indent=1))
+    save(report, table, ())
 
 
 if __name__ == "__main__":
