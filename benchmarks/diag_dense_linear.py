@@ -121,6 +121,7 @@ def main() -> None:
             Path(args.merged).write_text(configs_to_json(merged))
 
     only = set(filter(None, args.only.split(",")))
+    extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
     dev = torch.device("cuda")
     torch.manual_seed(0)
     spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -136,7 +137,6 @@ def main() -> None:
     print(f"copy {bw / 1e12:.3f} TB/s", flush=True)
     for model in args.models.split(","):
         linears = (*MODELS[model], HEADS[model])
-        extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
         weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
                    for name, k, n in linears + extras if not only or name in only}
         step_bytes = sum(n * k * 2 * LAYERS for _, k, n in MODELS[model]) + HEADS[model][1] * HEADS[model][2] * 2
@@ -222,7 +222,7 @@ def main() -> None:
             save(report, table, extras)
         del weights
         torch.cuda.empty_cache()
-    save(report, table, ())
+    save(report, table, extras)
 
 
 if __name__ == "__main__":
