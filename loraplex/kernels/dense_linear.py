@@ -104,7 +104,8 @@ _H200 = "NVIDIA H200"
 MEASURED_CONFIGS: dict[tuple[str, int, int, int], DenseConfig] = {
     # Session 19 (benchmarks/RESULTS.md): Llama-2-7B's and Llama-3-8B's linears and head, µs per call in a
     # 32-layer CUDA graph, cuBLAS's in brackets. Shapes where cuBLAS was within 2% are left out (Llama-2 gate_up and
-    # o at 64 tokens, Llama-3 gate_up at 32), and so is every shape at 128 tokens (cuBLAS fastest for all five).
+    # o at 64 tokens, Llama-3 gate_up at 32, folded qkv at 32), and so is every shape at 128 tokens (cuBLAS fastest
+    # for all five).
     # Llama-2-7B: qkv 12288 x 4096, o 4096 x 4096, gate_up 22016 x 4096, down 4096 x 11008, head 32000 x 4096
     (_H200, 1, 12288, 4096): ("swap", 16, 64, 128, 4, 4),  # 24.9 (27.9)
     (_H200, 1, 4096, 4096): ("gemv", 1, 4, 512, 4, 3),  # 10.9 (13.2)
@@ -132,6 +133,15 @@ MEASURED_CONFIGS: dict[tuple[str, int, int, int], DenseConfig] = {
     (_H200, 32, 6144, 4096): ("swap", 32, 64, 256, 4, 4),  # 15.5 (16.1)
     (_H200, 32, 4096, 14336): ("tm", 32, 32, 256, 4, 4),  # 32.2 (33.1)
     (_H200, 32, 128256, 4096): ("tm", 32, 128, 128, 4, 3),  # 240.8 (255.0)
+    # Llama-2-7B's folded LoRA linears ([W; A pages], the shrink in the base GEMM) of a pool of 32 r=16 slots:
+    # qkv 12288 + 3 x 512 rows, o 4096 + 512, gate_up 22016 + 2 x 512, down 4096 + 512 (K 11008)
+    (_H200, 1, 13824, 4096): ("swap", 16, 64, 128, 4, 4),  # 27.8 (30.5)
+    (_H200, 1, 4608, 4096): ("gemv", 1, 4, 512, 4, 1),  # 11.5 (15.0)
+    (_H200, 1, 23040, 4096): ("swap", 16, 64, 128, 4, 3),  # 44.3 (48.1)
+    (_H200, 1, 4608, 11008): ("gemv", 1, 4, 512, 4, 1),  # 25.8 (30.3)
+    (_H200, 32, 4608, 4096): ("swap", 32, 64, 256, 4, 4),  # 12.5 (12.9)
+    (_H200, 32, 23040, 4096): ("swap", 32, 64, 128, 4, 3),  # 46.2 (48.1)
+    (_H200, 32, 4608, 11008): ("swap", 32, 64, 256, 4, 4),  # 28.0 (31.9)
 }
 TOKEN_BUCKETS = (1, 16, 32, 64)
 
