@@ -98,6 +98,19 @@ def num_sms(device: torch.device) -> int:
     return _INTERPRETER_NUM_SMS
 
 
+@functools.lru_cache(maxsize=16)
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name (``torch.cuda.get_device_name``, cached per index), e.g. "NVIDIA H200"; "cpu" off
+    CUDA."""
+    if device.type == "cuda":
+        return _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return "cpu"
+
+
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_same_dtype, check_shape
-from loraplex.kernels._triton import dot_dtype, dot_precision, require_triton, tl, triton
+from loraplex.kernels._triton import device_name, dot_dtype, dot_precision, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 
@@ -180,11 +180,6 @@ def token_bucket(num_tokens: int) -> int | None:
     return None
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
-_NAMES: dict[int, str] = {}
 _active: dict[tuple[str, int, int, int], DenseConfig] = MEASURED_CONFIGS
 
 
@@ -208,11 +203,7 @@ def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dt
     bucket = token_bucket(num_tokens)
     if bucket is None:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    name = _NAMES.get(index)
-    if name is None:
-        name = _NAMES[index] = _device_name(torch.device("cuda", index))
-    return _active.get((name, bucket, out_features, in_features))
+    return _active.get((device_name(device), bucket, out_features, in_features))
 
 
 def check_dense_config(config: DenseConfig, num_tokens: int) -> None:

@@ -102,9 +102,8 @@ def test_measured_table_lookup(monkeypatch):
     previous = dense_linear.use_configs(dict(table))
     try:
         assert dense_linear_config(32, 12288, 4096, torch.bfloat16, torch.device("cpu")) is None
-        monkeypatch.setattr(dense_linear, "_device_name", lambda device: "NVIDIA H200")
-        monkeypatch.setattr(dense_linear, "_NAMES", {})
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert dense_linear.device_name(torch.device("cpu")) == "cpu"
+        monkeypatch.setattr(dense_linear, "device_name", lambda device: "NVIDIA H200")
         cuda = torch.device("cuda", 0)
         assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
         assert dense_linear_config(17, 12288, 4096, torch.bfloat16, cuda) == ("tm", 32, 32, 256, 4, 4)
@@ -115,10 +114,10 @@ def test_measured_table_lookup(monkeypatch):
         assert dense_linear_config(32, 11000, 4096, torch.bfloat16, cuda) == ("swap", 32, 64, 64, 4, 4)
         assert dense_linear_config(32, 13824, 4096, torch.bfloat16, cuda) is None  # folded qkv: not measured
         assert dense_linear_config(32, 12288, 4096 * 2, torch.bfloat16, cuda) is None
-        monkeypatch.setattr(dense_linear, "_NAMES", {0: "NVIDIA A100"})
+        monkeypatch.setattr(dense_linear, "device_name", lambda device: "NVIDIA A100")
         assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) is None
         dense_linear.use_configs({})
-        monkeypatch.setattr(dense_linear, "_NAMES", {0: "NVIDIA H200"})
+        monkeypatch.setattr(dense_linear, "device_name", lambda device: "NVIDIA H200")
         assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda) is None
     finally:
         dense_linear.use_configs(previous)
@@ -141,9 +140,10 @@ def test_without_a_measured_config_the_launcher_is_f_linear(triton_kernels):
 def test_measured_configs_at_their_shapes_on_this_gpu():
     """Each launch of the table measured on this device, at its own shape, against a float32 product (bf16 output
     rounding: 2^-8 of the terms' magnitude)."""
-    from loraplex.kernels.dense_linear import _device_name, _launch_dense_linear
+    from loraplex.kernels._triton import device_name
+    from loraplex.kernels.dense_linear import _launch_dense_linear
 
-    name = _device_name(torch.device("cuda"))
+    name = device_name(torch.device("cuda"))
     rows = [(key, config) for key, config in dense_linear.MEASURED_CONFIGS.items() if key[0] == name]
     if not rows:
         pytest.skip(f"no measured configs for {name}")
