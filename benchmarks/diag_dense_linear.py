@@ -17,9 +17,11 @@ The LM head is measured the same way, and counted once in a whole step's GEMMs (
 in one graph): cuBLAS, cuBLASLt, and each linear's best variant.
 Times are the least of ``--rounds`` interleaved rounds, each the median of 10 replays; fraction of copy =
 weight bytes / copy bandwidth / time (a read-only kernel can pass 1.0: copy counts read + write).
-``--table F`` writes ``dense_linear.MEASURED_CONFIGS`` rows (``bench_decode.py --dense-configs F`` runs with them).
-Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,32,128] [--models llama2,llama3] [--out F]
-[--table F]``.
+``--table F`` writes ``dense_linear.MEASURED_CONFIGS`` rows (``bench_decode.py --dense-configs F`` runs with them);
+``--extra name:K:N,...`` adds shapes (a folded LoRA linear's), ``--only`` measures the named ones alone, ``--merged F``
+writes the measured table plus the extra shapes' rows.
+Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,16,32,64] [--models llama2,llama3] [--out F]
+[--table F] [--extra ...] [--only ...] [--merged F]``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from common import graph_replay_ms  # noqa: E402
+from loraplex.kernels._triton import SM90_SHARED_MEMORY_BYTES  # noqa: E402
 from loraplex.kernels.dense_linear import (  # noqa: E402
     MEASURED_CONFIGS,
     TOKEN_BUCKETS,
@@ -62,15 +65,14 @@ def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.T
     return _launch_dense_linear(x, w, config=(kind, *cfg))
 
 
-def configs(tokens: int, budget: int = 227 * 1024):
+def configs(tokens: int, budget: int = SM90_SHARED_MEMORY_BYTES):
     """(kind, cfg) launch shapes for ``tokens`` whose pipelined tiles fit ``budget`` bytes of shared memory."""
-    bt_tm = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
-    for bt, bn, bk, w, s in itertools.product(bt_tm, (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4)):
+    block_ts = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
+    for bt, bn, bk, w, s in itertools.product(block_ts, (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4)):
         if (bt + bn) * bk * 2 * s > budget or bn * bk > 128 * 256 or (w == 8 and bt * bn < 64 * 128):
             continue
         yield "tm", (bt, bn, bk, w, s)
-    bt_sw = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
-    for bt, bn, bk, w, s in itertools.product(bt_sw, (64, 128), (64, 128, 256), (4, 8), (3, 4)):
+    for bt, bn, bk, w, s in itertools.product(block_ts, (64, 128), (64, 128, 256), (4, 8), (3, 4)):
         if (bt + bn) * bk * 2 * s > budget or (w == 8 and bn * bt < 128 * 32):
             continue
         yield "swap", (bt, bn, bk, w, s)
