@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import LLAMA2_7B, git_commit, make_model_dir, measure_copy_bandwidth, out_dir  # noqa: E402
 
 from loraplex import LLM, SamplingParams  # noqa: E402
+from loraplex.engine.models import llama  # noqa: E402
 
 PROMPT_LEN = 128
 NUM_ADAPTERS = 32
@@ -258,6 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dense-configs", default=None,
                     help="JSON from diag_dense_linear.py --table: Triton GEMM launches to use instead of the measured "
                          "table (dense_linear.use_configs); 'none' = cuBLAS everywhere")
+    ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
+                    help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
+                         "llama.fuse_decode_layers), or the separate kernels")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         dense_linear.use_configs({} if args.dense_configs == "none"
                                  else dense_linear.configs_from_json(Path(args.dense_configs).read_text()))
+    llama.fuse_decode_layers(args.fused_layers == "on")
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
-              "dense_configs": args.dense_configs,
+              "dense_configs": args.dense_configs, "fused_layers": args.fused_layers,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1

@@ -22,23 +22,50 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_same_dtype, check_shape
-from loraplex.kernels._triton import device_name, dot_dtype, dot_precision, require_triton, tl, triton
+from loraplex.kernels._triton import (device_name, dot_dtype, dot_precision, max_shared_memory, require_triton, tl,
+                                      triton)
+from loraplex.kernels.activation import _gated, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
+from loraplex.kernels.rms_norm import rms_norm_ref
 
 _OP = "dense_linear"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_tokens, out_features, in_features,
-                         stride_xt, stride_wn, stride_ot,
-                         HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+def _load_input(ptrs, in_features, norm_ptrs, mask, k_mask, sumsq, EVEN: tl.constexpr, NORM: tl.constexpr,
+                ACT: tl.constexpr, GELU_TANH: tl.constexpr, AXIS: tl.constexpr):
+    """A tile of the GEMM's input ``u`` (:data:`DENSE_LINEAR`) at ``ptrs`` into x, in x's dtype, and ``sumsq`` plus
+    the tile's sums of squares along ``AXIS`` (NORM): the activation of the gate half times the up half
+    ``in_features`` columns on (ACT), or x times the norm weight at ``norm_ptrs`` (NORM; the rows' rsqrt scales the
+    output), or x itself. ``EVEN``: no masks (every row and column in range)."""
+    if EVEN:
+        x = tl.load(ptrs)
+        if ACT:
+            x = _gated(x, tl.load(ptrs + in_features), GELU_TANH)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if ACT:
+            x = _gated(x, tl.load(ptrs + in_features, mask=mask, other=0.0), GELU_TANH)
+    if NORM:
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=AXIS)
+        nw = tl.load(norm_ptrs) if EVEN else tl.load(norm_ptrs, mask=k_mask, other=0.0)
+        x = (xf * nw.to(tl.float32)).to(x.dtype)
+    return x, sumsq
+
+
+@triton.jit
+def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, num_tokens, out_features,
+                         in_features, stride_xt, stride_wn, stride_rt, stride_ot, eps,
+                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, GELU_TANH: tl.constexpr,
+                         HAS_RESIDUAL: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    # out[t, n] = sum_k x[t, k] * w[n, k] + bias[n]; grid (column tiles, token tiles). Token-major: acc[t, n] =
-    # x_tile @ w_tile^T; SWAP: acc[n, t] = w_tile @ x_tile^T (the weight tile as the dot's M side: Hopper's wgmma
-    # takes 64-row M tiles, and a 16/32-token tile is its N)
+    # out[t, n] = sum_k u[t, k] * w[n, k] (* inv_rms[t]) + bias[n] + residual[t, n] (DENSE_LINEAR); grid (column
+    # tiles, token tiles). Token-major: acc[t, n] = u_tile @ w_tile^T; SWAP: acc[n, t] = w_tile @ u_tile^T (the
+    # weight tile as the dot's M side: Hopper's wgmma takes 64-row M tiles, and a 16/32-token tile is its N)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     col_mask = cols < out_features
@@ -47,50 +74,74 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_tokens, out_featur
         acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k[None, :] < in_features)
-        w_mask = col_mask[:, None] if EVEN_K else col_mask[:, None] & (k[None, :] < in_features)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], mask=x_mask, other=0.0)
+        k_mask = k < in_features
+        x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & k_mask[None, :]
+        w_mask = col_mask[:, None] if EVEN_K else col_mask[:, None] & k_mask[None, :]
+        x, sumsq = _load_input(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], in_features,
+                               norm_w_ptr + k[None, :], x_mask, k_mask[None, :], sumsq, False, NORM, ACT, GELU_TANH, 1)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=w_mask, other=0.0)
         if SWAP:
             acc += tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), input_precision=PRECISION)
         else:
             acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+    inv = tl.math.rsqrt(sumsq / in_features + eps)  # used with NORM only
     if SWAP:
+        if NORM:
+            acc *= inv[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+        mask = col_mask[:, None] & row_mask[None, :]
+        if HAS_RESIDUAL:
+            acc += tl.load(residual_ptr + rows[None, :].to(tl.int64) * stride_rt + cols[:, None], mask=mask,
+                           other=0.0).to(tl.float32)
         tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=col_mask[:, None] & row_mask[None, :])
+                 mask=mask)
     else:
+        if NORM:
+            acc *= inv[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        if HAS_RESIDUAL:
+            acc += tl.load(residual_ptr + rows[:, None].to(tl.int64) * stride_rt + cols[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :])
+                 mask=mask)
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, out_features, in_features, stride_wn,
-                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[0, n] = sum_k x[0, k] * w[n, k] + bias[n]: products and sums in fp32 on CUDA cores, one column tile each
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, out_features, in_features,
+                       stride_wn, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+                       GELU_TANH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[0, n] = sum_k u[0, k] * w[n, k] (* inv_rms) + bias[n] + residual[0, n]: products and sums in fp32 on CUDA
+    # cores, one column tile each
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < out_features
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sumsq = tl.sum(tl.zeros([BLOCK_K], tl.float32), axis=0)
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        x, sumsq = _load_input(x_ptr + k, in_features, norm_w_ptr + k, k_mask, k_mask, sumsq, EVEN_K, NORM, ACT,
+                               GELU_TANH, 0)
         if EVEN_K:
-            x = tl.load(x_ptr + k)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_mask[:, None],
                         other=0.0)
         else:
-            k_mask = k < in_features
-            x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
                         mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
+    if NORM:
+        out *= tl.math.rsqrt(sumsq / in_features + eps)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        out += tl.load(residual_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -224,81 +275,141 @@ def check_dense_config(config: DenseConfig, num_tokens: int) -> None:
         raise KernelArgumentError(f"{_OP}: bad config {config}: " + "; ".join(problems))
 
 
-def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                norm_eps: float, activation: str | None, residual: torch.Tensor | None) -> None:
     check_dtype(_OP, "x", x, _DTYPES)
     check_shape(_OP, "x", x, (None, None))
-    check_shape(_OP, "weight", weight, (None, x.shape[1]))
+    if activation is not None and activation not in ACTIVATIONS:
+        raise KernelArgumentError(f"{_OP}: activation={activation!r}, expected one of {ACTIVATIONS} or None")
+    if activation is not None and norm_weight is not None:
+        raise KernelArgumentError(f"{_OP}: norm_weight and activation together (one input transform per GEMM)")
+    in_features = x.shape[1] // 2 if activation is not None else x.shape[1]
+    if activation is not None and x.shape[1] % 2:
+        raise KernelArgumentError(f"{_OP}: x has {x.shape[1]} columns; activation {activation!r} takes gate/up halves")
+    check_shape(_OP, "weight", weight, (None, in_features))
     check_same_dtype(_OP, "weight", weight, "x", x)
     check_device(_OP, "weight", weight, x.device)
-    if bias is not None:
-        check_shape(_OP, "bias", bias, (weight.shape[0],))
-        check_same_dtype(_OP, "bias", bias, "x", x)
-        check_device(_OP, "bias", bias, x.device)
+    for name, tensor, shape in (("bias", bias, (weight.shape[0],)), ("norm_weight", norm_weight, (in_features,)),
+                                ("residual", residual, (x.shape[0], weight.shape[0]))):
+        if tensor is not None:
+            check_shape(_OP, name, tensor, shape)
+            check_same_dtype(_OP, name, tensor, "x", x)
+            check_device(_OP, name, tensor, x.device)
+    if norm_weight is not None and not norm_eps > 0:
+        raise KernelArgumentError(f"{_OP}: norm_eps={norm_eps} (> 0)")
+
+
+def _gated_stages(block_t: int, block_n: int, block_k: int, stages: int, elem_bytes: int,
+                  shared_memory_bytes: int) -> int:
+    """Pipeline stages for a tiled launch whose input is gated (two x tiles, gate and up, per K step): the measured
+    config's, less one at a time (down to 2) until ``(2 * BLOCK_T + BLOCK_N) * BLOCK_K`` elements per stage fit 7/8
+    of the device's shared memory (the rest left to the epilogue and the compiler's layouts)."""
+    per_stage = (2 * block_t + block_n) * block_k * elem_bytes
+    while stages > 2 and per_stage * stages > shared_memory_bytes * 7 // 8:
+        stages -= 1
+    return stages
+
+
+def _fused(norm_weight: torch.Tensor | None, activation: str | None, residual: torch.Tensor | None) -> bool:
+    return norm_weight is not None or activation is not None or residual is not None
 
 
 def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                         norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                         activation: str | None = None, residual: torch.Tensor | None = None,
                          config: DenseConfig | None = None) -> torch.Tensor:
     """Triton launch of :func:`dense_linear_ref` with ``config`` (benchmarks and tests), else with
-    :func:`dense_linear_config`'s measured one; where there is none, ``F.linear`` itself, unchecked (bad arguments
-    then raise ``F.linear``'s ``RuntimeError``: the checks cost host time on every eager step's linears)."""
+    :func:`dense_linear_config`'s measured one. Where there is none: ``F.linear`` itself, unchecked (bad arguments
+    then raise ``F.linear``'s ``RuntimeError``: the checks cost host time on every eager step's linears), or, with an
+    input transform or residual, :func:`dense_linear_ref`'s composition of separate ops (the engine fuses only where
+    :func:`dense_linear_config` has a launch: ``loraplex.engine.models.llama``)."""
     if config is None:
-        config = dense_linear_config(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.device)
+        config = dense_linear_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device)
         if config is None:
+            if _fused(norm_weight, activation, residual):
+                return dense_linear_ref(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps,
+                                        activation=activation, residual=residual)
             return F.linear(x, weight, bias)
     require_triton(_OP)
-    _check_args(x, weight, bias)
-    check_last_dim_contiguous(_OP, "x", x)
-    check_last_dim_contiguous(_OP, "weight", weight)
-    if bias is not None:
-        check_last_dim_contiguous(_OP, "bias", bias)
-    num_tokens, in_features = x.shape
+    _check_args(x, weight, bias, norm_weight, norm_eps, activation, residual)
+    for name, tensor in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
+                         ("residual", residual)):
+        if tensor is not None:
+            check_last_dim_contiguous(_OP, name, tensor)
+    num_tokens, in_features = x.shape[0], weight.shape[1]
     out_features = weight.shape[0]
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     check_dense_config(config, num_tokens)
     kind, block_t, block_n, block_k, warps, stages = config
+    if activation is not None and kind != "gemv":
+        stages = _gated_stages(block_t, block_n, block_k, stages, x.element_size(), max_shared_memory(x.device))
     bias_arg = bias if bias is not None else out
-    even_k = in_features % block_k == 0
+    norm_arg = norm_weight if norm_weight is not None else out
+    residual_arg = residual if residual is not None else out
+    flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, ACT=activation is not None,
+                 GELU_TANH=activation == "gelu_tanh", HAS_RESIDUAL=residual is not None,
+                 EVEN_K=in_features % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                 num_stages=stages)
     if kind == "gemv":
         _dense_gemv_kernel[(triton.cdiv(out_features, block_n),)](
-            x, weight, bias_arg, out, out_features, in_features, weight.stride(0),
-            HAS_BIAS=bias is not None, EVEN_K=even_k, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=stages)
+            x, weight, bias_arg, norm_arg, residual_arg, out, out_features, in_features, weight.stride(0),
+            float(norm_eps), **flags)
         return out
     _dense_linear_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t))](
-        x, weight, bias_arg, out, num_tokens, out_features, in_features,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SWAP=kind == "swap", EVEN_K=even_k,
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device),
-        num_warps=warps, num_stages=stages)
+        x, weight, bias_arg, norm_arg, residual_arg, out, num_tokens, out_features, in_features,
+        x.stride(0), weight.stride(0), residual_arg.stride(0), out.stride(0), float(norm_eps),
+        SWAP=kind == "swap", BLOCK_T=block_t, DOT_DTYPE=dot_dtype(x.dtype, x.device),
+        PRECISION=dot_precision(x.dtype, x.device), **flags)
     return out
 
 
-def dense_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``F.linear``).
+def dense_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                     activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``u @ weight.T + bias (+ residual)`` with ``u`` x itself, ``rms_norm(x)`` or ``act(gate) * up`` (plain torch:
+    ``F.linear`` after HF's RMSNorm or gated activation, then the residual add, each rounded to x's dtype).
+
+    A decode layer's norms, activation and residual adds ride in its GEMMs this way (no kernel of their own); the
+    Triton kernels multiply x by the norm weight before the dot and the output rows by ``rsqrt(mean(x^2) + eps)``
+    after it (the sum of squares gathered along the K loop), so they round once where HF rounds twice.
 
     Args:
-        x: ``[T, K]`` bf16/fp16/fp32 activations (last dim stride 1 for Triton).
+        x: ``[T, K]`` bf16/fp16/fp32 activations, ``[T, 2K]`` (gate, then up) with ``activation`` (last dim stride 1
+            for Triton).
         weight: ``[N, K]`` in x's dtype (last dim stride 1 for Triton).
         bias: optional ``[N]`` in x's dtype.
+        norm_weight: optional ``[K]`` RMSNorm weight (Zhang & Sennrich 2019; HF ``LlamaRMSNorm``): ``u = rms_norm(x)``.
+        norm_eps: its variance epsilon (> 0).
+        activation: optional ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU): ``u = act(x[:, :K]) * x[:, K:]``.
+        residual: optional ``[T, N]`` in x's dtype, added to the output (the residual stream's add).
 
     Returns:
         ``[T, N]`` in x's dtype (fp32 accumulation).
 
     Raises:
-        KernelArgumentError: bad shape/dtype/device/layout, or a bad launch config (a Triton launch; where the
-            Triton backend calls ``F.linear``, that function's ``RuntimeError``).
+        KernelArgumentError: bad shape/dtype/device/layout, ``norm_eps <= 0``, an unknown activation, norm and
+            activation together, or a bad launch config (a Triton launch; where the Triton backend calls
+            ``F.linear``, that function's ``RuntimeError``).
         TritonUnavailableError: a Triton launch without triton installed.
     """
-    _check_args(x, weight, bias)
-    return F.linear(x, weight, bias)
+    _check_args(x, weight, bias, norm_weight, norm_eps, activation, residual)
+    if activation is not None:
+        x = (silu_and_mul_ref if activation == "silu" else gelu_tanh_and_mul_ref)(x)
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, norm_eps)
+    out = F.linear(x, weight, bias)
+    return out if residual is None else out + residual
 
 
 DENSE_LINEAR = Op(
     name=_OP,
-    semantics="out[t, n] = sum_k x[t, k] * weight[n, k] + bias[n]  (fp32 accumulation)",
+    semantics="u = x | rms_norm(x, norm_weight) | act(x[:, :K]) * x[:, K:]; "
+    "out[t, n] = sum_k u[t, k] * weight[n, k] + bias[n] + residual[t, n]  (fp32 accumulation)",
     reference=dense_linear_ref,
     triton=_launch_dense_linear,
 )

@@ -62,6 +62,74 @@ def test_kernels_and_reference_match_the_loop(kernel_device, triton_kernels, poi
         assert err.max().item() <= TOL[dtype], err.max().item()
 
 
+def _input_loop(x, norm_weight, eps, activation):
+    """The GEMM's input u in float64: rms_norm(x) * norm_weight, act(gate) * up, or x."""
+    xd = x.double().cpu()
+    if activation is not None:
+        gate, up = xd.chunk(2, dim=1)
+        act = gate * torch.sigmoid(gate) if activation == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+        return act * up
+    if norm_weight is not None:
+        return xd * torch.rsqrt(xd.pow(2).mean(1, keepdim=True) + eps) * norm_weight.double().cpu()
+    return xd
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0][0]}-T{c[1]}-K{c[2]}-N{c[3]}")
+@pytest.mark.parametrize("fusion", ["norm", "silu", "gelu_tanh", "residual", "norm+residual", "silu+residual"])
+def test_fused_input_and_residual_match_the_loop(kernel_device, triton_kernels, poison_allocations, dtype, case,
+                                                 fusion):
+    """A decode layer's RMSNorm (the rows' rsqrt applied after the dot), gated activation and residual add inside
+    the GEMM: the kernels and the reference against a float64 loop, for every kind, masked rows and ragged K."""
+    config, t, k, n = case
+    torch.manual_seed(len(fusion) + t)
+    activation = next((a for a in ("silu", "gelu_tanh") if a in fusion), None)
+    x = ((1 if activation else 3) * torch.randn(t, 2 * k if activation else k)).to(device=kernel_device, dtype=dtype)
+    w = (torch.randn(n, k) / k**0.5).to(device=kernel_device, dtype=dtype)
+    b = torch.randn(n).to(device=kernel_device, dtype=dtype)
+    norm_weight = (1 + 0.5 * torch.randn(k)).to(device=kernel_device, dtype=dtype) if "norm" in fusion else None
+    residual = (10 * torch.randn(t, n)).to(device=kernel_device, dtype=dtype) if "residual" in fusion else None
+    kw = dict(norm_weight=norm_weight, norm_eps=1e-5, activation=activation, residual=residual)
+    u = _input_loop(x, norm_weight, 1e-5, activation)
+    expected = _loop(u, w, b) + (residual.double().cpu() if residual is not None else 0.0)
+    mag = _magnitude(u, w, b) + (residual.double().cpu().abs() if residual is not None else 0.0)
+    # bf16: u rounded once before the dot (2^-8 of its terms), the output once after
+    tol = TOL[dtype] if dtype == torch.float32 else 2 * TOL[dtype]
+    for out in (triton_kernels.dense_linear(x, w, b, config=config, **kw), dense_linear_ref(x, w, b, **kw)):
+        assert out.dtype == dtype and out.shape == (t, n)
+        err = (out.double().cpu() - expected).abs() / mag.clamp_min(1.0)
+        assert err.max().item() <= tol, (fusion, err.max().item())
+
+
+@pytest.mark.interpreter
+def test_fused_arguments_are_checked(kernel_device, triton_kernels):
+    x, w = torch.randn(2, 16, device=kernel_device), torch.randn(8, 16, device=kernel_device)
+    config = ("tm", 16, 16, 16, 4, 1)
+    for kw, match in ((dict(activation="relu"), "activation"), (dict(activation="silu"), "weight"),
+                      (dict(norm_weight=torch.ones(8, device=kernel_device)), "norm_weight"),
+                      (dict(norm_weight=torch.ones(16, device=kernel_device), norm_eps=0.0), "norm_eps"),
+                      (dict(norm_weight=torch.ones(8, device=kernel_device), activation="silu"), "together"),
+                      (dict(residual=torch.ones(2, 16, device=kernel_device)), "residual"),
+                      (dict(residual=torch.ones(2, 8, device=kernel_device).half()), "residual")):
+        for fn in (lambda: triton_kernels.dense_linear(x, w, config=config, **kw), lambda: dense_linear_ref(x, w, **kw)):
+            with pytest.raises(KernelArgumentError, match=match):
+                fn()
+    with pytest.raises(KernelArgumentError, match="residual"):  # the kernels read the residual's rows at stride 1
+        triton_kernels.dense_linear(x, w, residual=torch.ones(2, 16, device=kernel_device)[:, ::2], config=config)
+
+
+def test_without_a_measured_config_a_fused_call_is_the_reference(triton_kernels):
+    """Off the table (CPU tensors here) a call with an input transform or a residual is the reference's composition
+    of separate ops, bit for bit."""
+    x, w, b, r = torch.randn(3, 48), torch.randn(10, 24), torch.randn(10), torch.randn(3, 10)
+    for kw in (dict(activation="silu", residual=r), dict(activation="gelu_tanh")):
+        assert torch.equal(triton_kernels.dense_linear(x, w, b, **kw), dense_linear_ref(x, w, b, **kw))
+    kw = dict(norm_weight=torch.randn(48), norm_eps=1e-6, residual=r)
+    w48 = torch.randn(10, 48)
+    assert torch.equal(triton_kernels.dense_linear(x, w48, b, **kw), dense_linear_ref(x, w48, b, **kw))
+
+
 @pytest.mark.interpreter
 def test_empty_batch_bad_configs_and_arguments(kernel_device, triton_kernels):
     w = torch.randn(32, 16, device=kernel_device)
@@ -155,3 +223,14 @@ def test_measured_configs_at_their_shapes_on_this_gpu():
         mag = x.float().abs() @ w.float().abs().T
         err = ((got.float() - x.float() @ w.float().T).abs() / mag.clamp_min(1.0)).max().item()
         assert err <= 8e-3, (config, err)
+        # the decode layer's fusions at the same launch (the gated input takes fewer stages where it needs them)
+        g = (1 + 0.5 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        xx = torch.randn(tokens, 2 * k, device="cuda", dtype=torch.bfloat16)
+        for kw, u in ((dict(norm_weight=g, norm_eps=1e-5), _input_loop(x, g, 1e-5, None)),
+                      (dict(activation="silu", residual=r), _input_loop(xx, None, 0.0, "silu"))):
+            got = _launch_dense_linear(xx if "activation" in kw else x, w, **kw).double().cpu()
+            want = u @ w.double().cpu().T + (r.double().cpu() if "residual" in kw else 0.0)
+            mag = u.abs() @ w.double().cpu().abs().T + (r.double().cpu().abs() if "residual" in kw else 0.0)
+            err = ((got - want).abs() / mag.clamp_min(1.0)).max().item()
+            assert err <= 1.6e-2, (config, sorted(kw), err)

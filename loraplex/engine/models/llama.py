@@ -25,6 +25,7 @@ from torch import nn
 from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.host_copy import host_to_device
 from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.dense_linear import dense_linear_config
 from loraplex.kernels.lora_delta import LoRADelta
 from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_linear import FOLD_MAX_TOKENS
@@ -55,6 +56,17 @@ def rope_cos_sin_cache(spec: ModelSpec, layer_type: str | None = None) -> torch.
     else:
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
     return compute_cos_sin_cache(inv_freq.float(), spec.max_position_embeddings, float(attention_scaling))
+
+
+_FUSE_DECODE_LAYERS = True
+
+
+def fuse_decode_layers(enabled: bool) -> bool:
+    """Turn :meth:`LlamaForCausalLM.fuses_decode_layers` on or off (benchmarks' A/B; on by default); returns the
+    previous setting. CUDA graphs keep the path they were captured with."""
+    global _FUSE_DECODE_LAYERS
+    previous, _FUSE_DECODE_LAYERS = _FUSE_DECODE_LAYERS, enabled
+    return previous
 
 
 @dataclass
@@ -213,6 +225,15 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         return self.forward_deferred(x, lora, defer=False)[0]
 
+    def forward_base(self, x: torch.Tensor, *, norm: RMSNorm | None = None, activation: str | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The base linear alone (no LoRA; a complete, unquantized weight) with the neighbours it absorbs
+        (``dense_linear``): ``norm(x)`` or ``activation``'s ``act(gate) * up`` of x as its input, ``residual`` added
+        to its output."""
+        return self.kernels.dense_linear(x, self.weight, self.bias, norm_weight=None if norm is None else norm.weight,
+                                         norm_eps=1e-6 if norm is None else norm.eps, activation=activation,
+                                         residual=residual)
+
     def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None,
                          defer: bool = True) -> tuple[torch.Tensor, LoRADelta | None]:
         """``(y, delta)``: with ``defer`` and a folded step (folded linear, LoRA tokens, at most
@@ -295,9 +316,16 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 lora: LoRABatch | None) -> tuple[torch.Tensor, LoRADelta | None]:
         """``(o_proj's output, its deferred LoRA expand or None)``."""
-        t = x.shape[0]
         # A folded qkv linear's expand is added by the rotary kernel, unless a per-head norm comes first.
         qkv, delta = self.qkv_proj.forward_deferred(x, lora, defer=self.q_norm is None)
+        return self.o_proj.forward_deferred(self.attend(qkv, positions, cos_sin, kv, meta, delta), lora)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+               kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               delta: LoRADelta | None = None) -> torch.Tensor:
+        """From qkv_proj's output ``[T, q + 2 kv]`` (``delta``: its deferred LoRA expand) to o_proj's input
+        ``[T, num_heads * head_dim]``: per-head norms, RoPE and the cache write, paged attention."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # row-strided views of qkv
         if self.q_norm is not None:  # RMSNorm over each head's D values, before RoPE (HF order)
             q = self.q_norm(q.contiguous().view(-1, self.head_dim)).view(t, self.q_size)
@@ -308,7 +336,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         out = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
                                            softcap=self.softcap)
-        return self.o_proj.forward_deferred(out.reshape(t, self.q_size), lora)
+        return out.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -322,6 +350,7 @@ class MLP(nn.Module):
         self.gate_up_proj = LinearWithLoRA(spec.hidden_size, sizes, names, spec.mlp_bias, dtype, device, kernels)
         self.down_proj = LinearWithLoRA(i, [spec.hidden_size], ["down_proj"], spec.mlp_bias, dtype, device, kernels)
         gelu = spec.activation == "gelu_pytorch_tanh"
+        self.activation = "gelu_tanh" if gelu else "silu"  # dense_linear's name for it
         self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, LoRADelta | None]:
@@ -365,6 +394,18 @@ class DecoderLayer(nn.Module):
         hidden, pending = self.mlp(hidden, lora)
         return hidden, residual, pending
 
+    def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """A Llama layer of a step without LoRA in four GEMMs, attention and RoPE + cache write, no other kernel:
+        the input norm rides in qkv_proj, the residual adds in o_proj and down_proj, the post-attention norm in
+        gate_up_proj and the activation in down_proj (``dense_linear``'s fusions). ``hidden`` is the residual stream
+        ``[T, hidden]`` (the sum the unfused path carries as ``hidden + residual``); returns the next one."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = attn.qkv_proj.forward_base(hidden, norm=self.input_layernorm)
+        hidden = attn.o_proj.forward_base(attn.attend(qkv, positions, cos_sin, kv, meta), residual=hidden)
+        gate_up = mlp.gate_up_proj.forward_base(hidden, norm=self.post_attention_layernorm)
+        return mlp.down_proj.forward_base(gate_up, activation=mlp.activation, residual=hidden)
+
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus the LM head.
@@ -407,11 +448,31 @@ class LlamaForCausalLM(nn.Module):
             hidden = self._adapter_embeddings(input_ids, hidden, lora)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        residual = pending = None
         caches = [getattr(self, f"cos_sin_cache_{i}") for i in range(len(self.rope_keys))]
+        if self.fuses_decode_layers(input_ids.shape[0], lora):
+            for layer, kv, rope in zip(self.layers, kv_caches, self.layer_rope_index):
+                hidden = layer.forward_fused(hidden, positions, caches[rope], kv, meta)
+            return self.norm(hidden)
+        residual = pending = None
         for layer, kv, rope in zip(self.layers, kv_caches, self.layer_rope_index):
             hidden, residual, pending = layer(hidden, residual, positions, caches[rope], kv, meta, lora, pending)
         return self.norm(hidden, lora=pending) if residual is None else self.norm(hidden, residual, lora=pending)[0]
+
+    def fuses_decode_layers(self, num_tokens: int, lora: LoRABatch | None) -> bool:
+        """Whether a step of ``num_tokens`` tokens runs :meth:`DecoderLayer.forward_fused`: no token on an adapter,
+        the kernels Triton's, Llama-order layers (not Gemma 2's sandwich norms) with complete unquantized linears (no
+        FP8, no tensor-parallel all-reduce), and a measured ``dense_linear`` launch for all four linear shapes at
+        this token count (``dense_linear_config``; elsewhere cuBLAS and the separate norm / activation kernels are
+        the faster pair). Decided per step, so a CUDA graph keeps the path it was captured with."""
+        if not _FUSE_DECODE_LAYERS or self.kernels.backend != "triton" or (lora is not None and lora.mapping.has_lora):
+            return False
+        layer = self.layers[0]
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if layer.sandwich or any(lin.weight is None or lin.all_reduce is not None for lin in linears):
+            return False
+        w = linears[0].weight
+        return all(dense_linear_config(num_tokens, lin.weight.shape[0], lin.weight.shape[1], w.dtype, w.device)
+                   is not None for lin in linears)
 
     def _adapter_embeddings(self, input_ids: torch.Tensor, hidden: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """The adapters' embedding rows, before Gemma's scale (PEFT scales the LoRA delta and the copies too).
