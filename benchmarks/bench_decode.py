@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dense-configs", default=None,
                     help="JSON from diag_dense_linear.py --table: Triton GEMM launches to use instead of the measured "
                          "table (dense_linear.use_configs); 'none' = cuBLAS everywhere")
+    ap.add_argument("--fused-configs", default=None,
+                    help="JSON from diag_fused_linear.py --table: the fused launches to use instead of the measured "
+                         "ones (dense_linear.use_fused_configs)")
     ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
                     help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
                          "llama.fuse_decode_layers), or the separate kernels")
@@ -270,6 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         dense_linear.use_configs({} if args.dense_configs == "none"
                                  else dense_linear.configs_from_json(Path(args.dense_configs).read_text()))
+    if args.fused_configs:
+        from loraplex.kernels import dense_linear
+
+        dense_linear.use_fused_configs(dense_linear.fused_configs_from_json(Path(args.fused_configs).read_text()))
     llama.fuse_decode_layers(args.fused_layers == "on")
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
@@ -293,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers,
+              "fused_configs": args.fused_configs,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1

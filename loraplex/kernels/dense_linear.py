@@ -231,7 +231,45 @@ def token_bucket(num_tokens: int) -> int | None:
     return None
 
 
+# The decode layer's fusions (``fusion_name``): qkv_proj and gate_up_proj take a norm, o_proj a residual add,
+# down_proj the gated activation and a residual add.
+FUSIONS = ("norm", "residual", "gated+residual")
+
+# Measured on an H200 (bf16, benchmarks/diag_fused_linear.py): {(device name, token bucket, out_features, in_features,
+# fusion): config} where the fused launch beat the table's plain launch plus the separate kernel it replaces.
+MEASURED_FUSED_CONFIGS: dict[tuple[str, int, int, int, str], DenseConfig] = {}
+
+
+def fusion_name(norm_weight: torch.Tensor | None, activation: str | None, residual: torch.Tensor | None) -> str | None:
+    """The :data:`FUSIONS`-style name of a call's input transform and residual (``"gated"``, ``"norm+residual"`` for
+    the combinations no table holds), None for a plain GEMM."""
+    parts = ["norm"] if norm_weight is not None else ["gated"] if activation is not None else []
+    parts += ["residual"] if residual is not None else []
+    return "+".join(parts) or None
+
+
+def fused_configs_to_json(table: dict[tuple[str, int, int, int, str], DenseConfig]) -> str:
+    """:data:`MEASURED_FUSED_CONFIGS`-shaped ``table`` as JSON (a list of rows), as benchmarks write it."""
+    import json
+
+    return json.dumps([{"device": d, "tokens": t, "out_features": n, "in_features": k, "fusion": f, "config": list(c)}
+                       for (d, t, n, k, f), c in table.items()], indent=1)
+
+
+def fused_configs_from_json(text: str) -> dict[tuple[str, int, int, int, str], DenseConfig]:
+    """Inverse of :func:`fused_configs_to_json`. Raises ``ValueError`` for a bad row (as :func:`configs_from_json`) or
+    a fusion not in :data:`FUSIONS`."""
+    import json
+
+    rows = json.loads(text)
+    if any(row.get("fusion") not in FUSIONS for row in rows):
+        raise ValueError(f"dense_linear: a fused table row's fusion is not one of {FUSIONS}")
+    plain = configs_from_json(json.dumps([{k: v for k, v in row.items() if k != "fusion"} for row in rows]))
+    return {(*key, row["fusion"]): config for (key, config), row in zip(plain.items(), rows, strict=True)}
+
+
 _active: dict[tuple[str, int, int, int], DenseConfig] = MEASURED_CONFIGS
+_active_fused: dict[tuple[str, int, int, int, str], DenseConfig] = MEASURED_FUSED_CONFIGS
 
 
 def use_configs(table: dict[tuple[str, int, int, int], DenseConfig]) -> dict[tuple[str, int, int, int], DenseConfig]:
@@ -243,18 +281,30 @@ def use_configs(table: dict[tuple[str, int, int, int], DenseConfig]) -> dict[tup
     return previous
 
 
+def use_fused_configs(table: dict[tuple[str, int, int, int, str], DenseConfig],
+                      ) -> dict[tuple[str, int, int, int, str], DenseConfig]:
+    """:func:`use_configs` for the fused launches (:data:`MEASURED_FUSED_CONFIGS`-shaped; ``{}``: no GEMM fuses)."""
+    global _active_fused
+    previous, _active_fused = _active_fused, table
+    return previous
+
+
 def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dtype: torch.dtype,
-                        device: torch.device) -> DenseConfig | None:
+                        device: torch.device, fusion: str | None = None) -> DenseConfig | None:
     """The measured Triton launch for this GEMM, or None where ``F.linear`` (cuBLAS) is the faster or the only
     measured choice: off CUDA, for dtypes other than bf16, above 64 tokens and for shapes not in the table
     (:data:`MEASURED_CONFIGS`, or :func:`use_configs`'). Shapes match exactly: a tensor-parallel shard or a folded
-    LoRA linear (``[W; A pages]``) takes a launch only where its own shape was measured."""
-    if device.type != "cuda" or dtype != torch.bfloat16 or not _active:
+    LoRA linear (``[W; A pages]``) takes a launch only where its own shape was measured. With ``fusion``
+    (:func:`fusion_name`) the launch comes from :data:`MEASURED_FUSED_CONFIGS`: None there means the fused call is
+    not the faster one (or not measured)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     bucket = token_bucket(num_tokens)
     if bucket is None:
         return None
-    return _active.get((device_name(device), bucket, out_features, in_features))
+    if fusion is not None:
+        return _active_fused.get((device_name(device), bucket, out_features, in_features, fusion))
+    return _active.get((device_name(device), bucket, out_features, in_features)) if _active else None
 
 
 def check_dense_config(config: DenseConfig, num_tokens: int) -> None:
@@ -313,23 +363,21 @@ def _gated_stages(block_t: int, block_n: int, block_k: int, stages: int, elem_by
     return stages
 
 
-def _fused(norm_weight: torch.Tensor | None, activation: str | None, residual: torch.Tensor | None) -> bool:
-    return norm_weight is not None or activation is not None or residual is not None
-
-
 def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                          activation: str | None = None, residual: torch.Tensor | None = None,
                          config: DenseConfig | None = None) -> torch.Tensor:
     """Triton launch of :func:`dense_linear_ref` with ``config`` (benchmarks and tests), else with
-    :func:`dense_linear_config`'s measured one. Where there is none: ``F.linear`` itself, unchecked (bad arguments
+    :func:`dense_linear_config`'s measured one (the fused table's for a call with an input transform or a residual).
+    Where there is none: ``F.linear`` itself, unchecked (bad arguments
     then raise ``F.linear``'s ``RuntimeError``: the checks cost host time on every eager step's linears), or, with an
     input transform or residual, :func:`dense_linear_ref`'s composition of separate ops (the engine fuses only where
-    :func:`dense_linear_config` has a launch: ``loraplex.engine.models.llama``)."""
+    the fused table has a launch: ``loraplex.engine.models.llama``)."""
     if config is None:
-        config = dense_linear_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device)
+        fusion = fusion_name(norm_weight, activation, residual)
+        config = dense_linear_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device, fusion)
         if config is None:
-            if _fused(norm_weight, activation, residual):
+            if fusion is not None:
                 return dense_linear_ref(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps,
                                         activation=activation, residual=residual)
             return F.linear(x, weight, bias)

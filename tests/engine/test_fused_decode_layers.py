@@ -21,8 +21,8 @@ MAX_NEW = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
 
 
-def every_shape(num_tokens, out_features, in_features, dtype, device):
-    """A launch for every GEMM of at most 64 tokens (the measured table holds H200 shapes only)."""
+def every_shape(num_tokens, out_features, in_features, dtype, device, fusion=None):
+    """A launch for every GEMM of at most 64 tokens, plain or fused (the measured tables hold H200 shapes only)."""
     if num_tokens > 64:
         return None
     return ("gemv", 1, 8, 32, 4, 1) if num_tokens == 1 else ("swap", 16, 32, 32, 4, 1)
@@ -118,7 +118,8 @@ def test_which_steps_fuse(tiny_llama_dir, tiny_gemma2_dir, monkeypatch):
     assert model.fuses_decode_layers(2, base) and not model.fuses_decode_layers(2, with_lora)
     down = model.layers[0].mlp.down_proj
     monkeypatch.setattr(llama, "dense_linear_config",
-                        lambda t, n, k, dtype, device: None if (n, k) == tuple(down.weight.shape) else every_shape(t, n, k, dtype, device))
+                        lambda t, n, k, dtype, device, fusion=None: None if (n, k) == tuple(down.weight.shape)
+                        else every_shape(t, n, k, dtype, device, fusion))
     assert not model.fuses_decode_layers(1, None), "one linear without a launch"
     monkeypatch.setattr(llama, "dense_linear_config", every_shape)
     previous = llama.fuse_decode_layers(False)
@@ -147,17 +148,22 @@ def test_fused_layers_on_the_gpu_equal_the_separate_kernels(tiny_llama_dir, monk
     check here; the CPU tests above compare tokens in fp32)."""
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     prompts = [tok.encode(t) for t in TEXTS]
-    kw = dict(model=str(tiny_llama_dir), max_model_len=128, block_size=16, dtype="bfloat16", enforce_eager=not graphs)
+    kw = dict(model=str(tiny_llama_dir), max_model_len=128, block_size=16, dtype="bfloat16", enforce_eager=not graphs,
+              num_kv_blocks=64, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     previous = llama.fuse_decode_layers(False)
     try:
-        separate = LLM(**kw).generate([{"prompt_token_ids": p} for p in prompts], params)
+        llm = LLM(**kw)
+        separate = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        llm.engine.close()
     finally:
         llama.fuse_decode_layers(previous)
     monkeypatch.setattr(dense_linear, "dense_linear_config", every_shape)
     monkeypatch.setattr(llama, "dense_linear_config", every_shape)
     calls = _count_fused(monkeypatch)
-    fused = LLM(**kw).generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm = LLM(**kw)
+    fused = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm.engine.close()
     assert calls[0] > 0
     for a, b in zip(separate, fused):
         lp_a, lp_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]

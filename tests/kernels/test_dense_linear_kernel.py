@@ -13,6 +13,9 @@ from loraplex.kernels.dense_linear import (
     configs_to_json,
     dense_linear_config,
     dense_linear_ref,
+    fused_configs_from_json,
+    fused_configs_to_json,
+    fusion_name,
     token_bucket,
 )
 from loraplex.kernels.errors import KernelArgumentError
@@ -191,9 +194,38 @@ def test_measured_table_lookup(monkeypatch):
         dense_linear.use_configs(previous)
 
 
+def test_fused_table_lookup(monkeypatch):
+    """A call's fusion name; fused launches come from their own table, keyed by the fusion too; JSON round trip."""
+    g, r = torch.ones(4), torch.ones(2, 4)
+    assert [fusion_name(*args) for args in ((None, None, None), (g, None, None), (None, None, r), (None, "silu", r),
+                                             (None, "silu", None), (g, None, r))] == [
+        None, "norm", "residual", "gated+residual", "gated", "norm+residual"]
+    table = {("NVIDIA H200", 32, 12288, 4096, "norm"): ("tm", 32, 64, 128, 4, 3),
+             ("NVIDIA H200", 1, 4096, 11008, "gated+residual"): ("gemv", 1, 8, 512, 4, 1)}
+    assert fused_configs_from_json(fused_configs_to_json(table)) == table
+    with pytest.raises(ValueError, match="fusion"):
+        fused_configs_from_json('[{"device": "d", "tokens": 16, "out_features": 8, "in_features": 8, '
+                                '"fusion": "norm+residual", "config": ["tm", 16, 16, 16, 4, 1]}]')
+    previous = dense_linear.use_fused_configs(dict(table))
+    try:
+        monkeypatch.setattr(dense_linear, "device_name", lambda device: "NVIDIA H200")
+        cuda = torch.device("cuda", 0)
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda, "norm") == ("tm", 32, 64, 128, 4, 3)
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda, "residual") is None
+        assert dense_linear_config(1, 4096, 11008, torch.bfloat16, cuda, "gated+residual")[0] == "gemv"
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, torch.device("cpu"), "norm") is None
+        dense_linear.use_fused_configs({})
+        assert dense_linear_config(32, 12288, 4096, torch.bfloat16, cuda, "norm") is None
+    finally:
+        dense_linear.use_fused_configs(previous)
+
+
 def test_every_measured_config_is_valid():
     for (_device, tokens, _out_features, _in_features), config in dense_linear.MEASURED_CONFIGS.items():
         assert tokens in dense_linear.TOKEN_BUCKETS
+        check_dense_config(config, tokens)
+    for (_device, tokens, _out_features, _in_features, fusion), config in dense_linear.MEASURED_FUSED_CONFIGS.items():
+        assert tokens in dense_linear.TOKEN_BUCKETS and fusion in dense_linear.FUSIONS
         check_dense_config(config, tokens)
 
 

@@ -59,6 +59,8 @@ def rope_cos_sin_cache(spec: ModelSpec, layer_type: str | None = None) -> torch.
 
 
 _FUSE_DECODE_LAYERS = True
+# dense_linear's fusion of qkv_proj, o_proj, gate_up_proj and down_proj in DecoderLayer.forward_fused
+_LAYER_FUSIONS = ("norm", "residual", "norm", "gated+residual")
 
 
 def fuse_decode_layers(enabled: bool) -> bool:
@@ -461,9 +463,9 @@ class LlamaForCausalLM(nn.Module):
     def fuses_decode_layers(self, num_tokens: int, lora: LoRABatch | None) -> bool:
         """Whether a step of ``num_tokens`` tokens runs :meth:`DecoderLayer.forward_fused`: no token on an adapter,
         the kernels Triton's, Llama-order layers (not Gemma 2's sandwich norms) with complete unquantized linears (no
-        FP8, no tensor-parallel all-reduce), and a measured ``dense_linear`` launch for all four linear shapes at
-        this token count (``dense_linear_config``; elsewhere cuBLAS and the separate norm / activation kernels are
-        the faster pair). Decided per step, so a CUDA graph keeps the path it was captured with."""
+        FP8, no tensor-parallel all-reduce), and a measured fused ``dense_linear`` launch for all four linears at
+        this token count (``dense_linear_config`` with their fusion: where the fused launch beat the plain one plus
+        the separate kernel). Decided per step, so a CUDA graph keeps the path it was captured with."""
         if not _FUSE_DECODE_LAYERS or self.kernels.backend != "triton" or (lora is not None and lora.mapping.has_lora):
             return False
         layer = self.layers[0]
@@ -471,8 +473,8 @@ class LlamaForCausalLM(nn.Module):
         if layer.sandwich or any(lin.weight is None or lin.all_reduce is not None for lin in linears):
             return False
         w = linears[0].weight
-        return all(dense_linear_config(num_tokens, lin.weight.shape[0], lin.weight.shape[1], w.dtype, w.device)
-                   is not None for lin in linears)
+        return all(dense_linear_config(num_tokens, lin.weight.shape[0], lin.weight.shape[1], w.dtype, w.device, fusion)
+                   is not None for lin, fusion in zip(linears, _LAYER_FUSIONS))
 
     def _adapter_embeddings(self, input_ids: torch.Tensor, hidden: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """The adapters' embedding rows, before Gemma's scale (PEFT scales the LoRA delta and the copies too).
