@@ -50,6 +50,7 @@ from common import LLAMA2_7B, git_commit, make_model_dir, measure_copy_bandwidth
 
 from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.engine.models import llama  # noqa: E402
+from loraplex.kernels._triton import use_pdl  # noqa: E402
 
 PROMPT_LEN = 128
 NUM_ADAPTERS = 32
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fused-configs", default=None,
                     help="JSON from diag_fused_linear.py --table: the fused launches to use instead of the measured "
                          "ones (dense_linear.use_fused_configs)")
+    ap.add_argument("--pdl", default="on", choices=["on", "off"],
+                    help="programmatic dependent launches of the Triton kernels (kernels._triton.use_pdl)")
     ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
                     help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
                          "llama.fuse_decode_layers), or the separate kernels")
@@ -278,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         dense_linear.use_fused_configs(dense_linear.fused_configs_from_json(Path(args.fused_configs).read_text()))
     llama.fuse_decode_layers(args.fused_layers == "on")
+    use_pdl(args.pdl == "on")
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:
@@ -299,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
-              "dense_configs": args.dense_configs, "fused_layers": args.fused_layers,
+              "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
               "fused_configs": args.fused_configs,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)

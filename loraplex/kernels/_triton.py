@@ -175,3 +175,44 @@ def launch_options(op: str, extra: tuple[int, ...]) -> dict[str, int]:
     if len(extra) == 2:
         options["num_stages"] = extra[1]
     return options
+
+
+# Programmatic dependent launch (Hopper and later; CUDA programming guide, "Programmatic Dependent Launch and
+# Synchronization"): a kernel launched with it may start while the kernel before it in the stream still runs; its
+# programs wait (``griddepcontrol.wait``) for that kernel's completion and memory before touching global memory, and
+# let the next kernel launch at once (``griddepcontrol.launch_dependents``). CUDA graphs keep these edges, so a
+# decode step's kernels start without the launch gap between them.
+_PDL = True
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def use_pdl(enabled: bool) -> bool:
+    """Turn programmatic dependent launches on or off (benchmarks' A/B; on by default); returns the previous
+    setting. CUDA graphs keep the launches they were captured with."""
+    global _PDL
+    previous, _PDL = _PDL, enabled
+    return previous
+
+
+def pdl_args(device: torch.device) -> dict[str, Any]:
+    """Launch keywords of a kernel that begins with :func:`pdl_wait`: ``{"USE_PDL": True, "launch_pdl": True}`` on a
+    CUDA device of compute capability >= 9 (with :func:`use_pdl` on), else ``{"USE_PDL": False}`` (the interpreter and
+    older GPUs: the wait compiles away)."""
+    if _PDL and device.type == "cuda" and _cuda_capability_major(
+            device.index if device.index is not None else torch.cuda.current_device()) >= 9:
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """First statement of a kernel launched with :func:`pdl_args`: wait for the previous kernel in the stream (its
+    writes visible, its reads of what this kernel overwrites done), then allow the next kernel to launch. Every
+    program runs it before any global load or store."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

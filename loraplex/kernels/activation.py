@@ -20,7 +20,7 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import cdiv, require_triton, tl, triton
+from loraplex.kernels._triton import cdiv, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
                                          slice_of_columns, tile_columns)
@@ -45,7 +45,8 @@ def _gated(gate, up, GELU_TANH: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr,
-                         GELU_TANH: tl.constexpr = False):
+                         GELU_TANH: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
@@ -63,7 +64,9 @@ def _act_and_mul_lora_kernel(
     slots_ptr, table_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
     uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
     BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
@@ -122,11 +125,12 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:2], *gate[2:9], *up[2:9], gate[9],
             BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGE=lora.page_table is not None,
-            num_warps=warps,
+            num_warps=warps, **pdl_args(x.device),
         )
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](
-        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4
+        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4,
+        **pdl_args(x.device)
     )
     return out
 

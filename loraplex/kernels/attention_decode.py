@@ -51,7 +51,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from loraplex.kernels._attention_checks import check_attention_args, check_attention_layout, prepare_out
-from loraplex.kernels._triton import cdiv, dot_dtype, dot_precision, next_pow2, num_sms, require_triton, tl, triton
+from loraplex.kernels._triton import (cdiv, dot_dtype, dot_precision, next_pow2, num_sms, pdl_args, pdl_wait,
+                                      require_triton, tl, triton)
 from loraplex.kernels.attention_common import attend_kv_range
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.errors import KernelArgumentError
@@ -192,7 +193,9 @@ def _paged_decode_kernel(
     USE_DOT: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -254,7 +257,9 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SLIDING: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max) over the sequence's active splits.
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -342,7 +347,7 @@ def launch_decode(
         USE_DOT=config.use_dot,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **pdl_args(query.device),
     )
     if splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -361,7 +366,7 @@ def launch_decode(
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, next_pow2(head_dim)),
             SLIDING=sliding_window is not None,
-            num_warps=4 if head_dim >= 128 else 1,
+            num_warps=4 if head_dim >= 128 else 1, **pdl_args(query.device),
         )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.kernels._attention_checks import check_attention_args, check_attention_layout, prepare_out
-from loraplex.kernels._triton import dot_dtype, dot_precision, next_pow2, require_triton, tl, triton
+from loraplex.kernels._triton import dot_dtype, dot_precision, next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.attention_common import attend_kv_range
 from loraplex.kernels.attention_metadata import AttentionMetadata
 
@@ -82,7 +82,9 @@ def _paged_prefill_kernel(
     SKIP_DECODE: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     block_idx = tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_seq(query_start_loc_ptr, block_idx, num_seqs, BLOCK_Q)
@@ -196,7 +198,7 @@ def launch_prefill(
         SKIP_DECODE=skip_decode,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(query.device),
     )
 
 

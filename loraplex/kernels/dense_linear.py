@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_same_dtype, check_shape
-from loraplex.kernels._triton import (device_name, dot_dtype, dot_precision, max_shared_memory, require_triton, tl,
-                                      triton)
+from loraplex.kernels._triton import (device_name, dot_dtype, dot_precision, max_shared_memory, pdl_args, pdl_wait,
+                                      require_triton, tl, triton)
 from loraplex.kernels.activation import _gated, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
@@ -62,7 +62,8 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, GELU_TANH: tl.constexpr,
                          HAS_RESIDUAL: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     # out[t, n] = sum_k u[t, k] * w[n, k] (* inv_rms[t]) + bias[n] + residual[t, n] (DENSE_LINEAR); grid (column
     # tiles, token tiles). Token-major: acc[t, n] = u_tile @ w_tile^T; SWAP: acc[n, t] = w_tile @ u_tile^T (the
     # weight tile as the dot's M side: Hopper's wgmma takes 64-row M tiles, and a 16/32-token tile is its N)
@@ -116,7 +117,8 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, out_features, in_features,
                        stride_wn, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
                        GELU_TANH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     # out[0, n] = sum_k u[0, k] * w[n, k] (* inv_rms) + bias[n] + residual[0, n]: products and sums in fp32 on CUDA
     # cores, one column tile each
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -406,13 +408,13 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if kind == "gemv":
         _dense_gemv_kernel[(triton.cdiv(out_features, block_n),)](
             x, weight, bias_arg, norm_arg, residual_arg, out, out_features, in_features, weight.stride(0),
-            float(norm_eps), **flags)
+            float(norm_eps), **flags, **pdl_args(x.device))
         return out
     _dense_linear_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t))](
         x, weight, bias_arg, norm_arg, residual_arg, out, num_tokens, out_features, in_features,
         x.stride(0), weight.stride(0), residual_arg.stride(0), out.stride(0), float(norm_eps),
         SWAP=kind == "swap", BLOCK_T=block_t, DOT_DTYPE=dot_dtype(x.dtype, x.device),
-        PRECISION=dot_precision(x.dtype, x.device), **flags)
+        PRECISION=dot_precision(x.dtype, x.device), **flags, **pdl_args(x.device))
     return out
 
 

@@ -20,7 +20,7 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import cdiv, next_pow2, require_triton, tl, triton
+from loraplex.kernels._triton import cdiv, next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
                                          tile_columns)
 from loraplex.kernels.op import Op
@@ -62,7 +62,9 @@ def _rms_norm_kernel(
     stride_rot,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # One program per row; the whole row fits in one BLOCK_H tile.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -86,7 +88,9 @@ def _rms_norm_lora_kernel(
     stride_rot, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, rank_rows,
     HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_PAGE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # One program per row: s = (x + delta) + residual, each sum rounded to the dtype. The row in one tile
     # (N_CHUNKS 1: s stays in registers), or two passes over CHUNK-column pieces: s written out (to residual_out,
     # or to out as scratch) with the sum of squares, then the norm of s read back.
@@ -163,7 +167,7 @@ def _launch_rms_norm(
             hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk), BLOCK_R=block_r(lora),
-            SLOT_PAGE=lora.page_table is not None, num_warps=warps,
+            SLOT_PAGE=lora.page_table is not None, num_warps=warps, **pdl_args(x.device),
         )
         return out if residual_out is None else (out, residual_out)
     block_h = next_pow2(hidden_size)
@@ -181,7 +185,7 @@ def _launch_rms_norm(
         residual_out.stride(0) if residual_out is not None else 0,
         HAS_RESIDUAL=residual is not None,
         BLOCK_H=block_h,
-        num_warps=min(max(block_h // 256, 1), 16),
+        num_warps=min(max(block_h // 256, 1), 16), **pdl_args(x.device),
     )
     return out if residual_out is None else (out, residual_out)
 

@@ -30,7 +30,7 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
+from loraplex.kernels._triton import next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
                                          tile_columns)
@@ -71,7 +71,9 @@ def _rotary_and_cache_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # One program per token: rotates its query heads into q_out, then (slot >= 0) its rotated key heads and
     # its value heads into the cache slot. Heads are D = 2 * HALF contiguous values inside a row.
     t = tl.program_id(0).to(tl.int64)
@@ -123,7 +125,9 @@ def _rotary_and_cache_lora_kernel(
     vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0, vd_scale, rank_rows,
     HALF: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_PAGE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # Program (t, g): HEADS heads of token t's q (g < n_q), k (next n_kv groups) or v (last n_kv): their rows plus
     # the LoRA delta, then q rotated in place, k rotated into the cache slot, v copied into it.
     t = tl.program_id(0).to(tl.int64)
@@ -249,7 +253,7 @@ def _launch_rotary_and_cache(
             value_cache.stride(2), cos_sin_cache.stride(0), block_size, num_q_heads, num_kv_heads,
             *parts[0][:2], *parts[0][2:9], *parts[1][2:9], *parts[2][2:9], parts[0][9],
             HALF=half, HEADS=heads, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
-            SLOT_PAGE=lora.page_table is not None, num_warps=4,
+            SLOT_PAGE=lora.page_table is not None, num_warps=4, **pdl_args(query.device),
         )
         return q_out
     _rotary_and_cache_kernel[(num_tokens,)](
@@ -280,7 +284,7 @@ def _launch_rotary_and_cache(
         BLOCK_QH=next_pow2(num_q_heads),
         BLOCK_KH=next_pow2(num_kv_heads),
         BLOCK_HALF=next_pow2(half),
-        num_warps=4 if num_q_heads * half >= 1024 else 1,
+        num_warps=4 if num_q_heads * half >= 1024 else 1, **pdl_args(query.device),
     )
     return q_out
 

@@ -51,7 +51,7 @@ from loraplex.kernels.lora_mapping import LoRAMapping  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 CUDA = torch.device("cuda")
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 _PTR_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
@@ -106,6 +106,8 @@ def pretend_cuda() -> dict[str, Recorder]:
                      "prefill_tiles", "default_widen"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
+    for module in (rms_norm, rotary_and_cache, activation, attention_decode, attention_prefill, dense_linear):
+        module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}  # a Hopper launch's choice
     attention_decode.num_sms = lambda device: 132
     lora_shrink.num_sms = lambda device: 132
     lora_fused.num_sms = lambda device: 132

@@ -1,0 +1,71 @@
+"""Programmatic dependent launches (``_triton.pdl_args`` / ``pdl_wait``): chosen on Hopper CUDA devices only, and
+on the GPU a chain of dependent kernels gives the same bits with and without them, eager and in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels import _triton
+from loraplex.kernels._triton import pdl_args, use_pdl
+
+
+def test_pdl_only_on_hopper_cuda(monkeypatch):
+    assert pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 9)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert pdl_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
+    previous = use_pdl(False)
+    try:
+        assert previous is True and pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+    finally:
+        use_pdl(previous)
+    monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 8)
+    assert pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+
+
+def _chain(kernels, h, weights, g):
+    """A decode layer's dependent kernels, eight times over: each reads what the one before wrote."""
+    residual = h
+    for w_up, w_down in weights:
+        x, residual = kernels.rms_norm(h, g, 1e-5, residual)
+        up = kernels.dense_linear(x, w_up, config=("swap", 16, 64, 64, 4, 3))
+        h = kernels.dense_linear(kernels.silu_and_mul(up), w_down, config=("gemv", 1, 8, 256, 4, 3))
+    return h, residual
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper GPU")
+def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl():
+    from loraplex.kernels.ops import Kernels
+
+    kernels = Kernels("triton")
+    torch.manual_seed(0)
+    hidden, inter = 1024, 2816
+    weights = [((torch.randn(2 * inter, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16),
+                (torch.randn(hidden, inter, device="cuda") / inter**0.5).to(torch.bfloat16)) for _ in range(8)]
+    g = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for pdl in (False, True):
+        previous = use_pdl(pdl)
+        try:
+            eager = _chain(kernels, h, weights, g)
+            graph, static_h = torch.cuda.CUDAGraph(), h.clone()
+            _chain(kernels, static_h, weights, g)  # compiled before capture
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                captured = _chain(kernels, static_h, weights, g)
+            outs = []
+            for _ in range(20):
+                static_h.copy_(torch.randn_like(h))
+                graph.replay()
+                outs.append((static_h.clone(), captured[0].clone()))
+            torch.cuda.synchronize()
+            expected = [_chain(kernels, x, weights, g)[0] for x, _ in outs]
+            results[pdl] = eager
+            for (_, got), want in zip(outs, expected):
+                assert torch.equal(got, want)
+        finally:
+            use_pdl(previous)
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
