@@ -31,6 +31,8 @@ from loraplex.kernels._triton import (
     dot_dtype,
     dot_precision,
     max_shared_memory,
+    pdl_args,
+    pdl_wait,
     require_triton,
     tl,
     tl_dtype,
@@ -127,7 +129,9 @@ def _fp8_linear_kernel(
     WIDE: tl.constexpr,
     WIDEN: tl.constexpr,
     UNSCALE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # One program per (token tile, output-column tile); the K loop streams the fp8 weight tile.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,7 +180,9 @@ def _fp8_linear_swap_kernel(
     WIDE: tl.constexpr,
     WIDEN: tl.constexpr,
     UNSCALE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # "Swap AB" for small token counts (65-128 in _block_sizes): acc[n, t] = W[n, k] @ x[t, k]^T, so the weight tile
     # is the dot's M operand (64+ rows: Hopper's wgmma) and the tokens its N. Grid = (column tiles, K splits, token
     # tiles). Same semantics as _fp8_linear_kernel (FP8_LINEAR); with PARTIAL each K split's fp32 sums go to out[split].
@@ -211,7 +217,8 @@ def _fp8_linear_swap_kernel(
 
 @triton.jit
 def _fp8_split_sum_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, numel, out_features, split, stride_ps,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     # out[t, n] = scale[n] * sum_s part[s, t, n] + bias[n], the splits summed in order (deterministic)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < numel
@@ -306,14 +313,14 @@ def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device), **_widen_args(x, widen),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     if split > 1:
         numel = num_tokens * out_features
         block = 1024 if x.device.type == "cuda" else 64
         _fp8_split_sum_kernel[(triton.cdiv(numel, block),)](
             target, scale, bias if bias is not None else scale, out, numel, out_features, split, target.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(x.device),
         )
     return out
 
@@ -353,7 +360,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device), **_widen_args(x, widen),
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_args(x.device),
     )
     return out
 

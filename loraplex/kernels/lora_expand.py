@@ -33,10 +33,12 @@ from loraplex.kernels._triton import (
     int32_table,
     launch_options,
     next_pow2,
+    pdl_args,
+    pdl_wait,
     pointer_table,
     require_triton,
-    tl_dtype,
     tl,
+    tl_dtype,
     triton,
 )
 from loraplex.kernels.errors import KernelArgumentError
@@ -146,7 +148,9 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     seg = tl.load(tiles_ptr + tl.program_id(0))
     m_tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     slice_id = tl.program_id(1) // n_tiles
@@ -404,7 +408,7 @@ def _launch_lora_expand(
         BLOCK_R=block_r,
         DOT_DTYPE=dot_dtype(lora_b[0].dtype, y.device),
         PRECISION=dot_precision(lora_b[0].dtype, y.device),
-        **launch,
+        **launch, **pdl_args(y.device),
     )
 
 

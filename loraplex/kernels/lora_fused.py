@@ -31,6 +31,8 @@ from loraplex.kernels._triton import (
     int32_table,
     next_pow2,
     num_sms,
+    pdl_args,
+    pdl_wait,
     pointer_table,
     require_triton,
     tl,
@@ -94,7 +96,9 @@ def _fused_lora_kernel(
     BLOCK_R: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     seg = tl.load(tiles_ptr + tl.program_id(0))
     m_tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     slice_id = tl.program_id(1) // n_col_blocks
@@ -248,7 +252,7 @@ def _launch_fused_lora(
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_args(x.device),
     )
 
 

@@ -37,11 +37,13 @@ from loraplex.kernels._checks import (
 from loraplex.kernels._lora_checks import check_mapping, check_paging, check_ranks, check_weight_list, paged_rows
 from loraplex.kernels._triton import (
     cdiv,
-    launch_options,
     dot_dtype,
     dot_precision,
+    launch_options,
     next_pow2,
     num_sms,
+    pdl_args,
+    pdl_wait,
     pointer_table,
     require_triton,
     tl,
@@ -142,7 +144,9 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     seg = tl.load(tiles_ptr + tl.program_id(0))
     m_tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     slice_id = tl.program_id(1) // (split_k * RANK_PROGRAMS)
@@ -362,7 +366,7 @@ def _run_kernel(
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
-        **launch,
+        **launch, **pdl_args(x.device),
     )
 
 

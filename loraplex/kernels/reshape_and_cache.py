@@ -15,7 +15,7 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
+from loraplex.kernels._triton import next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 
@@ -44,7 +44,9 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # One program per token: copies all KV heads of its key and value.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
@@ -126,7 +128,7 @@ def _launch_reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **pdl_args(key.device),
     )
 
 

@@ -21,7 +21,7 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import next_pow2, require_triton, tl, triton
+from loraplex.kernels._triton import next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
 
@@ -87,7 +87,9 @@ def _rotary_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # One program per token: rotates all query and key heads.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
@@ -146,7 +148,7 @@ def _launch_rotary(
         BLOCK_QH=next_pow2(num_q_heads),
         BLOCK_KH=next_pow2(num_kv_heads),
         BLOCK_HALF=next_pow2(half),
-        num_warps=4 if num_q_heads * half >= 1024 else 1,
+        num_warps=4 if num_q_heads * half >= 1024 else 1, **pdl_args(query.device),
     )
 
 

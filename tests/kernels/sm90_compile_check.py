@@ -106,7 +106,8 @@ def pretend_cuda() -> dict[str, Recorder]:
                      "prefill_tiles", "default_widen"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
-    for module in (rms_norm, rotary_and_cache, activation, attention_decode, attention_prefill, dense_linear):
+    for module in (rms_norm, rotary_and_cache, activation, attention_decode, attention_prefill, dense_linear, lora_shrink,
+                   lora_expand, lora_fused, fp8_linear, reshape_and_cache, rotary):
         module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}  # a Hopper launch's choice
     attention_decode.num_sms = lambda device: 132
     lora_shrink.num_sms = lambda device: 132
