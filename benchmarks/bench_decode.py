@@ -263,8 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fused-configs", default=None,
                     help="JSON from diag_fused_linear.py --table: the fused launches to use instead of the measured "
                          "ones (dense_linear.use_fused_configs)")
-    ap.add_argument("--pdl", default="on", choices=["on", "off"],
-                    help="programmatic dependent launches of the Triton kernels (kernels._triton.use_pdl)")
+    ap.add_argument("--pdl", default="on",
+                    help="programmatic dependent launches of the Triton kernels (kernels._triton.use_pdl): on, off, or "
+                         "the ops that use them, comma-separated (e.g. rms_norm,silu_and_mul)")
     ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
                     help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
                          "llama.fuse_decode_layers), or the separate kernels")
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         dense_linear.use_fused_configs(dense_linear.fused_configs_from_json(Path(args.fused_configs).read_text()))
     llama.fuse_decode_layers(args.fused_layers == "on")
-    use_pdl(args.pdl == "on")
+    use_pdl(args.pdl == "on" if args.pdl in ("on", "off") else frozenset(args.pdl.split(",")))
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:

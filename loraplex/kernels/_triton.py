@@ -182,7 +182,7 @@ def launch_options(op: str, extra: tuple[int, ...]) -> dict[str, int]:
 # programs wait (``griddepcontrol.wait``) for that kernel's completion and memory before touching global memory, and
 # let the next kernel launch at once (``griddepcontrol.launch_dependents``). CUDA graphs keep these edges, so a
 # decode step's kernels start without the launch gap between them.
-_PDL = True
+_PDL: bool | frozenset[str] = True
 
 
 @functools.lru_cache(maxsize=16)
@@ -190,19 +190,20 @@ def _cuda_capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def use_pdl(enabled: bool) -> bool:
-    """Turn programmatic dependent launches on or off (benchmarks' A/B; on by default); returns the previous
-    setting. CUDA graphs keep the launches they were captured with."""
+def use_pdl(enabled: bool | frozenset[str]) -> bool | frozenset[str]:
+    """Turn programmatic dependent launches on or off, or on for the named ops only (benchmarks' A/B; on by
+    default); returns the previous setting. CUDA graphs keep the launches they were captured with."""
     global _PDL
     previous, _PDL = _PDL, enabled
     return previous
 
 
-def pdl_args(device: torch.device) -> dict[str, Any]:
-    """Launch keywords of a kernel that begins with :func:`pdl_wait`: ``{"USE_PDL": True, "launch_pdl": True}`` on a
-    CUDA device of compute capability >= 9 (with :func:`use_pdl` on), else ``{"USE_PDL": False}`` (the interpreter and
-    older GPUs: the wait compiles away)."""
-    if _PDL and device.type == "cuda" and _cuda_capability_major(
+def pdl_args(device: torch.device, op: str) -> dict[str, Any]:
+    """Launch keywords of op ``op``'s kernel, which begins with :func:`pdl_wait`: ``{"USE_PDL": True, "launch_pdl":
+    True}`` on a CUDA device of compute capability >= 9 (with :func:`use_pdl` on for ``op``), else ``{"USE_PDL":
+    False}`` (the interpreter and older GPUs: the wait compiles away)."""
+    on = _PDL if isinstance(_PDL, bool) else op in _PDL
+    if on and device.type == "cuda" and _cuda_capability_major(
             device.index if device.index is not None else torch.cuda.current_device()) >= 9:
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}

@@ -125,12 +125,12 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:2], *gate[2:9], *up[2:9], gate[9],
             BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGE=lora.page_table is not None,
-            num_warps=warps, **pdl_args(x.device),
+            num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](
         x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4,
-        **pdl_args(x.device)
+        **pdl_args(x.device, _OP)
     )
     return out
 

@@ -347,7 +347,7 @@ def launch_decode(
         USE_DOT=config.use_dot,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=config.num_warps, **pdl_args(query.device),
+        num_warps=config.num_warps, **pdl_args(query.device, _OP),
     )
     if splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -366,7 +366,7 @@ def launch_decode(
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, next_pow2(head_dim)),
             SLIDING=sliding_window is not None,
-            num_warps=4 if head_dim >= 128 else 1, **pdl_args(query.device),
+            num_warps=4 if head_dim >= 128 else 1, **pdl_args(query.device, _OP),
         )
 
 

@@ -198,7 +198,7 @@ def launch_prefill(
         SKIP_DECODE=skip_decode,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=num_warps, **pdl_args(query.device),
+        num_warps=num_warps, **pdl_args(query.device, _OP),
     )
 
 

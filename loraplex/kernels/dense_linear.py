@@ -408,13 +408,13 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if kind == "gemv":
         _dense_gemv_kernel[(triton.cdiv(out_features, block_n),)](
             x, weight, bias_arg, norm_arg, residual_arg, out, out_features, in_features, weight.stride(0),
-            float(norm_eps), **flags, **pdl_args(x.device))
+            float(norm_eps), **flags, **pdl_args(x.device, _OP))
         return out
     _dense_linear_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t))](
         x, weight, bias_arg, norm_arg, residual_arg, out, num_tokens, out_features, in_features,
         x.stride(0), weight.stride(0), residual_arg.stride(0), out.stride(0), float(norm_eps),
         SWAP=kind == "swap", BLOCK_T=block_t, DOT_DTYPE=dot_dtype(x.dtype, x.device),
-        PRECISION=dot_precision(x.dtype, x.device), **flags, **pdl_args(x.device))
+        PRECISION=dot_precision(x.dtype, x.device), **flags, **pdl_args(x.device, _OP))
     return out
 
 

@@ -313,14 +313,14 @@ def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device), **_widen_args(x, widen),
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device, _OP),
     )
     if split > 1:
         numel = num_tokens * out_features
         block = 1024 if x.device.type == "cuda" else 64
         _fp8_split_sum_kernel[(triton.cdiv(numel, block),)](
             target, scale, bias if bias is not None else scale, out, numel, out_features, split, target.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(x.device),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(x.device, _OP),
         )
     return out
 
@@ -360,7 +360,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), PRECISION=dot_precision(x.dtype, x.device), **_widen_args(x, widen),
         num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x.device),
+        num_stages=num_stages, **pdl_args(x.device, _OP),
     )
     return out
 

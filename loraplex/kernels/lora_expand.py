@@ -408,7 +408,7 @@ def _launch_lora_expand(
         BLOCK_R=block_r,
         DOT_DTYPE=dot_dtype(lora_b[0].dtype, y.device),
         PRECISION=dot_precision(lora_b[0].dtype, y.device),
-        **launch, **pdl_args(y.device),
+        **launch, **pdl_args(y.device, _OP),
     )
 
 

@@ -252,7 +252,7 @@ def _launch_fused_lora(
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
         num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x.device),
+        num_stages=num_stages, **pdl_args(x.device, _OP),
     )
 
 

@@ -366,7 +366,7 @@ def _run_kernel(
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device),
-        **launch, **pdl_args(x.device),
+        **launch, **pdl_args(x.device, _OP),
     )
 
 

@@ -128,7 +128,7 @@ def _launch_reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **pdl_args(key.device),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **pdl_args(key.device, _OP),
     )
 
 

@@ -167,7 +167,7 @@ def _launch_rms_norm(
             hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk), BLOCK_R=block_r(lora),
-            SLOT_PAGE=lora.page_table is not None, num_warps=warps, **pdl_args(x.device),
+            SLOT_PAGE=lora.page_table is not None, num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out if residual_out is None else (out, residual_out)
     block_h = next_pow2(hidden_size)
@@ -185,7 +185,7 @@ def _launch_rms_norm(
         residual_out.stride(0) if residual_out is not None else 0,
         HAS_RESIDUAL=residual is not None,
         BLOCK_H=block_h,
-        num_warps=min(max(block_h // 256, 1), 16), **pdl_args(x.device),
+        num_warps=min(max(block_h // 256, 1), 16), **pdl_args(x.device, _OP),
     )
     return out if residual_out is None else (out, residual_out)
 

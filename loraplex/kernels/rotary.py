@@ -148,7 +148,7 @@ def _launch_rotary(
         BLOCK_QH=next_pow2(num_q_heads),
         BLOCK_KH=next_pow2(num_kv_heads),
         BLOCK_HALF=next_pow2(half),
-        num_warps=4 if num_q_heads * half >= 1024 else 1, **pdl_args(query.device),
+        num_warps=4 if num_q_heads * half >= 1024 else 1, **pdl_args(query.device, _OP),
     )
 
 

@@ -253,7 +253,7 @@ def _launch_rotary_and_cache(
             value_cache.stride(2), cos_sin_cache.stride(0), block_size, num_q_heads, num_kv_heads,
             *parts[0][:2], *parts[0][2:9], *parts[1][2:9], *parts[2][2:9], parts[0][9],
             HALF=half, HEADS=heads, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
-            SLOT_PAGE=lora.page_table is not None, num_warps=4, **pdl_args(query.device),
+            SLOT_PAGE=lora.page_table is not None, num_warps=4, **pdl_args(query.device, _OP),
         )
         return q_out
     _rotary_and_cache_kernel[(num_tokens,)](
@@ -284,7 +284,7 @@ def _launch_rotary_and_cache(
         BLOCK_QH=next_pow2(num_q_heads),
         BLOCK_KH=next_pow2(num_kv_heads),
         BLOCK_HALF=next_pow2(half),
-        num_warps=4 if num_q_heads * half >= 1024 else 1, **pdl_args(query.device),
+        num_warps=4 if num_q_heads * half >= 1024 else 1, **pdl_args(query.device, _OP),
     )
     return q_out
 

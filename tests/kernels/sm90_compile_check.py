@@ -108,7 +108,7 @@ def pretend_cuda() -> dict[str, Recorder]:
                 setattr(module, name, _as_cuda(getattr(module, name)))
     for module in (rms_norm, rotary_and_cache, activation, attention_decode, attention_prefill, dense_linear, lora_shrink,
                    lora_expand, lora_fused, fp8_linear, reshape_and_cache, rotary):
-        module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}  # a Hopper launch's choice
+        module.pdl_args = lambda device, op: {"USE_PDL": True, "launch_pdl": True}  # a Hopper launch's choice
     attention_decode.num_sms = lambda device: 132
     lora_shrink.num_sms = lambda device: 132
     lora_fused.num_sms = lambda device: 132

@@ -11,17 +11,20 @@ from loraplex.kernels._triton import pdl_args, use_pdl
 
 
 def test_pdl_only_on_hopper_cuda(monkeypatch):
-    assert pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+    assert pdl_args(torch.device("cpu"), "rms_norm") == {"USE_PDL": False}
     monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 9)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert pdl_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
+    cuda = torch.device("cuda", 0)
+    assert pdl_args(cuda, "rms_norm") == {"USE_PDL": True, "launch_pdl": True}
     previous = use_pdl(False)
     try:
-        assert previous is True and pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+        assert previous is True and pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
+        use_pdl(frozenset({"rms_norm"}))
+        assert pdl_args(cuda, "rms_norm")["USE_PDL"] and not pdl_args(cuda, "dense_linear")["USE_PDL"]
     finally:
         use_pdl(previous)
     monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 8)
-    assert pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+    assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
 
 
 def _chain(kernels, h, weights, g):
