@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import LLAMA2_7B, git_commit, make_model_dir, measure_copy_bandwidth, out_dir  # noqa: E402
 
 from loraplex import LLM, SamplingParams  # noqa: E402
+from loraplex.engine import cuda_graphs  # noqa: E402
 from loraplex.engine.models import llama  # noqa: E402
 from loraplex.kernels._triton import use_pdl  # noqa: E402
 
@@ -266,6 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pdl", default="on",
                     help="programmatic dependent launches of the Triton kernels (kernels._triton.use_pdl): on, off, or "
                          "the ops that use them, comma-separated (e.g. rms_norm,silu_and_mul)")
+    ap.add_argument("--pdl-max-batch", type=int, default=None,
+                    help="largest decode graph captured with them (cuda_graphs.pdl_max_decode_batch; default: the "
+                         "engine's, 1)")
     ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
                     help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
                          "llama.fuse_decode_layers), or the separate kernels")
@@ -283,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
         dense_linear.use_fused_configs(dense_linear.fused_configs_from_json(Path(args.fused_configs).read_text()))
     llama.fuse_decode_layers(args.fused_layers == "on")
     use_pdl(args.pdl == "on" if args.pdl in ("on", "off") else frozenset(args.pdl.split(",")))
+    if args.pdl_max_batch is not None:
+        cuda_graphs.pdl_max_decode_batch(args.pdl_max_batch)
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:
@@ -305,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
+              "pdl_max_batch": args.pdl_max_batch,
               "fused_configs": args.fused_configs,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)

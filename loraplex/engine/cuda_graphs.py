@@ -44,10 +44,24 @@ from itertools import accumulate
 import torch
 
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
+from loraplex.kernels._triton import pdl_launches
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import plan_segments
 
 logger = logging.getLogger(__name__)
+
+# Decode graphs of at most this many sequences launch the Triton kernels with programmatic dependent launches
+# (kernels._triton.pdl_launches). Measured on an H200 (benchmarks/RESULTS.md, session 20, Llama-2-7B shapes): batch 1
+# 4.03 -> 3.84 ms per step, batch 32 5.05 -> 5.42 ms (slower; the cause is not established), so batch 1 only.
+_PDL_MAX_DECODE_BATCH = 1
+
+
+def pdl_max_decode_batch(size: int) -> int:
+    """Set the largest decode graph captured with programmatic dependent launches (benchmarks' A/B; 0: none);
+    returns the previous value. Graphs captured before keep theirs."""
+    global _PDL_MAX_DECODE_BATCH
+    previous, _PDL_MAX_DECODE_BATCH = _PDL_MAX_DECODE_BATCH, size
+    return previous
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -226,12 +240,13 @@ class CudaGraphRunner:
         plan = [(size, True) for size in reversed(self.mixed_sizes)] + [(size, False) for size in reversed(self.sizes)]
         for size, mixed in plan:
             for with_lora, with_dora in variants:
-                for _ in range(2):  # warm up: compile kernels, fill launch caches
-                    self._forward(size, with_lora, with_dora, mixed)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    hidden = self._forward(size, with_lora, with_dora, mixed)
+                with pdl_launches(not mixed and size <= _PDL_MAX_DECODE_BATCH):
+                    for _ in range(2):  # warm up: compile kernels, fill launch caches
+                        self._forward(size, with_lora, with_dora, mixed)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        hidden = self._forward(size, with_lora, with_dora, mixed)
                 if self.pool is None:
                     self.pool = graph.pool()
                 (self.mixed_graphs if mixed else self.graphs)[(size, with_lora, with_dora)] = _Graph(graph, hidden)

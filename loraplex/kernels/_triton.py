@@ -9,8 +9,9 @@ kernel is *defined*, in its annotations) by ``object``; every launcher calls
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -181,8 +182,10 @@ def launch_options(op: str, extra: tuple[int, ...]) -> dict[str, int]:
 # Synchronization"): a kernel launched with it may start while the kernel before it in the stream still runs; its
 # programs wait (``griddepcontrol.wait``) for that kernel's completion and memory before touching global memory, and
 # let the next kernel launch at once (``griddepcontrol.launch_dependents``). CUDA graphs keep these edges, so a
-# decode step's kernels start without the launch gap between them.
+# decode step's kernels start without the launch gap between them. Launches use it only inside
+# :func:`pdl_launches` (the engine decides where it was measured to pay) and where :func:`use_pdl` allows.
 _PDL: bool | frozenset[str] = True
+_PDL_SCOPE = False
 
 
 @functools.lru_cache(maxsize=16)
@@ -198,11 +201,23 @@ def use_pdl(enabled: bool | frozenset[str]) -> bool | frozenset[str]:
     return previous
 
 
+@contextlib.contextmanager
+def pdl_launches(enabled: bool = True) -> Iterator[None]:
+    """Kernels launched inside (and ``enabled``) use programmatic dependent launches, where :func:`pdl_args`
+    allows them."""
+    global _PDL_SCOPE
+    previous, _PDL_SCOPE = _PDL_SCOPE, enabled
+    try:
+        yield
+    finally:
+        _PDL_SCOPE = previous
+
+
 def pdl_args(device: torch.device, op: str) -> dict[str, Any]:
     """Launch keywords of op ``op``'s kernel, which begins with :func:`pdl_wait`: ``{"USE_PDL": True, "launch_pdl":
-    True}`` on a CUDA device of compute capability >= 9 (with :func:`use_pdl` on for ``op``), else ``{"USE_PDL":
-    False}`` (the interpreter and older GPUs: the wait compiles away)."""
-    on = _PDL if isinstance(_PDL, bool) else op in _PDL
+    True}`` inside :func:`pdl_launches` on a CUDA device of compute capability >= 9 (with :func:`use_pdl` on for
+    ``op``), else ``{"USE_PDL": False}`` (the interpreter and older GPUs: the wait compiles away)."""
+    on = _PDL_SCOPE and (_PDL if isinstance(_PDL, bool) else op in _PDL)
     if on and device.type == "cuda" and _cuda_capability_major(
             device.index if device.index is not None else torch.cuda.current_device()) >= 9:
         return {"USE_PDL": True, "launch_pdl": True}

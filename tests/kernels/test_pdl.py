@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.kernels import _triton
-from loraplex.kernels._triton import pdl_args, use_pdl
+from loraplex.kernels._triton import pdl_args, pdl_launches, use_pdl
 
 
 def test_pdl_only_on_hopper_cuda(monkeypatch):
@@ -15,16 +15,20 @@ def test_pdl_only_on_hopper_cuda(monkeypatch):
     monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 9)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cuda = torch.device("cuda", 0)
-    assert pdl_args(cuda, "rms_norm") == {"USE_PDL": True, "launch_pdl": True}
-    previous = use_pdl(False)
-    try:
-        assert previous is True and pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
-        use_pdl(frozenset({"rms_norm"}))
-        assert pdl_args(cuda, "rms_norm")["USE_PDL"] and not pdl_args(cuda, "dense_linear")["USE_PDL"]
-    finally:
-        use_pdl(previous)
-    monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 8)
-    assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
+    assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}, "outside pdl_launches()"
+    with pdl_launches():
+        assert pdl_args(cuda, "rms_norm") == {"USE_PDL": True, "launch_pdl": True}
+        with pdl_launches(False):
+            assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
+        previous = use_pdl(False)
+        try:
+            assert previous is True and pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
+            use_pdl(frozenset({"rms_norm"}))
+            assert pdl_args(cuda, "rms_norm")["USE_PDL"] and not pdl_args(cuda, "dense_linear")["USE_PDL"]
+        finally:
+            use_pdl(previous)
+        monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 8)
+        assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
 
 
 def _chain(kernels, h, weights, g):
@@ -51,8 +55,7 @@ def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl():
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     results = {}
     for pdl in (False, True):
-        previous = use_pdl(pdl)
-        try:
+        with pdl_launches(pdl):
             eager = _chain(kernels, h, weights, g)
             graph, static_h = torch.cuda.CUDAGraph(), h.clone()
             _chain(kernels, static_h, weights, g)  # compiled before capture
@@ -69,6 +72,4 @@ def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl():
             results[pdl] = eager
             for (_, got), want in zip(outs, expected):
                 assert torch.equal(got, want)
-        finally:
-            use_pdl(previous)
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
