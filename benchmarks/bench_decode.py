@@ -69,6 +69,9 @@ ADAPTER_KINDS = {
 }
 MIXED_RANKS = (8,) * 24 + (16,) * 4 + (64,) * 4  # rank of adapter i of ``mixed-ranks``; sum 512 = 32 x 16
 CLASSES = ("gemm", "attention", "lora", "other")
+# kernel files whose launches take programmatic dependent launches (their ``_OP`` names are --pdl's op names)
+PDL_MODULES = ("activation", "attention_decode", "attention_prefill", "dense_linear", "fp8_linear", "lora_expand",
+               "lora_fused", "lora_shrink", "reshape_and_cache", "rms_norm", "rotary", "rotary_and_cache")
 
 
 def kernel_class(name: str) -> str:
@@ -286,7 +289,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         dense_linear.use_fused_configs(dense_linear.fused_configs_from_json(Path(args.fused_configs).read_text()))
     llama.fuse_decode_layers(args.fused_layers == "on")
-    use_pdl(args.pdl == "on" if args.pdl in ("on", "off") else frozenset(args.pdl.split(",")))
+    if args.pdl in ("on", "off"):
+        use_pdl(args.pdl == "on")
+    else:
+        import importlib
+
+        known = {importlib.import_module(f"loraplex.kernels.{m}")._OP for m in PDL_MODULES}
+        if set(args.pdl.split(",")) - known:
+            raise SystemExit(f"--pdl: unknown ops {sorted(set(args.pdl.split(',')) - known)}; known: {sorted(known)}")
+        use_pdl(frozenset(args.pdl.split(",")))
     if args.pdl_max_batch is not None:
         cuda_graphs.pdl_max_decode_batch(args.pdl_max_batch)
     config = dict(LLAMA2_7B)

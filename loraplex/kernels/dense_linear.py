@@ -263,11 +263,14 @@ def fused_configs_from_json(text: str) -> dict[tuple[str, int, int, int, str], D
     a fusion not in :data:`FUSIONS`."""
     import json
 
-    rows = json.loads(text)
-    if any(row.get("fusion") not in FUSIONS for row in rows):
-        raise ValueError(f"dense_linear: a fused table row's fusion is not one of {FUSIONS}")
-    plain = configs_from_json(json.dumps([{k: v for k, v in row.items() if k != "fusion"} for row in rows]))
-    return {(*key, row["fusion"]): config for (key, config), row in zip(plain.items(), rows, strict=True)}
+    table = {}
+    for row in json.loads(text):
+        if row.get("fusion") not in FUSIONS:
+            raise ValueError(f"dense_linear: fused table row {row}: fusion not one of {FUSIONS}")
+        plain = {k: v for k, v in row.items() if k != "fusion"}
+        ((key, config),) = configs_from_json(json.dumps([plain])).items()
+        table[(*key, row["fusion"])] = config
+    return table
 
 
 _active: dict[tuple[str, int, int, int], DenseConfig] = MEASURED_CONFIGS

@@ -310,9 +310,9 @@ def _fp8(dtype: torch.dtype) -> None:
 
 
 def _dense(dtype: torch.dtype) -> None:
-    """Dense linears: every launch of the measured table (``dense_linear.MEASURED_CONFIGS``) at its shape, plain, with a
-    bias, and with the decode layer's fusions (norm in, gated activation in, residual out), and one of each kernel kind
-    at Llama-2-7B's shapes (uneven K included)."""
+    """Dense linears: every launch of the measured table (``dense_linear.MEASURED_CONFIGS``) at its shape, plain and
+    with a bias, and one of each kernel kind at Llama-2-7B's shapes (uneven K included); the decode layer's fusions
+    (norm in, gated activation in, residual out) at every measured fused launch and once per kernel kind."""
     launches = [((t, n, k), c) for (_dev, t, n, k), c in dense_linear.MEASURED_CONFIGS.items()]
     launches += [((32, 12288, 4096), ("tm", 32, 32, 256, 4, 4)), ((1, 4096, 11008), ("swap", 16, 64, 128, 4, 3)),
                  ((1, 22016, 4096), ("gemv", 1, 8, 512, 4, 1))]
@@ -320,11 +320,19 @@ def _dense(dtype: torch.dtype) -> None:
         x, w = torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
         dense_linear.DENSE_LINEAR.triton(x, w, config=config)
         dense_linear.DENSE_LINEAR.triton(x, w, torch.zeros(n, dtype=dtype), config=config)
-        residual = torch.zeros(t, n, dtype=dtype)
-        dense_linear.DENSE_LINEAR.triton(x, w, norm_weight=torch.ones(k, dtype=dtype), config=config)
-        dense_linear.DENSE_LINEAR.triton(x, w, residual=residual, config=config)
-        dense_linear.DENSE_LINEAR.triton(torch.zeros(t, 2 * k, dtype=dtype), w, activation="silu", residual=residual,
-                                         config=config)
+    # the fused variants: every measured fused launch, and each fusion once per kernel kind at a Llama-2-7B shape
+    fused = [((t, n, k, f), c) for (_dev, t, n, k, f), c in dense_linear.MEASURED_FUSED_CONFIGS.items()]
+    fused += [((t, n, k, f), c) for (t, n, k), c in launches[-3:] for f in dense_linear.FUSIONS]
+    for (t, n, k, fusion), config in fused:
+        w, residual = torch.zeros(n, k, dtype=dtype), torch.zeros(t, n, dtype=dtype)
+        if fusion == "norm":
+            dense_linear.DENSE_LINEAR.triton(torch.zeros(t, k, dtype=dtype), w, norm_weight=torch.ones(k, dtype=dtype),
+                                             config=config)
+        elif fusion == "residual":
+            dense_linear.DENSE_LINEAR.triton(torch.zeros(t, k, dtype=dtype), w, residual=residual, config=config)
+        else:
+            dense_linear.DENSE_LINEAR.triton(torch.zeros(t, 2 * k, dtype=dtype), w, activation="silu",
+                                             residual=residual, config=config)
 
 
 def main() -> int:

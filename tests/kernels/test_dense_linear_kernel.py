@@ -46,6 +46,7 @@ CASES = [
     (("swap", 16, 64, 32, 4, 1), 5, 72, 96),
     (("swap", 32, 64, 64, 4, 1), 40, 64, 150),
     (("gemv", 1, 8, 32, 4, 1), 1, 72, 20),
+    (("gemv", 1, 8, 32, 4, 1), 1, 64, 20),  # EVEN_K: the unmasked loads
 ]
 
 
@@ -203,6 +204,10 @@ def test_fused_table_lookup(monkeypatch):
     table = {("NVIDIA H200", 32, 12288, 4096, "norm"): ("tm", 32, 64, 128, 4, 3),
              ("NVIDIA H200", 1, 4096, 11008, "gated+residual"): ("gemv", 1, 8, 512, 4, 1)}
     assert fused_configs_from_json(fused_configs_to_json(table)) == table
+    # rows that differ only in their fusion (o_proj's residual, down_proj's gated input of the same shape)
+    same_shape = {("NVIDIA H200", 1, 4096, 4096, "residual"): ("gemv", 1, 4, 512, 4, 1),
+                  ("NVIDIA H200", 1, 4096, 4096, "gated+residual"): ("gemv", 1, 8, 512, 4, 1)}
+    assert fused_configs_from_json(fused_configs_to_json(same_shape)) == same_shape
     with pytest.raises(ValueError, match="fusion"):
         fused_configs_from_json('[{"device": "d", "tokens": 16, "out_features": 8, "in_features": 8, '
                                 '"fusion": "norm+residual", "config": ["tm", 16, 16, 16, 4, 1]}]')
@@ -261,7 +266,7 @@ def test_measured_configs_at_their_shapes_on_this_gpu():
         xx = torch.randn(tokens, 2 * k, device="cuda", dtype=torch.bfloat16)
         for kw, u in ((dict(norm_weight=g, norm_eps=1e-5), _input_loop(x, g, 1e-5, None)),
                       (dict(activation="silu", residual=r), _input_loop(xx, None, 0.0, "silu"))):
-            got = _launch_dense_linear(xx if "activation" in kw else x, w, **kw).double().cpu()
+            got = _launch_dense_linear(xx if "activation" in kw else x, w, config=config, **kw).double().cpu()
             want = u @ w.double().cpu().T + (r.double().cpu() if "residual" in kw else 0.0)
             mag = u.abs() @ w.double().cpu().abs().T + (r.double().cpu().abs() if "residual" in kw else 0.0)
             err = ((got - want).abs() / mag.clamp_min(1.0)).max().item()

@@ -398,7 +398,8 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                       kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """A Llama layer of a step without LoRA in four GEMMs, attention and RoPE + cache write, no other kernel:
+        """A Llama layer of a step without LoRA in four GEMMs, attention and RoPE + cache write (and the per-head q/k
+        norms where the family has them), no other kernel:
         the input norm rides in qkv_proj, the residual adds in o_proj and down_proj, the post-attention norm in
         gate_up_proj and the activation in down_proj (``dense_linear``'s fusions). ``hidden`` is the residual stream
         ``[T, hidden]`` (the sum the unfused path carries as ``hidden + residual``); returns the next one."""
