@@ -51,7 +51,7 @@ from common import LLAMA2_7B, git_commit, make_model_dir, measure_copy_bandwidth
 from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.engine import cuda_graphs  # noqa: E402
 from loraplex.engine.models import llama  # noqa: E402
-from loraplex.kernels._triton import use_pdl  # noqa: E402
+from loraplex.kernels._triton import use_pdl, use_pdl_prefetch, use_pdl_trigger  # noqa: E402
 
 PROMPT_LEN = 128
 NUM_ADAPTERS = 32
@@ -72,6 +72,24 @@ CLASSES = ("gemm", "attention", "lora", "other")
 # kernel files whose launches take programmatic dependent launches (their ``_OP`` names are --pdl's op names)
 PDL_MODULES = ("activation", "attention_decode", "attention_prefill", "dense_linear", "fp8_linear", "lora_expand",
                "lora_fused", "lora_shrink", "reshape_and_cache", "rms_norm", "rotary", "rotary_and_cache")
+# --pdl-trigger: when PDL kernels let the next one launch (kernels._triton.use_pdl_trigger), by name: every kernel at
+# "start" / "exit"; "late": the GEMMs and decode attention after their main loops, the rest at exit; "mixed": those
+# late, the rest at start.
+_LATE_OPS = ("dense_linear", "paged_decode_attention")
+PDL_TRIGGER_POLICIES = {"start": "start", "exit": "exit",
+                        "late": {op: "late" for op in _LATE_OPS} | {"*": "exit"},
+                        "mixed": {op: "late" for op in _LATE_OPS}}
+
+
+def pdl_trigger_spec(policy: str) -> str | dict[str, str]:
+    """:data:`PDL_TRIGGER_POLICIES`' ``policy`` as ``use_pdl_trigger`` takes it ("*": every op not named)."""
+    import importlib
+
+    spec = PDL_TRIGGER_POLICIES[policy]
+    if isinstance(spec, str):
+        return spec
+    ops = [importlib.import_module(f"loraplex.kernels.{m}")._OP for m in PDL_MODULES]
+    return {op: spec.get(op, spec.get("*", "start")) for op in ops}
 
 
 def kernel_class(name: str) -> str:
@@ -273,6 +291,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pdl-max-batch", type=int, default=None,
                     help="largest decode graph captured with them (cuda_graphs.pdl_max_decode_batch; default: the "
                          "engine's, 1)")
+    ap.add_argument("--pdl-trigger", default=None, choices=sorted(PDL_TRIGGER_POLICIES),
+                    help="when PDL kernels let the next launch (PDL_TRIGGER_POLICIES; default: the engine's)")
+    ap.add_argument("--pdl-prefetch", type=int, default=None,
+                    help="weight columns each PDL GEMM program prefetches into L2 before its wait "
+                         "(kernels._triton.use_pdl_prefetch; default: the engine's)")
     ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
                     help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
                          "llama.fuse_decode_layers), or the separate kernels")
@@ -300,6 +323,10 @@ def main(argv: list[str] | None = None) -> dict:
         use_pdl(frozenset(args.pdl.split(",")))
     if args.pdl_max_batch is not None:
         cuda_graphs.pdl_max_decode_batch(args.pdl_max_batch)
+    if args.pdl_trigger is not None:
+        use_pdl_trigger(pdl_trigger_spec(args.pdl_trigger))
+    if args.pdl_prefetch is not None:
+        use_pdl_prefetch(args.pdl_prefetch)
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:
@@ -322,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
-              "pdl_max_batch": args.pdl_max_batch,
+              "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
               "fused_configs": args.fused_configs,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)

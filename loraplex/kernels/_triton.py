@@ -180,12 +180,20 @@ def launch_options(op: str, extra: tuple[int, ...]) -> dict[str, int]:
 
 # Programmatic dependent launch (Hopper and later; CUDA programming guide, "Programmatic Dependent Launch and
 # Synchronization"): a kernel launched with it may start while the kernel before it in the stream still runs; its
-# programs wait (``griddepcontrol.wait``) for that kernel's completion and memory before touching global memory, and
-# let the next kernel launch at once (``griddepcontrol.launch_dependents``). CUDA graphs keep these edges, so a
-# decode step's kernels start without the launch gap between them. Launches use it only inside
-# :func:`pdl_launches` (the engine decides where it was measured to pay) and where :func:`use_pdl` allows.
+# programs wait (``griddepcontrol.wait``) for that kernel's completion and memory before touching memory the earlier
+# kernels write, and let the next kernel launch (``griddepcontrol.launch_dependents``) at the point its trigger mode
+# names. CUDA graphs keep these edges, so a decode step's kernels start without the launch gap between them.
+# Launches use it only inside :func:`pdl_launches` (the engine decides where it was measured to pay) and where
+# :func:`use_pdl` allows.
 _PDL: bool | frozenset[str] = True
 _PDL_SCOPE = False
+# When a kernel lets the next one launch (``USE_PDL`` values): "start" right after its wait, "late" where the kernel
+# marks the end of its main loop (:func:`pdl_trigger`; kernels without such a mark: at exit), "exit" when each
+# program ends (no explicit trigger).
+PDL_TRIGGERS = {"start": 1, "exit": 2, "late": 3}
+_PDL_TRIGGER: str | dict[str, str] = "start"
+# Weight columns a GEMM prefetches into L2 before its wait (``pdl_prefetch``), per weight row of its tile; 0: none.
+_PDL_PREFETCH_K = 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -201,6 +209,36 @@ def use_pdl(enabled: bool | frozenset[str]) -> bool | frozenset[str]:
     return previous
 
 
+def use_pdl_trigger(trigger: str | dict[str, str]) -> str | dict[str, str]:
+    """Set when PDL kernels let the next kernel launch: one of :data:`PDL_TRIGGERS` for every op, or ``{op: trigger}``
+    (ops not named: ``"start"``); returns the previous setting. Raises ``ValueError`` for an unknown trigger."""
+    global _PDL_TRIGGER
+    for name in (trigger.values() if isinstance(trigger, dict) else (trigger,)):
+        if name not in PDL_TRIGGERS:
+            raise ValueError(f"PDL trigger {name!r}: expected one of {sorted(PDL_TRIGGERS)}")
+    previous, _PDL_TRIGGER = _PDL_TRIGGER, trigger
+    return previous
+
+
+def use_pdl_prefetch(columns: int) -> int:
+    """Weight columns (a power of two >= 64, or 0: none) each PDL-launched GEMM program prefetches into L2 per weight
+    row of its tile before its wait (the weights do not depend on the kernel before it); returns the previous
+    value. Raises ``ValueError`` for another value."""
+    global _PDL_PREFETCH_K
+    if columns and (columns < 64 or columns & (columns - 1)):
+        raise ValueError(f"PDL prefetch of {columns} columns: a power of two >= 64, or 0")
+    previous, _PDL_PREFETCH_K = _PDL_PREFETCH_K, columns
+    return previous
+
+
+def pdl_prefetch_columns(use_pdl: int, in_features: int) -> int:
+    """The ``PREFETCH_K`` constexpr of a GEMM launch: :func:`use_pdl_prefetch`'s columns, capped at the power of two
+    at or below ``in_features``, where the launch uses PDL (``use_pdl`` from :func:`pdl_args`); else 0."""
+    if not use_pdl or not _PDL_PREFETCH_K or in_features < 64:
+        return 0
+    return min(_PDL_PREFETCH_K, 1 << (in_features.bit_length() - 1))
+
+
 @contextlib.contextmanager
 def pdl_launches(enabled: bool = True) -> Iterator[None]:
     """Kernels launched inside (and ``enabled``) use programmatic dependent launches, where :func:`pdl_args`
@@ -214,21 +252,43 @@ def pdl_launches(enabled: bool = True) -> Iterator[None]:
 
 
 def pdl_args(device: torch.device, op: str) -> dict[str, Any]:
-    """Launch keywords of op ``op``'s kernel, which begins with :func:`pdl_wait`: ``{"USE_PDL": True, "launch_pdl":
+    """Launch keywords of op ``op``'s kernel, which begins with :func:`pdl_wait`: ``{"USE_PDL": mode, "launch_pdl":
     True}`` inside :func:`pdl_launches` on a CUDA device of compute capability >= 9 (with :func:`use_pdl` on for
-    ``op``), else ``{"USE_PDL": False}`` (the interpreter and older GPUs: the wait compiles away)."""
+    ``op``; ``mode`` the :data:`PDL_TRIGGERS` value of its trigger, 1 by default), else ``{"USE_PDL": False}`` (the
+    interpreter and older GPUs: the wait compiles away)."""
     on = _PDL_SCOPE and (_PDL if isinstance(_PDL, bool) else op in _PDL)
     if on and device.type == "cuda" and _cuda_capability_major(
             device.index if device.index is not None else torch.cuda.current_device()) >= 9:
-        return {"USE_PDL": True, "launch_pdl": True}
+        trigger = _PDL_TRIGGER if isinstance(_PDL_TRIGGER, str) else _PDL_TRIGGER.get(op, "start")
+        return {"USE_PDL": PDL_TRIGGERS[trigger], "launch_pdl": True}
     return {"USE_PDL": False}
 
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """First statement of a kernel launched with :func:`pdl_args`: wait for the previous kernel in the stream (its
-    writes visible, its reads of what this kernel overwrites done), then allow the next kernel to launch. Every
-    program runs it before any global load or store."""
+    """First statement of a kernel launched with :func:`pdl_args` (after :func:`pdl_prefetch` at most): wait for the
+    previous kernel in the stream (its writes visible, its reads of what this kernel overwrites done); with the
+    "start" trigger (``USE_PDL == 1``), then allow the next kernel to launch. Every program runs it before any other
+    global load or store."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """The end of a kernel's main loop: with the "late" trigger (``USE_PDL == 3``), allow the next kernel to launch
+    here (its programs then take SM slots only while this kernel's last programs finish their epilogues)."""
+    if USE_PDL == 3:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_prefetch(ptrs, mask, fallback, PREFETCH: tl.constexpr):
+    """Before :func:`pdl_wait`: ask L2 for the 128-byte lines at ``ptrs`` (one pointer per line; masked-off ones ask for
+    ``fallback``'s line) while the previous kernel still runs. For data no kernel of the step writes (weights): L2 is
+    coherent and the prefetch fills no L1, so it never makes a later load stale. ``PREFETCH`` False: nothing."""
+    if PREFETCH:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, fallback)],
+                                  dtype=tl.int32, is_pure=False, pack=1)

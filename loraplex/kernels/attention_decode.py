@@ -51,8 +51,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from loraplex.kernels._attention_checks import check_attention_args, check_attention_layout, prepare_out
-from loraplex.kernels._triton import (cdiv, dot_dtype, dot_precision, next_pow2, num_sms, pdl_args, pdl_wait,
-                                      require_triton, tl, triton)
+from loraplex.kernels._triton import (cdiv, dot_dtype, dot_precision, next_pow2, num_sms, pdl_args, pdl_trigger,
+                                      pdl_wait, require_triton, tl, triton)
 from loraplex.kernels.attention_common import attend_kv_range
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.errors import KernelArgumentError
@@ -230,6 +230,7 @@ def _paged_decode_kernel(
         start, end, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, softcap, window,
         PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_DTYPE, PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
     )
+    pdl_trigger(USE_PDL)
     if num_active == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],

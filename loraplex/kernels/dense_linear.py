@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_same_dtype, check_shape
-from loraplex.kernels._triton import (device_name, dot_dtype, dot_precision, max_shared_memory, pdl_args, pdl_wait,
-                                      require_triton, tl, triton)
+from loraplex.kernels._triton import (device_name, dot_dtype, dot_precision, max_shared_memory, pdl_args,
+                                      pdl_prefetch, pdl_prefetch_columns, pdl_trigger, pdl_wait, require_triton, tl,
+                                      triton)
 from loraplex.kernels.activation import _gated, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
@@ -57,17 +58,30 @@ def _load_input(ptrs, in_features, norm_ptrs, mask, k_mask, sumsq, EVEN: tl.cons
 
 
 @triton.jit
+def _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETCH_K: tl.constexpr,
+                      LINE: tl.constexpr):
+    """Before the PDL wait: the first ``PREFETCH_K`` columns of the tile's weight rows ``cols`` into L2, one request
+    per ``LINE`` elements (128 bytes); nothing where ``PREFETCH_K`` is 0."""
+    if PREFETCH_K > 0:
+        k = tl.arange(0, PREFETCH_K // LINE) * LINE
+        pdl_prefetch(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                     (cols[:, None] < out_features) & (k[None, :] < in_features), w_ptr, True)
+
+
+@triton.jit
 def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, num_tokens, out_features,
                          in_features, stride_xt, stride_wn, stride_rt, stride_ot, eps,
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, GELU_TANH: tl.constexpr,
                          HAS_RESIDUAL: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)
+                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+                         PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64):
     # out[t, n] = sum_k u[t, k] * w[n, k] (* inv_rms[t]) + bias[n] + residual[t, n] (DENSE_LINEAR); grid (column
     # tiles, token tiles). Token-major: acc[t, n] = u_tile @ w_tile^T; SWAP: acc[n, t] = w_tile @ u_tile^T (the
     # weight tile as the dot's M side: Hopper's wgmma takes 64-row M tiles, and a 16/32-token tile is its N)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETCH_K, LINE)
+    pdl_wait(USE_PDL)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     col_mask = cols < out_features
     row_mask = rows < num_tokens
@@ -88,6 +102,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
             acc += tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), input_precision=PRECISION)
         else:
             acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+    pdl_trigger(USE_PDL)
     inv = tl.math.rsqrt(sumsq / in_features + eps)  # used with NORM only
     if SWAP:
         if NORM:
@@ -117,11 +132,13 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, out_features, in_features,
                        stride_wn, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
                        GELU_TANH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+                       PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64):
     # out[0, n] = sum_k u[0, k] * w[n, k] (* inv_rms) + bias[n] + residual[0, n]: products and sums in fp32 on CUDA
     # cores, one column tile each
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETCH_K, LINE)
+    pdl_wait(USE_PDL)
     col_mask = cols < out_features
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     sumsq = tl.sum(tl.zeros([BLOCK_K], tl.float32), axis=0)
@@ -137,6 +154,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
                         mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    pdl_trigger(USE_PDL)
     out = tl.sum(acc, axis=1)
     if NORM:
         out *= tl.math.rsqrt(sumsq / in_features + eps)
@@ -408,16 +426,18 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                  GELU_TANH=activation == "gelu_tanh", HAS_RESIDUAL=residual is not None,
                  EVEN_K=in_features % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                  num_stages=stages)
+    pdl = pdl_args(x.device, _OP)
+    flags.update(PREFETCH_K=pdl_prefetch_columns(pdl["USE_PDL"], in_features), LINE=128 // weight.element_size())
     if kind == "gemv":
         _dense_gemv_kernel[(triton.cdiv(out_features, block_n),)](
             x, weight, bias_arg, norm_arg, residual_arg, out, out_features, in_features, weight.stride(0),
-            float(norm_eps), **flags, **pdl_args(x.device, _OP))
+            float(norm_eps), **flags, **pdl)
         return out
     _dense_linear_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t))](
         x, weight, bias_arg, norm_arg, residual_arg, out, num_tokens, out_features, in_features,
         x.stride(0), weight.stride(0), residual_arg.stride(0), out.stride(0), float(norm_eps),
         SWAP=kind == "swap", BLOCK_T=block_t, DOT_DTYPE=dot_dtype(x.dtype, x.device),
-        PRECISION=dot_precision(x.dtype, x.device), **flags, **pdl_args(x.device, _OP))
+        PRECISION=dot_precision(x.dtype, x.device), **flags, **pdl)
     return out
 
 

@@ -90,3 +90,25 @@ def test_quick_run_of_the_adapter_type_rows(tmp_path):
     assert all(r["decode_steps_timed"] >= 2 and r["step_ms"] > 0 for r in result["rows"])
     with pytest.raises(SystemExit, match="unknown"):
         bd.main(["--quick", "--kinds", "base,qlora"])
+
+
+def test_pdl_trigger_policies_name_every_kernel_op():
+    import importlib
+
+    ops = {importlib.import_module(f"loraplex.kernels.{m}")._OP for m in bd.PDL_MODULES}
+    assert bd.pdl_trigger_spec("start") == "start" and bd.pdl_trigger_spec("exit") == "exit"
+    late, mixed = bd.pdl_trigger_spec("late"), bd.pdl_trigger_spec("mixed")
+    assert set(late) == set(mixed) == ops
+    assert late["dense_linear"] == late["paged_decode_attention"] == mixed["dense_linear"] == "late"
+    assert late["rms_norm"] == "exit" and mixed["rms_norm"] == "start"
+
+
+def test_diag_pdl_quick_run_compares_every_variant(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU logic check; a GPU runs the real diagnosis")
+    import diag_pdl
+
+    report = diag_pdl.main(["--quick", "--batches", "1,3", "--out", str(tmp_path / "p.json")])
+    assert [r["batch"] for r in report["rows"]] == [1, 3]
+    # on the CPU no launch uses PDL, so every variant's forward is the same computation
+    assert all(r["equal_to_off"] == {name: True for name in diag_pdl.VARIANTS} for r in report["rows"])

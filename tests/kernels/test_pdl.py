@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from loraplex.kernels import _triton
-from loraplex.kernels._triton import pdl_args, pdl_launches, use_pdl
+from loraplex.kernels._triton import (PDL_TRIGGERS, pdl_args, pdl_launches, pdl_prefetch_columns, use_pdl,
+                                      use_pdl_prefetch, use_pdl_trigger)
 
 
 def test_pdl_only_on_hopper_cuda(monkeypatch):
@@ -31,6 +32,40 @@ def test_pdl_only_on_hopper_cuda(monkeypatch):
         assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
 
 
+def test_trigger_modes_and_prefetch_columns(monkeypatch):
+    from loraplex.kernels import _triton
+
+    monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 9)
+    cuda = torch.device("cuda", 0)
+    previous = use_pdl_trigger({"dense_linear": "late"})
+    try:
+        with pdl_launches():
+            assert pdl_args(cuda, "dense_linear") == {"USE_PDL": PDL_TRIGGERS["late"], "launch_pdl": True} == {
+                "USE_PDL": 3, "launch_pdl": True}
+            assert pdl_args(cuda, "rms_norm")["USE_PDL"] == 1  # ops not named: "start"
+            use_pdl_trigger("exit")
+            assert pdl_args(cuda, "rms_norm")["USE_PDL"] == 2
+        with pytest.raises(ValueError, match="late.*start"):
+            use_pdl_trigger("early")
+        with pytest.raises(ValueError, match="late"):
+            use_pdl_trigger({"rms_norm": "soon"})
+    finally:
+        use_pdl_trigger(previous)
+    assert pdl_prefetch_columns(1, 4096) == 0  # off by default
+    before = use_pdl_prefetch(1024)
+    try:
+        assert before == 0
+        assert pdl_prefetch_columns(1, 4096) == 1024
+        assert pdl_prefetch_columns(1, 640) == 512  # capped at the power of two at or below K
+        assert pdl_prefetch_columns(False, 4096) == 0  # only launches that use PDL prefetch before their wait
+        assert pdl_prefetch_columns(3, 32) == 0
+        for bad in (32, 96, -64):
+            with pytest.raises(ValueError, match="power of two"):
+                use_pdl_prefetch(bad)
+    finally:
+        use_pdl_prefetch(before)
+
+
 def _chain(kernels, h, weights, g):
     """A decode layer's dependent kernels, eight times over: each reads what the one before wrote."""
     residual = h
@@ -43,7 +78,8 @@ def _chain(kernels, h, weights, g):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper GPU")
-def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl():
+@pytest.mark.parametrize("trigger,prefetch", [("start", 0), ("exit", 0), ("late", 0), ("start", 512), ("late", 1024)])
+def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl(trigger, prefetch):
     from loraplex.kernels.ops import Kernels
 
     kernels = Kernels("triton")
@@ -54,6 +90,7 @@ def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl():
     g = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     results = {}
+    previous = use_pdl_trigger(trigger), use_pdl_prefetch(prefetch)
     for pdl in (False, True):
         with pdl_launches(pdl):
             eager = _chain(kernels, h, weights, g)
@@ -72,4 +109,6 @@ def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl():
             results[pdl] = eager
             for (_, got), want in zip(outs, expected):
                 assert torch.equal(got, want)
+    use_pdl_trigger(previous[0])
+    use_pdl_prefetch(previous[1])
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
