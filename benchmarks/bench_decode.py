@@ -51,7 +51,8 @@ from common import LLAMA2_7B, git_commit, make_model_dir, measure_copy_bandwidth
 from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.engine import cuda_graphs  # noqa: E402
 from loraplex.engine.models import llama  # noqa: E402
-from loraplex.kernels._triton import use_pdl, use_pdl_prefetch, use_pdl_trigger  # noqa: E402
+from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, use_pdl, use_pdl_prefetch,  # noqa: E402
+                                      use_pdl_trigger)
 
 PROMPT_LEN = 128
 NUM_ADAPTERS = 32
@@ -73,12 +74,11 @@ CLASSES = ("gemm", "attention", "lora", "other")
 PDL_MODULES = ("activation", "attention_decode", "attention_prefill", "dense_linear", "fp8_linear", "lora_expand",
                "lora_fused", "lora_shrink", "reshape_and_cache", "rms_norm", "rotary", "rotary_and_cache")
 # --pdl-trigger: when PDL kernels let the next one launch (kernels._triton.use_pdl_trigger), by name: every kernel at
-# "start" / "exit"; "late": the GEMMs and decode attention after their main loops, the rest at exit; "mixed": those
-# late, the rest at start.
-_LATE_OPS = ("dense_linear", "paged_decode_attention")
+# "start" / "exit"; "late": the kernels that trigger late by default (the GEMMs, decode attention) late, the rest at
+# exit; "mixed": the engine's default (those late, the rest at start).
 PDL_TRIGGER_POLICIES = {"start": "start", "exit": "exit",
-                        "late": {op: "late" for op in _LATE_OPS} | {"*": "exit"},
-                        "mixed": {op: "late" for op in _LATE_OPS}}
+                        "late": {op: "late" for op in DEFAULT_PDL_TRIGGERS} | {"*": "exit"},
+                        "mixed": dict(DEFAULT_PDL_TRIGGERS)}
 
 
 def pdl_trigger_spec(policy: str) -> str | dict[str, str]:

@@ -8,9 +8,10 @@ on the engine's own model and decode graph (the layers: embedding, 32 decoder la
 sampling run outside it), one CUDA graph per variant:
 
 - ``off``: no PDL (the engine's launches above batch 1);
-- trigger modes (``_triton.use_pdl_trigger``): ``start`` (session 20's), ``exit`` (no explicit trigger: each program
-  lets go when it ends), ``late`` (the GEMMs and decode attention after their main loop, the rest at exit), and
-  ``mixed`` (GEMMs and attention late, the small kernels at start);
+- trigger modes (``_triton.use_pdl_trigger``, ``bench_decode.PDL_TRIGGER_POLICIES``): ``start`` (session 20's),
+  ``exit`` (no explicit trigger: each program lets go when it ends), ``late`` (the GEMMs and decode attention after
+  their main loop, the rest at exit), and ``mixed`` (GEMMs and attention late, the small kernels at start: the
+  engine's default since session 21);
 - ``+pf N``: each Triton GEMM program prefetches the first N columns of its weight rows into L2 before its wait
   (``_triton.use_pdl_prefetch``), while the kernel before it runs.
 
@@ -39,7 +40,8 @@ from bench_decode import pdl_trigger_spec  # noqa: E402
 from common import LLAMA2_7B, make_model_dir  # noqa: E402
 from loraplex.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
 from loraplex.engine.llm import LLM  # noqa: E402
-from loraplex.kernels._triton import pdl_launches, use_pdl, use_pdl_prefetch, use_pdl_trigger  # noqa: E402
+from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, pdl_launches, use_pdl, use_pdl_prefetch,  # noqa: E402
+                                      use_pdl_trigger)
 
 VARIANTS = {  # name: (PDL on, bench_decode.PDL_TRIGGER_POLICIES name, prefetch columns)
     "off": (False, "start", 0),
@@ -109,16 +111,14 @@ def main(argv: list[str] | None = None) -> dict:
                     graphs._forward(b, False, False)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=graphs.pool):
+                with torch.cuda.graph(graph):  # a pool of its own: the graphs of a batch are freed after it
                     hidden = graphs._forward(b, False, False)
             if args.quick:
                 continue
-            if graphs.pool is None:
-                graphs.pool = graph.pool()
             graph.replay()
             torch.cuda.synchronize()
             captured[name] = (graph, hidden, hidden.clone())
-        use_pdl_trigger("start")
+        use_pdl_trigger(DEFAULT_PDL_TRIGGERS)
         use_pdl_prefetch(0)
         ref = captured[names[0]][2]
         row = {"batch": b, "equal_to_" + names[0]: {n: bool(torch.equal(c[2], ref)) for n, c in captured.items()}}

@@ -51,9 +51,12 @@ from loraplex.kernels.lora_mapping import plan_segments
 logger = logging.getLogger(__name__)
 
 # Decode graphs of at most this many sequences launch the Triton kernels with programmatic dependent launches
-# (kernels._triton.pdl_launches). Measured on an H200 (benchmarks/RESULTS.md, session 20, Llama-2-7B shapes): batch 1
-# 4.03 -> 3.84 ms per step, batch 32 5.05 -> 5.42 ms (slower; the cause is not established), so batch 1 only.
-_PDL_MAX_DECODE_BATCH = 1
+# (kernels._triton.pdl_launches), each letting the next launch at its default trigger (kernels._triton.
+# DEFAULT_PDL_TRIGGERS). Measured on an H200 (benchmarks/RESULTS.md, sessions 20-21, Llama-2-7B shapes): with every
+# kernel triggering at its start, batch 1 4.03 -> 3.84 ms per step but batch 32 5.05 -> 5.42; with the GEMMs and
+# decode attention triggering after their main loops, every decode batch gains (session 21), so all decode graphs.
+# Mixed prefill+decode graphs launch without (not measured).
+_PDL_MAX_DECODE_BATCH = 256
 
 
 def pdl_max_decode_batch(size: int) -> int:

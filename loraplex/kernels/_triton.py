@@ -191,7 +191,13 @@ _PDL_SCOPE = False
 # marks the end of its main loop (:func:`pdl_trigger`; kernels without such a mark: at exit), "exit" when each
 # program ends (no explicit trigger).
 PDL_TRIGGERS = {"start": 1, "exit": 2, "late": 3}
-_PDL_TRIGGER: str | dict[str, str] = "start"
+# The default: the GEMMs and decode attention (main loops over K or the context, several programs per SM, often more
+# than one wave) let go late, every other kernel at its start. Measured on an H200 (benchmarks/RESULTS.md, session
+# 21, benchmarks/diag_pdl.py): with every kernel at "start" a Llama-2-7B decode graph of batch 32 took 5.19 ms
+# against 4.82 without PDL, and 4.73 with this default (the dependents of a GEMM, taking SM slots while its programs
+# still stream weights, were the loss); batch 1: 3.87 without PDL, 3.67 at "start", 3.69 with this default.
+DEFAULT_PDL_TRIGGERS = {"dense_linear": "late", "fp8_linear": "late", "paged_decode_attention": "late"}
+_PDL_TRIGGER: str | dict[str, str] = DEFAULT_PDL_TRIGGERS
 # Weight columns a GEMM prefetches into L2 before its wait (``pdl_prefetch``), per weight row of its tile; 0: none.
 _PDL_PREFETCH_K = 0
 

@@ -32,6 +32,7 @@ from loraplex.kernels._triton import (
     dot_precision,
     max_shared_memory,
     pdl_args,
+    pdl_trigger,
     pdl_wait,
     require_triton,
     tl,
@@ -147,6 +148,7 @@ def _fp8_linear_kernel(
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         w = _widen_e4m3(w, WIDE, WIDEN)
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+    pdl_trigger(USE_PDL)
     scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
     acc = (acc * UNSCALE) * scale[None, :]
     if HAS_BIAS:
@@ -202,6 +204,7 @@ def _fp8_linear_swap_kernel(
                     mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         w = _widen_e4m3(w, WIDE, WIDEN)
         acc += tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=PRECISION)
+    pdl_trigger(USE_PDL)
     acc = acc * UNSCALE
     mask = col_mask[:, None] & row_mask[None, :]
     if PARTIAL:
