@@ -122,14 +122,15 @@ class Row:
     note: str = ""
 
 
-def sweep_configs(case: Case, device: torch.device, which: str) -> list[DecodeConfig]:
-    """The default config first, then (``which == "sweep"``) tiles x split targets, without duplicates."""
+def sweep_configs(case: Case, device: torch.device, which: str, tiles: tuple | None = None) -> list[DecodeConfig]:
+    """The default config first, then (``which == "sweep"``) tiles (``tiles``, else :data:`SWEEP_TILES`) x split
+    targets, without duplicates."""
     h = case.heads
     default = decode_config(case.batch, h.num_kv_heads, case.group, h.head_dim, case.page, case.context, case.dtype,
                             device)
     configs = [default]
     if which == "sweep":
-        tiles = SWEEP_TILES if device.type == "cuda" else ((16, 4, 1), (32, 4, 1))
+        tiles = tiles or (SWEEP_TILES if device.type == "cuda" else ((16, 4, 1), (32, 4, 1)))
         programs = case.batch * h.num_kv_heads
         for block_n, warps, stages in tiles:
             if block_n % case.page and case.page % block_n:
@@ -398,11 +399,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--batches", default=None, help="comma list (default 1,32,128,256)")
     parser.add_argument("--configs", choices=("default", "sweep"), default="default",
                         help="default: the heuristic's config only (~1 min on an H200); sweep: tiles x split targets")
+    parser.add_argument("--tiles", default=None, help="with --configs sweep: the tiles, BLOCK_NxWARPSxSTAGES comma list "
+                        "(default SWEEP_TILES)")
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens (engine default 16)")
     parser.add_argument("--max-kv-gib", type=float, default=66.0, help="skip cases whose K+V exceed this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
     parser.add_argument("--no-mixed", action="store_true", help="skip the mixed decode + prefill-chunk table")
     args = parser.parse_args(argv)
+    tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")) if args.tiles else None
+    if tiles and any(len(t) != 3 for t in tiles):
+        raise SystemExit(f"--tiles {args.tiles!r}: BLOCK_NxWARPSxSTAGES, comma-separated")
     if torch.cuda.is_available():
         device, timer = torch.device("cuda"), GraphTimer()
         device_name = torch.cuda.get_device_name()
@@ -425,7 +431,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for ctx in contexts:
             for batch in batches:
                 case = Case(heads, ctx, batch, page)
-                configs = sweep_configs(case, device, args.configs)
+                configs = sweep_configs(case, device, args.configs, tiles)
                 case_rows = run_case(case, configs, device, timer, copy_gbs, int(args.max_kv_gib * GIB),
                                      min_rotation, max_layers)
                 for r in case_rows:
