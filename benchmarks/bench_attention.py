@@ -399,8 +399,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--batches", default=None, help="comma list (default 1,32,128,256)")
     parser.add_argument("--configs", choices=("default", "sweep"), default="default",
                         help="default: the heuristic's config only (~1 min on an H200); sweep: tiles x split targets")
-    parser.add_argument("--tiles", default=None, help="with --configs sweep: the tiles, BLOCK_NxWARPSxSTAGES comma list "
-                        "(default SWEEP_TILES)")
+    parser.add_argument("--tiles", default=None,
+                        help="with --configs sweep: the tiles, BLOCK_NxWARPSxSTAGES comma list (default SWEEP_TILES)")
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens (engine default 16)")
     parser.add_argument("--max-kv-gib", type=float, default=66.0, help="skip cases whose K+V exceed this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")

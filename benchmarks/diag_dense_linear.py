@@ -61,12 +61,25 @@ HEADS = {"llama2": ("head", 4096, 32000), "llama3": ("head", 4096, 128256)}  # o
 
 def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``x [T, K] @ w [N, K]^T`` with ``dense_linear``'s kernel ``kind`` and ``cfg`` = (BLOCK_T, BLOCK_N, BLOCK_K,
-    warps, stages); ``out`` is unused (the launcher allocates)."""
+    warps, stages[, split_k]); ``out`` is unused (the launcher allocates)."""
     return _launch_dense_linear(x, w, config=(kind, *cfg))
 
 
-def configs(tokens: int, budget: int = SM90_SHARED_MEMORY_BYTES):
-    """(kind, cfg) launch shapes for ``tokens`` whose pipelined tiles fit ``budget`` bytes of shared memory."""
+def configs(tokens: int, budget: int = SM90_SHARED_MEMORY_BYTES, splits: tuple[int, ...] = (1,),
+            in_features: int = 0):
+    """(kind, cfg) launch shapes for ``tokens`` whose pipelined tiles fit ``budget`` bytes of shared memory; with
+    ``splits`` beyond 1, each tiled shape also split over K that many ways (a seventh cfg entry) where
+    ``in_features`` holds at least two K tiles per split."""
+    for kind, cfg in _configs(tokens, budget):
+        yield kind, cfg
+        if kind != "gemv":
+            for split in splits:
+                if split > 1 and in_features >= 2 * split * cfg[2]:
+                    yield kind, (*cfg, split)
+
+
+def _configs(tokens: int, budget: int):
+    """The unsplit launch shapes of :func:`configs`."""
     block_ts = [16] if tokens <= 16 else [32] if tokens <= 32 else [64, 128]
     for bt, bn, bk, w, s in itertools.product(block_ts, (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4)):
         if (bt + bn) * bk * 2 * s > budget or bn * bk > 128 * 256 or (w == 8 and bt * bn < 64 * 128):
@@ -106,6 +119,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="measure only these linears (names, comma-separated; no whole step)")
     ap.add_argument("--extra", default="", help="more shapes, measured per call only (not in the step): "
                     "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
+    ap.add_argument("--splits", default="1", help="K splits to try besides the whole K (e.g. 1,2,4: each tiled "
+                    "launch shape also split 2 and 4 ways; serial split-K, dense_linear's seventh config entry)")
     ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
                     "the best product kernel launch where it beat cuBLAS by >= 2%%")
     args = ap.parse_args()
@@ -123,6 +138,7 @@ def main() -> None:
             Path(args.merged).write_text(configs_to_json(merged))
 
     only = set(filter(None, args.only.split(",")))
+    splits = tuple(int(v) for v in args.splits.split(","))
     extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -155,7 +171,7 @@ def main() -> None:
                 launches = {}
                 row = {"model": model, "tokens": tokens, "linear": name, "floor_us": n * k * 2 / bw * 1e6}
                 t0 = time.perf_counter()
-                for kind, cfg in configs(tokens):
+                for kind, cfg in configs(tokens, splits=splits, in_features=k):
                     if n % cfg[1]:
                         continue
                     try:

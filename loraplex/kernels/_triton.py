@@ -296,5 +296,5 @@ def pdl_prefetch(ptrs, mask, fallback, PREFETCH: tl.constexpr):
     ``fallback``'s line) while the previous kernel still runs. For data no kernel of the step writes (weights): L2 is
     coherent and the prefetch fills no L1, so it never makes a later load stale. ``PREFETCH`` False: nothing."""
     if PREFETCH:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, fallback)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [tl.where(mask, ptrs, fallback)], dtype=tl.int32, is_pure=False, pack=1)

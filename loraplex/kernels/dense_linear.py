@@ -7,12 +7,15 @@ bound by weight bytes; on an H200 cuBLAS reads Llama-2-7B's linears at ~0.85 of 
 
 - tiled (``kind`` ``"tm"``, token-major: a 16-64-token tile times a weight tile transposed; ``"swap"``: the weight
   tile times the token tile transposed, so that the weight tile is the dot's 64/128-row side), ``tl.dot`` with
-  fp32 accumulation, one program per (column tile, token tile);
+  fp32 accumulation, one program per (column tile, token tile), or per (column tile, token tile, K split) with a
+  config's ``split_k``: serial split-K (CUTLASS's "split-K serial"), each split's fp32 partial through a workspace
+  and the last program of a tile (a counter per tile, set back to zero) adding them in split order, so the result
+  does not depend on which program finishes last;
 - GEMV (``"gemv"``, one token): fp32 products on CUDA cores, summed along K per column.
 
 Which one runs, and with which tiles, comes from :data:`MEASURED_CONFIGS`: the best of an H200 sweep
 (``benchmarks/diag_dense_linear.py``) per token bucket and weight shape, kept only where it beat cuBLAS in the same
-run. Any other device, dtype or shape, and every step over 64 tokens, takes ``F.linear``: that is the measured
+run. Any other device, dtype or shape, and every step over 128 tokens, takes ``F.linear``: that is the measured
 choice there, not a fallback from an error.
 """
 
@@ -69,16 +72,18 @@ def _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETC
 
 
 @triton.jit
-def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, num_tokens, out_features,
-                         in_features, stride_xt, stride_wn, stride_rt, stride_ot, eps,
+def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, ws_ptr, counter_ptr, num_tokens,
+                         out_features, in_features, k_per_split, stride_xt, stride_wn, stride_rt, stride_ot, eps,
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, GELU_TANH: tl.constexpr,
                          HAS_RESIDUAL: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
-                         PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                         PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1):
     # out[t, n] = sum_k u[t, k] * w[n, k] (* inv_rms[t]) + bias[n] + residual[t, n] (DENSE_LINEAR); grid (column
-    # tiles, token tiles). Token-major: acc[t, n] = u_tile @ w_tile^T; SWAP: acc[n, t] = w_tile @ u_tile^T (the
-    # weight tile as the dot's M side: Hopper's wgmma takes 64-row M tiles, and a 16/32-token tile is its N)
+    # tiles, token tiles, K splits). Token-major: acc[t, n] = u_tile @ w_tile^T; SWAP: acc[n, t] = w_tile @ u_tile^T
+    # (the weight tile as the dot's M side: Hopper's wgmma takes 64-row M tiles, and a 16/32-token tile is its N).
+    # SPLIT_K > 1: each program sums k_per_split columns of K; the last program of a tile to finish adds the splits'
+    # fp32 partials (in split order) and runs the epilogue (serial split-K: a counter per output tile).
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETCH_K, LINE)
     pdl_wait(USE_PDL)
@@ -90,7 +95,9 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     sumsq = tl.zeros([BLOCK_T], tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
+    k_first = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_first + k_per_split, in_features)
+    for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < in_features
         x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & k_mask[None, :]
@@ -103,6 +110,24 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
         else:
             acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
     pdl_trigger(USE_PDL)
+    if SPLIT_K > 1:
+        if SWAP:
+            offsets = rows[None, :].to(tl.int64) * out_features + cols[:, None]
+            tile_mask = col_mask[:, None] & row_mask[None, :]
+        else:
+            offsets = rows[:, None].to(tl.int64) * out_features + cols[None, :]
+            tile_mask = row_mask[:, None] & col_mask[None, :]
+        split_stride = (out_features * num_tokens).to(tl.int64)
+        tl.store(ws_ptr + tl.program_id(2) * split_stride + offsets, acc, mask=tile_mask)
+        tl.debug_barrier()  # every thread's partial stored before the counter says so (the atomic releases them)
+        counter = counter_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+            return
+        # the last of the tile's programs: every partial is visible (acquire); read them past L1
+        acc = tl.load(ws_ptr + offsets, mask=tile_mask, other=0.0, cache_modifier=".cg")
+        for split in range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + split * split_stride + offsets, mask=tile_mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch (or graph replay)
     inv = tl.math.rsqrt(sumsq / in_features + eps)  # used with NORM only
     if SWAP:
         if NORM:
@@ -165,11 +190,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-# (kind, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages); kind "tm", "swap" or "gemv"
-DenseConfig = tuple[str, int, int, int, int, int]
+# (kind, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]); kind "tm", "swap" or "gemv"; split_k (default 1)
+# splits K over that many programs per output tile (tm and swap; not with an input norm or activation)
+DenseConfig = tuple[str, int, int, int, int, int] | tuple[str, int, int, int, int, int, int]
 
 # Measured on an H200 (bf16, benchmarks/diag_dense_linear.py): {(device name, token bucket, out_features,
-# in_features): config} where the config beat cuBLAS in a CUDA graph of 32 layers. Token buckets: 1, 16, 32, 64
+# in_features): config} where the config beat cuBLAS in a CUDA graph of 32 layers. Token buckets: 1, 16, 32, 64, 128
 # (a step's token count rounded up to the next of them).
 _H200 = "NVIDIA H200"
 MEASURED_CONFIGS: dict[tuple[str, int, int, int], DenseConfig] = {
@@ -214,7 +240,7 @@ MEASURED_CONFIGS: dict[tuple[str, int, int, int], DenseConfig] = {
     (_H200, 32, 23040, 4096): ("swap", 32, 64, 128, 4, 3),  # 46.2 (48.1)
     (_H200, 32, 4608, 11008): ("swap", 32, 64, 256, 4, 4),  # 28.0 (31.9)
 }
-TOKEN_BUCKETS = (1, 16, 32, 64)
+TOKEN_BUCKETS = (1, 16, 32, 64, 128)
 
 
 def configs_to_json(table: dict[tuple[str, int, int, int], DenseConfig]) -> str:
@@ -233,7 +259,7 @@ def configs_from_json(text: str) -> dict[tuple[str, int, int, int], DenseConfig]
     table = {}
     for row in json.loads(text):
         config = tuple(row["config"])
-        if len(config) != 6 or row["tokens"] not in TOKEN_BUCKETS:
+        if len(config) not in (6, 7) or row["tokens"] not in TOKEN_BUCKETS:
             raise ValueError(f"dense_linear: bad table row {row}")
         try:
             check_dense_config(config, row["tokens"])
@@ -244,7 +270,7 @@ def configs_from_json(text: str) -> dict[tuple[str, int, int, int], DenseConfig]
 
 
 def token_bucket(num_tokens: int) -> int | None:
-    """The :data:`TOKEN_BUCKETS` entry ``num_tokens`` falls in (the least one at or above it); None above 64."""
+    """The :data:`TOKEN_BUCKETS` entry ``num_tokens`` falls in (the least one at or above it); None above 128."""
     for bucket in TOKEN_BUCKETS:
         if num_tokens <= bucket:
             return bucket
@@ -315,7 +341,7 @@ def use_fused_configs(table: dict[tuple[str, int, int, int, str], DenseConfig],
 def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dtype: torch.dtype,
                         device: torch.device, fusion: str | None = None) -> DenseConfig | None:
     """The measured Triton launch for this GEMM, or None where ``F.linear`` (cuBLAS) is the faster or the only
-    measured choice: off CUDA, for dtypes other than bf16, above 64 tokens and for shapes not in the table
+    measured choice: off CUDA, for dtypes other than bf16, above 128 tokens and for shapes not in the table
     (:data:`MEASURED_CONFIGS`, or :func:`use_configs`'). Shapes match exactly: a tensor-parallel shard or a folded
     LoRA linear (``[W; A pages]``) takes a launch only where its own shape was measured. With ``fusion``
     (:func:`fusion_name`) the launch comes from :data:`MEASURED_FUSED_CONFIGS`: None there means the fused call is
@@ -330,10 +356,26 @@ def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dt
     return _active.get((device_name(device), bucket, out_features, in_features)) if _active else None
 
 
+MAX_SPLIT_K = 16
+
+
+def split_k_of(config: DenseConfig) -> int:
+    """The K splits of a launch config: its seventh entry, 1 for the six-entry configs."""
+    return config[6] if len(config) > 6 else 1
+
+
 def check_dense_config(config: DenseConfig, num_tokens: int) -> None:
     """Raise :class:`KernelArgumentError` for a launch config the kernels cannot run."""
-    kind, block_t, block_n, block_k, warps, stages = config
+    if len(config) not in (6, 7):
+        raise KernelArgumentError(f"{_OP}: bad config {config}: (kind, BLOCK_T, BLOCK_N, BLOCK_K, warps, stages"
+                                  "[, split_k])")
+    kind, block_t, block_n, block_k, warps, stages = config[:6]
+    split_k = split_k_of(config)
     problems = []
+    if not (isinstance(split_k, int) and 1 <= split_k <= MAX_SPLIT_K):
+        problems.append(f"split_k={split_k!r} (1..{MAX_SPLIT_K})")
+    elif split_k > 1 and kind == "gemv":
+        problems.append("split_k with gemv (the tiled kernels split K)")
     if kind not in ("tm", "swap", "gemv"):
         problems.append(f"kind={kind!r} (tm, swap or gemv)")
     if kind == "gemv" and num_tokens != 1:
@@ -416,7 +458,10 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if num_tokens == 0:
         return out
     check_dense_config(config, num_tokens)
-    kind, block_t, block_n, block_k, warps, stages = config
+    kind, block_t, block_n, block_k, warps, stages = config[:6]
+    split_k = split_k_of(config)
+    if split_k > 1 and (norm_weight is not None or activation is not None):
+        raise KernelArgumentError(f"{_OP}: config {config} splits K; an input norm or activation needs whole rows")
     if activation is not None and kind != "gemv":
         stages = _gated_stages(block_t, block_n, block_k, stages, x.element_size(), max_shared_memory(x.device))
     bias_arg = bias if bias is not None else out
@@ -433,12 +478,41 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             x, weight, bias_arg, norm_arg, residual_arg, out, out_features, in_features, weight.stride(0),
             float(norm_eps), **flags, **pdl)
         return out
-    _dense_linear_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t))](
-        x, weight, bias_arg, norm_arg, residual_arg, out, num_tokens, out_features, in_features,
-        x.stride(0), weight.stride(0), residual_arg.stride(0), out.stride(0), float(norm_eps),
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k  # whole K tiles per split
+    split_k = triton.cdiv(in_features, k_per_split)  # no empty split
+    grid = (triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t), split_k)
+    if split_k > 1:
+        ws = torch.empty((split_k, num_tokens, out_features), dtype=torch.float32, device=x.device)
+        counters = split_k_counters(x.device, grid[0] * grid[1])
+    else:
+        ws = counters = out
+    _dense_linear_kernel[grid](
+        x, weight, bias_arg, norm_arg, residual_arg, out, ws, counters, num_tokens, out_features, in_features,
+        k_per_split, x.stride(0), weight.stride(0), residual_arg.stride(0), out.stride(0), float(norm_eps),
         SWAP=kind == "swap", BLOCK_T=block_t, DOT_DTYPE=dot_dtype(x.dtype, x.device),
-        PRECISION=dot_precision(x.dtype, x.device), **flags, **pdl)
+        PRECISION=dot_precision(x.dtype, x.device), SPLIT_K=split_k, **flags, **pdl)
     return out
+
+
+# Split-K tile counters per device: int32 zeros, each set back to 0 by the launch that used it, so launches (and
+# CUDA graph replays) on one stream share them; allocated at the first split launch, which must not be inside a
+# graph capture (the engine warms every graph's launches eagerly first).
+_SPLIT_K_COUNTERS: dict[torch.device, torch.Tensor] = {}
+SPLIT_K_COUNTERS = 1 << 16
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's split-K tile counters (``[SPLIT_K_COUNTERS]`` int32). Raises :class:`KernelArgumentError` for
+    more tiles than that, or for a first split launch inside a CUDA graph capture."""
+    if tiles > SPLIT_K_COUNTERS:
+        raise KernelArgumentError(f"{_OP}: {tiles} output tiles split over K (at most {SPLIT_K_COUNTERS})")
+    counters = _SPLIT_K_COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise KernelArgumentError(f"{_OP}: the first split-K launch on {device} is inside a CUDA graph capture; "
+                                      "launch it once eagerly first (its tile counters must outlive the graph)")
+        counters = _SPLIT_K_COUNTERS[device] = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def dense_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

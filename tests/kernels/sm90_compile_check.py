@@ -311,11 +311,17 @@ def _fp8(dtype: torch.dtype) -> None:
 
 def _dense(dtype: torch.dtype) -> None:
     """Dense linears: every launch of the measured table (``dense_linear.MEASURED_CONFIGS``) at its shape, plain and
-    with a bias, and one of each kernel kind at Llama-2-7B's shapes (uneven K included); the decode layer's fusions
+    with a bias, one of each kernel kind at Llama-2-7B's shapes (uneven K included) and two split-K launches; the
+    decode layer's fusions
     (norm in, gated activation in, residual out) at every measured fused launch and once per kernel kind."""
     launches = [((t, n, k), c) for (_dev, t, n, k), c in dense_linear.MEASURED_CONFIGS.items()]
     launches += [((32, 12288, 4096), ("tm", 32, 32, 256, 4, 4)), ((1, 4096, 11008), ("swap", 16, 64, 128, 4, 3)),
                  ((1, 22016, 4096), ("gemv", 1, 8, 512, 4, 1))]
+    # serial split-K (partials through a workspace, a counter per tile), plain and with the residual add
+    for (t, n, k), config in (((32, 4096, 4096), ("tm", 32, 32, 256, 4, 4, 2)),
+                              ((32, 4096, 11008), ("swap", 32, 64, 256, 4, 4, 4))):
+        dense_linear.DENSE_LINEAR.triton(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype),
+                                         residual=torch.zeros(t, n, dtype=dtype), config=config)
     for (t, n, k), config in launches:
         x, w = torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
         dense_linear.DENSE_LINEAR.triton(x, w, config=config)

@@ -66,6 +66,50 @@ def test_kernels_and_reference_match_the_loop(kernel_device, triton_kernels, poi
         assert err.max().item() <= TOL[dtype], err.max().item()
 
 
+# Split-K launches (a seventh config entry): splits of whole K tiles, the last split shorter or K masked, token tiles
+SPLIT_CASES = [
+    (("tm", 16, 16, 16, 4, 1, 4), 3, 80, 40),  # 5 K tiles in splits of 2: 3 splits
+    (("swap", 16, 64, 16, 4, 1, 3), 5, 72, 96),  # K not a multiple of BLOCK_K
+    (("tm", 32, 32, 64, 4, 2, 2), 33, 128, 64),  # two token tiles, each tile its own counter
+    (("swap", 16, 16, 16, 4, 1, 16), 1, 64, 16),  # more splits asked for than K tiles: one per tile
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"{c[0][0]}-S{c[0][6]}-T{c[1]}-K{c[2]}-N{c[3]}")
+def test_split_k_matches_the_loop_and_leaves_its_counters_at_zero(kernel_device, triton_kernels, poison_allocations,
+                                                                   dtype, case):
+    config, t, k, n = case
+    x = torch.randn(t, k).to(device=kernel_device, dtype=dtype)
+    w = (torch.randn(n, k) / k**0.5).to(device=kernel_device, dtype=dtype)
+    b = torch.randn(n).to(device=kernel_device, dtype=dtype)
+    r = torch.randn(t, n).to(device=kernel_device, dtype=dtype)
+    expected = _loop(x, w, b) + r.double().cpu()
+    for _ in range(2):  # a second launch reuses the counters the first set back to zero
+        out = triton_kernels.dense_linear(x, w, b, residual=r, config=config)
+        err = (out.double().cpu() - expected).abs() / (_magnitude(x, w, b) + r.double().cpu().abs()).clamp_min(1.0)
+        assert err.max().item() <= TOL[dtype], err.max().item()
+        assert dense_linear._SPLIT_K_COUNTERS[x.device].count_nonzero().item() == 0
+
+
+@pytest.mark.interpreter
+def test_split_k_configs_are_checked(kernel_device, triton_kernels):
+    x, w = torch.randn(2, 32, device=kernel_device), torch.randn(16, 32, device=kernel_device)
+    for config, match in ((("tm", 16, 16, 16, 4, 1, 0), "split_k=0"), (("tm", 16, 16, 16, 4, 1, 17), "split_k=17"),
+                          (("tm", 16, 16, 16, 4, 1, 2, 1), "split_k\\]"), (("gemv", 1, 8, 16, 4, 1, 2), "gemv")):
+        with pytest.raises(KernelArgumentError, match=match):
+            triton_kernels.dense_linear(x if config[0] != "gemv" else x[:1], w, config=config)
+    with pytest.raises(KernelArgumentError, match="whole rows"):
+        triton_kernels.dense_linear(x, w, norm_weight=torch.ones(32, device=kernel_device),
+                                    config=("tm", 16, 16, 16, 4, 1, 2))
+    table = {("NVIDIA H200", 32, 4096, 11008): ("swap", 32, 64, 256, 4, 4, 4),
+             ("NVIDIA H200", 32, 4096, 4096): ("tm", 32, 32, 256, 4, 4)}
+    assert configs_from_json(configs_to_json(table)) == table
+    assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 11008)]) == 4
+    assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 4096)]) == 1
+
+
 def _input_loop(x, norm_weight, eps, activation):
     """The GEMM's input u in float64: rms_norm(x) * norm_weight, act(gate) * up, or x."""
     xd = x.double().cpu()
@@ -157,10 +201,11 @@ def test_empty_batch_bad_configs_and_arguments(kernel_device, triton_kernels):
 
 
 def test_measured_table_lookup(monkeypatch):
-    """Token buckets round up to 1 / 16 / 32 / 64 and stop above 64; off CUDA, for other dtypes, devices and
+    """Token buckets round up to 1 / 16 / 32 / 64 / 128 and stop above 128; off CUDA, for other dtypes, devices and
     shapes (a folded LoRA linear's wider output too) the lookup is None (``F.linear``); the JSON form round-trips
     and refuses bad rows."""
-    assert [token_bucket(t) for t in (1, 2, 16, 17, 32, 33, 64, 65)] == [1, 16, 16, 32, 32, 64, 64, None]
+    tokens = (1, 2, 16, 17, 32, 33, 64, 65, 128, 129)
+    assert [token_bucket(t) for t in tokens] == [1, 16, 16, 32, 32, 64, 64, 128, 128, None]
     table = {("NVIDIA H200", 32, 12288, 4096): ("tm", 32, 32, 256, 4, 4),
              ("NVIDIA H200", 32, 11000, 4096): ("swap", 32, 64, 64, 4, 4),
              ("NVIDIA H200", 1, 4096, 11008): ("gemv", 1, 8, 512, 4, 1)}
@@ -182,7 +227,8 @@ def test_measured_table_lookup(monkeypatch):
         assert dense_linear_config(16, 12288, 4096, torch.bfloat16, cuda) is None  # bucket 16 not measured
         assert dense_linear_config(1, 4096, 11008, torch.bfloat16, cuda) == ("gemv", 1, 8, 512, 4, 1)
         assert dense_linear_config(32, 12288, 4096, torch.float16, cuda) is None
-        assert dense_linear_config(65, 12288, 4096, torch.bfloat16, cuda) is None
+        assert dense_linear_config(65, 12288, 4096, torch.bfloat16, cuda) is None  # bucket 128 not measured
+        assert dense_linear_config(129, 12288, 4096, torch.bfloat16, cuda) is None
         assert dense_linear_config(32, 11000, 4096, torch.bfloat16, cuda) == ("swap", 32, 64, 64, 4, 4)
         assert dense_linear_config(32, 13824, 4096, torch.bfloat16, cuda) is None  # folded qkv: not measured
         assert dense_linear_config(32, 12288, 4096 * 2, torch.bfloat16, cuda) is None
@@ -260,6 +306,8 @@ def test_measured_configs_at_their_shapes_on_this_gpu():
         mag = x.float().abs() @ w.float().abs().T
         err = ((got.float() - x.float() @ w.float().T).abs() / mag.clamp_min(1.0)).max().item()
         assert err <= 8e-3, (config, err)
+        if dense_linear.split_k_of(config) > 1:
+            continue  # an input norm or activation needs whole rows
         # the decode layer's fusions at the same launch (the gated input takes fewer stages where it needs them)
         g = (1 + 0.5 * torch.randn(k, device="cuda")).to(torch.bfloat16)
         r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
@@ -271,3 +319,36 @@ def test_measured_configs_at_their_shapes_on_this_gpu():
             mag = u.abs() @ w.double().cpu().abs().T + (r.double().cpu().abs() if "residual" in kw else 0.0)
             err = ((got - want).abs() / mag.clamp_min(1.0)).max().item()
             assert err <= 1.6e-2, (config, sorted(kw), err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("config,t,n,k", [(("tm", 32, 32, 256, 4, 4, 2), 32, 4096, 4096),
+                                          (("swap", 32, 64, 256, 4, 4, 4), 32, 4096, 11008),
+                                          (("swap", 16, 64, 128, 4, 4, 4), 1, 4096, 11008)])
+def test_split_k_in_a_graph_replayed_with_new_inputs(config, t, n, k):
+    """Serial split-K at Llama-2-7B's o/down shapes, captured in a CUDA graph (with programmatic dependent launches)
+    and replayed with new inputs: each replay equals the eager launch bitwise (the partials are summed in split
+    order), which is within bf16 rounding of a float32 product; the tile counters are zero after every replay."""
+    from loraplex.kernels._triton import pdl_launches
+    from loraplex.kernels.dense_linear import _launch_dense_linear
+
+    torch.manual_seed(0)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    with pdl_launches():
+        _launch_dense_linear(x, w, residual=r, config=config)  # compiles, allocates the counters
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _launch_dense_linear(x, w, residual=r, config=config)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _launch_dense_linear(x, w, residual=r, config=config)
+        assert torch.equal(out, eager)
+        want = x.float() @ w.float().T + r.float()
+        mag = x.float().abs() @ w.float().abs().T + r.float().abs()
+        assert ((out.float() - want).abs() / mag.clamp_min(1.0)).max().item() <= 8e-3
+        assert dense_linear._SPLIT_K_COUNTERS[x.device].count_nonzero().item() == 0
