@@ -75,7 +75,8 @@ PDL_MODULES = ("activation", "attention_decode", "attention_prefill", "dense_lin
                "lora_fused", "lora_shrink", "reshape_and_cache", "rms_norm", "rotary", "rotary_and_cache")
 # --pdl-trigger: when PDL kernels let the next one launch (kernels._triton.use_pdl_trigger), by name: every kernel at
 # "start" / "exit"; "late": the kernels that trigger late by default (the GEMMs, decode attention) late, the rest at
-# exit; "mixed": the engine's default (those late, the rest at start).
+# exit; "mixed": the engine's default (those late, the rest at start; the split-K reductions launched under the late
+# ops' names, which have no trigger point, at exit).
 PDL_TRIGGER_POLICIES = {"start": "start", "exit": "exit",
                         "late": {op: "late" for op in DEFAULT_PDL_TRIGGERS} | {"*": "exit"},
                         "mixed": dict(DEFAULT_PDL_TRIGGERS)}
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "the ops that use them, comma-separated (e.g. rms_norm,silu_and_mul)")
     ap.add_argument("--pdl-max-batch", type=int, default=None,
                     help="largest decode graph captured with them (cuda_graphs.pdl_max_decode_batch; default: the "
-                         "engine's, 1)")
+                         "engine's, 256: every decode graph)")
     ap.add_argument("--pdl-trigger", default=None, choices=sorted(PDL_TRIGGER_POLICIES),
                     help="when PDL kernels let the next launch (PDL_TRIGGER_POLICIES; default: the engine's)")
     ap.add_argument("--pdl-prefetch", type=int, default=None,

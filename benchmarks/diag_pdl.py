@@ -7,7 +7,7 @@ kernel's programs take SM slots (shared memory, warps) and wait there while this
 on the engine's own model and decode graph (the layers: embedding, 32 decoder layers, final norm; the LM head and
 sampling run outside it), one CUDA graph per variant:
 
-- ``off``: no PDL (the engine's launches above batch 1);
+- ``off``: no PDL (session 20's engine above batch 1);
 - trigger modes (``_triton.use_pdl_trigger``, ``bench_decode.PDL_TRIGGER_POLICIES``): ``start`` (session 20's),
   ``exit`` (no explicit trigger: each program lets go when it ends), ``late`` (the GEMMs and decode attention after
   their main loop, the rest at exit), and ``mixed`` (GEMMs and attention late, the small kernels at start: the

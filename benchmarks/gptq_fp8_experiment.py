@@ -35,6 +35,12 @@ def rtn(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.float32) * scale[:, None]
 
 
+def quantize_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` rounded to e4m3 with one scale per row (absmax / 448), dequantized in x's dtype."""
+    scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale).to(x.dtype)
+
+
 def rtn_blocks(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Round-to-nearest e4m3 with one scale per ``rows x cols`` block (absmax / 448), dequantized (float32):
     ``rows=1`` is per-row groups along the input; 128 x 128 is the block format of DeepSeek-V3's FP8 checkpoints."""
@@ -96,8 +102,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--damp", type=float, default=0.01)
     ap.add_argument("--methods", default="rtn,gptq",
-                    help="rtn (per-channel), gptq, blockRxC (one scale per R x C block, e.g. block1x128), or bf16 "
-                         "(the weights rounded to bf16 only: the measure's noise floor)")
+                    help="rtn (per-channel), gptq, blockRxC (one scale per R x C block, e.g. block1x128), bf16 "
+                         "(the weights rounded to bf16 only: the measure's noise floor), w8a8 (rtn weights and each "
+                         "projection's input rounded to e4m3 with one scale per token, absmax / 448: FP8 tensor-core "
+                         "GEMMs) or a8 (the inputs only)")
     ap.add_argument("--skip", default="", help="projections left unquantized, e.g. v_proj,o_proj or L0,L29")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -118,6 +126,10 @@ def main() -> None:
     print(f"held-out positions {sum(map(len, answers))}, calibration tokens {len(calib)}", flush=True)
 
     results = {}
+    known = ("rtn", "gptq", "bf16", "w8a8", "a8")
+    bad = [m for m in args.methods.split(",") if m not in known and not m.startswith("block")]
+    if bad:
+        raise SystemExit(f"--methods: unknown {bad}; choose from {known} or blockRxC")
     for method in args.methods.split(","):
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -152,13 +164,17 @@ def main() -> None:
                         continue
                     w = m.weight.float()
                     scale = torch.where(w.abs().amax(1) > 0, w.abs().amax(1) / FP8_MAX, torch.ones(w.shape[0]))
+                    if method in ("w8a8", "a8"):  # dynamic per-token e4m3 inputs (as vLLM's FP8 W8A8 on Hopper)
+                        m.register_forward_pre_hook(lambda mod, inp: (quantize_per_token(inp[0]),))
+                    if method == "a8":
+                        continue
                     if method == "bf16":  # the noise floor of the measure: weights rounded to bf16 only
                         q = w.to(torch.bfloat16).float()
                     elif method.startswith("block"):  # e.g. block1x128, block128x128
                         rows, cols = (int(v) for v in method.removeprefix("block").split("x"))
                         q = rtn_blocks(w, rows, cols)
                     else:
-                        q = rtn(w, scale) if method == "rtn" else gptq(w, 2 * hs[p] / max(counts[p], 1), scale,
+                        q = rtn(w, scale) if method in ("rtn", "w8a8") else gptq(w, 2 * hs[p] / max(counts[p], 1), scale,
                                                                       damp=args.damp)
                     m.weight.copy_(q)
             hidden = run_layer(layer, hidden)

@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 # (kernels._triton.pdl_launches), each letting the next launch at its default trigger (kernels._triton.
 # DEFAULT_PDL_TRIGGERS). Measured on an H200 (benchmarks/RESULTS.md, sessions 20-21, Llama-2-7B shapes): with every
 # kernel triggering at its start, batch 1 4.03 -> 3.84 ms per step but batch 32 5.05 -> 5.42; with the GEMMs and
-# decode attention triggering after their main loops, every decode batch gains (session 21), so all decode graphs.
+# decode attention triggering after their main loops, batches 1, 32 and 128 all gain against no PDL (session 21:
+# 3.87 -> 3.69, 4.82 -> 4.73, 7.38 -> 7.30 ms per graph replay), so all decode graphs (batch 256 not measured).
 # Mixed prefill+decode graphs launch without (not measured).
 _PDL_MAX_DECODE_BATCH = 256
 

@@ -192,7 +192,8 @@ _PDL_SCOPE = False
 # program ends (no explicit trigger).
 PDL_TRIGGERS = {"start": 1, "exit": 2, "late": 3}
 # The default: the GEMMs and decode attention (main loops over K or the context, several programs per SM, often more
-# than one wave) let go late, every other kernel at its start. Measured on an H200 (benchmarks/RESULTS.md, session
+# than one wave) let go late, every other kernel at its start. The split-K reductions launched under those ops' names
+# (decode attention's, the FP8 split sum) have no trigger point and let go at exit (as measured). Measured on an H200 (benchmarks/RESULTS.md, session
 # 21, benchmarks/diag_pdl.py): with every kernel at "start" a Llama-2-7B decode graph of batch 32 took 5.19 ms
 # against 4.82 without PDL, and 4.73 with this default (the dependents of a GEMM, taking SM slots while its programs
 # still stream weights, were the loss); batch 1: 3.87 without PDL, 3.67 at "start", 3.69 with this default.
@@ -227,8 +228,8 @@ def use_pdl_trigger(trigger: str | dict[str, str]) -> str | dict[str, str]:
 
 
 def use_pdl_prefetch(columns: int) -> int:
-    """Weight columns (a power of two >= 64, or 0: none) each PDL-launched GEMM program prefetches into L2 per weight
-    row of its tile before its wait (the weights do not depend on the kernel before it); returns the previous
+    """Weight columns (a power of two >= 64, or 0: none) each PDL-launched ``dense_linear`` program prefetches into L2
+    per weight row of its tile (from the first column of its K split) before its wait (the weights do not depend on the kernel before it); returns the previous
     value. Raises ``ValueError`` for another value."""
     global _PDL_PREFETCH_K
     if columns and (columns < 64 or columns & (columns - 1)):
@@ -260,8 +261,9 @@ def pdl_launches(enabled: bool = True) -> Iterator[None]:
 def pdl_args(device: torch.device, op: str) -> dict[str, Any]:
     """Launch keywords of op ``op``'s kernel, which begins with :func:`pdl_wait`: ``{"USE_PDL": mode, "launch_pdl":
     True}`` inside :func:`pdl_launches` on a CUDA device of compute capability >= 9 (with :func:`use_pdl` on for
-    ``op``; ``mode`` the :data:`PDL_TRIGGERS` value of its trigger, 1 by default), else ``{"USE_PDL": False}`` (the
-    interpreter and older GPUs: the wait compiles away)."""
+    ``op``; ``mode`` the :data:`PDL_TRIGGERS` value of its trigger, :data:`DEFAULT_PDL_TRIGGERS`' by default: 3 for
+    the ops named there, 1 for the others), else ``{"USE_PDL": False}`` (the interpreter and older GPUs: the wait
+    compiles away)."""
     on = _PDL_SCOPE and (_PDL if isinstance(_PDL, bool) else op in _PDL)
     if on and device.type == "cuda" and _cuda_capability_major(
             device.index if device.index is not None else torch.cuda.current_device()) >= 9:

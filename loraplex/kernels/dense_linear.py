@@ -61,12 +61,12 @@ def _load_input(ptrs, in_features, norm_ptrs, mask, k_mask, sumsq, EVEN: tl.cons
 
 
 @triton.jit
-def _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETCH_K: tl.constexpr,
+def _prefetch_weights(w_ptr, cols, k_first, out_features, in_features, stride_wn, PREFETCH_K: tl.constexpr,
                       LINE: tl.constexpr):
-    """Before the PDL wait: the first ``PREFETCH_K`` columns of the tile's weight rows ``cols`` into L2, one request
-    per ``LINE`` elements (128 bytes); nothing where ``PREFETCH_K`` is 0."""
+    """Before the PDL wait: ``PREFETCH_K`` columns from ``k_first`` of the tile's weight rows ``cols`` into L2, one
+    request per ``LINE`` elements (128 bytes); nothing where ``PREFETCH_K`` is 0."""
     if PREFETCH_K > 0:
-        k = tl.arange(0, PREFETCH_K // LINE) * LINE
+        k = k_first + tl.arange(0, PREFETCH_K // LINE) * LINE
         pdl_prefetch(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
                      (cols[:, None] < out_features) & (k[None, :] < in_features), w_ptr, True)
 
@@ -85,7 +85,8 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
     # SPLIT_K > 1: each program sums k_per_split columns of K; the last program of a tile to finish adds the splits'
     # fp32 partials (in split order) and runs the epilogue (serial split-K: a counter per output tile).
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETCH_K, LINE)
+    k_first = tl.program_id(2) * k_per_split
+    _prefetch_weights(w_ptr, cols, k_first, out_features, in_features, stride_wn, PREFETCH_K, LINE)
     pdl_wait(USE_PDL)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     col_mask = cols < out_features
@@ -95,7 +96,6 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     sumsq = tl.zeros([BLOCK_T], tl.float32)
-    k_first = tl.program_id(2) * k_per_split
     k_end = tl.minimum(k_first + k_per_split, in_features)
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -117,7 +117,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
         else:
             offsets = rows[:, None].to(tl.int64) * out_features + cols[None, :]
             tile_mask = row_mask[:, None] & col_mask[None, :]
-        split_stride = (out_features * num_tokens).to(tl.int64)
+        split_stride = tl.cast(out_features, tl.int64) * num_tokens
         tl.store(ws_ptr + tl.program_id(2) * split_stride + offsets, acc, mask=tile_mask)
         tl.debug_barrier()  # every thread's partial stored before the counter says so (the atomic releases them)
         counter = counter_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -162,7 +162,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr
     # out[0, n] = sum_k u[0, k] * w[n, k] (* inv_rms) + bias[n] + residual[0, n]: products and sums in fp32 on CUDA
     # cores, one column tile each
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _prefetch_weights(w_ptr, cols, out_features, in_features, stride_wn, PREFETCH_K, LINE)
+    _prefetch_weights(w_ptr, cols, 0, out_features, in_features, stride_wn, PREFETCH_K, LINE)
     pdl_wait(USE_PDL)
     col_mask = cols < out_features
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -313,6 +313,9 @@ def fused_configs_from_json(text: str) -> dict[tuple[str, int, int, int, str], D
             raise ValueError(f"dense_linear: fused table row {row}: fusion not one of {FUSIONS}")
         plain = {k: v for k, v in row.items() if k != "fusion"}
         ((key, config),) = configs_from_json(json.dumps([plain])).items()
+        if split_k_of(config) > 1 and row["fusion"] != "residual":
+            raise ValueError(f"dense_linear: fused table row {row}: split-K with an input {row['fusion']} (whole rows "
+                             "needed; only the residual fusion splits)")
         table[(*key, row["fusion"])] = config
     return table
 

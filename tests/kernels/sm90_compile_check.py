@@ -44,7 +44,7 @@ from loraplex.kernels import (  # noqa: E402
     rotary,
     rotary_and_cache,
 )
-from loraplex.kernels import lora_delta  # noqa: E402
+from loraplex.kernels import _triton, lora_delta  # noqa: E402
 from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from loraplex.kernels.lora_mapping import LoRAMapping  # noqa: E402
 
@@ -99,6 +99,11 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _hopper_pdl_args(device: Any, op: str) -> dict[str, Any]:
+    """``_triton.pdl_args`` inside ``pdl_launches()`` on a Hopper device: the op's default trigger mode."""
+    return {"USE_PDL": _triton.PDL_TRIGGERS[_triton.DEFAULT_PDL_TRIGGERS.get(op, "start")], "launch_pdl": True}
+
+
 def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
     for module in (attention_decode, attention_prefill, lora_shrink, lora_expand, lora_fused, fp8_linear, dense_linear):
@@ -108,7 +113,7 @@ def pretend_cuda() -> dict[str, Recorder]:
                 setattr(module, name, _as_cuda(getattr(module, name)))
     for module in (rms_norm, rotary_and_cache, activation, attention_decode, attention_prefill, dense_linear, lora_shrink,
                    lora_expand, lora_fused, fp8_linear, reshape_and_cache, rotary):
-        module.pdl_args = lambda device, op: {"USE_PDL": True, "launch_pdl": True}  # a Hopper launch's choice
+        module.pdl_args = _hopper_pdl_args  # a Hopper launch's choice
     attention_decode.num_sms = lambda device: 132
     lora_shrink.num_sms = lambda device: 132
     lora_fused.num_sms = lambda device: 132
@@ -135,8 +140,10 @@ def _signature_type(value: Any) -> str:
 def compile_launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Compile one recorded launch for sm_90; returns the CompiledKernel."""
     names = list(inspect.signature(fn).parameters)
-    signature = {name: _signature_type(value) for name, value in zip(names, args)}
-    constexprs = {k: v for k, v in kwargs.items() if k not in _OPTIONS}
+    # As a real launch specialises: an int argument equal to 1 is a constexpr.
+    ones = {name: 1 for name, value in zip(names, args) if type(value) is int and value == 1}
+    signature = {name: "constexpr" if name in ones else _signature_type(value) for name, value in zip(names, args)}
+    constexprs = {**ones, **{k: v for k, v in kwargs.items() if k not in _OPTIONS}}
     signature.update({k: "constexpr" for k in constexprs})
     missing = [n for n in names if n not in signature]
     if missing:
@@ -317,11 +324,21 @@ def _dense(dtype: torch.dtype) -> None:
     launches = [((t, n, k), c) for (_dev, t, n, k), c in dense_linear.MEASURED_CONFIGS.items()]
     launches += [((32, 12288, 4096), ("tm", 32, 32, 256, 4, 4)), ((1, 4096, 11008), ("swap", 16, 64, 128, 4, 3)),
                  ((1, 22016, 4096), ("gemv", 1, 8, 512, 4, 1))]
-    # serial split-K (partials through a workspace, a counter per tile), plain and with the residual add
+    # serial split-K (partials through a workspace, a counter per tile), plain and with the residual add, one token
+    # too (an int of 1 is a constexpr); and the L2 weight prefetch before the PDL wait, split and GEMV
     for (t, n, k), config in (((32, 4096, 4096), ("tm", 32, 32, 256, 4, 4, 2)),
-                              ((32, 4096, 11008), ("swap", 32, 64, 256, 4, 4, 4))):
+                              ((32, 4096, 11008), ("swap", 32, 64, 256, 4, 4, 4)),
+                              ((1, 4096, 11008), ("swap", 16, 64, 128, 4, 4, 4))):
         dense_linear.DENSE_LINEAR.triton(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype),
                                          residual=torch.zeros(t, n, dtype=dtype), config=config)
+    previous = _triton.use_pdl_prefetch(512)
+    try:
+        for (t, n, k), config in (((32, 4096, 11008), ("swap", 32, 64, 256, 4, 4, 4)),
+                                  ((1, 4096, 11008), ("gemv", 1, 4, 512, 4, 3))):
+            dense_linear.DENSE_LINEAR.triton(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype),
+                                             config=config)
+    finally:
+        _triton.use_pdl_prefetch(previous)
     for (t, n, k), config in launches:
         x, w = torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
         dense_linear.DENSE_LINEAR.triton(x, w, config=config)

@@ -106,6 +106,13 @@ def test_split_k_configs_are_checked(kernel_device, triton_kernels):
     table = {("NVIDIA H200", 32, 4096, 11008): ("swap", 32, 64, 256, 4, 4, 4),
              ("NVIDIA H200", 32, 4096, 4096): ("tm", 32, 32, 256, 4, 4)}
     assert configs_from_json(configs_to_json(table)) == table
+    # a fused table row may split K only where the fusion is the residual add (an input transform needs whole rows)
+    fused = {("NVIDIA H200", 32, 4096, 11008, "residual"): ("swap", 32, 64, 256, 4, 4, 4)}
+    assert fused_configs_from_json(fused_configs_to_json(fused)) == fused
+    for fusion in ("norm", "gated+residual"):
+        with pytest.raises(ValueError, match="split-K"):
+            fused_configs_from_json(fused_configs_to_json({("NVIDIA H200", 32, 4096, 11008, fusion):
+                                                           ("swap", 32, 64, 256, 4, 4, 4)}))
     assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 11008)]) == 4
     assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 4096)]) == 1
 
@@ -306,14 +313,16 @@ def test_measured_configs_at_their_shapes_on_this_gpu():
         mag = x.float().abs() @ w.float().abs().T
         err = ((got.float() - x.float() @ w.float().T).abs() / mag.clamp_min(1.0)).max().item()
         assert err <= 8e-3, (config, err)
-        if dense_linear.split_k_of(config) > 1:
-            continue  # an input norm or activation needs whole rows
-        # the decode layer's fusions at the same launch (the gated input takes fewer stages where it needs them)
+        # the decode layer's fusions at the same launch (the gated input takes fewer stages where it needs them; a
+        # split launch takes the residual only: an input norm or activation needs whole rows)
         g = (1 + 0.5 * torch.randn(k, device="cuda")).to(torch.bfloat16)
         r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         xx = torch.randn(tokens, 2 * k, device="cuda", dtype=torch.bfloat16)
-        for kw, u in ((dict(norm_weight=g, norm_eps=1e-5), _input_loop(x, g, 1e-5, None)),
-                      (dict(activation="silu", residual=r), _input_loop(xx, None, 0.0, "silu"))):
+        fusions = [(dict(norm_weight=g, norm_eps=1e-5), _input_loop(x, g, 1e-5, None)),
+                   (dict(activation="silu", residual=r), _input_loop(xx, None, 0.0, "silu"))]
+        if dense_linear.split_k_of(config) > 1:
+            fusions = [(dict(residual=r), _input_loop(x, None, 0.0, None))]
+        for kw, u in fusions:
             got = _launch_dense_linear(xx if "activation" in kw else x, w, config=config, **kw).double().cpu()
             want = u @ w.double().cpu().T + (r.double().cpu() if "residual" in kw else 0.0)
             mag = u.abs() @ w.double().cpu().abs().T + (r.double().cpu().abs() if "residual" in kw else 0.0)
@@ -351,4 +360,40 @@ def test_split_k_in_a_graph_replayed_with_new_inputs(config, t, n, k):
         want = x.float() @ w.float().T + r.float()
         mag = x.float().abs() @ w.float().abs().T + r.float().abs()
         assert ((out.float() - want).abs() / mag.clamp_min(1.0)).max().item() <= 8e-3
+        assert dense_linear._SPLIT_K_COUNTERS[x.device].count_nonzero().item() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper GPU")
+def test_dependent_split_k_launches_under_pdl_in_a_graph():
+    """Eight dependent split-K launches (each one's output the next one's input and residual; different grids and
+    split counts) captured with programmatic dependent launches at the default "late" trigger: a launch may start
+    while the one before finishes its reduction, and reuses the tile counters. Replays equal the same chain launched
+    eagerly without PDL, bitwise; the counters are zero after each."""
+    from loraplex.kernels._triton import pdl_launches
+    from loraplex.kernels.dense_linear import _launch_dense_linear
+
+    torch.manual_seed(0)
+    d = 1024
+    configs = [("tm", 32, 32, 256, 4, 4, 2), ("swap", 32, 64, 128, 4, 3, 4), ("tm", 32, 64, 128, 4, 3, 3),
+               ("swap", 32, 64, 256, 4, 4, 2)] * 2
+    weights = [(torch.randn(d, d, device="cuda") / d**0.5).to(torch.bfloat16) for _ in configs]
+
+    def chain(h):
+        for w, config in zip(weights, configs):
+            h = _launch_dense_linear(h, w, residual=h, config=config)
+        return h
+
+    x = torch.randn(32, d, device="cuda", dtype=torch.bfloat16)
+    with pdl_launches():
+        chain(x)  # compiles, allocates the counters
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain(x))
         assert dense_linear._SPLIT_K_COUNTERS[x.device].count_nonzero().item() == 0

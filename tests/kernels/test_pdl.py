@@ -18,7 +18,12 @@ def test_pdl_only_on_hopper_cuda(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}, "outside pdl_launches()"
     with pdl_launches():
-        assert pdl_args(cuda, "rms_norm") == {"USE_PDL": True, "launch_pdl": True}
+        # the default triggers: GEMMs and decode attention late (3), every other kernel at its start (1)
+        assert pdl_args(cuda, "rms_norm") == {"USE_PDL": 1, "launch_pdl": True}
+        assert {op: pdl_args(cuda, op)["USE_PDL"] for op in ("dense_linear", "fp8_linear", "paged_decode_attention",
+                                                                "rotary_and_cache", "silu_and_mul", "fused_lora")} == {
+            "dense_linear": 3, "fp8_linear": 3, "paged_decode_attention": 3, "rotary_and_cache": 1, "silu_and_mul": 1,
+            "fused_lora": 1}
         with pdl_launches(False):
             assert pdl_args(cuda, "rms_norm") == {"USE_PDL": False}
         previous = use_pdl(False)
@@ -91,24 +96,26 @@ def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl(trigger, prefe
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     results = {}
     previous = use_pdl_trigger(trigger), use_pdl_prefetch(prefetch)
-    for pdl in (False, True):
-        with pdl_launches(pdl):
-            eager = _chain(kernels, h, weights, g)
-            graph, static_h = torch.cuda.CUDAGraph(), h.clone()
-            _chain(kernels, static_h, weights, g)  # compiled before capture
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                captured = _chain(kernels, static_h, weights, g)
-            outs = []
-            for _ in range(20):
-                static_h.copy_(torch.randn_like(h))
-                graph.replay()
-                outs.append((static_h.clone(), captured[0].clone()))
-            torch.cuda.synchronize()
-            expected = [_chain(kernels, x, weights, g)[0] for x, _ in outs]
-            results[pdl] = eager
-            for (_, got), want in zip(outs, expected):
-                assert torch.equal(got, want)
-    use_pdl_trigger(previous[0])
-    use_pdl_prefetch(previous[1])
+    try:
+        for pdl in (False, True):
+            with pdl_launches(pdl):
+                eager = _chain(kernels, h, weights, g)
+                graph, static_h = torch.cuda.CUDAGraph(), h.clone()
+                _chain(kernels, static_h, weights, g)  # compiled before capture
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    captured = _chain(kernels, static_h, weights, g)
+                outs = []
+                for _ in range(20):
+                    static_h.copy_(torch.randn_like(h))
+                    graph.replay()
+                    outs.append((static_h.clone(), captured[0].clone()))
+                torch.cuda.synchronize()
+                expected = [_chain(kernels, x, weights, g)[0] for x, _ in outs]
+                results[pdl] = eager
+                for (_, got), want in zip(outs, expected):
+                    assert torch.equal(got, want)
+    finally:
+        use_pdl_trigger(previous[0])
+        use_pdl_prefetch(previous[1])
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
