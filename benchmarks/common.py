@@ -134,6 +134,11 @@ def graph_replay_ms(calls: list, replays: int = 10, warm_replays: int = 0) -> fl
             call()
     for _ in range(warm_replays):
         graph.replay()
+    return replay_ms(graph, replays)
+
+
+def replay_ms(graph, replays: int = 10) -> float:
+    """Median ms of one replay of a captured CUDA graph over ``replays`` replays, CUDA events around each."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_decode import pdl_trigger_spec  # noqa: E402
-from common import LLAMA2_7B, make_model_dir  # noqa: E402
+from common import LLAMA2_7B, make_model_dir, replay_ms  # noqa: E402
 from loraplex.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
 from loraplex.engine.llm import LLM  # noqa: E402
 from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, pdl_launches, use_pdl, use_pdl_prefetch,  # noqa: E402
@@ -132,15 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.rounds):
             for name, (graph, _, _) in captured.items():
                 graph.replay()
-                ms = []
-                for _ in range(20):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    ms.append(start.elapsed_time(end))
-                times[name] = min(times.get(name, float("inf")), statistics.median(ms))
+                times[name] = min(times.get(name, float("inf")), replay_ms(graph, 20))
         row["ms"] = times
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
