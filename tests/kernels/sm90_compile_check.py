@@ -76,8 +76,18 @@ _KERNELS = {
 }
 
 
+class TensorArg:
+    """What compiling needs of a tensor argument (its dtype and 16-byte alignment), kept instead of the tensor: the
+    launchers run at real model shapes (an LM head of 128256 x 4096), and holding every recorded tensor took ~12 GB."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.dtype = tensor.dtype
+        self.aligned_16 = tensor.data_ptr() % 16 == 0
+
+
 class Recorder:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call (tensors as
+    :class:`TensorArg`)."""
 
     def __init__(self, kernel: Any) -> None:
         self.fn = kernel.fn
@@ -85,6 +95,7 @@ class Recorder:
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         def launch(*args: Any, **kwargs: Any) -> None:
+            args = tuple(TensorArg(a) if isinstance(a, torch.Tensor) else a for a in args)
             self.launches.append((grid, args, kwargs))
 
         return launch
@@ -126,7 +137,7 @@ def pretend_cuda() -> dict[str, Recorder]:
 
 
 def _signature_type(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, TensorArg)):
         return _PTR_TYPES[value.dtype]
     if isinstance(value, bool):
         return "i1"
@@ -159,6 +170,8 @@ def compile_launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
 
 
 def _divisible_by_16(value: Any) -> bool:
+    if isinstance(value, TensorArg):
+        return value.aligned_16
     if isinstance(value, torch.Tensor):
         return value.data_ptr() % 16 == 0
     return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
