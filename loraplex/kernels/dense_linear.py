@@ -265,6 +265,9 @@ def configs_from_json(text: str) -> dict[tuple[str, int, int, int], DenseConfig]
             check_dense_config(config, row["tokens"])
         except KernelArgumentError as exc:
             raise ValueError(str(exc)) from exc
+        tiles = -(-row["out_features"] // config[2]) * -(-row["tokens"] // config[1])
+        if split_k_of(config) > 1 and tiles > SPLIT_K_COUNTERS:
+            raise ValueError(f"dense_linear: bad table row {row}: {tiles} split-K tiles (at most {SPLIT_K_COUNTERS})")
         table[(row["device"], row["tokens"], row["out_features"], row["in_features"])] = config
     return table
 

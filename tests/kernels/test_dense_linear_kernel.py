@@ -113,6 +113,8 @@ def test_split_k_configs_are_checked(kernel_device, triton_kernels):
         with pytest.raises(ValueError, match="split-K"):
             fused_configs_from_json(fused_configs_to_json({("NVIDIA H200", 32, 4096, 11008, fusion):
                                                            ("swap", 32, 64, 256, 4, 4, 4)}))
+    with pytest.raises(ValueError, match="split-K tiles"):  # more output tiles than the device's tile counters
+        configs_from_json(configs_to_json({("NVIDIA H200", 128, 1 << 21, 4096): ("tm", 16, 16, 64, 4, 1, 2)}))
     assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 11008)]) == 4
     assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 4096)]) == 1
 
