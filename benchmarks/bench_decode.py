@@ -82,15 +82,19 @@ PDL_TRIGGER_POLICIES = {"start": "start", "exit": "exit",
                         "mixed": dict(DEFAULT_PDL_TRIGGERS)}
 
 
-def pdl_trigger_spec(policy: str) -> str | dict[str, str]:
-    """:data:`PDL_TRIGGER_POLICIES`' ``policy`` as ``use_pdl_trigger`` takes it ("*": every op not named)."""
+def pdl_ops() -> list[str]:
+    """The op names of :data:`PDL_MODULES`' kernels (``_OP`` of each file)."""
     import importlib
 
+    return [importlib.import_module(f"loraplex.kernels.{m}")._OP for m in PDL_MODULES]
+
+
+def pdl_trigger_spec(policy: str) -> str | dict[str, str]:
+    """:data:`PDL_TRIGGER_POLICIES`' ``policy`` as ``use_pdl_trigger`` takes it ("*": every op not named)."""
     spec = PDL_TRIGGER_POLICIES[policy]
     if isinstance(spec, str):
         return spec
-    ops = [importlib.import_module(f"loraplex.kernels.{m}")._OP for m in PDL_MODULES]
-    return {op: spec.get(op, spec.get("*", "start")) for op in ops}
+    return {op: spec.get(op, spec.get("*", "start")) for op in pdl_ops()}
 
 
 def kernel_class(name: str) -> str:
@@ -316,9 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.pdl in ("on", "off"):
         use_pdl(args.pdl == "on")
     else:
-        import importlib
-
-        known = {importlib.import_module(f"loraplex.kernels.{m}")._OP for m in PDL_MODULES}
+        known = set(pdl_ops())
         if set(args.pdl.split(",")) - known:
             raise SystemExit(f"--pdl: unknown ops {sorted(set(args.pdl.split(',')) - known)}; known: {sorted(known)}")
         use_pdl(frozenset(args.pdl.split(",")))

@@ -174,8 +174,8 @@ def main() -> None:
                         rows, cols = (int(v) for v in method.removeprefix("block").split("x"))
                         q = rtn_blocks(w, rows, cols)
                     else:
-                        q = rtn(w, scale) if method in ("rtn", "w8a8") else gptq(w, 2 * hs[p] / max(counts[p], 1), scale,
-                                                                      damp=args.damp)
+                        q = rtn(w, scale) if method in ("rtn", "w8a8") else gptq(
+                            w, 2 * hs[p] / max(counts[p], 1), scale, damp=args.damp)
                     m.weight.copy_(q)
             hidden = run_layer(layer, hidden)
         model = model.to(dtype)

@@ -193,10 +193,11 @@ _PDL_SCOPE = False
 PDL_TRIGGERS = {"start": 1, "exit": 2, "late": 3}
 # The default: the GEMMs and decode attention (main loops over K or the context, several programs per SM, often more
 # than one wave) let go late, every other kernel at its start. The split-K reductions launched under those ops' names
-# (decode attention's, the FP8 split sum) have no trigger point and let go at exit (as measured). Measured on an H200 (benchmarks/RESULTS.md, session
-# 21, benchmarks/diag_pdl.py): with every kernel at "start" a Llama-2-7B decode graph of batch 32 took 5.19 ms
-# against 4.82 without PDL, and 4.73 with this default (the dependents of a GEMM, taking SM slots while its programs
-# still stream weights, were the loss); batch 1: 3.87 without PDL, 3.67 at "start", 3.69 with this default.
+# (decode attention's, the FP8 split sum) have no trigger point and let go at exit (as measured). Measured on an H200
+# (benchmarks/RESULTS.md, session 21, benchmarks/diag_pdl.py): with every kernel at "start" a Llama-2-7B decode graph
+# of batch 32 took 5.19 ms against 4.82 without PDL, and 4.73 with this default (the dependents of a GEMM, taking SM
+# slots while its programs still stream weights, were the loss); batch 1: 3.87 without PDL, 3.67 at "start", 3.69
+# with this default.
 DEFAULT_PDL_TRIGGERS = {"dense_linear": "late", "fp8_linear": "late", "paged_decode_attention": "late"}
 _PDL_TRIGGER: str | dict[str, str] = DEFAULT_PDL_TRIGGERS
 # Weight columns a GEMM prefetches into L2 before its wait (``pdl_prefetch``), per weight row of its tile; 0: none.
@@ -229,8 +230,8 @@ def use_pdl_trigger(trigger: str | dict[str, str]) -> str | dict[str, str]:
 
 def use_pdl_prefetch(columns: int) -> int:
     """Weight columns (a power of two >= 64, or 0: none) each PDL-launched ``dense_linear`` program prefetches into L2
-    per weight row of its tile (from the first column of its K split) before its wait (the weights do not depend on the kernel before it); returns the previous
-    value. Raises ``ValueError`` for another value."""
+    per weight row of its tile (from the first column of its K split) before its wait (the weights do not depend on
+    the kernel before it); returns the previous value. Raises ``ValueError`` for another value."""
     global _PDL_PREFETCH_K
     if columns and (columns < 64 or columns & (columns - 1)):
         raise ValueError(f"PDL prefetch of {columns} columns: a power of two >= 64, or 0")
@@ -267,9 +268,14 @@ def pdl_args(device: torch.device, op: str) -> dict[str, Any]:
     on = _PDL_SCOPE and (_PDL if isinstance(_PDL, bool) else op in _PDL)
     if on and device.type == "cuda" and _cuda_capability_major(
             device.index if device.index is not None else torch.cuda.current_device()) >= 9:
-        trigger = _PDL_TRIGGER if isinstance(_PDL_TRIGGER, str) else _PDL_TRIGGER.get(op, "start")
-        return {"USE_PDL": PDL_TRIGGERS[trigger], "launch_pdl": True}
+        return {"USE_PDL": pdl_trigger_mode(op), "launch_pdl": True}
     return {"USE_PDL": False}
+
+
+def pdl_trigger_mode(op: str) -> int:
+    """The :data:`PDL_TRIGGERS` value (``USE_PDL``) of op ``op``'s PDL launches under :func:`use_pdl_trigger`'s
+    setting (ops a dict does not name: "start")."""
+    return PDL_TRIGGERS[_PDL_TRIGGER if isinstance(_PDL_TRIGGER, str) else _PDL_TRIGGER.get(op, "start")]
 
 
 @triton.jit

@@ -111,8 +111,8 @@ def _as_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _hopper_pdl_args(device: Any, op: str) -> dict[str, Any]:
-    """``_triton.pdl_args`` inside ``pdl_launches()`` on a Hopper device: the op's default trigger mode."""
-    return {"USE_PDL": _triton.PDL_TRIGGERS[_triton.DEFAULT_PDL_TRIGGERS.get(op, "start")], "launch_pdl": True}
+    """``_triton.pdl_args`` inside ``pdl_launches()`` on a Hopper device: the op's trigger mode."""
+    return {"USE_PDL": _triton.pdl_trigger_mode(op), "launch_pdl": True}
 
 
 def pretend_cuda() -> dict[str, Recorder]:
@@ -331,9 +331,9 @@ def _fp8(dtype: torch.dtype) -> None:
 
 def _dense(dtype: torch.dtype) -> None:
     """Dense linears: every launch of the measured table (``dense_linear.MEASURED_CONFIGS``) at its shape, plain and
-    with a bias, one of each kernel kind at Llama-2-7B's shapes (uneven K included) and two split-K launches; the
-    decode layer's fusions
-    (norm in, gated activation in, residual out) at every measured fused launch and once per kernel kind."""
+    with a bias, one of each kernel kind at Llama-2-7B's shapes (uneven K included), split-K and prefetching launches;
+    the decode layer's fusions (norm in, gated activation in, residual out) at every measured fused launch and once
+    per kernel kind."""
     launches = [((t, n, k), c) for (_dev, t, n, k), c in dense_linear.MEASURED_CONFIGS.items()]
     launches += [((32, 12288, 4096), ("tm", 32, 32, 256, 4, 4)), ((1, 4096, 11008), ("swap", 16, 64, 128, 4, 3)),
                  ((1, 22016, 4096), ("gemv", 1, 8, 512, 4, 1))]

@@ -38,8 +38,6 @@ def test_pdl_only_on_hopper_cuda(monkeypatch):
 
 
 def test_trigger_modes_and_prefetch_columns(monkeypatch):
-    from loraplex.kernels import _triton
-
     monkeypatch.setattr(_triton, "_cuda_capability_major", lambda index: 9)
     cuda = torch.device("cuda", 0)
     previous = use_pdl_trigger({"dense_linear": "late"})
