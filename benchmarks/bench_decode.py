@@ -238,10 +238,26 @@ def run_once(llm: LLM, prompts: list[list[int]], loras: list, out_len: int, prof
     return out
 
 
+def idle_gaps(events: list[tuple[float, float, str]], steps: int, top: int = 10) -> dict:
+    """Where the GPU idles: ``events`` (start µs, end µs, name) of device activity; idle µs per step in gaps under
+    5 µs (launch gaps) and from 5 µs on, and the ``top`` longest gaps with the activity before and after each."""
+    events = sorted(events)
+    gaps, end, before = [], events[0][1], events[0][2]
+    for start, stop, name in events[1:]:
+        if start > end:
+            gaps.append((start - end, before[:60], name[:60]))
+        if stop > end:
+            end, before = stop, name
+    small = sum(g for g, _, _ in gaps if g < 5)
+    large = sum(g for g, _, _ in gaps) - small
+    return {"idle_small_us_per_step": small / steps, "idle_large_us_per_step": large / steps,
+            "longest_gaps": [(round(g, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:top]]}
+
+
 def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[str, ...] = CLASSES) -> dict:
     """Kernel time per class (ms per step; ``classify(name)`` gives a kernel's class, one of
     ``classes``) and GPU busy (union of kernel intervals over their span)."""
-    intervals, per_class, per_kernel = [], dict.fromkeys(classes, 0.0), {}
+    intervals, per_class, per_kernel, named = [], dict.fromkeys(classes, 0.0), {}, []
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -249,6 +265,7 @@ def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[st
         if end <= start:
             continue
         intervals.append((start, end))
+        named.append((start, end, ev.name))
         per_class[classify(ev.name)] += (end - start) / 1e3
         total, count = per_kernel.get(ev.name, (0.0, 0))
         per_kernel[ev.name] = (total + (end - start) / 1e3, count + 1)
@@ -264,7 +281,7 @@ def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[st
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
     span = intervals[-1][1] - intervals[0][0]
-    return {"gpu_busy": busy / span, "span_ms_per_step": span / 1e3 / steps,
+    return {"gpu_busy": busy / span, "span_ms_per_step": span / 1e3 / steps, **idle_gaps(named, steps),
             **{f"{k}_ms": v / steps for k, v in per_class.items()}, "kernels": len(intervals),
             "top_kernels": [(name[:80], round(ms / steps, 4), n // steps) for name, (ms, n) in
                             sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]]}

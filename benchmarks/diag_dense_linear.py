@@ -19,9 +19,11 @@ Times are the least of ``--rounds`` interleaved rounds, each the median of 10 re
 weight bytes / copy bandwidth / time (a read-only kernel can pass 1.0: copy counts read + write).
 ``--table F`` writes ``dense_linear.MEASURED_CONFIGS`` rows (``bench_decode.py --dense-configs F`` runs with them);
 ``--extra name:K:N,...`` adds shapes (a folded LoRA linear's), ``--only`` measures the named ones alone, ``--merged F``
-writes the measured table plus the extra shapes' rows.
+writes ``MEASURED_CONFIGS`` with this run's verdict on every (token bucket, shape) it measured: its best product
+launch, or no row where cuBLAS won. ``--jobs N`` compiles every launch first in N worker processes (Triton's disk
+cache then serves this one; a serial compile of a few hundred launch shapes takes minutes).
 Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,16,32,64] [--models llama2,llama3] [--out F]
-[--table F] [--extra ...] [--only ...] [--merged F]``.
+[--table F] [--extra ...] [--only ...] [--merged F] [--splits 1,2,4] [--jobs N]``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -96,6 +99,39 @@ def _configs(tokens: int, budget: int):
             yield "gemv", (1, bn, bk, w, s)
 
 
+_WORKER_TENSORS: dict = {}
+
+
+def _compile_one(task: tuple) -> str | None:
+    """Worker of :func:`precompile`: launch ``(kind, cfg, tokens, k, n)`` once; None, or why it failed."""
+    kind, cfg, tokens, k, n = task
+    key = (tokens, k, n)
+    if key not in _WORKER_TENSORS:
+        _WORKER_TENSORS.clear()
+        torch.cuda.empty_cache()
+        _WORKER_TENSORS[key] = (torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16),
+                                torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x, w = _WORKER_TENSORS[key]
+    try:
+        launch(kind, cfg, x, w, None)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - the measuring process records it again
+        return f"{type(exc).__name__}: {str(exc)[:80]}"
+    return None
+
+
+def precompile(tasks: list[tuple], jobs: int) -> None:
+    """Compile every ``(kind, cfg, tokens, k, n)`` launch in ``jobs`` spawned processes (one CUDA context each),
+    so the measuring process loads the kernels from Triton's disk cache instead of compiling them one by one."""
+    t0 = time.perf_counter()
+    failed = 0
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for why in pool.imap_unordered(_compile_one, tasks, chunksize=2):
+            failed += why is not None
+    print(f"precompiled {len(tasks)} launches in {time.perf_counter() - t0:.0f} s ({failed} failed) with {jobs} "
+          "processes", flush=True)
+
+
 def graph_ms(calls) -> float:
     """Median ms of one replay of a CUDA graph running ``calls`` (a list of no-arg callables), after 3 warm ones."""
     return graph_replay_ms(calls, replays=10, warm_replays=3)
@@ -121,26 +157,31 @@ def main() -> None:
                     "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
     ap.add_argument("--splits", default="1", help="K splits to try besides the whole K (e.g. 1,2,4: each tiled "
                     "launch shape also split 2 and 4 ways; serial split-K, dense_linear's seventh config entry)")
+    ap.add_argument("--jobs", type=int, default=0, help="compile every launch first in this many processes")
     ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
                     "the best product kernel launch where it beat cuBLAS by >= 2%%")
     args = ap.parse_args()
-    table = {}
+    table, measured = {}, set()
 
     def save(report: dict, table: dict, extras: tuple) -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
         if args.table:
             Path(args.table).write_text(configs_to_json(table))
-        if args.merged:
-            shapes = {(n, k) for _, k, n in extras}
-            merged = dict(MEASURED_CONFIGS)
-            merged.update({key: c for key, c in table.items() if (key[2], key[3]) in shapes})
+        if args.merged:  # this run's verdict replaces the table's on every key it measured
+            merged = {key: c for key, c in MEASURED_CONFIGS.items() if key not in measured}
+            merged.update(table)
             Path(args.merged).write_text(configs_to_json(merged))
 
     only = set(filter(None, args.only.split(",")))
     splits = tuple(int(v) for v in args.splits.split(","))
     extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
     dev = torch.device("cuda")
+    if args.jobs:
+        tasks = [(kind, cfg, int(t), k, n) for model in args.models.split(",") for t in args.tokens.split(",")
+                 for name, k, n in (*MODELS[model], HEADS[model], *extras) if not only or name in only
+                 for kind, cfg in configs(int(t), splits=splits, in_features=k) if n % cfg[1] == 0]
+        precompile(tasks, args.jobs)
     torch.manual_seed(0)
     spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     for _ in range(50):
@@ -208,6 +249,8 @@ def main() -> None:
                         row[f"best_{kind}"], row[f"best_{kind}_us"] = mine[0]
                 best[name] = (ranked[0][0], variants[ranked[0][0]])
                 product = [kv for kv in ranked if kv[0] in launches]
+                if tokens in TOKEN_BUCKETS:
+                    measured.add((report["device"], tokens, n, k))
                 if tokens in TOKEN_BUCKETS and product and product[0][1] < 0.98 * us["cublas"]:
                     table[(report["device"], tokens, n, k)] = launches[product[0][0]]
                     row["table"] = product[0][0]
