@@ -13,7 +13,10 @@ sampling run outside it), one CUDA graph per variant:
   their main loop, the rest at exit), and ``mixed`` (GEMMs and attention late, the small kernels at start: the
   engine's default since session 21);
 - ``+pf N``: each Triton GEMM program prefetches the first N columns of its weight rows into L2 before its wait
-  (``_triton.use_pdl_prefetch``), while the kernel before it runs.
+  (``_triton.use_pdl_prefetch``), while the kernel before it runs;
+- ``+kv N``: each decode attention program reads the step's metadata and prefetches the K/V lines of its chunk's
+  first N positions into L2 before its wait (``_triton.use_pdl_kv_prefetch``);
+- ``mixed/OP-MODE``: the engine's default with those ops' trigger changed (session 22: which op's mode matters).
 
 Inputs: ``--batches`` sequences of ``--context`` positions each (distinct KV blocks), one decode token each. Each
 variant's graph output is compared with ``off``'s (bitwise: the kernels and their configs are the same). Times:
@@ -39,20 +42,36 @@ from bench_decode import pdl_trigger_spec  # noqa: E402
 from common import LLAMA2_7B, make_model_dir, replay_ms  # noqa: E402
 from loraplex.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
 from loraplex.engine.llm import LLM  # noqa: E402
-from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, pdl_launches, use_pdl, use_pdl_prefetch,  # noqa: E402
-                                      use_pdl_trigger)
+from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, pdl_launches, use_pdl,  # noqa: E402
+                                      use_pdl_kv_prefetch, use_pdl_prefetch, use_pdl_trigger)
 
-VARIANTS = {  # name: (PDL on, bench_decode.PDL_TRIGGER_POLICIES name, prefetch columns)
-    "off": (False, "start", 0),
-    "start": (True, "start", 0),
-    "exit": (True, "exit", 0),
-    "late": (True, "late", 0),
-    "mixed": (True, "mixed", 0),
-    "start+pf512": (True, "start", 512),
-    "mixed+pf512": (True, "mixed", 512),
-    "late+pf512": (True, "late", 512),
-    "start+pf1024": (True, "start", 1024),
+VARIANTS = {  # name: (PDL on, bench_decode.PDL_TRIGGER_POLICIES name or {op: trigger} over "mixed", prefetch
+    # columns, decode attention's K/V prefetch positions)
+    "off": (False, "start", 0, 0),
+    "start": (True, "start", 0, 0),
+    "exit": (True, "exit", 0, 0),
+    "late": (True, "late", 0, 0),
+    "mixed": (True, "mixed", 0, 0),
+    "start+pf512": (True, "start", 512, 0),
+    "mixed+pf512": (True, "mixed", 512, 0),
+    "late+pf512": (True, "late", 512, 0),
+    "start+pf1024": (True, "start", 1024, 0),
+    "mixed+kv64": (True, "mixed", 0, 64),
+    "mixed+kv128": (True, "mixed", 0, 128),
+    "mixed/attn-start": (True, {"paged_decode_attention": "start"}, 0, 0),
+    "mixed/attn-start+kv64": (True, {"paged_decode_attention": "start"}, 0, 64),
+    "mixed/attn-exit": (True, {"paged_decode_attention": "exit"}, 0, 0),
+    "mixed/gemm-exit": (True, {"dense_linear": "exit"}, 0, 0),
+    "mixed/small-exit": (True, {"rms_norm": "exit", "rotary_and_cache": "exit", "silu_and_mul": "exit"}, 0, 0),
 }
+
+
+def trigger_spec(trigger: str | dict[str, str]) -> str | dict[str, str]:
+    """A variant's trigger setting for ``use_pdl_trigger``: a policy by name, or the "mixed" policy with ``trigger``'s
+    ops changed."""
+    if isinstance(trigger, str):
+        return pdl_trigger_spec(trigger)
+    return {**pdl_trigger_spec("mixed"), **trigger}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,10 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
         graphs._i32.upload(graphs._i32.host.numel())
         captured = {}  # name -> (graph or None on the CPU, a copy of its output)
         for name in names:
-            on, trigger, prefetch = VARIANTS[name]
+            on, trigger, prefetch, kv_prefetch = VARIANTS[name]
             use_pdl(True)
-            use_pdl_trigger(pdl_trigger_spec(trigger))
+            use_pdl_trigger(trigger_spec(trigger))
             use_pdl_prefetch(prefetch)
+            use_pdl_kv_prefetch(kv_prefetch)
             with pdl_launches(on), torch.inference_mode():
                 if args.quick:  # no graphs on the CPU: the forward itself
                     captured[name] = (None, graphs._forward(b, False, False).clone())
@@ -117,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
             captured[name] = (graph, hidden.clone())
         use_pdl_trigger(DEFAULT_PDL_TRIGGERS)
         use_pdl_prefetch(0)
+        use_pdl_kv_prefetch(0)
         ref = captured[names[0]][1]
         row = {"batch": b, "equal_to_" + names[0]: {n: bool(torch.equal(c[1], ref)) for n, c in captured.items()}}
         if args.quick:

@@ -202,6 +202,8 @@ DEFAULT_PDL_TRIGGERS = {"dense_linear": "late", "fp8_linear": "late", "paged_dec
 _PDL_TRIGGER: str | dict[str, str] = DEFAULT_PDL_TRIGGERS
 # Weight columns a GEMM prefetches into L2 before its wait (``pdl_prefetch``), per weight row of its tile; 0: none.
 _PDL_PREFETCH_K = 0
+# Context positions a decode attention program prefetches (K and V lines) into L2 before its wait; 0: none.
+_PDL_KV_PREFETCH = 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -237,6 +239,24 @@ def use_pdl_prefetch(columns: int) -> int:
         raise ValueError(f"PDL prefetch of {columns} columns: a power of two >= 64, or 0")
     previous, _PDL_PREFETCH_K = _PDL_PREFETCH_K, columns
     return previous
+
+
+def use_pdl_kv_prefetch(positions: int) -> int:
+    """Context positions (a power of two >= 16, or 0: none) each PDL-launched decode attention program prefetches
+    into L2 before its wait: the K and V lines of the first ``positions`` positions of its chunk (the kernel before it
+    writes at most one of them, the step's new token, into L2, which is coherent); returns the previous value.
+    Raises ``ValueError`` for another value."""
+    global _PDL_KV_PREFETCH
+    if positions and (positions < 16 or positions & (positions - 1)):
+        raise ValueError(f"PDL KV prefetch of {positions} positions: a power of two >= 16, or 0")
+    previous, _PDL_KV_PREFETCH = _PDL_KV_PREFETCH, positions
+    return previous
+
+
+def pdl_kv_prefetch_positions(use_pdl: int) -> int:
+    """The ``PREFETCH_N`` constexpr of a decode attention launch: :func:`use_pdl_kv_prefetch`'s positions where the
+    launch uses PDL (``use_pdl`` from :func:`pdl_args`); else 0."""
+    return _PDL_KV_PREFETCH if use_pdl else 0
 
 
 def pdl_prefetch_columns(use_pdl: int, in_features: int) -> int:

@@ -51,8 +51,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from loraplex.kernels._attention_checks import check_attention_args, check_attention_layout, prepare_out
-from loraplex.kernels._triton import (cdiv, dot_dtype, dot_precision, next_pow2, num_sms, pdl_args, pdl_trigger,
-                                      pdl_wait, require_triton, tl, triton)
+from loraplex.kernels._triton import (cdiv, dot_dtype, dot_precision, next_pow2, num_sms, pdl_args,
+                                      pdl_kv_prefetch_positions, pdl_prefetch, pdl_trigger, pdl_wait, require_triton,
+                                      tl, triton)
 from loraplex.kernels.attention_common import attend_kv_range
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.errors import KernelArgumentError
@@ -194,8 +195,13 @@ def _paged_decode_kernel(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    PREFETCH_N: tl.constexpr = 0,
+    LINE: tl.constexpr = 64,
 ):
-    pdl_wait(USE_PDL)
+    # PREFETCH_N > 0 (PDL only): the step's metadata (written before the graph, not by the kernel before this one)
+    # is read before the wait, and the K/V lines of the chunk's first PREFETCH_N positions are asked into L2
+    if PREFETCH_N == 0:
+        pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -214,6 +220,16 @@ def _paged_decode_kernel(
         return
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    if PREFETCH_N > 0:
+        pf_pos = start + tl.arange(0, PREFETCH_N)
+        pf_mask = pf_pos < end
+        pf_blk = tl.load(block_tables_ptr + b * stride_bt + pf_pos // PAGE, mask=pf_mask, other=0).to(tl.int64)
+        pf_line = tl.arange(0, BLOCK_D // LINE) * LINE
+        pf_row = pf_blk * stride_kb + (pf_pos % PAGE).to(tl.int64) * stride_ks + kvh * stride_kh
+        pdl_prefetch(k_cache_ptr + pf_row[:, None] + pf_line[None, :], pf_mask[:, None], k_cache_ptr, True)
+        pf_row = pf_blk * stride_vb + (pf_pos % PAGE).to(tl.int64) * stride_vs + kvh * stride_vh
+        pdl_prefetch(v_cache_ptr + pf_row[:, None] + pf_line[None, :], pf_mask[:, None], v_cache_ptr, True)
+        pdl_wait(USE_PDL)
 
     tok = tok.to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -310,6 +326,7 @@ def launch_decode(
         part_lse = torch.empty((num_seqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # never written: every sequence has one active split
+    pdl = pdl_args(query.device, _OP)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         query,
         key_cache,
@@ -348,7 +365,7 @@ def launch_decode(
         USE_DOT=config.use_dot,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=config.num_warps, **pdl_args(query.device, _OP),
+        num_warps=config.num_warps, **pdl, **_prefetch_args(pdl, head_dim, key_cache.element_size()),
     )
     if splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -369,6 +386,16 @@ def launch_decode(
             SLIDING=sliding_window is not None,
             num_warps=4 if head_dim >= 128 else 1, **pdl_args(query.device, _OP),
         )
+
+
+def _prefetch_args(pdl: dict, head_dim: int, itemsize: int) -> dict:
+    """``PREFETCH_N`` and ``LINE`` (elements per 128-byte line) of a decode launch with ``pdl`` (:func:`pdl_args`):
+    no prefetch without PDL, or for head rows that are not whole lines."""
+    line = 128 // itemsize
+    positions = pdl_kv_prefetch_positions(pdl["USE_PDL"])
+    if head_dim % line or max(16, next_pow2(head_dim)) != head_dim:
+        positions = 0
+    return {"PREFETCH_N": positions, "LINE": line}
 
 
 def resolve_decode_config(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata,

@@ -205,6 +205,12 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
                                                        num_splits=8, min_chunk=4 * block_n, use_dot=use_dot)
                 attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta,
                                                         d**-0.5, config=config)
+        # the K/V lines of a chunk's first positions prefetched into L2 before the PDL wait
+        previous = _triton.use_pdl_kv_prefetch(64)
+        try:
+            attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta, d**-0.5)
+        finally:
+            _triton.use_pdl_kv_prefetch(previous)
     meta = AttentionMetadata.build([512, 1], [3000, 17], [[0] * 188, [0, 0]], bs, "cpu")
     attention_prefill.paged_prefill_attention(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)
     attention.PAGED_ATTENTION.triton(torch.zeros(513, hq, d, dtype=dtype), *caches, meta, d**-0.5)  # mixed

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from loraplex.kernels import _triton
-from loraplex.kernels._triton import (PDL_TRIGGERS, pdl_args, pdl_launches, pdl_prefetch_columns, use_pdl,
-                                      use_pdl_prefetch, use_pdl_trigger)
+from loraplex.kernels._triton import (PDL_TRIGGERS, pdl_args, pdl_kv_prefetch_positions, pdl_launches,
+                                      pdl_prefetch_columns, use_pdl, use_pdl_kv_prefetch, use_pdl_prefetch,
+                                      use_pdl_trigger)
 
 
 def test_pdl_only_on_hopper_cuda(monkeypatch):
@@ -117,3 +118,64 @@ def test_dependent_chain_is_bitwise_the_same_with_and_without_pdl(trigger, prefe
         use_pdl_trigger(previous[0])
         use_pdl_prefetch(previous[1])
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+
+
+def test_kv_prefetch_positions():
+    assert pdl_kv_prefetch_positions(3) == 0  # off by default
+    before = use_pdl_kv_prefetch(64)
+    try:
+        assert before == 0
+        assert pdl_kv_prefetch_positions(3) == 64 and pdl_kv_prefetch_positions(1) == 64
+        assert pdl_kv_prefetch_positions(False) == 0  # only launches that use PDL read ahead of their wait
+        for bad in (8, 48, -16):
+            with pytest.raises(ValueError, match="power of two"):
+                use_pdl_kv_prefetch(bad)
+    finally:
+        use_pdl_kv_prefetch(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("kv_prefetch,trigger", [(64, "late"), (16, "start")])
+def test_decode_attention_prefetching_kv_sees_the_token_written_before_it(kv_prefetch, trigger):
+    """In a graph, a cache write (the step's new token) then decode attention, with the attention's K/V prefetched
+    before its PDL wait: every replay's output equals the attention without PDL of the same caches, also where the
+    new position lies inside the prefetched positions (contexts 1..48 with 64 prefetched)."""
+    from loraplex.kernels.attention_metadata import AttentionMetadata
+    from loraplex.kernels.ops import Kernels
+
+    kernels = Kernels("triton")
+    torch.manual_seed(0)
+    heads, d, bs, batch = 8, 128, 16, 6
+    ctx = [1, 17, 48, 64, 200, 700]
+    per_seq = 48
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+    k_cache = torch.randn(1 + batch * per_seq, bs, heads, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    meta = AttentionMetadata.build([1] * batch, ctx, tables, bs, "cuda")
+    q, k_new, v_new = (torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def step():
+        kernels.reshape_and_cache(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+        return kernels.paged_attention(q, k_cache, v_cache, meta, d**-0.5)
+
+    previous = use_pdl_kv_prefetch(kv_prefetch), use_pdl_trigger(trigger)
+    try:
+        with pdl_launches(True):
+            step()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+        for _ in range(10):
+            for t in (q, k_new, v_new):
+                t.copy_(torch.randn_like(t))
+            graph.replay()
+            got = out.clone()
+            with pdl_launches(False):
+                want = step()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+    finally:
+        use_pdl_kv_prefetch(previous[0])
+        use_pdl_trigger(previous[1])
