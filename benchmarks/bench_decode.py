@@ -51,8 +51,8 @@ from common import LLAMA2_7B, git_commit, make_model_dir, measure_copy_bandwidth
 from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.engine import cuda_graphs  # noqa: E402
 from loraplex.engine.models import llama  # noqa: E402
-from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, use_pdl, use_pdl_prefetch,  # noqa: E402
-                                      use_pdl_trigger)
+from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, use_pdl, use_pdl_kv_prefetch,  # noqa: E402
+                                      use_pdl_prefetch, use_pdl_trigger)
 
 PROMPT_LEN = 128
 NUM_ADAPTERS = 32
@@ -315,6 +315,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "engine's, 256: every decode graph)")
     ap.add_argument("--pdl-trigger", default=None, choices=sorted(PDL_TRIGGER_POLICIES),
                     help="when PDL kernels let the next launch (PDL_TRIGGER_POLICIES; default: the engine's)")
+    ap.add_argument("--pdl-kv-prefetch", type=int, default=None,
+                    help="context positions each PDL decode attention program prefetches into L2 before its wait "
+                         "(kernels._triton.use_pdl_kv_prefetch; default: the engine's)")
     ap.add_argument("--pdl-prefetch", type=int, default=None,
                     help="weight columns each PDL GEMM program prefetches into L2 before its wait "
                          "(kernels._triton.use_pdl_prefetch; default: the engine's)")
@@ -347,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
         use_pdl_trigger(pdl_trigger_spec(args.pdl_trigger))
     if args.pdl_prefetch is not None:
         use_pdl_prefetch(args.pdl_prefetch)
+    if args.pdl_kv_prefetch is not None:
+        use_pdl_kv_prefetch(args.pdl_kv_prefetch)
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:
@@ -370,6 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
               "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
+              "pdl_kv_prefetch": args.pdl_kv_prefetch,
               "fused_configs": args.fused_configs,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)

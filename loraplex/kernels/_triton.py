@@ -202,8 +202,11 @@ DEFAULT_PDL_TRIGGERS = {"dense_linear": "late", "fp8_linear": "late", "paged_dec
 _PDL_TRIGGER: str | dict[str, str] = DEFAULT_PDL_TRIGGERS
 # Weight columns a GEMM prefetches into L2 before its wait (``pdl_prefetch``), per weight row of its tile; 0: none.
 _PDL_PREFETCH_K = 0
-# Context positions a decode attention program prefetches (K and V lines) into L2 before its wait; 0: none.
-_PDL_KV_PREFETCH = 0
+# Context positions a decode attention program prefetches (K and V lines) into L2 before its wait; 0: none. Measured
+# on an H200 (benchmarks/RESULTS.md, session 22, benchmarks/diag_pdl.py, a Llama-2-7B decode graph at context 160):
+# 64 positions took batch 1 / 32 / 128 from 3.756 / 4.861 / 7.456 ms to 3.714 / 4.837 / 7.444; 128 positions were
+# slower at batch 32 and 128 (4.911, 7.637).
+_PDL_KV_PREFETCH = 64
 
 
 @functools.lru_cache(maxsize=16)
