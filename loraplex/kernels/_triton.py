@@ -303,10 +303,10 @@ def pdl_trigger_mode(op: str) -> int:
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """First statement of a kernel launched with :func:`pdl_args` (after :func:`pdl_prefetch` at most): wait for the
-    previous kernel in the stream (its writes visible, its reads of what this kernel overwrites done); with the
-    "start" trigger (``USE_PDL == 1``), then allow the next kernel to launch. Every program runs it before any other
-    global load or store."""
+    """First statement of a kernel launched with :func:`pdl_args` (after :func:`pdl_prefetch`, and in decode attention
+    the step's metadata loads, at most): wait for the previous kernel in the stream (its writes visible, its reads of
+    what this kernel overwrites done); with the "start" trigger (``USE_PDL == 1``), then allow the next kernel to
+    launch. Every program runs it before any store and before any load of memory a kernel of the step writes."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if USE_PDL == 1:
