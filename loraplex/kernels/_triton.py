@@ -233,13 +233,18 @@ def use_pdl_trigger(trigger: str | dict[str, str]) -> str | dict[str, str]:
     return previous
 
 
+def _check_prefetch_size(size: int, least: int, unit: str) -> None:
+    """Raise ``ValueError`` unless ``size`` is 0 or a power of two >= ``least``."""
+    if size and (size < least or size & (size - 1)):
+        raise ValueError(f"PDL prefetch of {size} {unit}: a power of two >= {least}, or 0")
+
+
 def use_pdl_prefetch(columns: int) -> int:
     """Weight columns (a power of two >= 64, or 0: none) each PDL-launched ``dense_linear`` program prefetches into L2
     per weight row of its tile (from the first column of its K split) before its wait (the weights do not depend on
     the kernel before it); returns the previous value. Raises ``ValueError`` for another value."""
     global _PDL_PREFETCH_K
-    if columns and (columns < 64 or columns & (columns - 1)):
-        raise ValueError(f"PDL prefetch of {columns} columns: a power of two >= 64, or 0")
+    _check_prefetch_size(columns, 64, "columns")
     previous, _PDL_PREFETCH_K = _PDL_PREFETCH_K, columns
     return previous
 
@@ -250,8 +255,7 @@ def use_pdl_kv_prefetch(positions: int) -> int:
     writes at most one of them, the step's new token, into L2, which is coherent); returns the previous value.
     Raises ``ValueError`` for another value."""
     global _PDL_KV_PREFETCH
-    if positions and (positions < 16 or positions & (positions - 1)):
-        raise ValueError(f"PDL KV prefetch of {positions} positions: a power of two >= 16, or 0")
+    _check_prefetch_size(positions, 16, "positions")
     previous, _PDL_KV_PREFETCH = _PDL_KV_PREFETCH, positions
     return previous
 
