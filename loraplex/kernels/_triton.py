@@ -202,11 +202,13 @@ DEFAULT_PDL_TRIGGERS = {"dense_linear": "late", "fp8_linear": "late", "paged_dec
 _PDL_TRIGGER: str | dict[str, str] = DEFAULT_PDL_TRIGGERS
 # Weight columns a GEMM prefetches into L2 before its wait (``pdl_prefetch``), per weight row of its tile; 0: none.
 _PDL_PREFETCH_K = 0
-# Context positions a decode attention program prefetches (K and V lines) into L2 before its wait; 0: none. Measured
-# on an H200 (benchmarks/RESULTS.md, session 22, benchmarks/diag_pdl.py, a Llama-2-7B decode graph at context 160):
-# 64 positions took batch 1 / 32 / 128 from 3.756 / 4.861 / 7.456 ms to 3.714 / 4.837 / 7.444; 128 positions were
-# slower at batch 32 and 128 (4.911, 7.637).
-_PDL_KV_PREFETCH = 64
+# Context positions a decode attention program prefetches (K and V lines) into L2 before its wait; 0: none (the
+# default). Measured on an H200 (benchmarks/RESULTS.md, session 22): in the decode graph alone (benchmarks/diag_pdl.py,
+# Llama-2-7B, context 160) 64 positions took batch 1 / 32 / 128 from 3.756 / 4.861 / 7.456 ms to 3.714 / 4.837 /
+# 7.444 (128 positions: slower at 32 and 128); in the engine's decode steps (bench_decode.py, runs interleaved) the
+# base step at batch 128 was ~0.1 ms slower with 64 (8.06 / 8.17 against 7.97 / 8.03 ms) and batch 1 / 32 within
+# 0.04 ms, so it stays off.
+_PDL_KV_PREFETCH = 0
 
 
 @functools.lru_cache(maxsize=16)

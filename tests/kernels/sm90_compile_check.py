@@ -205,8 +205,8 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
                                                        num_splits=8, min_chunk=4 * block_n, use_dot=use_dot)
                 attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta,
                                                         d**-0.5, config=config)
-        # without the K/V prefetch before the PDL wait (the default prefetches a chunk's first 64 positions)
-        previous = _triton.use_pdl_kv_prefetch(0)
+        # the K/V lines of a chunk's first positions prefetched into L2 before the PDL wait (off by default)
+        previous = _triton.use_pdl_kv_prefetch(64)
         try:
             attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta, d**-0.5)
         finally:
