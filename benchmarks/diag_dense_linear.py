@@ -150,8 +150,9 @@ def main() -> None:
     ap.add_argument("--models", default="llama2,llama3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--merged", default=None, help="write dense_linear.MEASURED_CONFIGS plus this run's table rows "
-                    "for the --extra shapes (JSON, for bench_decode.py --dense-configs)")
+    ap.add_argument("--merged", default=None, help="write dense_linear.MEASURED_CONFIGS with this run's verdict on "
+                    "every (token bucket, shape) it measured: its best launch, or no row where cuBLAS won (JSON, for "
+                    "bench_decode.py --dense-configs)")
     ap.add_argument("--only", default="", help="measure only these linears (names, comma-separated; no whole step)")
     ap.add_argument("--extra", default="", help="more shapes, measured per call only (not in the step): "
                     "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
@@ -163,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     table, measured = {}, set()
 
-    def save(report: dict, table: dict, extras: tuple) -> None:
+    def save(report: dict, table: dict) -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
         if args.table:
@@ -181,7 +182,7 @@ def main() -> None:
         tasks = [(kind, cfg, int(t), k, n) for model in args.models.split(",") for t in args.tokens.split(",")
                  for name, k, n in (*MODELS[model], HEADS[model], *extras) if not only or name in only
                  for kind, cfg in configs(int(t), splits=splits, in_features=k) if n % cfg[1] == 0]
-        precompile(tasks, args.jobs)
+        precompile(list(dict.fromkeys(tasks)), args.jobs)  # shapes the models share compile once
     torch.manual_seed(0)
     spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     for _ in range(50):
@@ -254,11 +255,13 @@ def main() -> None:
                 if tokens in TOKEN_BUCKETS and product and product[0][1] < 0.98 * us["cublas"]:
                     table[(report["device"], tokens, n, k)] = launches[product[0][0]]
                     row["table"] = product[0][0]
+                elif tokens in TOKEN_BUCKETS:  # the last measurement of a shape (models may share one) decides
+                    table.pop((report["device"], tokens, n, k), None)
                 report["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "us"}), flush=True)
                 del outs
             if only:
-                save(report, table, extras)
+                save(report, table)
                 continue
             # a whole step's GEMMs: 4 linears x 32 layers and the head once, in one graph
             xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16) for name, k, n in linears}
@@ -280,10 +283,10 @@ def main() -> None:
                 step[f"{plan}_of_copy"] = step["floor_ms"] / step[f"{plan}_ms"]
             report["steps"].append(step)
             print(json.dumps(step), flush=True)
-            save(report, table, extras)
+            save(report, table)
         del weights
         torch.cuda.empty_cache()
-    save(report, table, extras)
+    save(report, table)
 
 
 if __name__ == "__main__":

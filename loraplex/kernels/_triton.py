@@ -289,7 +289,7 @@ def pdl_launches(enabled: bool = True) -> Iterator[None]:
 
 
 def pdl_args(device: torch.device, op: str) -> dict[str, Any]:
-    """Launch keywords of op ``op``'s kernel, which begins with :func:`pdl_wait`: ``{"USE_PDL": mode, "launch_pdl":
+    """Launch keywords of op ``op``'s kernel, which calls :func:`pdl_wait`: ``{"USE_PDL": mode, "launch_pdl":
     True}`` inside :func:`pdl_launches` on a CUDA device of compute capability >= 9 (with :func:`use_pdl` on for
     ``op``; ``mode`` the :data:`PDL_TRIGGERS` value of its trigger, :data:`DEFAULT_PDL_TRIGGERS`' by default: 3 for
     the ops named there, 1 for the others), else ``{"USE_PDL": False}`` (the interpreter and older GPUs: the wait
@@ -312,7 +312,8 @@ def pdl_wait(USE_PDL: tl.constexpr):
     """First statement of a kernel launched with :func:`pdl_args` (after :func:`pdl_prefetch`, and in decode attention
     the step's metadata loads, at most): wait for the previous kernel in the stream (its writes visible, its reads of
     what this kernel overwrites done); with the "start" trigger (``USE_PDL == 1``), then allow the next kernel to
-    launch. Every program runs it before any store and before any load of memory a kernel of the step writes."""
+    launch. Every program runs it before any store and before any load of memory a kernel of the step writes, and
+    before it ends."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if USE_PDL == 1:
@@ -330,8 +331,9 @@ def pdl_trigger(USE_PDL: tl.constexpr):
 @triton.jit
 def pdl_prefetch(ptrs, mask, fallback, PREFETCH: tl.constexpr):
     """Before :func:`pdl_wait`: ask L2 for the 128-byte lines at ``ptrs`` (one pointer per line; masked-off ones ask for
-    ``fallback``'s line) while the previous kernel still runs. For data no kernel of the step writes (weights): L2 is
-    coherent and the prefetch fills no L1, so it never makes a later load stale. ``PREFETCH`` False: nothing."""
+    ``fallback``'s line) while the previous kernel still runs. L2 is the device's point of coherence and the prefetch
+    fills no L1, so it never makes a later load stale, also of a line the previous kernel writes (decode attention's
+    K/V: the step's new token) or has written. ``PREFETCH`` False: nothing."""
     if PREFETCH:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                   [tl.where(mask, ptrs, fallback)], dtype=tl.int32, is_pure=False, pack=1)

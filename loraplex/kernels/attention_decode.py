@@ -198,8 +198,10 @@ def _paged_decode_kernel(
     PREFETCH_N: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
 ):
-    # PREFETCH_N > 0 (PDL only): the step's metadata (written before the graph, not by the kernel before this one)
-    # is read before the wait, and the K/V lines of the chunk's first PREFETCH_N positions are asked into L2
+    # PREFETCH_N > 0 (PDL launches only; the engine's are its decode graphs): the step's metadata (uploaded before the
+    # graph; no kernel of the step writes it) is read before the wait, and the K/V lines of the chunk's first
+    # PREFETCH_N positions are asked into L2. Every program still waits before it ends, also where it has nothing to
+    # do: the next kernel's wait covers this grid only, so this grid must not finish before the kernel before it.
     if PREFETCH_N == 0:
         pdl_wait(USE_PDL)
     b = tl.program_id(0)
@@ -209,6 +211,8 @@ def _paged_decode_kernel(
     tok = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - tok
     if q_len != 1:  # a prefill row of a mixed batch (or an empty padding sequence): not ours
+        if PREFETCH_N > 0:
+            pdl_wait(USE_PDL)
         return
     seq_len = tl.load(seq_lens_ptr + b)
     lo = 0
@@ -217,6 +221,8 @@ def _paged_decode_kernel(
     chunk = _decode_chunk(seq_len - lo, num_splits, BLOCK_N, MIN_CHUNK)
     num_active = tl.cdiv(seq_len - lo, chunk)
     if split >= num_active:
+        if PREFETCH_N > 0:
+            pdl_wait(USE_PDL)
         return
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -327,6 +333,7 @@ def launch_decode(
     else:
         part_out = part_lse = out  # never written: every sequence has one active split
     pdl = pdl_args(query.device, _OP)
+    block_d = max(16, next_pow2(head_dim))
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         query,
         key_cache,
@@ -355,7 +362,7 @@ def launch_decode(
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)) if config.use_dot else 1,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_D=block_d,
         PAGE=page,
         BLOCK_N=config.block_n,
         MIN_CHUNK=config.min_chunk,
@@ -365,7 +372,7 @@ def launch_decode(
         USE_DOT=config.use_dot,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=config.num_warps, **pdl, **_prefetch_args(pdl, head_dim, key_cache.element_size()),
+        num_warps=config.num_warps, **pdl, **_prefetch_args(pdl, head_dim, block_d, key_cache.element_size()),
     )
     if splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -382,18 +389,19 @@ def launch_decode(
             MIN_CHUNK=config.min_chunk,
             BLOCK_S=16 if splits <= 16 else next_pow2(splits),  # few variants of this small kernel
             HEAD_DIM=head_dim,
-            BLOCK_D=max(16, next_pow2(head_dim)),
+            BLOCK_D=block_d,
             SLIDING=sliding_window is not None,
             num_warps=4 if head_dim >= 128 else 1, **pdl_args(query.device, _OP),
         )
 
 
-def _prefetch_args(pdl: dict, head_dim: int, itemsize: int) -> dict:
+def _prefetch_args(pdl: dict, head_dim: int, block_d: int, itemsize: int) -> dict:
     """``PREFETCH_N`` and ``LINE`` (elements per 128-byte line) of a decode launch with ``pdl`` (:func:`pdl_args`):
-    no prefetch without PDL, or for head rows that are not whole lines."""
+    :func:`~loraplex.kernels._triton.pdl_kv_prefetch_positions`, or none where the head rows are not a whole number of
+    lines filling the kernel's ``block_d`` columns (``HEAD_DIM == BLOCK_D``, a multiple of ``LINE``)."""
     line = 128 // itemsize
     positions = pdl_kv_prefetch_positions(pdl["USE_PDL"])
-    if head_dim % line or max(16, next_pow2(head_dim)) != head_dim:
+    if head_dim % line or block_d != head_dim:
         positions = 0
     return {"PREFETCH_N": positions, "LINE": line}
 
