@@ -99,6 +99,17 @@ def _configs(tokens: int, budget: int):
             yield "gemv", (1, bn, bk, w, s)
 
 
+def measured_linears(model: str, extras: tuple, only: set[str]) -> list[tuple[str, int, int]]:
+    """``(name, K, N)`` of the linears a run measures for ``model``: its four, its head and the ``extras``, those
+    named in ``only`` where it is not empty."""
+    return [(name, k, n) for name, k, n in (*MODELS[model], HEADS[model], *extras) if not only or name in only]
+
+
+def launch_shapes(tokens: int, k: int, n: int, splits: tuple[int, ...]):
+    """The :func:`configs` launch shapes of a ``[tokens, k] x [n, k]^T`` product whose column tiles divide ``n``."""
+    return [(kind, cfg) for kind, cfg in configs(tokens, splits=splits, in_features=k) if n % cfg[1] == 0]
+
+
 _WORKER_TENSORS: dict = {}
 
 
@@ -180,8 +191,8 @@ def main() -> None:
     dev = torch.device("cuda")
     if args.jobs:
         tasks = [(kind, cfg, int(t), k, n) for model in args.models.split(",") for t in args.tokens.split(",")
-                 for name, k, n in (*MODELS[model], HEADS[model], *extras) if not only or name in only
-                 for kind, cfg in configs(int(t), splits=splits, in_features=k) if n % cfg[1] == 0]
+                 for _, k, n in measured_linears(model, extras, only)
+                 for kind, cfg in launch_shapes(int(t), k, n, splits)]
         precompile(list(dict.fromkeys(tasks)), args.jobs)  # shapes the models share compile once
     torch.manual_seed(0)
     spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -198,13 +209,11 @@ def main() -> None:
     for model in args.models.split(","):
         linears = (*MODELS[model], HEADS[model])
         weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-                   for name, k, n in linears + extras if not only or name in only}
+                   for name, k, n in measured_linears(model, extras, only)}
         step_bytes = sum(n * k * 2 * LAYERS for _, k, n in MODELS[model]) + HEADS[model][1] * HEADS[model][2] * 2
         for tokens in (int(t) for t in args.tokens.split(",")):
             best = {}
-            for name, k, n in linears + extras:
-                if only and name not in only:
-                    continue
+            for name, k, n in measured_linears(model, extras, only):
                 ws = weights[name]
                 x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
                 outs = [torch.empty(tokens, n, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -213,9 +222,7 @@ def main() -> None:
                 launches = {}
                 row = {"model": model, "tokens": tokens, "linear": name, "floor_us": n * k * 2 / bw * 1e6}
                 t0 = time.perf_counter()
-                for kind, cfg in configs(tokens, splits=splits, in_features=k):
-                    if n % cfg[1]:
-                        continue
+                for kind, cfg in launch_shapes(tokens, k, n, splits):
                     try:
                         got = launch(kind, cfg, x, ws[0], outs[0])
                         torch.cuda.synchronize()
@@ -250,13 +257,14 @@ def main() -> None:
                         row[f"best_{kind}"], row[f"best_{kind}_us"] = mine[0]
                 best[name] = (ranked[0][0], variants[ranked[0][0]])
                 product = [kv for kv in ranked if kv[0] in launches]
-                if tokens in TOKEN_BUCKETS:
-                    measured.add((report["device"], tokens, n, k))
-                if tokens in TOKEN_BUCKETS and product and product[0][1] < 0.98 * us["cublas"]:
-                    table[(report["device"], tokens, n, k)] = launches[product[0][0]]
-                    row["table"] = product[0][0]
-                elif tokens in TOKEN_BUCKETS:  # the last measurement of a shape (models may share one) decides
-                    table.pop((report["device"], tokens, n, k), None)
+                if tokens in TOKEN_BUCKETS:  # the last measurement of a shape (models may share one) decides
+                    key = (report["device"], tokens, n, k)
+                    measured.add(key)
+                    if product and product[0][1] < 0.98 * us["cublas"]:
+                        table[key] = launches[product[0][0]]
+                        row["table"] = product[0][0]
+                    else:
+                        table.pop(key, None)
                 report["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "us"}), flush=True)
                 del outs

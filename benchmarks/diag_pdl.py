@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"commit": os.environ.get("LORAPLEX_COMMIT", "?"),
               "device": str(dev) if args.quick else torch.cuda.get_device_name(), "context": ctx, "rows": []}
     block = engine.runner.block_size
-    default_kv_prefetch = use_pdl_kv_prefetch(0)  # each variant sets its own; the engine's restored after a batch
+    # each variant sets its own; the engine's settings come back after each batch
+    engine_settings = use_pdl_trigger(DEFAULT_PDL_TRIGGERS), use_pdl_prefetch(0), use_pdl_kv_prefetch(0)
     per_seq = -(-(ctx + 1) // block)
     for b in batches:
         tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)]
@@ -136,9 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
             graph.replay()
             torch.cuda.synchronize()
             captured[name] = (graph, hidden.clone())
-        use_pdl_trigger(DEFAULT_PDL_TRIGGERS)
-        use_pdl_prefetch(0)
-        use_pdl_kv_prefetch(default_kv_prefetch)
+        use_pdl_trigger(engine_settings[0])
+        use_pdl_prefetch(engine_settings[1])
+        use_pdl_kv_prefetch(engine_settings[2])
         ref = captured[names[0]][1]
         row = {"batch": b, "equal_to_" + names[0]: {n: bool(torch.equal(c[1], ref)) for n, c in captured.items()}}
         if args.quick:
