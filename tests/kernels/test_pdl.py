@@ -140,7 +140,9 @@ def test_kv_prefetch_positions():
 def test_decode_attention_prefetching_kv_sees_the_token_written_before_it(kv_prefetch, trigger):
     """In a graph, a cache write (the step's new token) then decode attention, with the attention's K/V prefetched
     before its PDL wait: every replay's output equals the attention without PDL of the same caches, also where the
-    new position lies inside the prefetched positions (contexts 1..48 with 64 prefetched)."""
+    new position lies inside the prefetched positions (contexts 1..48 with 64 prefetched), and the float32
+    reference within bf16 rounding."""
+    from loraplex.kernels.attention import paged_attention_ref
     from loraplex.kernels.attention_metadata import AttentionMetadata
     from loraplex.kernels.ops import Kernels
 
@@ -176,6 +178,8 @@ def test_decode_attention_prefetching_kv_sees_the_token_written_before_it(kv_pre
                 want = step()
             torch.cuda.synchronize()
             assert torch.equal(got, want)
+            ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, d**-0.5)
+            torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
     finally:
         use_pdl_kv_prefetch(previous[0])
         use_pdl_trigger(previous[1])
