@@ -177,15 +177,16 @@ def kind_adapter_bytes(config: dict, kind: str, rank: int = RANK, itemsize: int 
 
 def build(model_dir: Path, async_scheduling: bool, max_model_len: int, device_kw: dict,
           quantization: str | None = None, kinds: tuple[str, ...] = KINDS, page_rows: int = 16,
-          fold_shrink: str = "auto") -> LLM:
+          fold_shrink: str = "auto", max_pages: int | None = None) -> LLM:
     """The engine of a run; with ``mixed-ranks`` among ``kinds`` its pool takes ranks up to 64 in pages of
-    ``page_rows`` rows (every kind of the run shares that pool)."""
+    ``page_rows`` rows (every kind of the run shares that pool), ``max_pages`` pages in all (None: the engine's
+    default, every slot a max-rank adapter)."""
     adapters = sum(ADAPTER_KINDS[k][0] for k in kinds if k in ADAPTER_KINDS)
     full_slots = ADAPTER_KINDS["head-copy"][0] if "head-copy" in kinds else 0
     max_rank = max(MIXED_RANKS) if "mixed-ranks" in kinds else RANK
     return LLM(model=str(model_dir), dummy_weights=True, max_model_len=max_model_len, gpu_memory_utilization=0.85,
                quantization=quantization, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=max_rank,
-               lora_page_rows=page_rows, lora_fold_shrink=fold_shrink,
+               lora_page_rows=page_rows, lora_fold_shrink=fold_shrink, max_lora_pages=max_pages,
                max_cpu_loras=max(2 * NUM_ADAPTERS, adapters), max_full_module_slots=full_slots,
                max_num_seqs=256, max_num_batched_tokens=8192, async_scheduling=async_scheduling, **device_kw)
 
@@ -301,6 +302,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="rank rows per adapter weight page (mixed-ranks: 8 gives every rank its own bytes)")
     ap.add_argument("--lora-fold-shrink", default="auto", choices=["auto", "on", "off"],
                     help="EngineConfig.lora_fold_shrink (the LoRA shrink in the base GEMM)")
+    ap.add_argument("--lora-max-pages", type=int, default=None,
+                    help="EngineConfig.max_lora_pages: adapter weight pages in the pool (a folded pool reads every "
+                         "page's A each LoRA step; 64 pages of 8 rows hold mixed-ranks' 512 rank rows exactly)")
     ap.add_argument("--dense-configs", default=None,
                     help="JSON from diag_dense_linear.py --table: Triton GEMM launches to use instead of the measured "
                          "table (dense_linear.use_configs); 'none' = cuBLAS everywhere")
@@ -373,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
+              "lora_page_rows": args.lora_page_rows, "lora_max_pages": args.lora_max_pages,
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
               "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
               "pdl_kv_prefetch": args.pdl_kv_prefetch,
@@ -383,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     mean_ctx = PROMPT_LEN + args.out_len / 2
     for mode in args.async_modes.split(","):
         llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization, kinds,
-                    args.lora_page_rows, args.lora_fold_shrink)
+                    args.lora_page_rows, args.lora_fold_shrink, args.lora_max_pages)
         for kind_adapters in adapters_of.values():
             for a in kind_adapters:
                 llm.engine.preload_lora(a)

@@ -177,3 +177,13 @@ def check_row(out, ref_tokens: list[int], ref_lp: torch.Tensor) -> None:
     top5 = torch.topk(ref_lp, 5)
     for tid, lp in zip(top5.indices.tolist(), top5.values.tolist()):
         assert comp.logprobs[0][tid] == pytest.approx(lp, abs=2e-4)
+
+
+FOLDS = ["off", "on", "on-paged"]
+"""LoRA paths an engine test runs: the SGMV kernels, the shrink folded into the base GEMM, and folded over a pool of
+4-row pages (several pages per adapter of rank > 4)."""
+
+
+def fold_config(fold: str) -> dict:
+    """The engine settings of a :data:`FOLDS` entry."""
+    return {"lora_fold_shrink": fold.split("-")[0]} | ({"lora_page_rows": 4} if fold.endswith("paged") else {})

@@ -148,13 +148,13 @@ class EngineConfig:
     over every slot's A (one cuBLAS GEMM over the weight and the pool's A rows), the expand then added by the kernel
     that reads the linear's output (rotary, norm or activation): two launches fewer per linear, for the bytes of
     every slot's A whatever the batch uses; off = the SGMV shrink and expand kernels over the batch's adapters;
-    auto = on for each linear whose pool A rows are at most its base rows, in pools of max_lora_rank <= 16 (the
-    ranks measured; on an H200, Llama-2-7B, r=16: 32 slots on every module took a batch-32 decode step from 8.69
-    to 6.16 ms, the 512-adapter q/v row of 256 slots from +2.75 to +1.36 ms per decode step over the base model:
-    benchmarks/RESULTS.md, session 17), off where a linear is FP8 or row-parallel or the pool pages adapters
-    (lora_page_rows < max_lora_rank). A large pool whose batches
-    use few of its slots reads its A for nothing: off suits it. on: needs one page per adapter, no fp8 and
-    tensor_parallel_size 1."""
+    auto = on for each linear whose pool A rows (every page's) are at most its base rows, in pools of at most 16
+    rank rows per page (the page sizes measured; on an H200, Llama-2-7B, r=16: 32 slots on every module took a
+    batch-32 decode step from 8.69 to 6.16 ms, the 512-adapter q/v row of 256 slots from +2.75 to +1.36 ms per
+    decode step over the base model: benchmarks/RESULTS.md, session 17), off where a linear is FP8 or
+    row-parallel. A paged pool (lora_page_rows < max_lora_rank) folds every page; each token's expand reads its
+    slot's pages through the page table. A large pool whose batches use few of its slots or pages reads its A for
+    nothing: off suits it. on: needs no fp8 and tensor_parallel_size 1."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))
@@ -230,10 +230,9 @@ class EngineConfig:
              "needs enable_lora"),
             (merged["lora_fold_shrink"] != "on" or merged["enable_lora"], "lora_fold_shrink", "on needs enable_lora"),
             (merged["lora_fold_shrink"] != "on" or (merged["quantization"] is None
-                                                    and merged["tensor_parallel_size"] == 1
-                                                    and merged["lora_page_rows"] >= merged["max_lora_rank"]),
-             "lora_fold_shrink", "on needs one page per adapter (lora_page_rows >= max_lora_rank), no quantization "
-             "and tensor_parallel_size 1 (the folded GEMM is the bf16/fp16/fp32 weight's, whole)"),
+                                                    and merged["tensor_parallel_size"] == 1),
+             "lora_fold_shrink", "on needs no quantization and tensor_parallel_size 1 (the folded GEMM is the "
+             "bf16/fp16/fp32 weight's, whole)"),
             (merged["max_full_module_slots"] == 0 or merged["lora_target_modules"] is None
              or bool({"embed_tokens", "lm_head"} & set(module_names(merged["lora_target_modules"]) or ())),
              "max_full_module_slots", "needs embed_tokens or lm_head in lora_target_modules (the slots hold "

@@ -133,10 +133,10 @@ def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> boo
 
     ``fold_shrink`` (``EngineConfig.lora_fold_shrink``): "on" folds the shrink of every bound linear into its base
     GEMM (``LinearWithLoRA.fold_lora_a``; the pool's A pages become views of the folded weight), "auto" those
-    where :func:`~loraplex.kernels.lora_linear.fold_shrink_pays`, "off" none. Returns whether any linear folded
-    (the weights it replaced are free: on CUDA the caller returns them to the device before sizing the KV cache).
-    Raises ``ValueError`` when folding is asked of a pool of several pages per adapter, an FP8 or a row-parallel
-    linear."""
+    where :func:`~loraplex.kernels.lora_linear.fold_shrink_pays` (of the pool's page rows), "off" none. A paged pool
+    folds all its pages (each token's expand then reads its slot's pages through the page table). Returns whether
+    any linear folded (the weights it replaced are free: on CUDA the caller returns them to the device before sizing
+    the KV cache). Raises ``ValueError`` when folding is asked of an FP8 or a row-parallel linear."""
     if fold_shrink not in ("on", "auto", "off"):
         raise ValueError(f"bind_lora: fold_shrink={fold_shrink!r}, expected 'on', 'auto' or 'off'")
     folded = False
@@ -147,11 +147,7 @@ def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> boo
         pages = [weights.a[layer][m] for m in lin.module_names]
         lora_rows = sum(a.shape[0] * a.shape[1] for a in pages)
         if fold_shrink == "on" or (fold_shrink == "auto" and lin.qweight is None and lin.all_reduce is None
-                                   and weights.page_rows == weights.max_lora_rank
-                                   and fold_shrink_pays(sum(lin.out_sizes), lora_rows, weights.max_lora_rank)):
-            if weights.page_rows != weights.max_lora_rank:
-                raise ValueError(f"bind_lora: folding the shrink needs one page per adapter (page rows "
-                                 f"{weights.page_rows} < max_lora_rank {weights.max_lora_rank})")
+                                   and fold_shrink_pays(sum(lin.out_sizes), lora_rows, weights.page_rows)):
             for module, view in zip(lin.module_names, lin.fold_lora_a(pages)):
                 weights.replace_a(layer, module, view)
             folded = True

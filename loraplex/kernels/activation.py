@@ -23,7 +23,7 @@ from loraplex.kernels._checks import (
 from loraplex.kernels._triton import cdiv, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         slice_of_columns, tile_columns)
+                                         slot_pages, slice_of_columns, tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
@@ -61,9 +61,9 @@ _LORA_BLOCK = 256  # columns per program with a LoRA delta (two [BLOCK, R] B til
 @triton.jit
 def _act_and_mul_lora_kernel(
     x_ptr, out_ptr, inter_size, stride_xt, stride_ot,
-    slots_ptr, table_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
+    slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
     uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
-    BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr,
+    BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -72,10 +72,10 @@ def _act_and_mul_lora_kernel(
     mask = cols < inter_size
     gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
-    dg = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width,
-                         g_col0, g_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
-    du = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width,
-                         u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGE)
+    dg = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr,
+                         g_width, g_col0, g_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES)
+    du = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr,
+                         u_width, u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES)
     gate = (gate.to(tl.float32) + dg).to(gate.dtype)
     up = (up.to(tl.float32) + du).to(up.dtype)
     tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
@@ -123,8 +123,8 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         gate, up = delta_args(lora, x, 0, inter_size), delta_args(lora, x, inter_size, inter_size)
         block, warps = lora_blocks or (max(16, tile_columns(_LORA_BLOCK, lora)), 4)
         _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
-            x, out, inter_size, x.stride(0), out.stride(0), *gate[:2], *gate[2:9], *up[2:9], gate[9],
-            BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGE=lora.page_table is not None,
+            x, out, inter_size, x.stride(0), out.stride(0), *gate[:3], *gate[3:10], *up[3:10], gate[10],
+            BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora),
             num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out

@@ -1,7 +1,8 @@
 """A folded linear's LoRA expand, left to the kernel that consumes the linear's output.
 
-Semantics: ``delta[t, off_i + c] = scaling_i[s] * v[i, t, p] @ B_i[p, c, :]``, ``s = slot[t]``, ``p = page_table[s, 0]``
-(or ``s`` without a table); 0 where ``s == -1`` or ``scaling_i[s] == 0``.
+Semantics: ``delta[t, off_i + c] = scaling_i[s] * sum_{r < ranks[s]} v[i, t, p(r), r % PAGE] * B_i[p(r), c, r % PAGE]``,
+``s = slot[t]``, ``p(r) = page_table[s, r // PAGE]`` (``p = s`` and every rank row without a table); 0 where
+``s == -1`` or ``scaling_i[s] == 0``.
 
 A linear that folds its shrink into its base GEMM (``LinearWithLoRA.fold_lora_a``) has every slot's shrink ``v`` in
 that GEMM's extra columns. Instead of an expand launch that adds ``delta`` into ``y`` (read, add, write), the next
@@ -33,8 +34,9 @@ class LoRADelta:
     ``v``: ``[n_slices, T, P, R]`` (the folded GEMM's extra columns: every page's shrink per token; last dim
     contiguous); ``lora_b``: ``n_slices`` contiguous ``[P, out_i, R]``; ``scaling``: ``n_slices`` ``[S]`` float32;
     ``mapping``: the step's :class:`LoRAMapping` (its ``token_slots [T] int32``, -1 = no adapter);
-    ``page_table``: None (slot s is page s) or ``[S, 1] int32`` (one page per slot); ``ranks``: optional
-    ``[S] int32`` (rank rows past a slot's rank are zero in a one-page pool; not needed here).
+    ``page_table``: None (slot s is page s) or ``[S, max_pages] int32`` (slot s's rank row r is row ``r % PAGE`` of
+    page ``page_table[s, r // PAGE]``); ``ranks``: ``[S] int32``, required with several pages per slot (rows past a
+    slot's rank are not read); with at most one page per slot the rows past a rank are zero and it is not needed.
     """
 
     v: torch.Tensor
@@ -53,7 +55,18 @@ def check_delta(op: str, delta: LoRADelta, y: torch.Tensor, width: int | None = 
     """``delta`` fits ``y`` (``[T, sum(out_i)]``, its dtype and device; ``width``: the columns it covers, when ``y``
     holds only the first of them). Raises ``KernelArgumentError``."""
     width = y.shape[1] if width is None else width
-    _check_slot_rows(delta.v, delta.lora_b, delta.page_table)
+    _check_slot_rows(delta.v, delta.lora_b)
+    if delta.page_table is not None:
+        if delta.page_table.dim() != 2 or delta.page_table.dtype != torch.int32 or not delta.page_table.is_contiguous():
+            raise KernelArgumentError(f"{op}: delta.page_table must be a contiguous [S, max_pages] int32 tensor, got "
+                                      f"{tuple(delta.page_table.shape)} {delta.page_table.dtype}")
+        check_device(op, "delta.page_table", delta.page_table, y.device)
+        if delta.page_table.shape[1] > 1:
+            if delta.ranks is None:
+                raise KernelArgumentError(f"{op}: a LoRA delta of several pages per slot needs ranks ([S] int32)")
+            check_shape(op, "delta.ranks", delta.ranks, (delta.page_table.shape[0],))
+            check_dtype(op, "delta.ranks", delta.ranks, (torch.int32,))
+            check_device(op, "delta.ranks", delta.ranks, y.device)
     check_shape(op, "delta.v", delta.v, (len(delta.lora_b), y.shape[0], None, None))
     if sum(delta.widths) != width:
         raise KernelArgumentError(f"{op}: LoRA delta widths {delta.widths} do not add up to {width} columns")
@@ -89,15 +102,23 @@ def slice_of_columns(delta: LoRADelta, start: int, width: int) -> tuple[int, int
 
 def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int) -> tuple:
     """The kernel arguments of :func:`lora_delta_cols` for columns ``start .. start + width`` of ``y`` (one
-    slice): ``(token_slots, page_table, v slice, stride_vt, stride_vp, b, width_i, col0, scaling_i, R)``; dummies
-    (``y`` itself, zeros) without ``delta``."""
+    slice): ``(token_slots, page_table, ranks, v slice, stride_vt, stride_vp, b, width_i, col0, scaling_i, PAGE)``;
+    dummies (``y`` itself, zeros) without ``delta``."""
     if delta is None:
-        return (y, y, y, 0, 0, y, 0, 0, y, 1)
+        return (y, y, y, y, 0, 0, y, 0, 0, y, 1)
     i, col0 = slice_of_columns(delta, start, width)
     v = delta.v[i]
-    return (delta.mapping.token_slots, delta.page_table if delta.page_table is not None else delta.mapping.token_slots,
+    slots = delta.mapping.token_slots
+    return (slots, delta.page_table if delta.page_table is not None else slots,
+            delta.ranks if delta.ranks is not None and slot_pages(delta) > 1 else slots,
             v, v.stride(0), v.stride(1), delta.lora_b[i], delta.lora_b[i].shape[1], col0, delta.scaling[i],
             delta.lora_b[i].shape[2])
+
+
+def slot_pages(delta: LoRADelta | None) -> int:
+    """``SLOT_PAGES`` of :func:`lora_delta_cols`: 0 without a page table (slot s is page s), else the table's pages
+    per slot (``max_pages``)."""
+    return 0 if delta is None or delta.page_table is None else delta.page_table.shape[1]
 
 
 # The consumers' launch shapes were measured at rank 16 (RESULTS.md, session 17); for higher ranks their column
@@ -117,25 +138,43 @@ def block_r(delta: LoRADelta | None) -> int:
 
 
 @triton.jit
-def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
-                    scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGE: tl.constexpr):
+def _page_delta(t, cols, mask, page, rows, v_ptr, stride_vt, stride_vp, b_ptr, width, col0, rank_rows,
+                BLOCK_R: tl.constexpr):
+    """float32 ``sum_{r < rows} v[t, page, r] * B[page, col0 + cols, r]`` (``rows <= rank_rows``, the page's rows)."""
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rows
+    vr = tl.load(v_ptr + t * stride_vt + page * stride_vp + r, mask=r_mask, other=0.0)
+    vr = vr.to(b_ptr.dtype.element_ty).to(tl.float32)
+    # a trailing rank axis on the column tile: [..., BLOCK_R]
+    b = tl.load(b_ptr + page * width * rank_rows + tl.expand_dims((col0 + cols) * rank_rows, len(cols.shape))
+                + r, mask=tl.expand_dims(mask, len(cols.shape)) & r_mask, other=0.0)
+    return tl.sum(b.to(tl.float32) * vr, axis=len(cols.shape))
+
+
+@triton.jit
+def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
+                    width, col0, scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr):
     """float32 ``delta[t, cols]`` of one slice (module docstring) for a tile of columns ``cols`` of any rank (a row
     piece ``[N]``, heads x half a head ``[A, B]``; counted from the slice's column ``col0``): 0 without an adapter or
-    with scaling 0 (then neither v nor B is read). ``b_ptr``: ``[P, width, rank_rows]``."""
+    with scaling 0 (then neither v nor B is read). ``b_ptr``: ``[P, width, rank_rows]``. ``SLOT_PAGES``
+    (:func:`slot_pages`): 0, slot s is page s; 1, page ``page_table[s]``; more, the ``ceil(ranks[s] / rank_rows)``
+    pages of row s of a ``[S, SLOT_PAGES]`` table, rows past ``ranks[s]`` unread."""
     slot = tl.load(token_slots_ptr + t).to(tl.int64)
     delta = tl.zeros(cols.shape, tl.float32)
     if slot >= 0:
         scale = tl.load(scale_ptr + slot)
         if scale != 0.0:
-            page = slot
-            if SLOT_PAGE:
-                page = tl.load(page_table_ptr + slot).to(tl.int64)
-            r = tl.arange(0, BLOCK_R)
-            r_mask = r < rank_rows
-            vr = tl.load(v_ptr + t * stride_vt + page * stride_vp + r, mask=r_mask, other=0.0)
-            vr = vr.to(b_ptr.dtype.element_ty).to(tl.float32)
-            # a trailing rank axis on the column tile: [..., BLOCK_R]
-            b = tl.load(b_ptr + page * width * rank_rows + tl.expand_dims((col0 + cols) * rank_rows, len(cols.shape))
-                        + r, mask=tl.expand_dims(mask, len(cols.shape)) & r_mask, other=0.0)
-            delta = tl.sum(b.to(tl.float32) * vr, axis=len(cols.shape)) * scale
+            if SLOT_PAGES <= 1:
+                page = slot
+                if SLOT_PAGES == 1:
+                    page = tl.load(page_table_ptr + slot).to(tl.int64)
+                delta = _page_delta(t, cols, mask, page, rank_rows, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
+                                    rank_rows, BLOCK_R)
+            else:
+                rank = tl.load(ranks_ptr + slot)
+                for j in range(tl.cdiv(rank, rank_rows)):
+                    page = tl.load(page_table_ptr + slot * SLOT_PAGES + j).to(tl.int64)
+                    delta += _page_delta(t, cols, mask, page, tl.minimum(rank - j * rank_rows, rank_rows), v_ptr,
+                                         stride_vt, stride_vp, b_ptr, width, col0, rank_rows, BLOCK_R)
+            delta = delta * scale
     return delta

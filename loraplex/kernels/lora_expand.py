@@ -99,12 +99,19 @@ def _page_ids(page_row, r, rank, PAGE: tl.constexpr):
 
 @triton.jit
 def _paged_tile_dot(acc, v_row, row_mask, r, rank, split_k, stride_v_split, page, b_base, page_stride, cols, col_mask,
-                    PAGE: tl.constexpr, B_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+                    stride_v_slot, PAGE: tl.constexpr, B_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, V_PAGED: tl.constexpr):
     """``acc + v[:, r] @ B[cols, r].T`` for one tile of rank columns ``r``, B paged ([P, width, PAGE], column r in
-    page ``page`` (:func:`_page_ids`) at ``r % PAGE``); columns ``>= rank`` of v and B are not read."""
+    page ``page`` (:func:`_page_ids`) at ``r % PAGE``); columns ``>= rank`` of v and B are not read. ``V_PAGED``:
+    v holds every page's rows per token (a folded shrink, ``[.., P, PAGE]`` with page stride ``stride_v_slot``),
+    column r read from page ``page`` too."""
     r_mask = r < rank
-    v = _load_v(v_row + r[None, :], row_mask[:, None] & r_mask[None, :], split_k, stride_v_split, BLOCK_M, BLOCK_R)
+    if V_PAGED:
+        v_cols = page * stride_v_slot + r % PAGE
+    else:
+        v_cols = r
+    v = _load_v(v_row + v_cols[None, :], row_mask[:, None] & r_mask[None, :], split_k, stride_v_split, BLOCK_M,
+                BLOCK_R)
     # One page id per rank column, even where a tile lies in one page: on an H200 (Triton 3.6, 32 tokens x 32
     # adapters, all r=16, PAGE 16) the expands of a Llama-2-7B layer took 77 us so, 94 us with one page id per tile
     # (which lets the compiler load 16 bytes along r); rectangles: 63 us.
@@ -141,6 +148,7 @@ def _lora_expand_kernel(
     HAS_RANKS: tl.constexpr,
     PAGE: tl.constexpr,  # rank columns per page; 0 = rectangles ([S, width, R] slices)
     SLOT_PAGE: tl.constexpr,  # PAGE == 0 with one page per slot: the rectangle is page page_table[slot, 0]
+    V_PAGED: tl.constexpr,  # PAGE != 0 and v holds every page's rows per token (slot_rows): rank row r read in its page
     B_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -215,8 +223,8 @@ def _lora_expand_kernel(
             cols = n_first + it * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < width
             acc = _paged_tile_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), v_row, row_mask, r_first, rank, split_k,
-                                  stride_v_split, page_first, b_base, page_stride, cols, col_mask, PAGE, B_DTYPE,
-                                  DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_R)
+                                  stride_v_split, page_first, b_base, page_stride, cols, col_mask, stride_v_slot,
+                                  PAGE, B_DTYPE, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_R, V_PAGED)
             # Each tile's page ids are loaded one tile ahead. On an H200 (32 tokens x 32 adapters) this layout ran
             # 77 us per layer for an all-r=16 batch and 103 for a mixed one (24 x r=8, 4 x 16, 4 x 64; PAGE 8),
             # against 89 and 113 with the ids loaded inside the iteration (also with that loop unpipelined).
@@ -225,21 +233,18 @@ def _lora_expand_kernel(
                 r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
                 page_next = _page_ids(page_row, r + BLOCK_R, rank, PAGE)
                 acc = _paged_tile_dot(acc, v_row, row_mask, r, rank, split_k, stride_v_split, page, b_base,
-                                      page_stride, cols, col_mask, PAGE, B_DTYPE, DOT_DTYPE, PRECISION, BLOCK_M,
-                                      BLOCK_R)
+                                      page_stride, cols, col_mask, stride_v_slot, PAGE, B_DTYPE, DOT_DTYPE, PRECISION,
+                                      BLOCK_M, BLOCK_R, V_PAGED)
                 page = page_next
             _add_into_y(y_ptr, tok, stride_yt, offset, cols, row_mask, col_mask, acc * scale)
 
 
-def _check_slot_rows(v: torch.Tensor, lora_b: list[torch.Tensor], page_table: torch.Tensor | None) -> torch.Tensor:
-    """Checks of a ``slot_rows`` ``v`` (``[n_slices, T, S, R]``); returns its ``[n_slices, T, R]`` view of slot 0
-    for :func:`_check_args`."""
+def _check_slot_rows(v: torch.Tensor, lora_b: list[torch.Tensor]) -> torch.Tensor:
+    """Checks of a ``slot_rows`` ``v`` (``[n_slices, T, P, R]``, P slots or pages); returns its ``[n_slices, T, R]``
+    view of page 0 for :func:`_check_args`."""
     check_shape(_OP, "v", v, (len(lora_b), None, lora_b[0].shape[0], lora_b[0].shape[2]))
     check_dtype(_OP, "v", v, (torch.float32, lora_b[0].dtype))
     check_last_dim_contiguous(_OP, "v", v)
-    if multi_page(page_table):
-        raise KernelArgumentError(f"{_OP}: slot_rows takes rectangles or one page per slot, got a page table "
-                                  f"of {page_table.shape[1]} pages per slot")
     return v[:, :, 0]
 
 
@@ -252,8 +257,10 @@ def _check_args(
     ranks: torch.Tensor | None,
     page_table: torch.Tensor | None = None,
     v_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    slot_rows: bool = False,
 ) -> int:
-    """Shape/dtype/device/layout checks (no tensor contents read); returns R (with pages ``max_pages * PAGE``)."""
+    """Shape/dtype/device/layout checks (no tensor contents read); returns R (with pages ``max_pages * PAGE``).
+    ``slot_rows``: ``v`` is one page's ``[n_slices, T, PAGE]`` view of a :data:`LORA_EXPAND_SLOT_ROWS` ``v``."""
     check_dtype(_OP, "y", y, FLOAT_DTYPES)
     check_shape(_OP, "y", y, (None, None))
     check_dtype(_OP, "v", v, v_dtypes)
@@ -269,7 +276,7 @@ def _check_args(
         num_slots = check_paging(_OP, page_table, ranks, lora_b[0].shape[2], y.device)
         max_rank = page_table.shape[1] * lora_b[0].shape[2]
     check_device(_OP, "y", y, lora_b[0].device)
-    check_shape(_OP, "v", v, (len(lora_b), y.shape[0], max_rank))
+    check_shape(_OP, "v", v, (len(lora_b), y.shape[0], lora_b[0].shape[2] if slot_rows else max_rank))
     check_device(_OP, "v", v, y.device)
     if not isinstance(scaling, (list, tuple)) or len(scaling) != len(lora_b):
         raise KernelArgumentError(f"{_OP}: scaling must be a list of {len(lora_b)} tensors, got {scaling!r}")
@@ -346,19 +353,19 @@ def _launch_lora_expand(
 
     Rows of ``v`` for tokens without an adapter are never read, nor (with pages) columns ``r >= ranks[slot]``.
     ``blocks``: (BLOCK_M, BLOCK_N, N_ITERS[, num_warps[, num_stages]]) override (benchmarks sweep it).
-    ``slot_rows``: ``v`` is ``[n_slices, T, S, R]`` (float32 or B's dtype, any strides but a contiguous last
-    dim), every slot's shrink per token, as one GEMM over all slots' A gives it
-    (:data:`LORA_EXPAND_SLOT_ROWS`); token t reads ``v[i, t, slot[t]]`` (with one page per slot, the slot's page).
-    Rectangles or one page per slot only.
+    ``slot_rows``: ``v`` is ``[n_slices, T, P, R]`` (float32 or B's dtype, any strides but a contiguous last
+    dim), every slot's (page's) shrink per token, as one GEMM over all of the pool's A gives it
+    (:data:`LORA_EXPAND_SLOT_ROWS`); token t reads ``v[i, t, slot[t]]``, or with a page table rank row r from
+    ``v[i, t, page_table[slot[t], r // PAGE], r % PAGE]``.
     """
     require_triton(_OP)
     if slot_rows:
-        v3, split = _check_slot_rows(v, lora_b, page_table), 1
+        v3, split = _check_slot_rows(v, lora_b), 1
     else:
         split = v.shape[0] if v.dim() == 4 else 1
         v3 = v[0] if v.dim() == 4 else v
     max_rank = _check_args(v3, lora_b, scaling, y, mapping, ranks, page_table,
-                           (torch.float32, lora_b[0].dtype) if slot_rows else (torch.float32,))
+                           (torch.float32, lora_b[0].dtype) if slot_rows else (torch.float32,), slot_rows)
     check_last_dim_contiguous(_OP, "y", y)
     for i, s in enumerate(scaling):
         check_last_dim_contiguous(_OP, f"scaling[{i}]", s)
@@ -401,6 +408,7 @@ def _launch_lora_expand(
         HAS_RANKS=ranks is not None,
         PAGE=lora_b[0].shape[2] if paged else 0,
         SLOT_PAGE=page_table is not None and not paged,
+        V_PAGED=slot_rows and paged,
         B_DTYPE=tl_dtype(lora_b[0].dtype),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -507,25 +515,30 @@ def lora_expand_slot_rows_ref(
     slot's A rows under W; ``loraplex.engine.models.llama.LinearWithLoRA``): the GEMM's extra columns are ``v``.
 
     Args:
-        v: ``[n_slices, T, S, R]`` float32 or B's dtype, last dim contiguous, other strides free (a view of the
-            GEMM's output): ``v[i, t, s] = x[t] @ A_i[s].T`` (S: slots, or with a one-page ``page_table`` pages).
+        v: ``[n_slices, T, P, PAGE]`` float32 or B's dtype, last dim contiguous, other strides free (a view of the
+            GEMM's output): ``v[i, t, p] = x[t] @ A_i[p].T`` (P: slots, or with a ``page_table`` pages).
         lora_b, scaling, y, mapping, ranks: as :func:`lora_expand_ref`.
-        page_table: optional ``[S, 1] int32``, one page per slot: slot s's B_i (and row of ``v``) is page
-            ``page_table[s, 0]``. Tables of several pages per slot are refused.
+        page_table: optional ``[S, max_pages] int32`` (``ranks`` required): rank row r < ranks[s] of slot s is row
+            ``r % PAGE`` of page ``page_table[s, r // PAGE]``, in B_i and in ``v``.
 
     Raises:
-        KernelArgumentError: as :func:`lora_expand_ref`, a ``v`` of another shape or dtype, or several pages
-            per slot.
+        KernelArgumentError: as :func:`lora_expand_ref`, or a ``v`` of another shape or dtype.
         TritonUnavailableError: Triton backend without triton installed.
     """
-    v3 = _check_slot_rows(v, lora_b, page_table)
-    _check_args(v3, lora_b, scaling, y, mapping, ranks, page_table, (torch.float32, lora_b[0].dtype))
-    rows = mapping.token_slots.long()  # each token's row of v: its slot, or with one page per slot its page
-    if page_table is not None:
-        rows = torch.where(rows >= 0, page_table[:, 0].long()[rows.clamp(min=0)], rows)
-    lora = (rows >= 0).nonzero().flatten()
-    picked = torch.zeros(v.shape[0], y.shape[0], v.shape[3], dtype=torch.float32, device=v.device)
-    picked[:, lora] = v[:, lora, rows[lora]].float()
+    v3 = _check_slot_rows(v, lora_b)
+    max_rank = _check_args(v3, lora_b, scaling, y, mapping, ranks, page_table, (torch.float32, lora_b[0].dtype),
+                           slot_rows=True)
+    slots = mapping.token_slots.long()
+    picked = torch.zeros(v.shape[0], y.shape[0], max_rank, dtype=torch.float32, device=v.device)
+    if page_table is None:  # each token's row of v is its slot's
+        lora = (slots >= 0).nonzero().flatten()
+        picked[:, lora] = v[:, lora, slots[lora]].float()
+    else:  # each rank row from its page (only rows below the slot's rank: the rest may be anything)
+        rows = paged_rows(LORA_EXPAND_SLOT_ROWS.name, page_table, ranks, lora_b[0].shape[0], lora_b[0].shape[2])
+        for s in slots[slots >= 0].unique().tolist():
+            pages, offsets = rows[s]
+            tokens = (slots == s).nonzero().flatten()
+            picked[:, tokens, : len(pages)] = v[:, tokens][:, :, pages, offsets].float()
     lora_expand_ref(picked, lora_b, scaling, y, mapping, ranks=ranks, page_table=page_table)
 
 
@@ -548,7 +561,8 @@ def _launch_lora_expand_slot_rows(
 LORA_EXPAND_SLOT_ROWS = Op(
     name="lora_expand_slot_rows",
     semantics="y[t, off_i:off_i+out_i] += scaling_i[s] * v[i, t, s] @ B_i[s].T, s = slot[t]; nothing for s == -1 "
-    "or scaling_i[s] == 0; with one page per slot, v's row and B_i[s] are page page_table[s, 0]'s",
+    "or scaling_i[s] == 0; with pages, rank row r < ranks[s] of v[i, t] and of B_i[s] is row r % PAGE of page "
+    "page_table[s, r // PAGE]",
     reference=lora_expand_slot_rows_ref,
     triton=_launch_lora_expand_slot_rows,
 )

@@ -59,14 +59,14 @@ for every token and every slot). Measured: 256 tokens x 32 adapters 136.3 -> 87.
 
 
 FOLD_MAX_RANK = 16
-"""The fold was measured with pools of rank 16 only; ``auto`` leaves pools of higher ``max_lora_rank`` unfolded."""
+"""The fold was measured with pages of at most 16 rank rows; ``auto`` leaves pools of larger pages unfolded."""
 
 
 def fold_shrink_pays(base_rows: int, lora_rows: int, rank: int) -> bool:
     """Whether folding a linear's shrink into its base GEMM measured faster: ``lora_rows <=``
     :data:`FOLD_MAX_LORA_ROWS_FRACTION` ``* base_rows`` and ``rank <=`` :data:`FOLD_MAX_RANK` (``base_rows``: the
     weight's output rows; ``lora_rows``: its pool's A rows over every slice, page and rank row; ``rank``: the
-    pool's rank rows per page)."""
+    pool's rank rows per page, max_lora_rank in a pool of one page per adapter)."""
     return lora_rows <= FOLD_MAX_LORA_ROWS_FRACTION * base_rows and rank <= FOLD_MAX_RANK
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 from test_fp8_quantization import dequantized_dir  # noqa: F401 (a fixture)
 from test_step_fastpaths import _emulate_graphs, _run
-from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model, peft_references
+from tiny_models import (
+    FOLDS, check_row, fold_config, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model, peft_references,
+)
 from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
@@ -97,9 +99,9 @@ def test_qwen2_dora_with_biased_projections_equals_peft(tiny_qwen2_dir, prompts,
     assert _max_gain_deviation(llm) > 0.05
 
 
-@pytest.mark.parametrize("fold", ["off", "on"])  # the SGMV kernels, and the shrink in the base GEMM
+@pytest.mark.parametrize("fold", FOLDS)  # the SGMV kernels, the shrink in the base GEMM, over 4-row pages too
 def test_mixed_batch_dora_lora_base_dora2_rows_equal_peft(tiny_llama_dir, llama_adapters, prompts, references, fold):
-    llm = make_llm(tiny_llama_dir, max_loras=3, lora_fold_shrink=fold)
+    llm = make_llm(tiny_llama_dir, max_loras=3, **fold_config(fold))
     order = ["dora", "lora", None, "dora2"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
                         lora_request=[llama_adapters[n] if n else None for n in order])

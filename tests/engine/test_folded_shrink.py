@@ -84,10 +84,12 @@ def test_folded_pool_shares_the_base_weight_and_mixed_rows_equal_peft(tiny_llama
         check_row(out, *references[("base", i)])
 
 
-def test_slot_churn_rewrites_the_folded_rows(tiny_llama_dir, adapters, prompts, references):
-    """Two slots, four adapters taking turns: every install and eviction rewrites A rows inside the folded weight;
+@pytest.mark.parametrize("page_rows", [16, 8, 4])
+def test_slot_churn_rewrites_the_folded_rows(tiny_llama_dir, adapters, prompts, references, page_rows):
+    """Two slots, four adapters (ranks 4, 8, 16, 8) taking turns: every install and eviction rewrites A rows inside
+    the folded weight (with 8- or 4-row pages, in pages other adapters held before, part of a page for rank 4);
     each row still equals PEFT."""
-    llm = make_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=2)
+    llm = make_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=2, lora_page_rows=page_rows)
     for round_ in range(2):
         for k, name in enumerate(["a", "b", "c", "d"]):
             i = (k + round_) % len(prompts)
@@ -124,15 +126,18 @@ def test_prompt_steps_above_the_fold_limit_take_the_sgmv_pair(tiny_llama_dir, ad
 
 
 @pytest.mark.interpreter
-def test_folded_rows_through_the_triton_kernels_equal_peft(tiny_llama_dir, adapters, prompts, references, monkeypatch):
-    """The engine's Triton kernels (the CPU interpreter here): the expand reads the folded GEMM's columns."""
+@pytest.mark.parametrize("page_rows", [16, 4], ids=["one page per adapter", "4-row pages"])
+def test_folded_rows_through_the_triton_kernels_equal_peft(tiny_llama_dir, adapters, prompts, references, monkeypatch,
+                                                           page_rows):
+    """The engine's Triton kernels (the CPU interpreter here): the expand reads the folded GEMM's columns (with
+    4-row pages, adapter b's rank 8 in two of them)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the engine runs on the CPU here: Triton kernels need the interpreter (TRITON_INTERPRET=1)")
     from loraplex.engine import llm_engine
 
     monkeypatch.setattr(llm_engine, "default_backend", lambda device: "triton")
-    llm = make_llm(tiny_llama_dir)
+    llm = make_llm(tiny_llama_dir, lora_page_rows=page_rows)
     assert llm.engine.model.norm.kernels.backend == "triton"
     params = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in (1, 2)], params,
@@ -156,11 +161,21 @@ def test_auto_folds_the_linears_whose_pool_rows_are_small_and_off_folds_none(tin
     llm = make_llm(tiny_llama_dir, lora_fold_shrink="off")
     assert all(lin.folded_weight is None for _, lin in _bound(llm))
     llm = make_llm(tiny_llama_dir, max_loras=1, max_lora_rank=32, lora_page_rows=32, lora_fold_shrink="auto")
-    assert all(lin.folded_weight is None for _, lin in _bound(llm)), "ranks above 16 were not measured folded"
+    assert all(lin.folded_weight is None for _, lin in _bound(llm)), "pages above 16 rows were not measured folded"
+    # a paged pool: the rule over all its pages' rows, at its page size
+    seen = set()
+    for max_loras in (1, 2, 4):
+        llm = make_llm(tiny_llama_dir, max_loras=max_loras, max_cpu_loras=8, max_lora_rank=32, lora_page_rows=8,
+                       lora_fold_shrink="auto")
+        decisions = [(lin.folded_weight is not None,
+                      fold_shrink_pays(sum(lin.out_sizes), sum(max_loras * 32 for _ in lin.module_names), 8))
+                     for _, lin in _bound(llm)]
+        assert decisions and all(folded == pays for folded, pays in decisions), decisions
+        seen |= {pays for _, pays in decisions}
+    assert seen == {True, False}, "both kinds among these paged pools"
 
 
 @pytest.mark.parametrize("fields, fragment", [
-    ({"lora_page_rows": 8, "max_lora_rank": 16}, "one page per adapter"),
     ({"quantization": "fp8"}, "no quantization"),
     ({"enable_lora": True, "lora_fold_shrink": "sometimes"}, "lora_fold_shrink"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 1"),

@@ -26,10 +26,14 @@ def setup(tmp_path_factory):
                   for i, (name, (r, alpha, t)) in enumerate(specs.items())}
 
 
+@pytest.mark.parametrize("page_rows", [8, 2], ids=["one page per adapter", "2-row pages"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_folded_graphs_equal_the_unfolded_engine(setup, dtype):
+def test_folded_graphs_equal_the_unfolded_engine(setup, dtype, page_rows):
+    """With 2-row pages (2 to 4 pages per adapter) the folded GEMM covers every page and each token's expand reads
+    its slot's pages through the page table; the unfolded engine runs the paged SGMV kernels."""
     base, adapters = setup
     kw, prompts, params = mixed_batch(base, dtype, seed=11)
+    kw["lora_page_rows"] = page_rows
     loras = [adapters[n] if n else None for n in ["all", "qv", None, "mlp", "all", None]]
     expected = _run(LLM(**kw, enforce_eager=True, lora_fold_shrink="off"), prompts, params, loras)
     llm = LLM(**kw, lora_fold_shrink="on")

@@ -51,9 +51,14 @@ def make_llm(path, **kw) -> LLM:
                lora_page_rows=PAGE, **kw)
 
 
-@pytest.mark.parametrize("max_lora_rank", [128, 256])
-def test_ranks_8_16_64_128_in_one_batch_equal_peft(tiny_llama_dir, adapters, prompts, references, max_lora_rank):
-    llm = make_llm(tiny_llama_dir, max_lora_rank=max_lora_rank)
+@pytest.mark.parametrize(("max_lora_rank", "fold"), [(128, "off"), (256, "off"), (128, "on")])
+def test_ranks_8_16_64_128_in_one_batch_equal_peft(tiny_llama_dir, adapters, prompts, references, max_lora_rank,
+                                                   fold):
+    """fold "on": the shrink in the base GEMM over every page; each token's expand reads its slot's pages of the
+    GEMM's columns through the page table."""
+    llm = make_llm(tiny_llama_dir, max_lora_rank=max_lora_rank, lora_fold_shrink=fold)
+    assert all((lin.folded_weight is not None) == (fold == "on") for _, lin in llm.engine.model.lora_linears()
+               if lin.lora_a)
     order = ["r8", "r16", None, "r64", "r128"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
                         lora_request=[adapters[n] if n else None for n in order])
@@ -67,13 +72,15 @@ def test_ranks_8_16_64_128_in_one_batch_equal_peft(tiny_llama_dir, adapters, pro
     assert weights.num_pages == 4 * max_lora_rank // PAGE
 
 
-def test_rank_churn_through_a_small_page_pool_stays_exact(tiny_llama_dir, adapters, prompts, references):
+@pytest.mark.parametrize("fold", ["off", "on"])
+def test_rank_churn_through_a_small_page_pool_stays_exact(tiny_llama_dir, adapters, prompts, references, fold):
     """max_lora_pages=18: the rank-128 adapter (16 pages) decodes for 40 steps while rank 8, 16 and 64 requests
-    arrive; the rank-64 one (8 pages) waits until the rank-128 one finishes, the others run beside it."""
+    arrive; the rank-64 one (8 pages) waits until the rank-128 one finishes, the others run beside it (fold "on":
+    in pages of the folded GEMM that other ranks held before)."""
     long_params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
     expected = make_llm(tiny_llama_dir).generate({"prompt_token_ids": prompts[0]}, long_params,
                                                  lora_request=adapters["r128"])[0].outputs[0].token_ids
-    engine = make_llm(tiny_llama_dir, max_lora_pages=18).engine
+    engine = make_llm(tiny_llama_dir, max_lora_pages=18, lora_fold_shrink=fold).engine
     engine.add_request("long", prompts[0], long_params, adapters["r128"])
     engine.step()
     for k, name in enumerate(["r8", "r64", "r16", "r8", "r16"]):

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tiny_models import check_row, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
+from tiny_models import FOLDS, check_row, fold_config, hf_greedy_ids, hf_last_logprobs, make_peft_adapter, peft_model
 
 # family fixture -> (adapter a targets, adapter b targets), in the family's module names
 FAMILIES = {
@@ -55,11 +55,11 @@ def make_llm(path, **kw) -> LLM:
 
 
 
-@pytest.mark.parametrize("fold", ["off", "on"])  # the SGMV kernels, and the shrink in the base GEMM
+@pytest.mark.parametrize("fold", FOLDS)  # the SGMV kernels, the shrink in the base GEMM, over 4-row pages too
 def test_mixed_batch_equals_hf_and_peft(family, fold):
     path, prompts, adapters, refs = family
     order = ["a", None, "b", "a", None]
-    outs = make_llm(path, lora_fold_shrink=fold).generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+    outs = make_llm(path, **fold_config(fold)).generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                    lora_request=[adapters[n] if n else None for n in order])
     for i, (name, out) in enumerate(zip(order, outs)):
         check_row(out, *refs[(name or "base", i)])

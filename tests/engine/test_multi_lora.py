@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tiny_models import check_row, make_peft_adapter, peft_references
+from tiny_models import FOLDS, check_row, fold_config, make_peft_adapter, peft_references
 
 ADAPTERS = {
     # name: (rank, alpha, targets, rslora)
@@ -62,9 +62,9 @@ def test_each_adapter_equals_peft(tiny_llama_dir, adapters, prompts, references,
         check_row(out, *references[(name, i)])
 
 
-@pytest.mark.parametrize("fold", ["off", "on"])  # the SGMV kernels, and the shrink in the base GEMM
+@pytest.mark.parametrize("fold", FOLDS)  # the SGMV kernels, the shrink in the base GEMM, over 4-row pages too
 def test_mixed_batch_rows_equal_peft_and_base_unaffected(tiny_llama_dir, adapters, prompts, references, fold):
-    llm = make_llm(tiny_llama_dir, max_loras=3, lora_fold_shrink=fold)
+    llm = make_llm(tiny_llama_dir, max_loras=3, **fold_config(fold))
     order = ["a", "b", None, "a", "c"]
     loras = [adapters[n] if n else None for n in order]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, lora_request=loras)

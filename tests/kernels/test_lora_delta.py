@@ -14,12 +14,33 @@ from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.ops import Kernels
 
 HIDDEN, SLOTS, RANK, T = 24, 4, 8, 19
+SEVERAL_PAGES = False  # a test sets it: every _delta is then over a paged pool of several pages per slot
+
+
+def _paged_delta(widths: list[int], dtype, device, token_slots, x, w, zero_scale: bool):
+    """``_delta`` over a poisoned paged pool (test_lora_paged.make_pool: shuffled pages of RANK // 4 rows, NaN in
+    free pages and past each rank; ranks RANK, 5, 0, 3), the GEMM folded over every page."""
+    from test_lora_paged import make_pool, naive_paged
+
+    pool = make_pool([RANK, 5, 0, 3][:SLOTS], RANK // 4, HIDDEN, widths, dtype, device)
+    if zero_scale:
+        pool.scaling[-1][1] = 0.0
+    out = x @ torch.cat([w] + [a.reshape(-1, HIDDEN) for a in pool.lora_a]).T
+    assert out.isnan().any(), "the poison reaches the folded GEMM's columns"
+    v = slot_rows_view(out, w.shape[0], len(widths), *pool.lora_a[0].shape[:2])
+    y = out[:, : w.shape[0]]
+    mapping = LoRAMapping.from_token_slots(token_slots.to(device))
+    _, expected, _ = naive_paged(x, pool, y, token_slots)
+    return y, LoRADelta(v, pool.lora_b, pool.scaling, mapping, page_table=pool.page_table, ranks=pool.ranks), \
+        expected.to(device)
 
 
 def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False, zero_scale: bool = False):
     """A folded GEMM over x for ``widths`` slices: (y, LoRADelta, the expected y + delta in float32)."""
     x = torch.randn(T, HIDDEN).to(device=device, dtype=dtype)
     w = (torch.randn(sum(widths), HIDDEN) / HIDDEN**0.5).to(device=device, dtype=dtype)
+    if SEVERAL_PAGES:
+        return _paged_delta(widths, dtype, device, token_slots, x, w, zero_scale)
     lora_a = [(torch.randn(SLOTS, RANK, HIDDEN) / HIDDEN**0.5).to(device=device, dtype=dtype) for _ in widths]
     lora_b = [torch.randn(SLOTS, width, RANK).to(device=device, dtype=dtype) for width in widths]
     scaling = [(torch.rand(SLOTS) + 0.5).to(device) for _ in widths]
@@ -176,3 +197,29 @@ def test_rank_64_deltas_take_narrower_tiles_and_stay_exact(kernel_device, op, mo
         assert_close(got.cpu(), Kernels("reference").silu_and_mul(expected.cpu()), torch.float32)
     else:
         test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, "triton", (4, 2, 8), False, torch.float32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_and_cache"])
+def test_consumers_read_each_rank_row_from_its_page(kernel_device, backend, op, monkeypatch):
+    """A shrink folded over a paged pool (several pages per slot, ranks 8, 5, 0 and 3 in 2-row pages): each consumer
+    sums its token's pages of v and B through the page table; NaN in free pages and past each rank is never read."""
+    import test_lora_delta as this
+
+    monkeypatch.setattr(this, "SEVERAL_PAGES", True)
+    if op == "rms_norm":
+        test_rms_norm_adds_the_delta_before_the_residual(kernel_device, backend, torch.float32, True, None)
+    elif op == "rotary_and_cache":
+        test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, (6, 2, 24), False, torch.bfloat16)
+    else:
+        test_gated_activation_adds_the_delta_to_gate_and_up(kernel_device, backend, torch.float32, op,
+                                                            [10, 10] if op == "silu_and_mul" else [20])
+
+
+def test_a_delta_of_several_pages_needs_ranks():
+    y, delta, _ = _paged_delta([10, 10], torch.float32, torch.device("cpu"), _slots(), torch.randn(T, HIDDEN),
+                               torch.randn(20, HIDDEN), False)
+    with pytest.raises(KernelArgumentError, match="needs ranks"):
+        Kernels("reference").silu_and_mul(y, lora=LoRADelta(delta.v, delta.lora_b, delta.scaling, delta.mapping,
+                                                            page_table=delta.page_table))

@@ -15,6 +15,7 @@ import torch
 from kernel_test_utils import TOLERANCES, assert_close, assert_lora_close
 
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import _launch_lora_shrink, shrink_partials
@@ -399,3 +400,33 @@ def test_untargeted_module_weights_are_not_read(kernel_device, backend, paged):
     Kernels(backend).add_lora(x, pool.lora_a, pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
                               page_table=pool.page_table)
     _check_y(y, expected, magnitude, torch.float32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("page", "tokens", "dtype"), [(8, 40, torch.float32), (16, 7, torch.bfloat16),
+                                                       (32, 1, torch.float32)], ids=str)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_folded_expand_reads_each_rank_row_from_its_page(kernel_device, backend, page, tokens, dtype):
+    """The shrink folded into the base GEMM over every page of the pool (``LinearWithLoRA.fold_lora_a``): token t's
+    rank row r is ``v[i, t, page_table[s, r // PAGE], r % PAGE]``, its B column from the same page. The GEMM's
+    columns of free pages and of rows past a rank are NaN (the pool's poison) and must not be read."""
+    hidden, widths = QKV
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    pool = make_pool(RANKS, page, hidden, widths, dtype, device)
+    slots = token_slots(tokens, len(RANKS)).to(device)
+    mapping = LoRAMapping.from_token_slots(slots, len(RANKS))
+    x = torch.randn(tokens, hidden).to(device, dtype)
+    w = (torch.randn(sum(widths), hidden) / hidden**0.5).to(device, dtype)
+    out = x @ torch.cat([w] + [a.reshape(-1, hidden) for a in pool.lora_a]).T
+    v = slot_rows_view(out, w.shape[0], len(widths), *pool.lora_a[0].shape[:2])
+    y = out[:, : w.shape[0]]
+    assert v.isnan().any() and not y.isnan().any()
+    _, expected, magnitude = naive_paged(x, pool, y, slots)
+    y_before = y.clone()
+    Kernels(backend).lora_expand_slot_rows(v, pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
+                                           page_table=pool.page_table)
+    # bf16: v is the GEMM's bf16 output, the expected delta the float32 loop's
+    _check_y(y, expected, magnitude, dtype) if dtype == torch.float32 else \
+        assert_lora_close(y, expected, magnitude, dtype, scale=4.0)
+    untouched = ((slots < 0) | (slots == RANKS.index(0))).cpu()
+    assert torch.equal(y.cpu()[untouched], y_before.cpu()[untouched]), "slot -1 and rank-0 rows must not change"

@@ -533,7 +533,7 @@ def test_folded_expand_reads_each_slot_through_its_one_page(kernel_device, backe
     assert_lora_close(y, expected, magnitude, torch.float32, scale=2.0)
 
 
-def test_folded_expand_refuses_several_pages_per_slot_and_a_wrong_v():
+def test_folded_expand_refuses_a_wrong_v_and_pages_without_ranks():
     token_slots = _slots("zipf")
     mapping = LoRAMapping.from_token_slots(token_slots)
     x = torch.randn(token_slots.shape[0], HIDDEN)
@@ -542,10 +542,8 @@ def test_folded_expand_refuses_several_pages_per_slot_and_a_wrong_v():
     out, v = _folded(x, w, lora_a)
     y = out[:, : w.shape[0]]
     table = torch.zeros(SLOTS, 2, dtype=torch.int32)
-    ranks = torch.full((SLOTS,), RANK, dtype=torch.int32)
     half = [b[..., : RANK // 2].contiguous() for b in lora_b]
-    with pytest.raises(KernelArgumentError, match="one page per slot"):
-        Kernels("reference").lora_expand_slot_rows(v[..., : RANK // 2], half, scaling, y, mapping, ranks=ranks,
-                                                    page_table=table)
+    with pytest.raises(KernelArgumentError, match="ranks is required"):
+        Kernels("reference").lora_expand_slot_rows(v[..., : RANK // 2], half, scaling, y, mapping, page_table=table)
     with pytest.raises(KernelArgumentError, match="v.shape"):
         Kernels("reference").lora_expand_slot_rows(v[:, :, :2], lora_b, scaling, y, mapping)
