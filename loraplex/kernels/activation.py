@@ -23,7 +23,8 @@ from loraplex.kernels._checks import (
 from loraplex.kernels._triton import cdiv, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         slot_pages, slice_of_columns, tile_columns)
+                                         pages_at_once, slot_pages, slice_of_columns,
+                                         tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
@@ -64,7 +65,7 @@ def _act_and_mul_lora_kernel(
     slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
     uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
     BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PAGES_AT_ONCE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -73,9 +74,9 @@ def _act_and_mul_lora_kernel(
     gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
     dg = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr,
-                         g_width, g_col0, g_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES)
+                         g_width, g_col0, g_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
     du = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr,
-                         u_width, u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES)
+                         u_width, u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
     gate = (gate.to(tl.float32) + dg).to(gate.dtype)
     up = (up.to(tl.float32) + du).to(up.dtype)
     tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
@@ -125,7 +126,7 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:3], *gate[3:10], *up[3:10], gate[10],
             BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora),
-            num_warps=warps, **pdl_args(x.device, _OP),
+            PAGES_AT_ONCE=pages_at_once(block * block_r(lora), warps), num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](

@@ -115,6 +115,22 @@ def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int)
             delta.lora_b[i].shape[2])
 
 
+# B elements per thread that the pages loaded together may hold (measured on an H200 at 8-row pages: a rank-64 row
+# took 8 dependent page loads one after another, its consumers 2x the time of the rank-16 rows' (session 23)).
+_PAGES_AT_ONCE_ELEMENTS = 128
+
+
+def pages_at_once(tile_elements: int, num_warps: int) -> int:
+    """``PAGES_AT_ONCE`` of :func:`lora_delta_cols` for a consumer program of ``num_warps`` warps whose column tile
+    holds ``tile_elements`` ``[.., BLOCK_R]`` B elements per page: as many pages (a power of two, 1 to 4) as keep
+    at most 128 B elements per thread in flight."""
+    per_thread = max(1, tile_elements // (32 * num_warps))
+    n = 1
+    while n < 4 and 2 * n * per_thread <= _PAGES_AT_ONCE_ELEMENTS:
+        n *= 2
+    return n
+
+
 def slot_pages(delta: LoRADelta | None) -> int:
     """``SLOT_PAGES`` of :func:`lora_delta_cols`: 0 without a page table (slot s is page s), else the table's pages
     per slot (``max_pages``)."""
@@ -159,13 +175,14 @@ def _page_delta(t, cols, mask, page, rows, v_ptr, stride_vt, stride_vp, b_ptr, w
 
 @triton.jit
 def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
-                    width, col0, scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr):
+                    width, col0, scale_ptr, rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
+                    PAGES_AT_ONCE: tl.constexpr):
     """float32 ``delta[t, cols]`` of one slice (module docstring) for a tile of columns ``cols`` of any rank (a row
     piece ``[N]``, heads x half a head ``[A, B]``; counted from the slice's column ``col0``): 0 without an adapter or
     with scaling 0 (then neither v nor B is read). ``b_ptr``: ``[P, width, rank_rows]``. ``SLOT_PAGES``
     (:func:`slot_pages`): 0, slot s is page s; 1, page ``page_table[s]``; more, the ``ceil(ranks[s] / rank_rows)``
     pages of row s of a ``[S, SLOT_PAGES]`` table, rows past ``ranks[s]`` unread (then ``rank_rows == BLOCK_R``,
-    a pool's power-of-two page rows)."""
+    a pool's power-of-two page rows), ``PAGES_AT_ONCE`` (:func:`pages_at_once`) loaded together."""
     slot = tl.load(token_slots_ptr + t).to(tl.int64)
     delta = tl.zeros(cols.shape, tl.float32)
     if slot >= 0:
@@ -178,19 +195,21 @@ def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v
                 delta = _page_delta(t, cols, mask, page, rank_rows, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
                                     rank_rows, BLOCK_R, False)
             else:
-                # whole pages (every page of the engine's pools: their ranks are multiples of the page rows), then
-                # the part of a last page below the rank
-                # (each page id loaded one page ahead)
+                # whole pages (every page of the engine's pools: their ranks are multiples of the page rows),
+                # PAGES_AT_ONCE per iteration (their loads independent, issued together; a page past the slot's
+                # whole pages reads nothing), then the part of a last page below the rank
                 rank = tl.load(ranks_ptr + slot)
                 whole = rank // BLOCK_R
                 row = page_table_ptr + slot * SLOT_PAGES
-                page = tl.load(row).to(tl.int64)
-                for j in range(whole):
-                    page_next = tl.load(row + j + 1, mask=j + 1 < SLOT_PAGES, other=0).to(tl.int64)
-                    delta += _page_delta(t, cols, mask, page, BLOCK_R, v_ptr, stride_vt, stride_vp, b_ptr, width,
-                                         col0, BLOCK_R, BLOCK_R, True)
-                    page = page_next
+                for j0 in range(0, whole, PAGES_AT_ONCE):
+                    for u in tl.static_range(PAGES_AT_ONCE):
+                        live = (tl.zeros([1], tl.int32) + j0 + u) < whole  # a tensor under the interpreter too
+                        # past the whole pages: the last whole page's id, its B loads predicated off
+                        page = tl.load(row + tl.minimum(j0 + u, whole - 1)).to(tl.int64)
+                        delta += _page_delta(t, cols, mask & live, page, BLOCK_R, v_ptr, stride_vt, stride_vp, b_ptr,
+                                             width, col0, BLOCK_R, BLOCK_R, True)
                 if whole * BLOCK_R < rank:
+                    page = tl.load(row + whole).to(tl.int64)
                     delta += _page_delta(t, cols, mask, page, rank - whole * BLOCK_R, v_ptr, stride_vt, stride_vp,
                                          b_ptr, width, col0, BLOCK_R, BLOCK_R, False)
             delta = delta * scale

@@ -22,7 +22,7 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         slot_pages, tile_columns)
+                                         pages_at_once, slot_pages, tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
@@ -87,7 +87,7 @@ def _rms_norm_lora_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt, stride_ot,
     stride_rot, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0, scale_ptr,
     rank_rows, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_PAGES: tl.constexpr,
+    SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -101,7 +101,8 @@ def _rms_norm_lora_kernel(
         mask = cols < hidden_size
         x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
         delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp,
-                                b_ptr, width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES)
+                                b_ptr, width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES,
+                                PAGES_AT_ONCE)
         x = (x.to(tl.float32) + delta).to(x.dtype)
         x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
         if N_CHUNKS > 1 and not HAS_RESIDUAL:
@@ -167,7 +168,8 @@ def _launch_rms_norm(
             hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk), BLOCK_R=block_r(lora),
-            SLOT_PAGES=slot_pages(lora), num_warps=warps, **pdl_args(x.device, _OP),
+            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=pages_at_once(chunk * block_r(lora), warps), num_warps=warps,
+            **pdl_args(x.device, _OP),
         )
         return out if residual_out is None else (out, residual_out)
     block_h = next_pow2(hidden_size)

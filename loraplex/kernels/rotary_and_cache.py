@@ -33,7 +33,7 @@ from loraplex.kernels._checks import (
 from loraplex.kernels._triton import next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         slot_pages, tile_columns)
+                                         pages_at_once, slot_pages, tile_columns)
 from loraplex.kernels.op import Op
 from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
 from loraplex.kernels.rotary import (check_positions_in_table, load_cos_sin, rope_halves, rotary_embedding_ref,
@@ -102,15 +102,16 @@ _LORA_HEADS = 4
 
 @triton.jit
 def _heads_plus_delta(src, cols, mask, t, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0,
-                      d_scale, rank_rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr):
+                      d_scale, rank_rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
+                      PAGES_AT_ONCE: tl.constexpr):
     """Both halves of a ``[heads, HALF]`` tile of heads (``src + cols``, ``cols`` their columns in the slice) plus
     their LoRA delta, each rounded to the dtype (as the expand rounds its sum into y)."""
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
     d1 = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0,
-                         d_scale, rank_rows, BLOCK_R, SLOT_PAGES)
+                         d_scale, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
     d2 = lora_delta_cols(t, cols + HALF, mask, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width,
-                         d_col0, d_scale, rank_rows, BLOCK_R, SLOT_PAGES)
+                         d_col0, d_scale, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
     return (x1.to(tl.float32) + d1).to(x1.dtype), (x2.to(tl.float32) + d2).to(x2.dtype)
 
 
@@ -124,7 +125,7 @@ def _rotary_and_cache_lora_kernel(
     kd_v, kd_svt, kd_svp, kd_b, kd_width, kd_col0, kd_scale,
     vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0, vd_scale, rank_rows,
     HALF: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_PAGES: tl.constexpr,
+    SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -144,7 +145,7 @@ def _rotary_and_cache_lora_kernel(
         cols = h[:, None] * (2 * HALF) + i[None, :]
         x1, x2 = _heads_plus_delta(q_ptr + t * stride_qt + cols, cols, mask, t, slots_ptr, table_ptr, ranks_ptr, qd_v,
                                    qd_svt, qd_svp, qd_b, qd_width, qd_col0, qd_scale, rank_rows, HALF, BLOCK_R,
-                                   SLOT_PAGES)
+                                   SLOT_PAGES, PAGES_AT_ONCE)
         cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty, HALF,
                                 BLOCK_HALF)
         o1, o2 = rope_halves(x1, x2, cos, sin)
@@ -159,7 +160,7 @@ def _rotary_and_cache_lora_kernel(
         if is_k:
             x1, x2 = _heads_plus_delta(k_ptr + t * stride_kt + cols, cols, mask, t, slots_ptr, table_ptr, ranks_ptr,
                                        kd_v, kd_svt, kd_svp, kd_b, kd_width, kd_col0, kd_scale, rank_rows, HALF,
-                                       BLOCK_R, SLOT_PAGES)
+                                       BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
             cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty,
                                     HALF, BLOCK_HALF)
             x1, x2 = rope_halves(x1, x2, cos, sin)
@@ -167,7 +168,7 @@ def _rotary_and_cache_lora_kernel(
         else:
             x1, x2 = _heads_plus_delta(v_ptr + t * stride_vt + cols, cols, mask, t, slots_ptr, table_ptr, ranks_ptr,
                                        vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0, vd_scale, rank_rows, HALF,
-                                       BLOCK_R, SLOT_PAGES)
+                                       BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
             dst = value_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + i[None, :]
         tl.store(dst, x1, mask=mask)
         tl.store(dst + HALF, x2, mask=mask)
@@ -256,7 +257,8 @@ def _launch_rotary_and_cache(
             value_cache.stride(2), cos_sin_cache.stride(0), block_size, num_q_heads, num_kv_heads,
             *parts[0][:3], *parts[0][3:10], *parts[1][3:10], *parts[2][3:10], parts[0][10],
             HALF=half, HEADS=heads, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
-            SLOT_PAGES=slot_pages(lora), num_warps=4, **pdl_args(query.device, _OP),
+            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=pages_at_once(heads * next_pow2(half) * block_r(lora), 4),
+            num_warps=4, **pdl_args(query.device, _OP),
         )
         return q_out
     _rotary_and_cache_kernel[(num_tokens,)](
