@@ -23,8 +23,7 @@ from loraplex.kernels._checks import (
 from loraplex.kernels._triton import cdiv, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         pages_at_once, slot_pages, slice_of_columns,
-                                         tile_columns)
+                                         slot_pages, slice_of_columns, tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
@@ -126,7 +125,7 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:3], *gate[3:10], *up[3:10], gate[10],
             BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora),
-            PAGES_AT_ONCE=pages_at_once(block * block_r(lora), warps), num_warps=warps, **pdl_args(x.device, _OP),
+            PAGES_AT_ONCE=1, num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](

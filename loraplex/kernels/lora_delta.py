@@ -115,20 +115,10 @@ def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int)
             delta.lora_b[i].shape[2])
 
 
-# B elements per thread that the pages loaded together may hold (measured on an H200 at 8-row pages: a rank-64 row
-# took 8 dependent page loads one after another, its consumers 2x the time of the rank-16 rows' (session 23)).
-_PAGES_AT_ONCE_ELEMENTS = 128
-
-
-def pages_at_once(tile_elements: int, num_warps: int) -> int:
-    """``PAGES_AT_ONCE`` of :func:`lora_delta_cols` for a consumer program of ``num_warps`` warps whose column tile
-    holds ``tile_elements`` ``[.., BLOCK_R]`` B elements per page: as many pages (a power of two, 1 to 4) as keep
-    at most 128 B elements per thread in flight."""
-    per_thread = max(1, tile_elements // (32 * num_warps))
-    n = 1
-    while n < 4 and 2 * n * per_thread <= _PAGES_AT_ONCE_ELEMENTS:
-        n *= 2
-    return n
+# Pages a consumer loads together (PAGES_AT_ONCE), measured on an H200 (Llama-2-7B shapes, batch 32, 8-row pages,
+# 24 x r8 + 4 x r16 + 4 x r64 adapters; RESULTS.md, session 23): rotary_and_cache 4 (17.2 -> 13.7 us per launch),
+# rms_norm 2 against 1: 12.9 -> 13.8 us, the gated activations 4 against 1: 13.7 -> 17.3 us; those two take 1.
+ROTARY_PAGES_AT_ONCE = 4
 
 
 def slot_pages(delta: LoRADelta | None) -> int:
@@ -182,7 +172,7 @@ def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v
     with scaling 0 (then neither v nor B is read). ``b_ptr``: ``[P, width, rank_rows]``. ``SLOT_PAGES``
     (:func:`slot_pages`): 0, slot s is page s; 1, page ``page_table[s]``; more, the ``ceil(ranks[s] / rank_rows)``
     pages of row s of a ``[S, SLOT_PAGES]`` table, rows past ``ranks[s]`` unread (then ``rank_rows == BLOCK_R``,
-    a pool's power-of-two page rows), ``PAGES_AT_ONCE`` (:func:`pages_at_once`) loaded together."""
+    a pool's power-of-two page rows), ``PAGES_AT_ONCE`` loaded together."""
     slot = tl.load(token_slots_ptr + t).to(tl.int64)
     delta = tl.zeros(cols.shape, tl.float32)
     if slot >= 0:
@@ -201,13 +191,21 @@ def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v
                 rank = tl.load(ranks_ptr + slot)
                 whole = rank // BLOCK_R
                 row = page_table_ptr + slot * SLOT_PAGES
-                for j0 in range(0, whole, PAGES_AT_ONCE):
-                    for u in tl.static_range(PAGES_AT_ONCE):
-                        live = (tl.zeros([1], tl.int32) + j0 + u) < whole  # a tensor under the interpreter too
-                        # past the whole pages: the last whole page's id, its B loads predicated off
-                        page = tl.load(row + tl.minimum(j0 + u, whole - 1)).to(tl.int64)
-                        delta += _page_delta(t, cols, mask & live, page, BLOCK_R, v_ptr, stride_vt, stride_vp, b_ptr,
-                                             width, col0, BLOCK_R, BLOCK_R, True)
+                if PAGES_AT_ONCE == 1:  # each page id loaded one page ahead
+                    page = tl.load(row).to(tl.int64)
+                    for j in range(whole):
+                        page_next = tl.load(row + j + 1, mask=j + 1 < SLOT_PAGES, other=0).to(tl.int64)
+                        delta += _page_delta(t, cols, mask, page, BLOCK_R, v_ptr, stride_vt, stride_vp, b_ptr, width,
+                                             col0, BLOCK_R, BLOCK_R, True)
+                        page = page_next
+                else:
+                    for j0 in range(0, whole, PAGES_AT_ONCE):
+                        for u in tl.static_range(PAGES_AT_ONCE):
+                            live = (tl.zeros([1], tl.int32) + j0 + u) < whole  # a tensor under the interpreter too
+                            # past the whole pages: the last whole page's id, its B loads predicated off
+                            page = tl.load(row + tl.minimum(j0 + u, whole - 1)).to(tl.int64)
+                            delta += _page_delta(t, cols, mask & live, page, BLOCK_R, v_ptr, stride_vt, stride_vp,
+                                                 b_ptr, width, col0, BLOCK_R, BLOCK_R, True)
                 if whole * BLOCK_R < rank:
                     page = tl.load(row + whole).to(tl.int64)
                     delta += _page_delta(t, cols, mask, page, rank - whole * BLOCK_R, v_ptr, stride_vt, stride_vp,

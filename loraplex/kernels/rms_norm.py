@@ -22,7 +22,7 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         pages_at_once, slot_pages, tile_columns)
+                                         slot_pages, tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
@@ -168,7 +168,7 @@ def _launch_rms_norm(
             hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk), BLOCK_R=block_r(lora),
-            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=pages_at_once(chunk * block_r(lora), warps), num_warps=warps,
+            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=1, num_warps=warps,
             **pdl_args(x.device, _OP),
         )
         return out if residual_out is None else (out, residual_out)

@@ -178,14 +178,6 @@ def test_consumer_tiles_narrow_for_ranks_above_16():
     assert tile_columns(256, None) == 256 and tile_columns(16, delta_of_rank(256)) == 1
 
 
-def test_pages_loaded_together_keep_128_b_elements_per_thread():
-    """rms_norm's 4096-column row of 8-row pages in 16 warps: 64 elements a page, 2 pages at once; the activation's
-    and rotary's 2,048-element tiles in 4 warps: 4; a tile already past 128 elements: 1."""
-    from loraplex.kernels.lora_delta import pages_at_once
-
-    assert [pages_at_once(4096 * 8, 16), pages_at_once(256 * 8, 4), pages_at_once(1024 * 64, 4)] == [2, 4, 1]
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "rotary_and_cache"])
 def test_rank_64_deltas_take_narrower_tiles_and_stay_exact(kernel_device, op, monkeypatch):
