@@ -203,7 +203,8 @@ class LLMEngine:
             folded = {(lin.weight_in_features, tuple(lin.out_sizes)) for lin in bound if lin.folded_weight is not None}
             if folded:
                 check_folded_lora(sorted(folded), self.rank_spec.hidden_size, self.config.max_loras,
-                                  self.config.max_lora_rank, self.dtype, self.device)
+                                  self.config.max_lora_rank, self.dtype, self.device,
+                                  page_rows=pool.weights.page_rows)
         return pool
 
     def _build_kv_cache(self) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_shape
+from loraplex.kernels._lora_checks import check_paging
 from loraplex.kernels._triton import next_pow2, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import _check_slot_rows, lora_expand_slot_rows_ref
@@ -64,9 +65,7 @@ def check_delta(op: str, delta: LoRADelta, y: torch.Tensor, width: int | None = 
         if delta.page_table.shape[1] > 1:
             if delta.ranks is None:
                 raise KernelArgumentError(f"{op}: a LoRA delta of several pages per slot needs ranks ([S] int32)")
-            check_shape(op, "delta.ranks", delta.ranks, (delta.page_table.shape[0],))
-            check_dtype(op, "delta.ranks", delta.ranks, (torch.int32,))
-            check_device(op, "delta.ranks", delta.ranks, y.device)
+            check_paging(op, delta.page_table, delta.ranks, delta.lora_b[0].shape[2], y.device)
     check_shape(op, "delta.v", delta.v, (len(delta.lora_b), y.shape[0], None, None))
     if sum(delta.widths) != width:
         raise KernelArgumentError(f"{op}: LoRA delta widths {delta.widths} do not add up to {width} columns")

@@ -76,41 +76,53 @@ def check_add_lora(shapes: Sequence[tuple[int, Sequence[int]]], num_slots: int, 
 
 
 def check_folded_lora(shapes: Sequence[tuple[int, Sequence[int]]], hidden_size: int, num_slots: int, rank: int,
-                      dtype: torch.dtype, device: torch.device, *, seed: int = 0) -> None:
+                      dtype: torch.dtype, device: torch.device, *, page_rows: int | None = None,
+                      seed: int = 0) -> None:
     """For linears that fold their shrink into the base GEMM: ``LORA_EXPAND_SLOT_ROWS.triton`` for each
     ``(in_features, out_widths)`` of ``shapes``, and ``RMS_NORM.triton`` with a ``LoRADelta`` of ``hidden_size``
     columns (the kernel helper every consumer of a deferred expand shares), at every count of
     :data:`TOKEN_COUNTS`, against the references in float32 (the bound of :func:`check_add_lora`). ``v`` is random
-    here (it is a GEMM's output in the engine). Raises :class:`LoRAKernelMismatch`."""
+    here (it is a GEMM's output in the engine). With ``page_rows < rank`` the B weights are a paged pool
+    (:func:`paged_pool`: several pages per slot, NaN where no slot's rank reaches) and ``v`` holds every page's
+    rows. Raises :class:`LoRAKernelMismatch`."""
     gen = torch.Generator().manual_seed(seed)
     slots_used = max(1, min(num_slots, 4))
+    paged = page_rows is not None and page_rows < rank
     for tokens in TOKEN_COUNTS:
         base = min(round(0.2 * tokens), tokens - 1)
         token_slots = torch.tensor([-1] * base + [i % slots_used for i in range(tokens - base)], dtype=torch.int32)
         mapping = plan_segments(token_slots[torch.randperm(tokens, generator=gen)].to(device), num_slots)
         for widths, norm in [(list(w), False) for _, w in shapes] + [([hidden_size], True)]:
-            v = torch.randn(len(widths), tokens, num_slots, rank, generator=gen).to(device, dtype)
-            b = [(torch.randn(num_slots, w, rank, generator=gen) / rank**0.5).to(device, dtype) for w in widths]
+            if paged:
+                pool = paged_pool(1, widths, num_slots, rank, page_rows, gen)
+                b = [t.to(device, dtype) for t in pool.lora_b]
+                paging = dict(ranks=pool.ranks.to(device), page_table=pool.page_table.to(device))
+                pages, rows = b[0].shape[0], page_rows
+            else:
+                b = [(torch.randn(num_slots, w, rank, generator=gen) / rank**0.5).to(device, dtype) for w in widths]
+                paging, pages, rows = {}, num_slots, rank
+            v = torch.randn(len(widths), tokens, pages, rows, generator=gen).to(device, dtype)
             scaling = [torch.full((num_slots,), 2.0, device=device) for _ in widths]
             y = torch.randn(tokens, sum(widths), generator=gen).to(device, dtype)
             ref = y.to(torch.float32, copy=True)
-            LORA_EXPAND_SLOT_ROWS.reference(v.float(), [t.float() for t in b], scaling, ref, mapping)
+            LORA_EXPAND_SLOT_ROWS.reference(v.float(), [t.float() for t in b], scaling, ref, mapping, **paging)
             if norm:
                 weight = torch.ones(hidden_size, device=device, dtype=dtype)
-                ours = RMS_NORM.triton(y, weight, 1e-6, lora=LoRADelta(v, b, scaling, mapping)).float()
+                ours = RMS_NORM.triton(y, weight, 1e-6, lora=LoRADelta(v, b, scaling, mapping, **paging)).float()
                 ref, y = RMS_NORM.reference(ref, weight.float(), 1e-6), RMS_NORM.reference(y.float(), weight.float(),
                                                                                             1e-6)
                 what = f"rms_norm with a LoRA delta of {hidden_size} columns"
             else:
                 ours = y.clone()
-                LORA_EXPAND_SLOT_ROWS.triton(v, b, scaling, ours, mapping)
+                LORA_EXPAND_SLOT_ROWS.triton(v, b, scaling, ours, mapping, **paging)
                 what = f"lora_expand_slot_rows, widths={widths}"
             err = (ours.float() - ref).abs().max().item()
             delta = (ref - y.float()).abs().max().item()
             if not err <= 0.03 * delta + 0.05:
                 raise LoRAKernelMismatch(
                     f"{what} on {device} ({dtype}): max error {err:.4g} against the float32 reference (delta scale "
-                    f"{delta:.4g}) for {tokens} tokens, rank={rank}, slots={num_slots}; refusing to serve adapters "
+                    f"{delta:.4g}) for {tokens} tokens, rank={rank}, slots={num_slots}"
+                    + (f", pages of {page_rows} rows" if paged else "") + "; refusing to serve adapters "
                     "with a wrong LoRA kernel (lora_fold_shrink='off' serves them without these kernels)")
 
 

@@ -98,13 +98,15 @@ def test_slot_churn_rewrites_the_folded_rows(tiny_llama_dir, adapters, prompts, 
     assert llm.engine.get_stats().lora.slot_evictions >= 4
 
 
+@pytest.mark.parametrize("page_rows", [16, 4], ids=["one page per adapter", "4-row pages"])
 def test_prompt_steps_above_the_fold_limit_take_the_sgmv_pair(tiny_llama_dir, adapters, prompts, references,
-                                                              monkeypatch):
+                                                              monkeypatch, page_rows):
     """A step of more than FOLD_MAX_TOKENS tokens runs the SGMV pair over the folded linear's base rows; decode
     steps the folded GEMM, each expand applied by the kernel after it (rotary, norm, activation): every path runs
     and the rows equal PEFT."""
     monkeypatch.setattr(llama, "FOLD_MAX_TOKENS", 4)
-    llm = make_llm(tiny_llama_dir)
+    llm = make_llm(tiny_llama_dir, lora_page_rows=page_rows)
+    assert all(lin.lora_page_table.shape[1] == 16 // page_rows for _, lin in _bound(llm))
     kernels = llm.engine.model.norm.kernels
     calls = {"add_lora": 0, "rms_norm": 0, "silu_and_mul": 0, "rotary_and_cache": 0}
     for name in calls:
@@ -147,8 +149,8 @@ def test_folded_rows_through_the_triton_kernels_equal_peft(tiny_llama_dir, adapt
 
 
 def test_auto_folds_the_linears_whose_pool_rows_are_small_and_off_folds_none(tiny_llama_dir):
-    """auto: a linear folds exactly when fold_shrink_pays(its base rows, its pool's A rows, rank 16); not in a pool
-    of rank 32; off: none."""
+    """auto: a linear folds exactly when fold_shrink_pays(its base rows, its pool's A rows, its page rows); not in a
+    pool of 32-row pages; a paged pool by the same rule over all its pages; off: none."""
     seen = set()
     for max_loras in (2, 4, 8):
         llm = make_llm(tiny_llama_dir, max_loras=max_loras, max_cpu_loras=8, lora_fold_shrink="auto")

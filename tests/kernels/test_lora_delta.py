@@ -15,14 +15,15 @@ from loraplex.kernels.ops import Kernels
 
 HIDDEN, SLOTS, RANK, T = 24, 4, 8, 19
 SEVERAL_PAGES = False  # a test sets it: every _delta is then over a paged pool of several pages per slot
+PAGED_RANKS = [RANK, 5, 0, 3]  # slot ranks of that pool (pages of RANK // 4 rows)
 
 
 def _paged_delta(widths: list[int], dtype, device, token_slots, x, w, zero_scale: bool):
     """``_delta`` over a poisoned paged pool (test_lora_paged.make_pool: shuffled pages of RANK // 4 rows, NaN in
-    free pages and past each rank; ranks RANK, 5, 0, 3), the GEMM folded over every page."""
+    free pages and past each rank; ranks PAGED_RANKS), the GEMM folded over every page."""
     from test_lora_paged import make_pool, naive_paged
 
-    pool = make_pool([RANK, 5, 0, 3][:SLOTS], RANK // 4, HIDDEN, widths, dtype, device)
+    pool = make_pool(PAGED_RANKS[:SLOTS], RANK // 4, HIDDEN, widths, dtype, device)
     if zero_scale:
         pool.scaling[-1][1] = 0.0
     out = x @ torch.cat([w] + [a.reshape(-1, HIDDEN) for a in pool.lora_a]).T
@@ -202,12 +203,15 @@ def test_rank_64_deltas_take_narrower_tiles_and_stay_exact(kernel_device, op, mo
 @pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_and_cache"])
-def test_consumers_read_each_rank_row_from_its_page(kernel_device, backend, op, monkeypatch):
-    """A shrink folded over a paged pool (several pages per slot, ranks 8, 5, 0 and 3 in 2-row pages): each consumer
-    sums its token's pages of v and B through the page table; NaN in free pages and past each rank is never read."""
+@pytest.mark.parametrize("ranks", [[8, 5, 0, 3], [22, 9, 0, 3]], ids=["ranks 8,5,0,3", "ranks 22,9,0,3"])
+def test_consumers_read_each_rank_row_from_its_page(kernel_device, backend, op, monkeypatch, ranks):
+    """A shrink folded over a paged pool (several pages per slot, 2-row pages; rank 22: 11 whole pages, so the
+    rotary kernel's 4-pages-at-once loop runs three times): each consumer sums its token's pages of v and B through
+    the page table; NaN in free pages and past each rank is never read."""
     import test_lora_delta as this
 
     monkeypatch.setattr(this, "SEVERAL_PAGES", True)
+    monkeypatch.setattr(this, "PAGED_RANKS", ranks)
     if op == "rms_norm":
         test_rms_norm_adds_the_delta_before_the_residual(kernel_device, backend, torch.float32, True, None)
     elif op == "rotary_and_cache":
@@ -223,3 +227,9 @@ def test_a_delta_of_several_pages_needs_ranks():
     with pytest.raises(KernelArgumentError, match="needs ranks"):
         Kernels("reference").silu_and_mul(y, lora=LoRADelta(delta.v, delta.lora_b, delta.scaling, delta.mapping,
                                                             page_table=delta.page_table))
+    odd = [b[..., :1].expand(-1, -1, 3).contiguous() for b in delta.lora_b]  # 3-row pages: not a power of two
+    v3 = delta.v[..., :1].expand(-1, -1, -1, 3).contiguous()
+    for backend in ("reference", "triton"):
+        with pytest.raises(KernelArgumentError, match="power of two"):
+            Kernels(backend).silu_and_mul(y, lora=LoRADelta(v3, odd, delta.scaling, delta.mapping,
+                                                            page_table=delta.page_table, ranks=delta.ranks))

@@ -59,13 +59,15 @@ def test_paged_pool_has_mixed_ranks_shuffled_pages_and_nan_where_unused():
 
 
 @pytest.mark.interpreter
-def test_the_folded_kernels_pass_and_a_wrong_one_is_refused(kernel_device, monkeypatch):
-    """The slot-rows expand and the norm that adds a deferred expand: pass as built; an expand reading the next
-    slot's rows of v is refused, naming the kernel."""
+@pytest.mark.parametrize("page_rows", [None, 2], ids=["one page per slot", "2-row pages"])
+def test_the_folded_kernels_pass_and_a_wrong_one_is_refused(kernel_device, monkeypatch, page_rows):
+    """The slot-rows expand and the norm that adds a deferred expand: pass as built (with 2-row pages, ranks 4, 2
+    and 1: two pages, one, half of one); an expand reading the next slot's (page's) rows of v is refused, naming
+    the kernel."""
     from loraplex.kernels import lora_expand
 
     self_check.check_folded_lora([(32, (16, 8))], hidden_size=24, num_slots=3, rank=4, dtype=torch.float32,
-                                 device=kernel_device)
+                                 device=kernel_device, page_rows=page_rows)
 
     def next_slots_rows(v, lora_b, scaling, y, mapping, **kw):
         lora_expand._launch_lora_expand_slot_rows(v.roll(1, 2), lora_b, scaling, y, mapping, **kw)
@@ -76,4 +78,4 @@ def test_the_folded_kernels_pass_and_a_wrong_one_is_refused(kernel_device, monke
     object.__setattr__(wrong, "triton", next_slots_rows)
     with pytest.raises(self_check.LoRAKernelMismatch, match=r"lora_expand_slot_rows, widths=\[16, 8\] .* for 1 tokens"):
         self_check.check_folded_lora([(32, (16, 8))], hidden_size=24, num_slots=3, rank=4, dtype=torch.float32,
-                                     device=kernel_device)
+                                     device=kernel_device, page_rows=page_rows)

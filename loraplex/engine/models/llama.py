@@ -181,10 +181,11 @@ class LinearWithLoRA(nn.Module):
         self.lora_ranks, self.lora_page_table = ranks, page_table
 
     def fold_lora_a(self, lora_a: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Put the pool's A pages of every slice (``lora_a``: ``[P, R, in]`` each, one page per slot) under the base
-        weight, in one tensor ``folded_weight [out + n·P·R, in]`` (W's rows, then slice 0's pages, slice 1's, ...),
-        so that one GEMM gives a step's base output and every page's shrink (:meth:`forward`, steps of at most
-        ``FOLD_MAX_TOKENS`` tokens; the expand then reads each token's own slot's columns). ``weight`` becomes a
+        """Put the pool's A pages of every slice (``lora_a``: ``[P, R, in]`` each, P pages of R rank rows: one page per
+        slot, or a paged pool's pages) under the base weight, in one tensor ``folded_weight [out + n·P·R, in]`` (W's
+        rows, then slice 0's pages, slice 1's, ...), so that one GEMM gives a step's base output and every page's
+        shrink (:meth:`forward`, steps of at most ``FOLD_MAX_TOKENS`` tokens; the expand then reads each token's own
+        slot's pages of those columns through the page table). ``weight`` becomes a
         view of it. Returns the views of ``lora_a`` (contents copied) that the pool holds from now on
         (``LoRADeviceWeights.replace_a``).
 
