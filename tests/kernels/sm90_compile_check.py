@@ -291,28 +291,33 @@ def _paged_lora(dtype: torch.dtype, hidden: int = 4096, slots: int = 32, pages: 
 
 
 def _folded_delta(dtype: torch.dtype, widths: list[int], num_tokens: int, rank: int = 16,
-                  slots: int = 32) -> lora_delta.LoRADelta:
-    """A folded linear's LoRA delta at real shapes: ``v`` as the folded GEMM's slot-rows view."""
-    out = torch.zeros(num_tokens, sum(widths) + len(widths) * slots * rank, dtype=dtype)
-    v = lora_expand.slot_rows_view(out, sum(widths), len(widths), slots, rank)
+                  slots: int = 32, page: int | None = None) -> lora_delta.LoRADelta:
+    """A folded linear's LoRA delta at real shapes: ``v`` as the folded GEMM's slot-rows view; with ``page``, a
+    paged pool of ``rank // page`` pages of ``page`` rows per slot."""
+    rows = page or rank
+    pages = slots * rank // rows
+    out = torch.zeros(num_tokens, sum(widths) + len(widths) * pages * rows, dtype=dtype)
+    v = lora_expand.slot_rows_view(out, sum(widths), len(widths), pages, rows)
     mapping = LoRAMapping.from_token_slots((torch.arange(num_tokens) % slots).to(torch.int32), slots)
-    return lora_delta.LoRADelta(v, [torch.zeros(slots, w, rank, dtype=dtype) for w in widths],
-                                [torch.ones(slots) for _ in widths], mapping)
+    paging = {} if page is None else {"page_table": torch.zeros(slots, rank // page, dtype=torch.int32),
+                                      "ranks": torch.full((slots,), rank, dtype=torch.int32)}
+    return lora_delta.LoRADelta(v, [torch.zeros(pages, w, rows, dtype=dtype) for w in widths],
+                                [torch.ones(slots) for _ in widths], mapping, **paging)
 
 
 def _lora_consumers(dtype: torch.dtype, hidden: int = 4096, inter: int = 11008) -> None:
-    """The kernels that add a folded linear's delta (decode and prompt sizes; ranks 16 and 64), and the expand that
-    reads v per slot (DoRA steps, q/k-norm models)."""
-    for num_tokens, rank in ((32, 16), (512, 16), (32, 64)):
+    """The kernels that add a folded linear's delta (decode and prompt sizes; ranks 16 and 64; rank 64 in 8-row
+    pages), and the expand that reads v per slot or page (DoRA steps, q/k-norm models)."""
+    for num_tokens, rank, page in ((32, 16, None), (512, 16, None), (32, 64, None), (32, 64, 8)):
         x = torch.zeros(num_tokens, hidden, dtype=dtype)
-        delta = _folded_delta(dtype, [hidden], num_tokens, rank)
+        delta = _folded_delta(dtype, [hidden], num_tokens, rank, page=page)
         rms_norm.RMS_NORM.triton(x, torch.ones(hidden, dtype=dtype), 1e-5, x.clone(), lora=delta)
         wide = torch.zeros(num_tokens, 8192, dtype=dtype)  # two passes above 4096 columns
         rms_norm.RMS_NORM.triton(wide, torch.ones(8192, dtype=dtype), 1e-5, wide.clone(),
-                                 lora=_folded_delta(dtype, [8192], num_tokens, rank))
+                                 lora=_folded_delta(dtype, [8192], num_tokens, rank, page=page))
         gate_up = torch.zeros(num_tokens, 2 * inter, dtype=dtype)
         for op in (activation.SILU_AND_MUL, activation.GELU_TANH_AND_MUL):
-            op.triton(gate_up, lora=_folded_delta(dtype, [inter, inter], num_tokens, rank))
+            op.triton(gate_up, lora=_folded_delta(dtype, [inter, inter], num_tokens, rank, page=page))
         for hq, hkv in ((32, 8), (32, 32)):
             d, bs = 128, 16
             caches = [torch.zeros(64, bs, hkv, d, dtype=dtype) for _ in range(2)]
@@ -321,10 +326,11 @@ def _lora_consumers(dtype: torch.dtype, hidden: int = 4096, inter: int = 11008) 
             rotary_and_cache.ROTARY_AND_CACHE.triton(
                 torch.zeros(num_tokens, dtype=torch.int64), q, k, v, *caches,
                 torch.arange(num_tokens, dtype=torch.int64), rope,
-                lora=_folded_delta(dtype, [hq * d, hkv * d, hkv * d], num_tokens, rank))
-        delta = _folded_delta(dtype, [hidden, 1024, 1024], num_tokens, rank)
+                lora=_folded_delta(dtype, [hq * d, hkv * d, hkv * d], num_tokens, rank, page=page))
+        delta = _folded_delta(dtype, [hidden, 1024, 1024], num_tokens, rank, page=page)
         lora_expand.LORA_EXPAND_SLOT_ROWS.triton(delta.v, delta.lora_b, delta.scaling,
-                                                 torch.zeros(num_tokens, hidden + 2048, dtype=dtype), delta.mapping)
+                                                 torch.zeros(num_tokens, hidden + 2048, dtype=dtype), delta.mapping,
+                                                 ranks=delta.ranks, page_table=delta.page_table)
 
 
 def _fp8(dtype: torch.dtype) -> None:
