@@ -148,33 +148,30 @@ def test_folded_rows_through_the_triton_kernels_equal_peft(tiny_llama_dir, adapt
     check_row(outs[1], references[("base", 2)][0][:3], references[("base", 2)][1])
 
 
-def test_auto_folds_the_linears_whose_pool_rows_are_small_and_off_folds_none(tiny_llama_dir):
-    """auto: a linear folds exactly when fold_shrink_pays(its base rows, its pool's A rows, its page rows); not in a
-    pool of 32-row pages; a paged pool by the same rule over all its pages; off: none."""
+def _auto_decisions_follow_the_rule(path, rank: int, page_rows: int, slot_counts: tuple[int, ...]) -> set[bool]:
+    """Under auto, each bound linear of pools of ``slot_counts`` slots folds exactly when fold_shrink_pays(its base
+    rows, its pool's A rows over every page, ``page_rows``); returns the decisions seen."""
     seen = set()
-    for max_loras in (2, 4, 8):
-        llm = make_llm(tiny_llama_dir, max_loras=max_loras, max_cpu_loras=8, lora_fold_shrink="auto")
+    for max_loras in slot_counts:
+        llm = make_llm(path, max_loras=max_loras, max_cpu_loras=8, max_lora_rank=rank, lora_page_rows=page_rows,
+                       lora_fold_shrink="auto")
         decisions = [(lin.folded_weight is not None,
-                      fold_shrink_pays(sum(lin.out_sizes), sum(max_loras * 16 for _ in lin.module_names), 16))
+                      fold_shrink_pays(sum(lin.out_sizes), sum(max_loras * rank for _ in lin.module_names), page_rows))
                      for _, lin in _bound(llm)]
         assert decisions and all(folded == pays for folded, pays in decisions), decisions
         seen |= {pays for _, pays in decisions}
-    assert seen == {True, False}, "both kinds among these pools"
+    return seen
+
+
+def test_auto_folds_the_linears_whose_pool_rows_are_small_and_off_folds_none(tiny_llama_dir):
+    """auto: a linear folds exactly when fold_shrink_pays(its base rows, its pool's A rows, its page rows); not in a
+    pool of 32-row pages; a paged pool by the same rule over all its pages; off: none."""
+    assert _auto_decisions_follow_the_rule(tiny_llama_dir, 16, 16, (2, 4, 8)) == {True, False}
+    assert _auto_decisions_follow_the_rule(tiny_llama_dir, 32, 8, (1, 2, 4)) == {True, False}, "paged pools"
     llm = make_llm(tiny_llama_dir, lora_fold_shrink="off")
     assert all(lin.folded_weight is None for _, lin in _bound(llm))
     llm = make_llm(tiny_llama_dir, max_loras=1, max_lora_rank=32, lora_page_rows=32, lora_fold_shrink="auto")
     assert all(lin.folded_weight is None for _, lin in _bound(llm)), "pages above 16 rows were not measured folded"
-    # a paged pool: the rule over all its pages' rows, at its page size
-    seen = set()
-    for max_loras in (1, 2, 4):
-        llm = make_llm(tiny_llama_dir, max_loras=max_loras, max_cpu_loras=8, max_lora_rank=32, lora_page_rows=8,
-                       lora_fold_shrink="auto")
-        decisions = [(lin.folded_weight is not None,
-                      fold_shrink_pays(sum(lin.out_sizes), sum(max_loras * 32 for _ in lin.module_names), 8))
-                     for _, lin in _bound(llm)]
-        assert decisions and all(folded == pays for folded, pays in decisions), decisions
-        seen |= {pays for _, pays in decisions}
-    assert seen == {True, False}, "both kinds among these paged pools"
 
 
 @pytest.mark.parametrize("fields, fragment", [
