@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.lora_expand import slot_rows_view
 
 # (atol, rtol) per dtype. bf16/fp16 outputs are rounded once from fp32; the
 # Triton CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest,
@@ -200,3 +201,11 @@ def zipf_slots(num_tokens: int, num_slots: int, exponent: float = 1.5) -> torch.
     """``[T] int32`` slots drawn from a Zipf-like law (slot 0 most popular), shuffled."""
     weights = torch.tensor([1.0 / (k + 1) ** exponent for k in range(num_slots)])
     return torch.multinomial(weights, num_tokens, replacement=True).to(torch.int32)
+
+
+def folded_gemm(x: torch.Tensor, w: torch.Tensor, lora_a: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shrink folded into the base GEMM, in the layout ``LinearWithLoRA.fold_lora_a`` builds: ``out = x @ [W; A_0
+    (page-major); A_1; ...].T`` for ``lora_a`` ``n x [P, R, H]``. Returns ``(y, v)``: ``y`` the base columns (a
+    row-strided view of ``out``, where an expand adds), ``v`` the ``[n, T, P, R]`` view of every page's shrink."""
+    out = x @ torch.cat([w] + [a.reshape(-1, a.shape[-1]) for a in lora_a]).T
+    return out[:, : w.shape[0]], slot_rows_view(out, w.shape[0], len(lora_a), *lora_a[0].shape[:2])

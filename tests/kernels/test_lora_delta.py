@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import assert_close, assert_within_ulps, naive_lora_expand, naive_lora_shrink, zipf_slots
+from kernel_test_utils import (
+    assert_close, assert_within_ulps, folded_gemm, naive_lora_expand, naive_lora_shrink, zipf_slots,
+)
 
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_delta import LoRADelta
-from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.ops import Kernels
 
@@ -26,10 +27,8 @@ def _paged_delta(widths: list[int], dtype, device, token_slots, x, w, zero_scale
     pool = make_pool(PAGED_RANKS[:SLOTS], RANK // 4, HIDDEN, widths, dtype, device)
     if zero_scale:
         pool.scaling[-1][1] = 0.0
-    out = x @ torch.cat([w] + [a.reshape(-1, HIDDEN) for a in pool.lora_a]).T
-    assert out.isnan().any(), "the poison reaches the folded GEMM's columns"
-    v = slot_rows_view(out, w.shape[0], len(widths), *pool.lora_a[0].shape[:2])
-    y = out[:, : w.shape[0]]
+    y, v = folded_gemm(x, w, pool.lora_a)
+    assert v.isnan().any(), "the poison reaches the folded GEMM's columns"
     mapping = LoRAMapping.from_token_slots(token_slots.to(device))
     _, expected, _ = naive_paged(x, pool, y, token_slots)
     return y, LoRADelta(v, pool.lora_b, pool.scaling, mapping, page_table=pool.page_table, ranks=pool.ranks), \
@@ -47,9 +46,7 @@ def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False
     scaling = [(torch.rand(SLOTS) + 0.5).to(device) for _ in widths]
     if zero_scale:
         scaling[-1][1] = 0.0
-    out = x @ torch.cat([w] + [a.reshape(-1, HIDDEN) for a in lora_a]).T
-    v = slot_rows_view(out, w.shape[0], len(widths), SLOTS, RANK)
-    y = out[:, : w.shape[0]]
+    y, v = folded_gemm(x, w, lora_a)
     table = None
     slot_a, slot_b = lora_a, lora_b
     if pages:  # one page per slot, pages permuted against slots

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kernel_test_utils import TOLERANCES, assert_close, assert_lora_close
+from kernel_test_utils import TOLERANCES, assert_close, assert_lora_close, folded_gemm
 
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_linear import ADD_LORA
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_shrink import _launch_lora_shrink, shrink_partials
@@ -417,9 +416,7 @@ def test_folded_expand_reads_each_rank_row_from_its_page(kernel_device, backend,
     mapping = LoRAMapping.from_token_slots(slots, len(RANKS))
     x = torch.randn(tokens, hidden).to(device, dtype)
     w = (torch.randn(sum(widths), hidden) / hidden**0.5).to(device, dtype)
-    out = x @ torch.cat([w] + [a.reshape(-1, hidden) for a in pool.lora_a]).T
-    v = slot_rows_view(out, w.shape[0], len(widths), *pool.lora_a[0].shape[:2])
-    y = out[:, : w.shape[0]]
+    y, v = folded_gemm(x, w, pool.lora_a)
     assert v.isnan().any() and not y.isnan().any()
     _, expected, magnitude = naive_paged(x, pool, y, slots)
     y_before = y.clone()

@@ -7,6 +7,7 @@ import torch
 from kernel_test_utils import (
     assert_close,
     assert_lora_close,
+    folded_gemm,
     naive_lora_expand,
     naive_lora_expand_magnitude,
     naive_lora_shrink,
@@ -14,7 +15,7 @@ from kernel_test_utils import (
 )
 
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_expand import lora_expand_ref, slot_rows_view
+from loraplex.kernels.lora_expand import lora_expand_ref
 from loraplex.kernels.lora_mapping import LoRAMapping
 from loraplex.kernels.lora_fused import FUSED_LORA, fused_launch_shape
 from loraplex.kernels.lora_linear import ADD_LORA
@@ -471,13 +472,6 @@ def test_cuda_launch_shapes_are_the_measured_ones():
     assert lora_expand.cap_block_n(128, 256, 4) == 128
 
 
-def _folded(x: torch.Tensor, w: torch.Tensor, lora_a: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shrink folded into the base GEMM: ``out = x @ [W; A_0 (slot-major); ...].T`` and its ``[n, T, S, R]``
-    view of every slot's shrink (the layout LinearWithLoRA folds)."""
-    out = x @ torch.cat([w] + [a.reshape(-1, a.shape[-1]) for a in lora_a]).T
-    return out, slot_rows_view(out, w.shape[0], len(lora_a), *lora_a[0].shape[:2])
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -493,8 +487,7 @@ def test_expand_of_a_shrink_folded_into_the_base_gemm_matches_naive(kernel_devic
     w = (torch.randn(sum(WIDTHS), HIDDEN) / HIDDEN**0.5).to(device=device, dtype=dtype)
     lora_a, lora_b, scaling, _ = _weights(dtype, device, mixed_ranks=False)
     scaling[1][2] = 0.0
-    out, v = _folded(x, w, lora_a)
-    y = out[:, : w.shape[0]]  # row-strided view: the expand adds into the GEMM's own output
+    y, v = folded_gemm(x, w, lora_a)  # y: a row-strided view, the expand adds into the GEMM's own output
     base = y.clone()
     v_naive = naive_lora_shrink(x, lora_a, token_slots)
     expected = naive_lora_expand(v_naive, lora_b, scaling, base.clone(), token_slots)
@@ -521,8 +514,7 @@ def test_folded_expand_reads_each_slot_through_its_one_page(kernel_device, backe
     page_of = torch.randperm(SLOTS)
     page_table = page_of.to(torch.int32).view(SLOTS, 1).to(device)
     ranks = torch.full((SLOTS,), RANK, dtype=torch.int32, device=device)
-    out, v = _folded(x, w, pages_a)
-    y = out[:, : w.shape[0]]
+    y, v = folded_gemm(x, w, pages_a)
     base = y.clone()
     slot_a = [a[page_of.to(device)] for a in pages_a]  # slot s's rectangle
     slot_b = [b[page_of.to(device)] for b in pages_b]
@@ -539,8 +531,7 @@ def test_folded_expand_refuses_a_wrong_v_and_pages_without_ranks():
     x = torch.randn(token_slots.shape[0], HIDDEN)
     w = torch.randn(sum(WIDTHS), HIDDEN)
     lora_a, lora_b, scaling, _ = _weights(torch.float32, torch.device("cpu"), mixed_ranks=False)
-    out, v = _folded(x, w, lora_a)
-    y = out[:, : w.shape[0]]
+    y, v = folded_gemm(x, w, lora_a)
     table = torch.zeros(SLOTS, 2, dtype=torch.int32)
     half = [b[..., : RANK // 2].contiguous() for b in lora_b]
     with pytest.raises(KernelArgumentError, match="ranks is required"):
