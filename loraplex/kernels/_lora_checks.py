@@ -54,17 +54,22 @@ def check_ranks(op: str, ranks: torch.Tensor | None, num_slots: int, device: tor
 MAX_PAGE_ROWS = 256
 
 
-def check_paging(op: str, page_table: torch.Tensor, ranks: torch.Tensor | None, page_rows: int,
-                 device: torch.device) -> int:
-    """A paged pool's metadata: ``page_table`` ``[S, max_pages] int32`` contiguous on ``device``, ``ranks`` (required)
-    ``[S] int32``, ``page_rows`` (PAGE, the weights' rank rows per page) a power of two in ``1..256`` (any size
-    >= 1 with one page per slot, ``max_pages == 1``: the rectangle path). Returns S."""
+def check_page_table(op: str, page_table: torch.Tensor, device: torch.device) -> None:
+    """``page_table`` is a contiguous ``[S, max_pages] int32`` tensor on ``device``."""
     if not isinstance(page_table, torch.Tensor):
         raise KernelArgumentError(f"{op}: page_table has type {type(page_table).__name__}, expected a tensor")
     check_dtype(op, "page_table", page_table, (torch.int32,))
     check_shape(op, "page_table", page_table, (None, None))
     check_device(op, "page_table", page_table, device)
     check_contiguous(op, "page_table", page_table)
+
+
+def check_paging(op: str, page_table: torch.Tensor, ranks: torch.Tensor | None, page_rows: int,
+                 device: torch.device) -> int:
+    """A paged pool's metadata: ``page_table`` ``[S, max_pages] int32`` contiguous on ``device``, ``ranks`` (required)
+    ``[S] int32``, ``page_rows`` (PAGE, the weights' rank rows per page) a power of two in ``1..256`` (any size
+    >= 1 with one page per slot, ``max_pages == 1``: the rectangle path). Returns S."""
+    check_page_table(op, page_table, device)
     if ranks is None:
         raise KernelArgumentError(f"{op}: ranks is required with a page_table ([S] int32, S = page_table.shape[0])")
     check_ranks(op, ranks, page_table.shape[0], device)

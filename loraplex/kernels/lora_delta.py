@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_shape
-from loraplex.kernels._lora_checks import check_paging
+from loraplex.kernels._lora_checks import check_page_table, check_paging
 from loraplex.kernels._triton import next_pow2, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_expand import _check_slot_rows, lora_expand_slot_rows_ref
@@ -58,10 +58,7 @@ def check_delta(op: str, delta: LoRADelta, y: torch.Tensor, width: int | None = 
     width = y.shape[1] if width is None else width
     _check_slot_rows(delta.v, delta.lora_b)
     if delta.page_table is not None:
-        if delta.page_table.dim() != 2 or delta.page_table.dtype != torch.int32 or not delta.page_table.is_contiguous():
-            raise KernelArgumentError(f"{op}: delta.page_table must be a contiguous [S, max_pages] int32 tensor, got "
-                                      f"{tuple(delta.page_table.shape)} {delta.page_table.dtype}")
-        check_device(op, "delta.page_table", delta.page_table, y.device)
+        check_page_table(op, delta.page_table, y.device)
         if delta.page_table.shape[1] > 1:
             if delta.ranks is None:
                 raise KernelArgumentError(f"{op}: a LoRA delta of several pages per slot needs ranks ([S] int32)")
