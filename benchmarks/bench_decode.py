@@ -53,6 +53,7 @@ from loraplex.engine import cuda_graphs  # noqa: E402
 from loraplex.engine.models import llama  # noqa: E402
 from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, use_pdl, use_pdl_kv_prefetch,  # noqa: E402
                                       use_pdl_prefetch, use_pdl_trigger)
+from loraplex.kernels.lora_delta import use_consumer_launch  # noqa: E402
 
 PROMPT_LEN = 128
 NUM_ADAPTERS = 32
@@ -328,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
                     help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
                          "llama.fuse_decode_layers), or the separate kernels")
+    ap.add_argument("--consumer-launch", default=None,
+                    help="how the LoRA consumers walk a paged pool: JSON {op: use_consumer_launch keywords}, or a "
+                         "file of it (diag_lora_consumers.py --best-out; default: the engine's)")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model: checks the logic only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/decode.json)")
     args = ap.parse_args(argv)
@@ -356,6 +360,12 @@ def main(argv: list[str] | None = None) -> dict:
         use_pdl_prefetch(args.pdl_prefetch)
     if args.pdl_kv_prefetch is not None:
         use_pdl_kv_prefetch(args.pdl_kv_prefetch)
+    consumer_launch = {}
+    if args.consumer_launch:
+        text = args.consumer_launch
+        consumer_launch = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
+        for op, keywords in consumer_launch.items():
+            use_consumer_launch(op, **keywords)
     config = dict(LLAMA2_7B)
     device_kw: dict = {"dtype": "bfloat16"}
     if args.quick:
@@ -380,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
               "lora_page_rows": args.lora_page_rows, "lora_max_pages": args.lora_max_pages,
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
               "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
-              "pdl_kv_prefetch": args.pdl_kv_prefetch,
+              "pdl_kv_prefetch": args.pdl_kv_prefetch, "consumer_launch": consumer_launch,
               "fused_configs": args.fused_configs,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)

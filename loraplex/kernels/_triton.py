@@ -53,6 +53,30 @@ except ImportError:  # pragma: no cover - exercised in a subprocess test
 _INTERPRETER_NUM_SMS = 4
 
 
+# Launch counters per device: int32 zeros, each set back to 0 by the program that finishes its group (the last of a
+# split-K tile's programs, of an rms_norm row's), so launches (and CUDA graph replays) on one stream share them;
+# allocated at the first launch that needs them, which must not be inside a graph capture (the engine warms every
+# graph's launches eagerly first).
+_LAUNCH_COUNTERS: dict[torch.device, torch.Tensor] = {}
+LAUNCH_COUNTERS = 1 << 16
+
+
+def launch_counters(op: str, device: torch.device, count: int) -> torch.Tensor:
+    """The device's launch counters (``[LAUNCH_COUNTERS]`` int32 zeros), of which op ``op``'s launch uses the first
+    ``count``. Raises :class:`KernelArgumentError` for more than :data:`LAUNCH_COUNTERS`, or for a first use inside
+    a CUDA graph capture."""
+    if count > LAUNCH_COUNTERS:
+        raise KernelArgumentError(f"{op}: {count} launch counters needed (at most {LAUNCH_COUNTERS})")
+    counters = _LAUNCH_COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise KernelArgumentError(f"{op}: the first launch on {device} that needs launch counters is inside a "
+                                      "CUDA graph capture; launch it once eagerly first (the counters must outlive "
+                                      "the graph)")
+        counters = _LAUNCH_COUNTERS[device] = torch.zeros(LAUNCH_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
 def require_triton(op_name: str) -> None:
     """Raise :class:`TritonUnavailableError` naming ``op_name`` if Triton is missing."""
     if not HAS_TRITON:

@@ -22,8 +22,9 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         slot_pages, slice_of_columns, tile_columns)
+from loraplex.kernels.lora_delta import (CONSUMER_PAGES, CONSUMER_PAIRED, LoRADelta, block_r,
+                                         check_delta, delta_args, lora_delta_cols, lora_delta_pair, lora_delta_ref,
+                                         lora_row_programs, row_split, slice_of_columns, slot_pages, tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
@@ -59,26 +60,63 @@ _LORA_BLOCK = 256  # columns per program with a LoRA delta (two [BLOCK, R] B til
 
 
 @triton.jit
+def _act_and_mul_lora_cols(
+    x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, cols,
+    slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
+    uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
+    GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr,
+    PAIR: tl.constexpr,
+):
+    """Columns ``cols`` of token ``t``: gate and up plus their deltas, gated."""
+    mask = cols < inter_size
+    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
+    if PAIR:  # gate's and up's pages in one loop
+        dg, du = lora_delta_pair(t, cols, mask, cols, mask, slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt,
+                                 g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr, uv_ptr, u_stride_vt, u_stride_vp,
+                                 ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE,
+                                 True)
+    else:
+        dg = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr,
+                             g_width, g_col0, g_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+        du = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr,
+                             u_width, u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+    gate = (gate.to(tl.float32) + dg).to(gate.dtype)
+    up = (up.to(tl.float32) + du).to(up.dtype)
+    tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
+
+
+@triton.jit
 def _act_and_mul_lora_kernel(
     x_ptr, out_ptr, inter_size, stride_xt, stride_ot,
     slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
     uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
     BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
-    PAGES_AT_ONCE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PAGES_AT_ONCE: tl.constexpr, SPLIT: tl.constexpr = 1, SPLIT_RANK: tl.constexpr = 16, PAIR: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
+    # grid (T, column tiles, SPLIT): program (t, g, 0) the tile's BLOCK columns, or under the row split
+    # (lora_delta.row_split) programs p < n each its pieces p, p + n, ... of the tile's SPLIT pieces
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter_size
-    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
-    dg = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr,
-                         g_width, g_col0, g_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
-    du = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr,
-                         u_width, u_col0, u_scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
-    gate = (gate.to(tl.float32) + dg).to(gate.dtype)
-    up = (up.to(tl.float32) + du).to(up.dtype)
-    tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
+    g = tl.program_id(1)
+    p = tl.program_id(2)
+    n = 1
+    if SPLIT > 1:
+        n = lora_row_programs(t, slots_ptr, ranks_ptr, SPLIT, SPLIT_RANK)
+    if n == 1:
+        if p == 0:
+            _act_and_mul_lora_cols(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, g * BLOCK + tl.arange(0, BLOCK),
+                                   slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width,
+                                   g_col0, g_scale_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0,
+                                   u_scale_ptr, rank_rows, GELU_TANH, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, PAIR)
+    elif p < n:
+        for c in range(p, SPLIT, n):
+            cols = g * BLOCK + c * (BLOCK // SPLIT) + tl.arange(0, BLOCK // SPLIT)
+            _act_and_mul_lora_cols(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, cols, slots_ptr, table_ptr,
+                                   ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
+                                   uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
+                                   GELU_TANH, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, PAIR)
 
 
 def _check_args(x: torch.Tensor) -> None:
@@ -104,7 +142,8 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
 
 def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
                          gelu_tanh: bool = False, lora_blocks: tuple[int, int] | None = None) -> torch.Tensor:
-    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns, 256 with ``lora``);
+    """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns, 256 with ``lora``, and
+    over a paged pool up to 4 for a high-rank token, :func:`~loraplex.kernels.lora_delta.row_split`);
     ``gelu_tanh`` switches the gate to :func:`gelu_tanh_and_mul_ref`'s. ``lora_blocks``: (columns per program,
     num_warps) with ``lora`` (benchmarks)."""
     require_triton(_OP)
@@ -122,10 +161,13 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
     if lora is not None:
         gate, up = delta_args(lora, x, 0, inter_size), delta_args(lora, x, inter_size, inter_size)
         block, warps = lora_blocks or (max(16, tile_columns(_LORA_BLOCK, lora)), 4)
-        _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block))](
+        split, split_rank = row_split(lora, _OP)
+        split = min(split, block)
+        _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block), split)](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:3], *gate[3:10], *up[3:10], gate[10],
             BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora),
-            PAGES_AT_ONCE=1, num_warps=warps, **pdl_args(x.device, _OP),
+            PAGES_AT_ONCE=CONSUMER_PAGES[_OP], SPLIT=split, SPLIT_RANK=split_rank, PAIR=CONSUMER_PAIRED[_OP],
+            num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out
     _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](

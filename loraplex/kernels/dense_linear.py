@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels._checks import check_device, check_dtype, check_last_dim_contiguous, check_same_dtype, check_shape
-from loraplex.kernels._triton import (device_name, dot_dtype, dot_precision, max_shared_memory, pdl_args,
-                                      pdl_prefetch, pdl_prefetch_columns, pdl_trigger, pdl_wait, require_triton, tl,
-                                      triton)
+from loraplex.kernels._triton import (LAUNCH_COUNTERS, device_name, dot_dtype, dot_precision, launch_counters,
+                                      max_shared_memory, pdl_args, pdl_prefetch, pdl_prefetch_columns, pdl_trigger,
+                                      pdl_wait, require_triton, tl, triton)
 from loraplex.kernels.activation import _gated, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.op import Op
@@ -266,8 +266,8 @@ def configs_from_json(text: str) -> dict[tuple[str, int, int, int], DenseConfig]
         except KernelArgumentError as exc:
             raise ValueError(str(exc)) from exc
         tiles = -(-row["out_features"] // config[2]) * -(-row["tokens"] // config[1])
-        if split_k_of(config) > 1 and tiles > SPLIT_K_COUNTERS:
-            raise ValueError(f"dense_linear: bad table row {row}: {tiles} split-K tiles (at most {SPLIT_K_COUNTERS})")
+        if split_k_of(config) > 1 and tiles > LAUNCH_COUNTERS:
+            raise ValueError(f"dense_linear: bad table row {row}: {tiles} split-K tiles (at most {LAUNCH_COUNTERS})")
         table[(row["device"], row["tokens"], row["out_features"], row["in_features"])] = config
     return table
 
@@ -489,7 +489,7 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     grid = (triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, block_t), split_k)
     if split_k > 1:
         ws = torch.empty((split_k, num_tokens, out_features), dtype=torch.float32, device=x.device)
-        counters = split_k_counters(x.device, grid[0] * grid[1])
+        counters = launch_counters(_OP, x.device, grid[0] * grid[1])
     else:
         ws = counters = out
     _dense_linear_kernel[grid](
@@ -498,27 +498,6 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         SWAP=kind == "swap", BLOCK_T=block_t, DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device), SPLIT_K=split_k, **flags, **pdl)
     return out
-
-
-# Split-K tile counters per device: int32 zeros, each set back to 0 by the launch that used it, so launches (and
-# CUDA graph replays) on one stream share them; allocated at the first split launch, which must not be inside a
-# graph capture (the engine warms every graph's launches eagerly first).
-_SPLIT_K_COUNTERS: dict[torch.device, torch.Tensor] = {}
-SPLIT_K_COUNTERS = 1 << 16
-
-
-def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's split-K tile counters (``[SPLIT_K_COUNTERS]`` int32). Raises :class:`KernelArgumentError` for
-    more tiles than that, or for a first split launch inside a CUDA graph capture."""
-    if tiles > SPLIT_K_COUNTERS:
-        raise KernelArgumentError(f"{_OP}: {tiles} output tiles split over K (at most {SPLIT_K_COUNTERS})")
-    counters = _SPLIT_K_COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise KernelArgumentError(f"{_OP}: the first split-K launch on {device} is inside a CUDA graph capture; "
-                                      "launch it once eagerly first (its tile counters must outlive the graph)")
-        counters = _SPLIT_K_COUNTERS[device] = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=device)
-    return counters
 
 
 def dense_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -111,16 +111,67 @@ def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int)
             delta.lora_b[i].shape[2])
 
 
-# Pages a consumer loads together (PAGES_AT_ONCE), measured on an H200 (Llama-2-7B shapes, batch 32, 8-row pages,
-# 24 x r8 + 4 x r16 + 4 x r64 adapters; RESULTS.md, session 23): rotary_and_cache 4 (17.2 -> 13.7 us per launch),
-# rms_norm 2 against 1: 12.9 -> 13.8 us, the gated activations 4 against 1: 13.7 -> 17.3 us; those two take 1.
-ROTARY_PAGES_AT_ONCE = 4
+# How each consumer walks a paged pool, measured on an H200 (Llama-2-7B shapes, batch 32, 8-row pages, 24 x r8 +
+# 4 x r16 + 4 x r64 adapters; RESULTS.md, sessions 23 and 24). CONSUMER_PAGES: pages loaded together
+# (PAGES_AT_ONCE; session 23: rotary_and_cache 4 took 17.2 -> 13.7 us per launch, rms_norm 2 against 1 12.9 -> 13.8
+# us, the gated activations 4 against 1 13.7 -> 17.3 us). CONSUMER_PAIRED: two tiles' pages in one loop
+# (lora_delta_pair: gate and up; both halves of rotary heads). ROW_SPLIT: the row split's programs (row_split).
+CONSUMER_PAGES = {"rms_norm": 1, "silu_and_mul": 1, "rotary_and_cache": 4}
+CONSUMER_PAIRED = {"silu_and_mul": False, "rotary_and_cache": False}
+_ROW_SPLIT = {"rms_norm": 4, "silu_and_mul": 1}
+
+
+def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bool | None = None,
+                        row_split: int | None = None) -> dict:
+    """Set how consumer ``op`` walks a paged pool (None: unchanged; benchmarks): pages loaded together (1, 2 or 4),
+    paired tiles, the row split's programs (1, 2 or 4; ops that have one). Returns the previous settings as keywords
+    of this function. Raises ``ValueError`` for anything else."""
+    previous = {"pages_at_once": CONSUMER_PAGES.get(op), "paired": CONSUMER_PAIRED.get(op),
+                "row_split": _ROW_SPLIT.get(op)}
+    for name, value, table, choices in (("pages_at_once", pages_at_once, CONSUMER_PAGES, (1, 2, 4)),
+                                        ("paired", paired, CONSUMER_PAIRED, (False, True)),
+                                        ("row_split", row_split, _ROW_SPLIT, (1, 2, 4))):
+        if value is None:
+            continue
+        if op not in table or value not in choices:
+            raise ValueError(f"{op}: {name}={value!r} (ops {sorted(table)}, values {choices})")
+        table[op] = value
+    return previous
 
 
 def slot_pages(delta: LoRADelta | None) -> int:
     """``SLOT_PAGES`` of :func:`lora_delta_cols`: 0 without a page table (slot s is page s), else the table's pages
     per slot (``max_pages``)."""
     return 0 if delta is None or delta.page_table is None else delta.page_table.shape[1]
+
+
+# Row split: over a pool of several pages per slot, a consumer gives the token of a slot of rank r up to
+# min(ceil(r / ROW_SPLIT_RANK), SPLIT) programs where it would give one, each over a share of that program's columns,
+# so that no program reads more rank rows than at rank 16. On an H200 (Llama-2-7B shapes, batch 32, 8-row pages) a
+# rank-64 row's programs walking its 8 pages alone took rms_norm from 6.4 to 13.2 us per launch, the gated
+# activation from 10.5 to 14.5 and rotary from 8.3 to 13.7 (RESULTS.md, session 23).
+ROW_SPLIT_RANK = 16
+
+
+def row_split(delta: LoRADelta | None, op: str) -> tuple[int, int]:
+    """``(SPLIT, SPLIT_RANK)`` of consumer ``op``'s launch (:func:`lora_row_programs`): ``SPLIT`` a power of two up
+    to its ``ROW_SPLIT`` setting, enough for the highest rank ``delta``'s pool holds; 1 without several pages per
+    slot (every slot reads a whole page there)."""
+    pages = slot_pages(delta)
+    if pages <= 1:
+        return 1, ROW_SPLIT_RANK
+    return min(_ROW_SPLIT[op], next_pow2(-(-pages * delta.lora_b[0].shape[2] // ROW_SPLIT_RANK))), ROW_SPLIT_RANK
+
+
+@triton.jit
+def lora_row_programs(t, token_slots_ptr, ranks_ptr, SPLIT: tl.constexpr, SPLIT_RANK: tl.constexpr):
+    """Programs of token ``t`` under the row split: ``min(ceil(ranks[s] / SPLIT_RANK), SPLIT)`` (at least 1) for a
+    token of slot ``s``, 1 without an adapter."""
+    n = tl.program_id(0) * 0 + 1
+    slot = tl.load(token_slots_ptr + t).to(tl.int64)
+    if slot >= 0:
+        n = tl.maximum(tl.minimum((tl.load(ranks_ptr + slot) + SPLIT_RANK - 1) // SPLIT_RANK, SPLIT), 1)
+    return n
 
 
 # The consumers' launch shapes were measured at rank 16 (RESULTS.md, session 17); for higher ranks their column
@@ -169,17 +220,43 @@ def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v
     (:func:`slot_pages`): 0, slot s is page s; 1, page ``page_table[s]``; more, the ``ceil(ranks[s] / rank_rows)``
     pages of row s of a ``[S, SLOT_PAGES]`` table, rows past ``ranks[s]`` unread (then ``rank_rows == BLOCK_R``,
     a pool's power-of-two page rows), ``PAGES_AT_ONCE`` loaded together."""
+    delta, _ = lora_delta_pair(t, cols, mask, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr,
+                               stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
+                               width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, False)
+    return delta
+
+
+@triton.jit
+def lora_delta_pair(t, cols, mask, cols2, mask2, token_slots_ptr, page_table_ptr, ranks_ptr,
+                    v_ptr, stride_vt, stride_vp, b_ptr, width, col0, scale_ptr,
+                    v2_ptr, stride_v2t, stride_v2p, b2_ptr, width2, col02, scale2_ptr,
+                    rank_rows, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr,
+                    PAIR: tl.constexpr):
+    """:func:`lora_delta_cols` of two column tiles of one token at once (``PAIR``; columns ``cols2`` of a second
+    slice, or of the same one: gate and up, both halves of rotary heads), their pages walked in one loop so that both
+    tiles' loads are in flight together: ``(delta, delta2)``, each 0 where its scaling is (its B unread). Without
+    ``PAIR``, the first tile's delta and zeros."""
     slot = tl.load(token_slots_ptr + t).to(tl.int64)
     delta = tl.zeros(cols.shape, tl.float32)
+    delta2 = tl.zeros(cols2.shape, tl.float32)
     if slot >= 0:
         scale = tl.load(scale_ptr + slot)
-        if scale != 0.0:
+        scale2 = scale
+        if PAIR:
+            scale2 = tl.load(scale2_ptr + slot)
+        if (scale != 0.0) | (scale2 != 0.0):
+            if PAIR:  # a slice of scaling 0 reads no B (its v may be anything: its result is dropped below)
+                mask = tl.where(scale != 0.0, mask, False)  # (mask & (scale != 0): a TypeError in the interpreter)
+                mask2 = tl.where(scale2 != 0.0, mask2, False)
             if SLOT_PAGES <= 1:
                 page = slot
                 if SLOT_PAGES == 1:
                     page = tl.load(page_table_ptr + slot).to(tl.int64)
                 delta = _page_delta(t, cols, mask, page, rank_rows, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
                                     rank_rows, BLOCK_R, False)
+                if PAIR:
+                    delta2 = _page_delta(t, cols2, mask2, page, rank_rows, v2_ptr, stride_v2t, stride_v2p, b2_ptr,
+                                         width2, col02, rank_rows, BLOCK_R, False)
             else:
                 # whole pages (every page of the engine's pools: their ranks are multiples of the page rows),
                 # PAGES_AT_ONCE per iteration (their loads independent, issued together; a page past the slot's
@@ -193,6 +270,9 @@ def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v
                         page_next = tl.load(row + j + 1, mask=j + 1 < SLOT_PAGES, other=0).to(tl.int64)
                         delta += _page_delta(t, cols, mask, page, BLOCK_R, v_ptr, stride_vt, stride_vp, b_ptr, width,
                                              col0, BLOCK_R, BLOCK_R, True)
+                        if PAIR:
+                            delta2 += _page_delta(t, cols2, mask2, page, BLOCK_R, v2_ptr, stride_v2t, stride_v2p,
+                                                  b2_ptr, width2, col02, BLOCK_R, BLOCK_R, True)
                         page = page_next
                 else:
                     for j0 in range(0, whole, PAGES_AT_ONCE):
@@ -202,9 +282,19 @@ def lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v
                             page = tl.load(row + tl.minimum(j0 + u, whole - 1)).to(tl.int64)
                             delta += _page_delta(t, cols, mask & live, page, BLOCK_R, v_ptr, stride_vt, stride_vp,
                                                  b_ptr, width, col0, BLOCK_R, BLOCK_R, True)
+                            if PAIR:
+                                delta2 += _page_delta(t, cols2, mask2 & live, page, BLOCK_R, v2_ptr, stride_v2t,
+                                                      stride_v2p, b2_ptr, width2, col02, BLOCK_R, BLOCK_R, True)
                 if whole * BLOCK_R < rank:
                     page = tl.load(row + whole).to(tl.int64)
                     delta += _page_delta(t, cols, mask, page, rank - whole * BLOCK_R, v_ptr, stride_vt, stride_vp,
                                          b_ptr, width, col0, BLOCK_R, BLOCK_R, False)
-            delta = delta * scale
-    return delta
+                    if PAIR:
+                        delta2 += _page_delta(t, cols2, mask2, page, rank - whole * BLOCK_R, v2_ptr, stride_v2t,
+                                              stride_v2p, b2_ptr, width2, col02, BLOCK_R, BLOCK_R, False)
+            if PAIR:
+                delta = tl.where(scale != 0.0, delta * scale, 0.0)
+                delta2 = tl.where(scale2 != 0.0, delta2 * scale2, 0.0)
+            else:
+                delta = delta * scale
+    return delta, delta2

@@ -20,9 +20,11 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import cdiv, next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
-from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         slot_pages, tile_columns)
+from loraplex.kernels._triton import (LAUNCH_COUNTERS, cdiv, launch_counters, next_pow2, pdl_args, pdl_wait,
+                                      require_triton, tl, triton)
+from loraplex.kernels.lora_delta import (CONSUMER_PAGES, LoRADelta, block_r, check_delta, delta_args,
+                                         lora_delta_cols, lora_delta_ref, lora_row_programs, row_split, slot_pages,
+                                         tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
@@ -81,20 +83,14 @@ def _rms_norm_kernel(
 _LORA_ONE_PASS_MAX = 4096
 _LORA_CHUNK = 1024
 
-
 @triton.jit
-def _rms_norm_lora_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt, stride_ot,
-    stride_rot, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0, scale_ptr,
-    rank_rows, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    pdl_wait(USE_PDL)
-    # One program per row: s = (x + delta) + residual, each sum rounded to the dtype. The row in one tile
-    # (N_CHUNKS 1: s stays in registers), or two passes over CHUNK-column pieces: s written out (to residual_out,
-    # or to out as scratch) with the sum of squares, then the norm of s read back.
-    t = tl.program_id(0).to(tl.int64)
+def _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt,
+              stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
+              width, col0, scale_ptr, rank_rows, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
+              N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr):
+    """Row ``t`` in one program: s = (x + delta) + residual, each sum rounded to the dtype. The row in one tile
+    (N_CHUNKS 1: s stays in registers), or two passes over CHUNK-column pieces: s written out (to residual_out, or to
+    out as scratch) with the sum of squares, then the norm of s read back."""
     acc = tl.zeros([CHUNK], tl.float32)
     for c in tl.static_range(N_CHUNKS):
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -124,6 +120,64 @@ def _rms_norm_lora_kernel(
             _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot)
 
 
+@triton.jit
+def _rms_norm_lora_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt, stride_ot,
+    stride_rot, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0, scale_ptr,
+    rank_rows, ws_ptr, counter_ptr, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
+    BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr, SPLIT: tl.constexpr = 1,
+    SPLIT_RANK: tl.constexpr = 16, TILE: tl.constexpr = 16, N_TILES: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
+):
+    pdl_wait(USE_PDL)
+    # grid (T, SPLIT): a row's first program, or its n programs under the row split (lora_delta.row_split)
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    n = 1
+    if SPLIT > 1:
+        n = lora_row_programs(t, token_slots_ptr, ranks_ptr, SPLIT, SPLIT_RANK)
+    if n == 1:
+        if p == 0:
+            _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt,
+                      stride_rt, stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr,
+                      stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, HAS_RESIDUAL, CHUNK, N_CHUNKS,
+                      BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+    elif p < n:
+        # program p of n: column tiles p, p + n, ... of the row; s written out (to residual_out, or to out as
+        # scratch), the tiles' sum of squares to the workspace [T, SPLIT]
+        acc = tl.zeros([TILE], tl.float32)
+        for c in range(p, N_TILES, n):
+            cols = c * TILE + tl.arange(0, TILE)
+            mask = cols < hidden_size
+            x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+            delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt,
+                                    stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES,
+                                    PAGES_AT_ONCE)
+            x = (x.to(tl.float32) + delta).to(x.dtype)
+            x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
+            if not HAS_RESIDUAL:
+                tl.store(out_ptr + t * stride_ot + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        tl.store(ws_ptr + t * SPLIT + p, tl.sum(acc, 0))
+        tl.debug_barrier()  # every thread's stores made before the counter says so (the atomic releases them)
+        counter = counter_ptr + t
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1:
+            # the row's last program: every program's s and sum of squares are visible (acquire); read past L1
+            j = tl.arange(0, SPLIT)
+            sumsq = tl.sum(tl.load(ws_ptr + t * SPLIT + j, mask=j < n, other=0.0, cache_modifier=".cg"), 0)
+            inv = tl.math.rsqrt(sumsq / hidden_size + eps)
+            for c in tl.static_range(N_TILES):
+                cols = c * TILE + tl.arange(0, TILE)
+                mask = cols < hidden_size
+                if HAS_RESIDUAL:
+                    s = tl.load(residual_out_ptr + t * stride_rot + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                else:
+                    s = tl.load(out_ptr + t * stride_ot + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch (or replay)
+
+
 def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> None:
     check_dtype(_OP, "x", x, FLOAT_DTYPES)
     check_shape(_OP, "x", x, (None, None))
@@ -142,8 +196,9 @@ def _launch_rms_norm(
     lora: LoRADelta | None = None, lora_blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton launch of :func:`rms_norm_ref` (one program per row; with ``lora`` the row in one tile up to
-    :data:`_LORA_ONE_PASS_MAX` columns, else two passes over 1024-column pieces). ``lora_blocks``: (columns per
-    piece, num_warps) override (benchmarks)."""
+    :data:`_LORA_ONE_PASS_MAX` columns, else two passes over 1024-column pieces, and over a paged pool a high-rank
+    slot's row split over several programs, :func:`row_split`). ``lora_blocks``: (columns per piece, num_warps)
+    override (benchmarks)."""
     require_triton(_OP)
     _check_args(x, weight, eps, residual)
     if lora is not None:
@@ -163,12 +218,17 @@ def _launch_rms_norm(
         warps = min(max(chunk // 256, 1), 16)
         if lora_blocks is not None:
             chunk, warps = lora_blocks
-        _rms_norm_lora_kernel[(num_tokens,)](
+        split, split_rank = row_split(lora, _OP) if num_tokens <= LAUNCH_COUNTERS else (1, 16)  # (a counter per row)
+        tile = max(16, min(next_pow2(cdiv(hidden_size, split)), chunk))
+        ws = torch.empty((num_tokens, split), dtype=torch.float32, device=x.device) if split > 1 else out
+        counters = launch_counters(_OP, x.device, num_tokens) if split > 1 else out
+        _rms_norm_lora_kernel[(num_tokens, split)](
             x, residual if residual is not None else x, weight, out, residual_out if residual_out is not None else out,
             hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size),
-            HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk), BLOCK_R=block_r(lora),
-            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=1, num_warps=warps,
+            residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size), ws,
+            counters, HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk),
+            BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=CONSUMER_PAGES[_OP], SPLIT=split,
+            SPLIT_RANK=split_rank, TILE=tile, N_TILES=cdiv(hidden_size, tile), num_warps=warps,
             **pdl_args(x.device, _OP),
         )
         return out if residual_out is None else (out, residual_out)

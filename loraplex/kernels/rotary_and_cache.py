@@ -32,8 +32,8 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_delta import (LoRADelta, block_r, check_delta, delta_args, lora_delta_cols, lora_delta_ref,
-                                         ROTARY_PAGES_AT_ONCE, slot_pages, tile_columns)
+from loraplex.kernels.lora_delta import (CONSUMER_PAGES, CONSUMER_PAIRED, LoRADelta, block_r, check_delta, delta_args,
+                                         lora_delta_cols, lora_delta_pair, lora_delta_ref, slot_pages, tile_columns)
 from loraplex.kernels.op import Op
 from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
 from loraplex.kernels.rotary import (check_positions_in_table, load_cos_sin, rope_halves, rotary_embedding_ref,
@@ -103,15 +103,20 @@ _LORA_HEADS = 4
 @triton.jit
 def _heads_plus_delta(src, cols, mask, t, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0,
                       d_scale, rank_rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
-                      PAGES_AT_ONCE: tl.constexpr):
+                      PAGES_AT_ONCE: tl.constexpr, PAIR: tl.constexpr):
     """Both halves of a ``[heads, HALF]`` tile of heads (``src + cols``, ``cols`` their columns in the slice) plus
     their LoRA delta, each rounded to the dtype (as the expand rounds its sum into y)."""
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    d1 = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0,
-                         d_scale, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
-    d2 = lora_delta_cols(t, cols + HALF, mask, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width,
-                         d_col0, d_scale, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+    if PAIR:  # both halves' pages in one loop
+        d1, d2 = lora_delta_pair(t, cols, mask, cols + HALF, mask, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp,
+                                 d_b, d_width, d_col0, d_scale, d_v, d_svt, d_svp, d_b, d_width, d_col0, d_scale,
+                                 rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, True)
+    else:
+        d1 = lora_delta_cols(t, cols, mask, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width, d_col0,
+                             d_scale, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+        d2 = lora_delta_cols(t, cols + HALF, mask, slots_ptr, table_ptr, ranks_ptr, d_v, d_svt, d_svp, d_b, d_width,
+                             d_col0, d_scale, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
     return (x1.to(tl.float32) + d1).to(x1.dtype), (x2.to(tl.float32) + d2).to(x2.dtype)
 
 
@@ -125,7 +130,7 @@ def _rotary_and_cache_lora_kernel(
     kd_v, kd_svt, kd_svp, kd_b, kd_width, kd_col0, kd_scale,
     vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0, vd_scale, rank_rows,
     HALF: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr,
+    SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr, PAIR: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -145,7 +150,7 @@ def _rotary_and_cache_lora_kernel(
         cols = h[:, None] * (2 * HALF) + i[None, :]
         x1, x2 = _heads_plus_delta(q_ptr + t * stride_qt + cols, cols, mask, t, slots_ptr, table_ptr, ranks_ptr, qd_v,
                                    qd_svt, qd_svp, qd_b, qd_width, qd_col0, qd_scale, rank_rows, HALF, BLOCK_R,
-                                   SLOT_PAGES, PAGES_AT_ONCE)
+                                   SLOT_PAGES, PAGES_AT_ONCE, PAIR)
         cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty, HALF,
                                 BLOCK_HALF)
         o1, o2 = rope_halves(x1, x2, cos, sin)
@@ -160,7 +165,7 @@ def _rotary_and_cache_lora_kernel(
         if is_k:
             x1, x2 = _heads_plus_delta(k_ptr + t * stride_kt + cols, cols, mask, t, slots_ptr, table_ptr, ranks_ptr,
                                        kd_v, kd_svt, kd_svp, kd_b, kd_width, kd_col0, kd_scale, rank_rows, HALF,
-                                       BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+                                       BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, PAIR)
             cos, sin = load_cos_sin(cos_sin_ptr, tl.load(positions_ptr + t), stride_cs, q_ptr.dtype.element_ty,
                                     HALF, BLOCK_HALF)
             x1, x2 = rope_halves(x1, x2, cos, sin)
@@ -168,7 +173,7 @@ def _rotary_and_cache_lora_kernel(
         else:
             x1, x2 = _heads_plus_delta(v_ptr + t * stride_vt + cols, cols, mask, t, slots_ptr, table_ptr, ranks_ptr,
                                        vd_v, vd_svt, vd_svp, vd_b, vd_width, vd_col0, vd_scale, rank_rows, HALF,
-                                       BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+                                       BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, PAIR)
             dst = value_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + i[None, :]
         tl.store(dst, x1, mask=mask)
         tl.store(dst + HALF, x2, mask=mask)
@@ -257,7 +262,7 @@ def _launch_rotary_and_cache(
             value_cache.stride(2), cos_sin_cache.stride(0), block_size, num_q_heads, num_kv_heads,
             *parts[0][:3], *parts[0][3:10], *parts[1][3:10], *parts[2][3:10], parts[0][10],
             HALF=half, HEADS=heads, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
-            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=ROTARY_PAGES_AT_ONCE,
+            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=CONSUMER_PAGES[_OP], PAIR=CONSUMER_PAIRED[_OP],
             num_warps=4, **pdl_args(query.device, _OP),
         )
         return q_out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels import dense_linear
+from loraplex.kernels import _triton, dense_linear
 from loraplex.kernels.dense_linear import (
     check_dense_config,
     configs_from_json,
@@ -90,7 +90,7 @@ def test_split_k_matches_the_loop_and_leaves_its_counters_at_zero(kernel_device,
         out = triton_kernels.dense_linear(x, w, b, residual=r, config=config)
         err = (out.double().cpu() - expected).abs() / (_magnitude(x, w, b) + r.double().cpu().abs()).clamp_min(1.0)
         assert err.max().item() <= TOL[dtype], err.max().item()
-        assert dense_linear._SPLIT_K_COUNTERS[x.device].count_nonzero().item() == 0
+        assert _triton._LAUNCH_COUNTERS[x.device].count_nonzero().item() == 0
 
 
 @pytest.mark.interpreter
@@ -362,7 +362,7 @@ def test_split_k_in_a_graph_replayed_with_new_inputs(config, t, n, k):
         want = x.float() @ w.float().T + r.float()
         mag = x.float().abs() @ w.float().abs().T + r.float().abs()
         assert ((out.float() - want).abs() / mag.clamp_min(1.0)).max().item() <= 8e-3
-        assert dense_linear._SPLIT_K_COUNTERS[x.device].count_nonzero().item() == 0
+        assert _triton._LAUNCH_COUNTERS[x.device].count_nonzero().item() == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -398,4 +398,4 @@ def test_dependent_split_k_launches_under_pdl_in_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, chain(x))
-        assert dense_linear._SPLIT_K_COUNTERS[x.device].count_nonzero().item() == 0
+        assert _triton._LAUNCH_COUNTERS[x.device].count_nonzero().item() == 0

@@ -27,10 +27,15 @@ def _paged_delta(widths: list[int], dtype, device, token_slots, x, w, zero_scale
     pool = make_pool(PAGED_RANKS[:SLOTS], RANK // 4, HIDDEN, widths, dtype, device)
     if zero_scale:
         pool.scaling[-1][1] = 0.0
+    y, _ = folded_gemm(x, w, pool.lora_a)
+    _, expected, _ = naive_paged(x, pool, y, token_slots)
+    if zero_scale:  # slot 1's last slice, of scaling 0, is never read: NaN in its pages of A (so in v) and B
+        for page in (p for p in pool.table[1] if p >= 0):
+            pool.lora_a[-1][page] = float("nan")
+            pool.lora_b[-1][page] = float("nan")
     y, v = folded_gemm(x, w, pool.lora_a)
     assert v.isnan().any(), "the poison reaches the folded GEMM's columns"
     mapping = LoRAMapping.from_token_slots(token_slots.to(device))
-    _, expected, _ = naive_paged(x, pool, y, token_slots)
     return y, LoRADelta(v, pool.lora_b, pool.scaling, mapping, page_table=pool.page_table, ranks=pool.ranks), \
         expected.to(device)
 
@@ -216,6 +221,68 @@ def test_consumers_read_each_rank_row_from_its_page(kernel_device, backend, op, 
     else:
         test_gated_activation_adds_the_delta_to_gate_and_up(kernel_device, backend, torch.float32, op,
                                                             [10, 10] if op == "silu_and_mul" else [20])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("split_rank, hidden, ranks", [(4, 24, [22, 9, 0, 3]), (2, 40, [8, 5, 0, 3])],
+                         ids=["rank 22 over 4 programs, 2 tiles", "rank 8 over 4 programs, 3 tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_splits_a_high_rank_row_over_programs(kernel_device, monkeypatch, split_rank, hidden, ranks, dtype,
+                                                        with_residual):
+    """The row split over a paged pool: a row whose rank exceeds the split rank (lowered here) takes up to 4
+    programs over its column tiles (more programs than tiles, tiles not a multiple of the programs), the last to
+    finish normalises the row from the others' stores; rows of one program and rows without an adapter take the
+    whole-row path in the same launch. The launch counters are zero again after the launch."""
+    import test_lora_delta as this
+    from loraplex.kernels import _triton, lora_delta, rms_norm
+
+    monkeypatch.setattr(this, "SEVERAL_PAGES", True)
+    monkeypatch.setattr(this, "PAGED_RANKS", ranks)
+    monkeypatch.setattr(this, "HIDDEN", hidden)
+    monkeypatch.setattr(lora_delta, "ROW_SPLIT_RANK", split_rank)
+    splits = []
+    row_split = rms_norm.row_split
+    monkeypatch.setattr(rms_norm, "row_split", lambda *args: splits.append(row_split(*args)) or splits[-1])
+    test_rms_norm_adds_the_delta_before_the_residual(kernel_device, "triton", dtype, with_residual, None)
+    assert [split for split, _ in splits] == [4]
+    assert _triton._LAUNCH_COUNTERS[kernel_device].count_nonzero().item() == 0
+    monkeypatch.setattr(lora_delta, "ROW_SPLIT_RANK", 64)  # no row above it: one program per row
+    test_rms_norm_adds_the_delta_before_the_residual(kernel_device, "triton", dtype, with_residual, None)
+    assert splits[-1][0] == 1
+
+
+CONSUMER_LAUNCHES = [("silu_and_mul", {"paired": True}), ("silu_and_mul", {"paired": True, "pages_at_once": 2}),
+                     ("silu_and_mul", {"row_split": 4}), ("silu_and_mul", {"row_split": 2, "paired": True}),
+                     ("rotary_and_cache", {"paired": True}), ("rotary_and_cache", {"paired": True, "pages_at_once": 1}),
+                     ("rms_norm", {"pages_at_once": 2, "row_split": 4})]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op, launch", CONSUMER_LAUNCHES, ids=[f"{op} {launch}" for op, launch in CONSUMER_LAUNCHES])
+def test_every_consumer_launch_setting_reads_each_rank_row_from_its_page(kernel_device, monkeypatch, op, launch):
+    """The settings benchmarks try (lora_delta.use_consumer_launch: both tiles' pages in one loop, pages loaded
+    together, the row split at a split rank lowered to 4), over the poisoned paged pool of ranks 22, 9, 0, 3 in 2-row
+    pages; the gated activation with a slot whose up slice has scaling 0 and NaN in its pages (paired: its B
+    unread, its NaN v dropped)."""
+    from loraplex.kernels import lora_delta
+
+    monkeypatch.setattr(lora_delta, "ROW_SPLIT_RANK", 4)
+    previous = lora_delta.use_consumer_launch(op, **launch)
+    try:
+        test_consumers_read_each_rank_row_from_its_page(kernel_device, "triton", op, monkeypatch, [22, 9, 0, 3])
+    finally:
+        lora_delta.use_consumer_launch(op, **{k: v for k, v in previous.items() if v is not None})
+
+
+def test_consumer_launch_settings_are_checked():
+    from loraplex.kernels.lora_delta import use_consumer_launch
+
+    with pytest.raises(ValueError, match="row_split=3"):
+        use_consumer_launch("rms_norm", row_split=3)
+    with pytest.raises(ValueError, match="paired"):
+        use_consumer_launch("rms_norm", paired=True)  # rms_norm has one tile per row
+    assert use_consumer_launch("silu_and_mul") == use_consumer_launch("silu_and_mul")
 
 
 def test_a_delta_of_several_pages_needs_ranks():
