@@ -101,9 +101,29 @@ def _act_and_mul_lora_kernel(
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     p = tl.program_id(2)
-    n = 1
-    if SPLIT > 1:
-        n = lora_row_programs(t, slots_ptr, ranks_ptr, SPLIT, SPLIT_RANK)
+    if SPLIT == 1:
+        _act_and_mul_lora_cols(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, g * BLOCK + tl.arange(0, BLOCK),
+                               slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width,
+                               g_col0, g_scale_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0,
+                               u_scale_ptr, rank_rows, GELU_TANH, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, PAIR)
+    else:
+        _act_and_mul_lora_split(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, g, p, slots_ptr, table_ptr,
+                                ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
+                                uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
+                                BLOCK, GELU_TANH, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, SPLIT, SPLIT_RANK, PAIR)
+
+
+@triton.jit
+def _act_and_mul_lora_split(
+    x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, g, p,
+    slots_ptr, table_ptr, ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
+    uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,
+    BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
+    PAGES_AT_ONCE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_RANK: tl.constexpr, PAIR: tl.constexpr,
+):
+    """Tile ``g`` of token ``t`` under the row split: program ``p`` of the token's ``n`` (:func:`lora_row_programs`);
+    the first over the whole tile when ``n`` is 1."""
+    n = lora_row_programs(t, slots_ptr, ranks_ptr, SPLIT, SPLIT_RANK)
     if n == 1:
         if p == 0:
             _act_and_mul_lora_cols(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, g * BLOCK + tl.arange(0, BLOCK),
@@ -111,8 +131,8 @@ def _act_and_mul_lora_kernel(
                                    g_col0, g_scale_ptr, uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0,
                                    u_scale_ptr, rank_rows, GELU_TANH, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, PAIR)
     elif p < n:
-        for c in range(p, SPLIT, n):
-            cols = g * BLOCK + c * (BLOCK // SPLIT) + tl.arange(0, BLOCK // SPLIT)
+        for piece in range(p, SPLIT, n):
+            cols = g * BLOCK + piece * (BLOCK // SPLIT) + tl.arange(0, BLOCK // SPLIT)
             _act_and_mul_lora_cols(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, t, cols, slots_ptr, table_ptr,
                                    ranks_ptr, gv_ptr, g_stride_vt, g_stride_vp, gb_ptr, g_width, g_col0, g_scale_ptr,
                                    uv_ptr, u_stride_vt, u_stride_vp, ub_ptr, u_width, u_col0, u_scale_ptr, rank_rows,

@@ -12,6 +12,12 @@ down_proj: ``s = (y + delta) + residual``), ``silu_and_mul`` / ``gelu_tanh_and_m
 consumer rounds ``y + delta`` to ``y``'s dtype first, as the expand kernel rounds its sum into ``y``, so both paths
 compute the same values up to the order of the rank sum. One launch fewer per LoRA'd linear; the B bytes are read
 by the consumer instead.
+
+Over a pool paged by rank (several pages per slot) a token's delta walks its slot's pages, so a high-rank token's
+program would read many times the bytes of a rank-16 one. Two remedies, per consumer (:func:`use_consumer_launch`):
+the row split (a high-rank token's program split over up to 4 programs, each over a share of its columns; rms_norm
+sums their squares through a launch counter, the last normalises) and :func:`lora_delta_pair` (two tiles' pages
+walked in one loop, their loads in flight together).
 """
 
 from __future__ import annotations

@@ -130,12 +130,33 @@ def _rms_norm_lora_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
-    # grid (T, SPLIT): a row's first program, or its n programs under the row split (lora_delta.row_split)
+    # grid (T, SPLIT): one program per row, or under the row split (lora_delta.row_split) up to SPLIT
     t = tl.program_id(0).to(tl.int64)
+    if SPLIT == 1:
+        _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt,
+                  stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp,
+                  b_ptr, width, col0, scale_ptr, rank_rows, HAS_RESIDUAL, CHUNK, N_CHUNKS, BLOCK_R, SLOT_PAGES,
+                  PAGES_AT_ONCE)
+    else:
+        _lora_row_split(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt,
+                        stride_rt, stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr,
+                        stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, ws_ptr, counter_ptr,
+                        HAS_RESIDUAL, CHUNK, N_CHUNKS, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, SPLIT, SPLIT_RANK, TILE,
+                        N_TILES)
+
+
+@triton.jit
+def _lora_row_split(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt,
+                    stride_rt, stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt,
+                    stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, ws_ptr, counter_ptr,
+                    HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr, SPLIT: tl.constexpr,
+                    SPLIT_RANK: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr):
+    """Row ``t`` under the row split (program ``program_id(1)`` of the row's ``n``, :func:`lora_row_programs`):
+    one program (the first) over the whole row when ``n`` is 1, else each over its column tiles, the last to finish
+    normalising the row."""
     p = tl.program_id(1)
-    n = 1
-    if SPLIT > 1:
-        n = lora_row_programs(t, token_slots_ptr, ranks_ptr, SPLIT, SPLIT_RANK)
+    n = lora_row_programs(t, token_slots_ptr, ranks_ptr, SPLIT, SPLIT_RANK)
     if n == 1:
         if p == 0:
             _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt,
@@ -146,8 +167,8 @@ def _rms_norm_lora_kernel(
         # program p of n: column tiles p, p + n, ... of the row; s written out (to residual_out, or to out as
         # scratch), the tiles' sum of squares to the workspace [T, SPLIT]
         acc = tl.zeros([TILE], tl.float32)
-        for c in range(p, N_TILES, n):
-            cols = c * TILE + tl.arange(0, TILE)
+        for tile in range(p, N_TILES, n):
+            cols = tile * TILE + tl.arange(0, TILE)
             mask = cols < hidden_size
             x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
             delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt,

@@ -305,10 +305,38 @@ def _folded_delta(dtype: torch.dtype, widths: list[int], num_tokens: int, rank: 
                                 [torch.ones(slots) for _ in widths], mapping, **paging)
 
 
-def _lora_consumers(dtype: torch.dtype, hidden: int = 4096, inter: int = 11008) -> None:
+# Consumer launch settings (lora_delta.use_consumer_launch) compiled beside the engine's, over a paged pool: the
+# ones benchmarks/diag_lora_consumers.py measures.
+CONSUMER_LAUNCHES = (
+    {"rms_norm": {"row_split": 1}, "silu_and_mul": {"row_split": 4, "paired": False},
+     "rotary_and_cache": {"paired": False, "pages_at_once": 4}},
+    {"rms_norm": {"row_split": 2, "pages_at_once": 2}, "silu_and_mul": {"row_split": 2, "paired": True},
+     "rotary_and_cache": {"paired": True, "pages_at_once": 2}},
+    {"silu_and_mul": {"row_split": 1, "paired": True, "pages_at_once": 2},
+     "rotary_and_cache": {"paired": True, "pages_at_once": 1}},
+    {"silu_and_mul": {"row_split": 4, "paired": True, "pages_at_once": 1},
+     "rotary_and_cache": {"paired": True, "pages_at_once": 4}},
+)
+
+
+def _lora_consumers(dtype: torch.dtype) -> None:
+    """:func:`_lora_consumers_once` under the engine's consumer launch settings, then over a paged pool under each
+    of :data:`CONSUMER_LAUNCHES`."""
+    _lora_consumers_once(dtype)
+    for launch in CONSUMER_LAUNCHES:
+        previous = {op: lora_delta.use_consumer_launch(op, **keywords) for op, keywords in launch.items()}
+        try:
+            _lora_consumers_once(dtype, cases=((32, 64, 8),))
+        finally:
+            for op, keywords in previous.items():
+                lora_delta.use_consumer_launch(op, **{k: v for k, v in keywords.items() if v is not None})
+
+
+def _lora_consumers_once(dtype: torch.dtype, hidden: int = 4096, inter: int = 11008,
+                         cases=((32, 16, None), (512, 16, None), (32, 64, None), (32, 64, 8))) -> None:
     """The kernels that add a folded linear's delta (decode and prompt sizes; ranks 16 and 64; rank 64 in 8-row
     pages), and the expand that reads v per slot or page (DoRA steps, q/k-norm models)."""
-    for num_tokens, rank, page in ((32, 16, None), (512, 16, None), (32, 64, None), (32, 64, 8)):
+    for num_tokens, rank, page in cases:
         x = torch.zeros(num_tokens, hidden, dtype=dtype)
         delta = _folded_delta(dtype, [hidden], num_tokens, rank, page=page)
         rms_norm.RMS_NORM.triton(x, torch.ones(hidden, dtype=dtype), 1e-5, x.clone(), lora=delta)
