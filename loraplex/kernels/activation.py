@@ -22,9 +22,9 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_delta import (CONSUMER_PAGES, CONSUMER_PAIRED, LoRADelta, block_r,
-                                         check_delta, delta_args, lora_delta_cols, lora_delta_pair, lora_delta_ref,
-                                         lora_row_programs, row_split, slice_of_columns, slot_pages, tile_columns)
+from loraplex.kernels.lora_delta import (CONSUMER_PAGES, LoRADelta, block_r, check_delta, delta_args,
+                                         lora_delta_cols, lora_delta_pair, lora_delta_ref, lora_row_programs, paired,
+                                         row_split, slice_of_columns, slot_pages, tile_columns)
 from loraplex.kernels.op import Op
 
 _OP = "silu_and_mul"
@@ -186,7 +186,7 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         _act_and_mul_lora_kernel[(num_tokens, cdiv(inter_size, block), split)](
             x, out, inter_size, x.stride(0), out.stride(0), *gate[:3], *gate[3:10], *up[3:10], gate[10],
             BLOCK=block, GELU_TANH=gelu_tanh, BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora),
-            PAGES_AT_ONCE=CONSUMER_PAGES[_OP], SPLIT=split, SPLIT_RANK=split_rank, PAIR=CONSUMER_PAIRED[_OP],
+            PAGES_AT_ONCE=CONSUMER_PAGES[_OP], SPLIT=split, SPLIT_RANK=split_rank, PAIR=paired(lora, _OP),
             num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out

@@ -117,14 +117,18 @@ def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int)
             delta.lora_b[i].shape[2])
 
 
-# How each consumer walks a paged pool, measured on an H200 (Llama-2-7B shapes, batch 32, 8-row pages, 24 x r8 +
-# 4 x r16 + 4 x r64 adapters; RESULTS.md, sessions 23 and 24). CONSUMER_PAGES: pages loaded together
-# (PAGES_AT_ONCE; session 23: rotary_and_cache 4 took 17.2 -> 13.7 us per launch, rms_norm 2 against 1 12.9 -> 13.8
-# us, the gated activations 4 against 1 13.7 -> 17.3 us). CONSUMER_PAIRED: two tiles' pages in one loop
-# (lora_delta_pair: gate and up; both halves of rotary heads). ROW_SPLIT: the row split's programs (row_split).
+# How each consumer walks a pool of several pages per slot, measured on an H200 (Llama-2-7B shapes, batch 32, 8-row
+# pages, 24 x r8 + 4 x r16 + 4 x r64 adapters against 32 x r16; benchmarks/diag_lora_consumers.py; RESULTS.md,
+# sessions 23 and 24). CONSUMER_PAGES: pages loaded together (PAGES_AT_ONCE; session 23: rotary_and_cache 4 took
+# 17.2 -> 13.7 us per launch, rms_norm 2 against 1 12.9 -> 13.8 us, the gated activations 4 against 1 13.7 -> 17.3
+# us). CONSUMER_PAIRED: two tiles' pages in one loop (lora_delta_pair: gate and up; both halves of rotary heads).
+# ROW_SPLIT: the row split's programs (row_split). Session 24, mixed ranks, us per launch: rms_norm split over 4
+# programs 12.8 -> 9.8 (r16 6.2 either way); the activation paired and split over 2 14.5 -> 12.0 (split over 4
+# unpaired 17.9); rotary paired 19.9 -> 18.3. A pool of one page per slot keeps one loop per tile and no split
+# (its launches as measured before these settings existed).
 CONSUMER_PAGES = {"rms_norm": 1, "silu_and_mul": 1, "rotary_and_cache": 4}
-CONSUMER_PAIRED = {"silu_and_mul": False, "rotary_and_cache": False}
-_ROW_SPLIT = {"rms_norm": 4, "silu_and_mul": 1}
+CONSUMER_PAIRED = {"silu_and_mul": True, "rotary_and_cache": True}
+_ROW_SPLIT = {"rms_norm": 4, "silu_and_mul": 2}
 
 
 def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bool | None = None,
@@ -143,6 +147,11 @@ def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bo
             raise ValueError(f"{op}: {name}={value!r} (ops {sorted(table)}, values {choices})")
         table[op] = value
     return previous
+
+
+def paired(delta: LoRADelta | None, op: str) -> bool:
+    """``PAIR`` of consumer ``op``'s launch: its ``CONSUMER_PAIRED`` setting over a pool of several pages per slot."""
+    return slot_pages(delta) > 1 and CONSUMER_PAIRED[op]
 
 
 def slot_pages(delta: LoRADelta | None) -> int:

@@ -32,8 +32,8 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.lora_delta import (CONSUMER_PAGES, CONSUMER_PAIRED, LoRADelta, block_r, check_delta, delta_args,
-                                         lora_delta_cols, lora_delta_pair, lora_delta_ref, slot_pages, tile_columns)
+from loraplex.kernels.lora_delta import (CONSUMER_PAGES, LoRADelta, block_r, check_delta, delta_args, lora_delta_cols,
+                                         lora_delta_pair, lora_delta_ref, paired, slot_pages, tile_columns)
 from loraplex.kernels.op import Op
 from loraplex.kernels.reshape_and_cache import check_slots_in_cache, reshape_and_cache_ref
 from loraplex.kernels.rotary import (check_positions_in_table, load_cos_sin, rope_halves, rotary_embedding_ref,
@@ -262,7 +262,7 @@ def _launch_rotary_and_cache(
             value_cache.stride(2), cos_sin_cache.stride(0), block_size, num_q_heads, num_kv_heads,
             *parts[0][:3], *parts[0][3:10], *parts[1][3:10], *parts[2][3:10], parts[0][10],
             HALF=half, HEADS=heads, BLOCK_HALF=next_pow2(half), BLOCK_R=block_r(lora),
-            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=CONSUMER_PAGES[_OP], PAIR=CONSUMER_PAIRED[_OP],
+            SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=CONSUMER_PAGES[_OP], PAIR=paired(lora, _OP),
             num_warps=4, **pdl_args(query.device, _OP),
         )
         return q_out

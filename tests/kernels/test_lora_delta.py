@@ -246,7 +246,7 @@ def test_rms_norm_splits_a_high_rank_row_over_programs(kernel_device, monkeypatc
     monkeypatch.setattr(rms_norm, "row_split", lambda *args: splits.append(row_split(*args)) or splits[-1])
     test_rms_norm_adds_the_delta_before_the_residual(kernel_device, "triton", dtype, with_residual, None)
     assert [split for split, _ in splits] == [4]
-    assert _triton._LAUNCH_COUNTERS[kernel_device].count_nonzero().item() == 0
+    assert all(c.count_nonzero().item() == 0 for c in _triton._LAUNCH_COUNTERS.values())
     monkeypatch.setattr(lora_delta, "ROW_SPLIT_RANK", 64)  # no row above it: one program per row
     test_rms_norm_adds_the_delta_before_the_residual(kernel_device, "triton", dtype, with_residual, None)
     assert splits[-1][0] == 1
