@@ -121,25 +121,26 @@ def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int)
 # pages, 24 x r8 + 4 x r16 + 4 x r64 adapters against 32 x r16; benchmarks/diag_lora_consumers.py; RESULTS.md,
 # sessions 23 and 24). CONSUMER_PAGES: pages loaded together (PAGES_AT_ONCE; session 23: rotary_and_cache 4 took
 # 17.2 -> 13.7 us per launch, rms_norm 2 against 1 12.9 -> 13.8 us, the gated activations 4 against 1 13.7 -> 17.3
-# us). CONSUMER_PAIRED: two tiles' pages in one loop (lora_delta_pair: gate and up; both halves of rotary heads).
+# us). CONSUMER_PAIRED: two tiles' pages in one loop (lora_delta_pair: gate and up; both halves of rotary heads):
+# False, "paged" (over several pages per slot only) or True (one-page pools too).
 # ROW_SPLIT: the row split's programs (row_split). Session 24, mixed ranks, us per launch: rms_norm split over 4
 # programs 12.8 -> 9.8 (r16 6.2 either way); the activation paired and split over 2 14.5 -> 12.0 (split over 4
 # unpaired 17.9); rotary paired 19.9 -> 18.3. A pool of one page per slot keeps one loop per tile and no split
 # (its launches as measured before these settings existed).
 CONSUMER_PAGES = {"rms_norm": 1, "silu_and_mul": 1, "rotary_and_cache": 4}
-CONSUMER_PAIRED = {"silu_and_mul": True, "rotary_and_cache": True}
+CONSUMER_PAIRED: dict[str, bool | str] = {"silu_and_mul": "paged", "rotary_and_cache": "paged"}
 _ROW_SPLIT = {"rms_norm": 4, "silu_and_mul": 2}
 
 
-def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bool | None = None,
+def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bool | str | None = None,
                         row_split: int | None = None) -> dict:
     """Set how consumer ``op`` walks a paged pool (None: unchanged; benchmarks): pages loaded together (1, 2 or 4),
-    paired tiles, the row split's programs (1, 2 or 4; ops that have one). Returns the previous settings as keywords
+    paired tiles (False, "paged", True), the row split's programs (1, 2 or 4; ops that have one). Returns the previous settings as keywords
     of this function. Raises ``ValueError`` for anything else."""
     previous = {"pages_at_once": CONSUMER_PAGES.get(op), "paired": CONSUMER_PAIRED.get(op),
                 "row_split": _ROW_SPLIT.get(op)}
     for name, value, table, choices in (("pages_at_once", pages_at_once, CONSUMER_PAGES, (1, 2, 4)),
-                                        ("paired", paired, CONSUMER_PAIRED, (False, True)),
+                                        ("paired", paired, CONSUMER_PAIRED, (False, "paged", True)),
                                         ("row_split", row_split, _ROW_SPLIT, (1, 2, 4))):
         if value is None:
             continue
@@ -150,8 +151,9 @@ def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bo
 
 
 def paired(delta: LoRADelta | None, op: str) -> bool:
-    """``PAIR`` of consumer ``op``'s launch: its ``CONSUMER_PAIRED`` setting over a pool of several pages per slot."""
-    return slot_pages(delta) > 1 and CONSUMER_PAIRED[op]
+    """``PAIR`` of consumer ``op``'s launch: its ``CONSUMER_PAIRED`` setting ("paged": over several pages per slot)."""
+    setting = CONSUMER_PAIRED[op]
+    return slot_pages(delta) > 1 if setting == "paged" else bool(setting) and delta is not None
 
 
 def slot_pages(delta: LoRADelta | None) -> int:

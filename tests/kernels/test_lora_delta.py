@@ -275,6 +275,24 @@ def test_every_consumer_launch_setting_reads_each_rank_row_from_its_page(kernel_
         lora_delta.use_consumer_launch(op, **{k: v for k, v in previous.items() if v is not None})
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["silu_and_mul", "rotary_and_cache"])
+def test_paired_tiles_over_a_pool_of_one_page_per_slot(kernel_device, op):
+    """``paired=True`` pairs one-page pools too (the default pairs pools of several pages per slot only): the
+    gated activation with a zero-scale up slice, rotary over q/k/v slices, against the float32 loop."""
+    from loraplex.kernels.lora_delta import use_consumer_launch
+
+    previous = use_consumer_launch(op, paired=True)
+    try:
+        if op == "silu_and_mul":
+            test_gated_activation_adds_the_delta_to_gate_and_up(kernel_device, "triton", torch.float32, op, [10, 10])
+        else:
+            test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, "triton", (6, 2, 24), False,
+                                                              torch.float32)
+    finally:
+        use_consumer_launch(op, paired=previous["paired"])
+
+
 def test_consumer_launch_settings_are_checked():
     from loraplex.kernels.lora_delta import use_consumer_launch
 
@@ -282,6 +300,8 @@ def test_consumer_launch_settings_are_checked():
         use_consumer_launch("rms_norm", row_split=3)
     with pytest.raises(ValueError, match="paired"):
         use_consumer_launch("rms_norm", paired=True)  # rms_norm has one tile per row
+    with pytest.raises(ValueError, match="paired"):
+        use_consumer_launch("silu_and_mul", paired="always")
     assert use_consumer_launch("silu_and_mul") == use_consumer_launch("silu_and_mul")
 
 
