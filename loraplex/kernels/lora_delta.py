@@ -117,26 +117,25 @@ def delta_args(delta: LoRADelta | None, y: torch.Tensor, start: int, width: int)
             delta.lora_b[i].shape[2])
 
 
-# How each consumer walks a pool of several pages per slot, measured on an H200 (Llama-2-7B shapes, batch 32, 8-row
-# pages, 24 x r8 + 4 x r16 + 4 x r64 adapters against 32 x r16; benchmarks/diag_lora_consumers.py; RESULTS.md,
-# sessions 23 and 24). CONSUMER_PAGES: pages loaded together (PAGES_AT_ONCE; session 23: rotary_and_cache 4 took
-# 17.2 -> 13.7 us per launch, rms_norm 2 against 1 12.9 -> 13.8 us, the gated activations 4 against 1 13.7 -> 17.3
-# us). CONSUMER_PAIRED: two tiles' pages in one loop (lora_delta_pair: gate and up; both halves of rotary heads):
-# False, "paged" (over several pages per slot only) or True (one-page pools too).
-# ROW_SPLIT: the row split's programs (row_split). Session 24, mixed ranks, us per launch: rms_norm split over 4
-# programs 12.8 -> 9.8 (r16 6.2 either way); the activation paired and split over 2 14.5 -> 12.0 (split over 4
-# unpaired 17.9); rotary paired 19.9 -> 18.3. A pool of one page per slot keeps one loop per tile and no split
-# (its launches as measured before these settings existed).
+# How each consumer walks a slot's pages, measured on an H200 (Llama-2-7B shapes, batch 32; RESULTS.md, sessions 23
+# and 24). CONSUMER_PAGES: pages loaded together (PAGES_AT_ONCE; session 23, 8-row pages, 24 x r8 + 4 x r16 + 4 x
+# r64 adapters: rotary_and_cache 4 took 17.2 -> 13.7 us per launch, rms_norm 2 against 1 12.9 -> 13.8 us, the gated
+# activations 4 against 1 13.7 -> 17.3 us). CONSUMER_PAIRED: two tiles' pages in one loop (lora_delta_pair: gate and
+# up; both halves of rotary heads): False, "paged" (over several pages per slot only) or True. ROW_SPLIT: the row
+# split's programs over several pages per slot (row_split). Session 24 (benchmarks/diag_lora_consumers.py), those
+# mixed ranks, us per launch: rms_norm split over 4 programs 12.8 -> 9.8 (r16 6.2 either way); the activation paired
+# and split over 2 14.5 -> 12.0 (split over 4 unpaired 17.9); rotary paired 19.9 -> 18.3. Paired in the default pool
+# (one 16-row page per slot, 32 x r16): the decode step 5.91-5.92 -> 5.85-5.86 ms, its LoRA kernels 0.95 -> 0.89 ms.
 CONSUMER_PAGES = {"rms_norm": 1, "silu_and_mul": 1, "rotary_and_cache": 4}
-CONSUMER_PAIRED: dict[str, bool | str] = {"silu_and_mul": "paged", "rotary_and_cache": "paged"}
+CONSUMER_PAIRED: dict[str, bool | str] = {"silu_and_mul": True, "rotary_and_cache": True}
 _ROW_SPLIT = {"rms_norm": 4, "silu_and_mul": 2}
 
 
 def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bool | str | None = None,
                         row_split: int | None = None) -> dict:
-    """Set how consumer ``op`` walks a paged pool (None: unchanged; benchmarks): pages loaded together (1, 2 or 4),
-    paired tiles (False, "paged", True), the row split's programs (1, 2 or 4; ops that have one). Returns the previous settings as keywords
-    of this function. Raises ``ValueError`` for anything else."""
+    """Set how consumer ``op`` walks a slot's pages (None: unchanged; benchmarks): pages loaded together (1, 2 or 4),
+    paired tiles (False, "paged", True), the row split's programs (1, 2 or 4; ops that have one). Returns the
+    previous settings as keywords of this function. Raises ``ValueError`` for anything else."""
     previous = {"pages_at_once": CONSUMER_PAGES.get(op), "paired": CONSUMER_PAIRED.get(op),
                 "row_split": _ROW_SPLIT.get(op)}
     for name, value, table, choices in (("pages_at_once", pages_at_once, CONSUMER_PAGES, (1, 2, 4)),

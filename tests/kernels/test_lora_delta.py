@@ -254,7 +254,9 @@ def test_rms_norm_splits_a_high_rank_row_over_programs(kernel_device, monkeypatc
 
 CONSUMER_LAUNCHES = [("silu_and_mul", {"paired": True}), ("silu_and_mul", {"paired": True, "pages_at_once": 2}),
                      ("silu_and_mul", {"row_split": 4}), ("silu_and_mul", {"row_split": 2, "paired": True}),
-                     ("rotary_and_cache", {"paired": True}), ("rotary_and_cache", {"paired": True, "pages_at_once": 1}),
+                     ("silu_and_mul", {"paired": False, "row_split": 1}),
+                     ("rotary_and_cache", {"paired": False}),
+                     ("rotary_and_cache", {"paired": True, "pages_at_once": 1}),
                      ("rms_norm", {"pages_at_once": 2, "row_split": 4})]
 
 
@@ -277,12 +279,13 @@ def test_every_consumer_launch_setting_reads_each_rank_row_from_its_page(kernel_
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("op", ["silu_and_mul", "rotary_and_cache"])
-def test_paired_tiles_over_a_pool_of_one_page_per_slot(kernel_device, op):
-    """``paired=True`` pairs one-page pools too (the default pairs pools of several pages per slot only): the
-    gated activation with a zero-scale up slice, rotary over q/k/v slices, against the float32 loop."""
+@pytest.mark.parametrize("paired", [False, "paged"])
+def test_unpaired_tiles_over_a_pool_of_one_page_per_slot(kernel_device, op, paired):
+    """One loop per tile (not the default) over one-page pools ("paged" pairs only pools of several pages per
+    slot): the gated activation with a zero-scale up slice, rotary over q/k/v slices, against the float32 loop."""
     from loraplex.kernels.lora_delta import use_consumer_launch
 
-    previous = use_consumer_launch(op, paired=True)
+    previous = use_consumer_launch(op, paired=paired)
     try:
         if op == "silu_and_mul":
             test_gated_activation_adds_the_delta_to_gate_and_up(kernel_device, "triton", torch.float32, op, [10, 10])
