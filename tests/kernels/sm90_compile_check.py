@@ -305,24 +305,24 @@ def _folded_delta(dtype: torch.dtype, widths: list[int], num_tokens: int, rank: 
                                 [torch.ones(slots) for _ in widths], mapping, **paging)
 
 
-# Consumer launch settings (lora_delta.use_consumer_launch) compiled beside the engine's, over a paged pool: the
-# ones benchmarks/diag_lora_consumers.py measures.
+# Consumer launch settings (lora_delta.use_consumer_launch) compiled beside the engine's, over a paged pool in bf16:
+# the others benchmarks/diag_lora_consumers.py measures.
 CONSUMER_LAUNCHES = (
     {"rms_norm": {"row_split": 1}, "silu_and_mul": {"row_split": 4, "paired": False},
      "rotary_and_cache": {"paired": False, "pages_at_once": 4}},
-    {"rms_norm": {"row_split": 2, "pages_at_once": 2}, "silu_and_mul": {"row_split": 2, "paired": True},
+    {"rms_norm": {"row_split": 2, "pages_at_once": 2}, "silu_and_mul": {"row_split": 1, "paired": True},
      "rotary_and_cache": {"paired": True, "pages_at_once": 2}},
     {"silu_and_mul": {"row_split": 1, "paired": True, "pages_at_once": 2},
      "rotary_and_cache": {"paired": True, "pages_at_once": 1}},
-    {"silu_and_mul": {"row_split": 4, "paired": True, "pages_at_once": 1},
-     "rotary_and_cache": {"paired": True, "pages_at_once": 4}},
 )
 
 
 def _lora_consumers(dtype: torch.dtype) -> None:
-    """:func:`_lora_consumers_once` under the engine's consumer launch settings, then over a paged pool under each
-    of :data:`CONSUMER_LAUNCHES`."""
+    """:func:`_lora_consumers_once` under the engine's consumer launch settings, then (bf16) over a paged pool under
+    each of :data:`CONSUMER_LAUNCHES`."""
     _lora_consumers_once(dtype)
+    if dtype != torch.bfloat16:
+        return
     for launch in CONSUMER_LAUNCHES:
         previous = {op: lora_delta.use_consumer_launch(op, **keywords) for op, keywords in launch.items()}
         try:
