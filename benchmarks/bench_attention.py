@@ -177,13 +177,9 @@ class GraphTimer:
         self.target_ms, self.trials = target_ms, trials
 
     def __call__(self, calls: list[Callable[[], object]]) -> float:
-        for call in calls:  # compile / warm up outside the capture
-            call()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
+        from common import capture_graph  # noqa: PLC0415 - benchmarks/ is on sys.path when run
+
+        graph = capture_graph(calls)  # each call compiled / warmed up outside the capture
         graph.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

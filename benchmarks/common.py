@@ -117,6 +117,19 @@ def cuda_time(fn, warmup: int = 1, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
+def capture_graph(calls: list):
+    """A CUDA graph of ``calls`` (no-argument callables) in order, each run once eagerly first (Triton compiles,
+    allocations outside the capture)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph
+
+
 def graph_replay_ms(calls: list, replays: int = 10, warm_replays: int = 0) -> float:
     """Median ms of one replay of a CUDA graph that runs ``calls`` (no-arg callables) in order. Each distinct
     callable runs once eagerly first, on a side stream (Triton compiles, cuBLAS allocates its workspace), then

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import git_commit, replay_ms  # noqa: E402
+from common import capture_graph, git_commit, replay_ms  # noqa: E402
 
 from loraplex.kernels._triton import pdl_launches  # noqa: E402
 from loraplex.kernels.lora_delta import LoRADelta, use_consumer_launch  # noqa: E402
@@ -150,14 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                 with pdl_launches(not args.smoke), torch.inference_mode():
                     outs[name] = calls[0]().float().clone()
                     if not args.smoke:
-                        for call in calls:
-                            call()
-                        torch.cuda.synchronize()
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            for call in calls:
-                                call()
-                        graphs[name] = graph
+                        graphs[name] = capture_graph(calls)
                 use_consumer_launch(op, **{k: v for k, v in engine_launch[op].items() if v is not None})
             ref = outs[runs[0]]
             row = {"op": op, "ranks": set_name,

@@ -112,3 +112,23 @@ def test_diag_pdl_quick_run_compares_every_variant(tmp_path):
     assert [r["batch"] for r in report["rows"]] == [1, 3]
     # on the CPU no launch uses PDL, so every variant's forward is the same computation
     assert all(r["equal_to_off"] == {name: True for name in diag_pdl.VARIANTS} for r in report["rows"])
+
+
+@pytest.mark.interpreter
+def test_diag_lora_consumers_smoke_run_compares_every_setting():
+    """benchmarks/diag_lora_consumers.py on CPU (tiny shapes, one token per adapter of the mixed-rank set, its
+    rank-64 tokens split): every setting's output equals the first's, and the engine's settings come back."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU logic check; a GPU runs the real diagnosis")
+    import diag_lora_consumers as dlc
+
+    from loraplex.kernels.lora_delta import use_consumer_launch
+
+    before = {op: use_consumer_launch(op) for op in dlc.CONSUMERS}
+    report = dlc.main(["--smoke", "--tokens", "32", "--settings", "s23,split2,paired-p2"])
+    assert [(r["op"], r["ranks"]) for r in report["rows"]] == [
+        (op, ranks) for op in dlc.CONSUMERS for ranks in ("mixed", "r16")]
+    for row in report["rows"]:
+        assert len(row["max_diff_to_first"]) >= 2
+        assert max(row["max_diff_to_first"].values()) < 1e-4, row
+    assert {op: use_consumer_launch(op) for op in dlc.CONSUMERS} == before
