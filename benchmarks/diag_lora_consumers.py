@@ -147,11 +147,13 @@ def main(argv: list[str] | None = None) -> dict:
             graphs, outs = {}, {}
             for name in runs:
                 apply(SETTINGS[name], op)
-                with pdl_launches(not args.smoke), torch.inference_mode():
-                    outs[name] = calls[0]().float().clone()
-                    if not args.smoke:
-                        graphs[name] = capture_graph(calls)
-                use_consumer_launch(op, **{k: v for k, v in engine_launch[op].items() if v is not None})
+                try:
+                    with pdl_launches(not args.smoke), torch.inference_mode():
+                        outs[name] = calls[0]().float().clone()
+                        if not args.smoke:
+                            graphs[name] = capture_graph(calls)
+                finally:  # the engine's settings back (graphs keep the launches they captured)
+                    use_consumer_launch(op, **{k: v for k, v in engine_launch[op].items() if v is not None})
             ref = outs[runs[0]]
             row = {"op": op, "ranks": set_name,
                    "max_diff_to_first": {n: float((o - ref).abs().max()) for n, o in outs.items()}}

@@ -54,9 +54,10 @@ _INTERPRETER_NUM_SMS = 4
 
 
 # Launch counters per device: int32 zeros, each set back to 0 by the program that finishes its group (the last of a
-# split-K tile's programs, of an rms_norm row's), so launches (and CUDA graph replays) on one stream share them;
-# allocated at the first launch that needs them, which must not be inside a graph capture (the engine warms every
-# graph's launches eagerly first).
+# split-K tile's programs, of an rms_norm row's), so launches (and CUDA graph replays) on one stream share them
+# (under PDL too: a kernel touches them only after its wait for the previous grid); launches on two streams of one
+# device at once would race on them. Allocated at the first launch that needs them, which must not be inside a graph
+# capture (the engine warms every graph's launches eagerly first).
 _LAUNCH_COUNTERS: dict[torch.device, torch.Tensor] = {}
 LAUNCH_COUNTERS = 1 << 16
 

@@ -163,7 +163,7 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
 def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
                          gelu_tanh: bool = False, lora_blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns, 256 with ``lora``, and
-    over a paged pool up to 4 for a high-rank token, :func:`~loraplex.kernels.lora_delta.row_split`);
+    over a paged pool several for a high-rank token, :func:`~loraplex.kernels.lora_delta.row_split`);
     ``gelu_tanh`` switches the gate to :func:`gelu_tanh_and_mul_ref`'s. ``lora_blocks``: (columns per program,
     num_warps) with ``lora`` (benchmarks)."""
     require_triton(_OP)

@@ -138,13 +138,14 @@ def use_consumer_launch(op: str, *, pages_at_once: int | None = None, paired: bo
     previous settings as keywords of this function. Raises ``ValueError`` for anything else."""
     previous = {"pages_at_once": CONSUMER_PAGES.get(op), "paired": CONSUMER_PAIRED.get(op),
                 "row_split": _ROW_SPLIT.get(op)}
-    for name, value, table, choices in (("pages_at_once", pages_at_once, CONSUMER_PAGES, (1, 2, 4)),
-                                        ("paired", paired, CONSUMER_PAIRED, (False, "paged", True)),
-                                        ("row_split", row_split, _ROW_SPLIT, (1, 2, 4))):
-        if value is None:
-            continue
-        if op not in table or value not in choices:
+    changes = [(name, value, table, choices) for name, value, table, choices in (
+        ("pages_at_once", pages_at_once, CONSUMER_PAGES, (1, 2, 4)),
+        ("paired", paired, CONSUMER_PAIRED, (False, "paged", True)),
+        ("row_split", row_split, _ROW_SPLIT, (1, 2, 4))) if value is not None]
+    for name, value, table, choices in changes:  # every value checked before any is set; True is not 1
+        if op not in table or not any(type(value) is type(c) and value == c for c in choices):
             raise ValueError(f"{op}: {name}={value!r} (ops {sorted(table)}, values {choices})")
+    for _name, value, table, _choices in changes:
         table[op] = value
     return previous
 
@@ -182,7 +183,9 @@ def row_split(delta: LoRADelta | None, op: str) -> tuple[int, int]:
 @triton.jit
 def lora_row_programs(t, token_slots_ptr, ranks_ptr, SPLIT: tl.constexpr, SPLIT_RANK: tl.constexpr):
     """Programs of token ``t`` under the row split: ``min(ceil(ranks[s] / SPLIT_RANK), SPLIT)`` (at least 1) for a
-    token of slot ``s``, 1 without an adapter."""
+    token of slot ``s``, 1 without an adapter. Every program of a row must compute the same count (rms_norm's last
+    program is the one whose counter increment reaches it): ``token_slots`` and ``ranks`` must not change during
+    the launch (the engine writes both on the compute stream, in step order)."""
     n = tl.program_id(0) * 0 + 1
     slot = tl.load(token_slots_ptr + t).to(tl.int64)
     if slot >= 0:

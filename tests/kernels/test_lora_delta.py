@@ -51,6 +51,12 @@ def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False
     scaling = [(torch.rand(SLOTS) + 0.5).to(device) for _ in widths]
     if zero_scale:
         scaling[-1][1] = 0.0
+    y, _ = folded_gemm(x, w, lora_a)
+    expected_base = y.float().clone()
+    if zero_scale and not pages:  # slot 1's last slice, of scaling 0, is never read: NaN in its A (so in v) and B
+        clean_a, clean_b = [a.clone() for a in lora_a], [b.clone() for b in lora_b]
+        lora_a[-1][1] = float("nan")
+        lora_b[-1][1] = float("nan")
     y, v = folded_gemm(x, w, lora_a)
     table = None
     slot_a, slot_b = lora_a, lora_b
@@ -59,9 +65,11 @@ def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False
         table = order.to(torch.int32).view(SLOTS, 1).to(device)
         slot_a = [a[order.to(device)] for a in lora_a]
         slot_b = [b[order.to(device)] for b in lora_b]
+    if zero_scale and not pages:
+        slot_a, slot_b = clean_a, clean_b
     mapping = LoRAMapping.from_token_slots(token_slots.to(device))
     expected = naive_lora_expand(naive_lora_shrink(x, slot_a, token_slots.to(device)), slot_b, scaling,
-                                 y.float().clone(), token_slots.to(device))
+                                 expected_base, token_slots.to(device))
     return y, LoRADelta(v, lora_b, scaling, mapping, page_table=table), expected
 
 
@@ -267,9 +275,10 @@ def test_every_consumer_launch_setting_reads_each_rank_row_from_its_page(kernel_
     together, the row split at a split rank lowered to 4), over the poisoned paged pool of ranks 22, 9, 0, 3 in 2-row
     pages; the gated activation with a slot whose up slice has scaling 0 and NaN in its pages (paired: its B
     unread, its NaN v dropped)."""
-    from loraplex.kernels import lora_delta
+    from loraplex.kernels import activation, lora_delta
 
     monkeypatch.setattr(lora_delta, "ROW_SPLIT_RANK", 4)
+    monkeypatch.setattr(activation, "_LORA_BLOCK", 16)  # pieces of 4-8 columns: the split's later pieces hold columns
     previous = lora_delta.use_consumer_launch(op, **launch)
     try:
         test_consumers_read_each_rank_row_from_its_page(kernel_device, "triton", op, monkeypatch, [22, 9, 0, 3])
@@ -279,13 +288,12 @@ def test_every_consumer_launch_setting_reads_each_rank_row_from_its_page(kernel_
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("op", ["silu_and_mul", "rotary_and_cache"])
-@pytest.mark.parametrize("paired", [False, "paged"])
-def test_unpaired_tiles_over_a_pool_of_one_page_per_slot(kernel_device, op, paired):
-    """One loop per tile (not the default) over one-page pools ("paged" pairs only pools of several pages per
-    slot): the gated activation with a zero-scale up slice, rotary over q/k/v slices, against the float32 loop."""
+def test_unpaired_tiles_over_a_pool_of_one_page_per_slot(kernel_device, op):
+    """One loop per tile (not the default) over one-page pools: the gated activation with a zero-scale up slice
+    (NaN in its A and B), rotary over q/k/v slices, against the float32 loop."""
     from loraplex.kernels.lora_delta import use_consumer_launch
 
-    previous = use_consumer_launch(op, paired=paired)
+    previous = use_consumer_launch(op, paired=False)
     try:
         if op == "silu_and_mul":
             test_gated_activation_adds_the_delta_to_gate_and_up(kernel_device, "triton", torch.float32, op, [10, 10])
@@ -305,7 +313,29 @@ def test_consumer_launch_settings_are_checked():
         use_consumer_launch("rms_norm", paired=True)  # rms_norm has one tile per row
     with pytest.raises(ValueError, match="paired"):
         use_consumer_launch("silu_and_mul", paired="always")
-    assert use_consumer_launch("silu_and_mul") == use_consumer_launch("silu_and_mul")
+    for bad in ({"row_split": True}, {"paired": 0}, {"pages_at_once": 2, "row_split": 2}):  # rotary has no split
+        with pytest.raises(ValueError):
+            use_consumer_launch("rotary_and_cache", **bad)
+    assert use_consumer_launch("rotary_and_cache") == {"pages_at_once": 4, "paired": True, "row_split": None}, \
+        "a refused call changes nothing"
+
+
+def test_paired_follows_its_setting_and_the_pool():
+    from loraplex.kernels.lora_delta import paired, use_consumer_launch
+
+    one_page = _delta([10, 10], torch.float32, torch.device("cpu"), _slots())[1]
+    several = _paged_delta([10, 10], torch.float32, torch.device("cpu"), _slots(), torch.randn(T, HIDDEN),
+                           torch.randn(20, HIDDEN), False)[1]
+    previous = use_consumer_launch("silu_and_mul")["paired"]
+    try:
+        got = {}
+        for setting in (False, "paged", True):
+            use_consumer_launch("silu_and_mul", paired=setting)
+            got[setting] = (paired(one_page, "silu_and_mul"), paired(several, "silu_and_mul"),
+                            paired(None, "silu_and_mul"))
+    finally:
+        use_consumer_launch("silu_and_mul", paired=previous)
+    assert got == {False: (False, False, False), "paged": (False, True, False), True: (True, True, False)}
 
 
 def test_a_delta_of_several_pages_needs_ranks():
