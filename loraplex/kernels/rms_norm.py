@@ -83,6 +83,40 @@ def _rms_norm_kernel(
 _LORA_ONE_PASS_MAX = 4096
 _LORA_CHUNK = 1024
 
+
+@triton.jit
+def _lora_piece(x_ptr, residual_ptr, out_ptr, residual_out_ptr, stride_xt, stride_rt, stride_ot, stride_rot, t, cols,
+                mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0,
+                scale_ptr, rank_rows, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr):
+    """``s = (x + delta) + residual`` over columns ``cols`` of row ``t``, each sum rounded to the dtype; stored to
+    residual_out (with a residual) or, ``STORE_S``, to out as scratch. Returns s."""
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+    delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp,
+                            b_ptr, width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+    x = (x.to(tl.float32) + delta).to(x.dtype)
+    x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
+    if STORE_S and not HAS_RESIDUAL:
+        tl.store(out_ptr + t * stride_ot + cols, x, mask=mask)
+    return x
+
+
+@triton.jit
+def _store_normed_stored(out_ptr, weight_ptr, residual_out_ptr, t, hidden_size, inv, stride_ot, stride_rot,
+                         HAS_RESIDUAL: tl.constexpr, PIECE: tl.constexpr, N_PIECES: tl.constexpr,
+                         CACHE: tl.constexpr):
+    """The normed row ``t`` from the s that :func:`_lora_piece` stored (residual_out, or out as scratch), read back
+    in ``N_PIECES`` pieces of ``PIECE`` columns with load cache modifier ``CACHE``."""
+    for c in tl.static_range(N_PIECES):
+        cols = c * PIECE + tl.arange(0, PIECE)
+        mask = cols < hidden_size
+        if HAS_RESIDUAL:
+            s = tl.load(residual_out_ptr + t * stride_rot + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+        else:
+            s = tl.load(out_ptr + t * stride_ot + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+        _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot)
+
+
 @triton.jit
 def _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt,
               stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
@@ -95,14 +129,10 @@ def _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden
     for c in tl.static_range(N_CHUNKS):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         mask = cols < hidden_size
-        x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
-        delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp,
-                                b_ptr, width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES,
-                                PAGES_AT_ONCE)
-        x = (x.to(tl.float32) + delta).to(x.dtype)
-        x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
-        if N_CHUNKS > 1 and not HAS_RESIDUAL:
-            tl.store(out_ptr + t * stride_ot + cols, x, mask=mask)
+        x = _lora_piece(x_ptr, residual_ptr, out_ptr, residual_out_ptr, stride_xt, stride_rt, stride_ot, stride_rot, t,
+                        cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
+                        width, col0, scale_ptr, rank_rows, HAS_RESIDUAL, N_CHUNKS > 1, BLOCK_R, SLOT_PAGES,
+                        PAGES_AT_ONCE)
         xf = x.to(tl.float32)
         acc += xf * xf
     inv = tl.math.rsqrt(tl.sum(acc, 0) / hidden_size + eps)
@@ -110,14 +140,8 @@ def _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden
         _store_normed(out_ptr, weight_ptr, t, cols, mask, x, inv, stride_ot)
     else:
         tl.debug_barrier()  # the first pass's stores are read back by other threads of the program
-        for c in tl.static_range(N_CHUNKS):
-            cols = c * CHUNK + tl.arange(0, CHUNK)
-            mask = cols < hidden_size
-            if HAS_RESIDUAL:
-                s = tl.load(residual_out_ptr + t * stride_rot + cols, mask=mask, other=0.0)
-            else:
-                s = tl.load(out_ptr + t * stride_ot + cols, mask=mask, other=0.0)
-            _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot)
+        _store_normed_stored(out_ptr, weight_ptr, residual_out_ptr, t, hidden_size, inv, stride_ot, stride_rot,
+                             HAS_RESIDUAL, CHUNK, N_CHUNKS, "")
 
 
 @triton.jit
@@ -169,15 +193,10 @@ def _lora_row_split(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
         acc = tl.zeros([TILE], tl.float32)
         for tile in range(p, N_TILES, n):
             cols = tile * TILE + tl.arange(0, TILE)
-            mask = cols < hidden_size
-            x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
-            delta = lora_delta_cols(t, cols, mask, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt,
-                                    stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, BLOCK_R, SLOT_PAGES,
-                                    PAGES_AT_ONCE)
-            x = (x.to(tl.float32) + delta).to(x.dtype)
-            x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
-            if not HAS_RESIDUAL:
-                tl.store(out_ptr + t * stride_ot + cols, x, mask=mask)
+            x = _lora_piece(x_ptr, residual_ptr, out_ptr, residual_out_ptr, stride_xt, stride_rt, stride_ot,
+                            stride_rot, t, cols, cols < hidden_size, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr,
+                            stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, HAS_RESIDUAL, True,
+                            BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
             xf = x.to(tl.float32)
             acc += xf * xf
         tl.store(ws_ptr + t * SPLIT + p, tl.sum(acc, 0))
@@ -188,14 +207,8 @@ def _lora_row_split(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
             j = tl.arange(0, SPLIT)
             sumsq = tl.sum(tl.load(ws_ptr + t * SPLIT + j, mask=j < n, other=0.0, cache_modifier=".cg"), 0)
             inv = tl.math.rsqrt(sumsq / hidden_size + eps)
-            for c in tl.static_range(N_TILES):
-                cols = c * TILE + tl.arange(0, TILE)
-                mask = cols < hidden_size
-                if HAS_RESIDUAL:
-                    s = tl.load(residual_out_ptr + t * stride_rot + cols, mask=mask, other=0.0, cache_modifier=".cg")
-                else:
-                    s = tl.load(out_ptr + t * stride_ot + cols, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot)
+            _store_normed_stored(out_ptr, weight_ptr, residual_out_ptr, t, hidden_size, inv, stride_ot, stride_rot,
+                                 HAS_RESIDUAL, TILE, N_TILES, ".cg")
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch (or replay)
 
 
@@ -239,7 +252,9 @@ def _launch_rms_norm(
         warps = min(max(chunk // 256, 1), 16)
         if lora_blocks is not None:
             chunk, warps = lora_blocks
-        split, split_rank = row_split(lora, _OP) if num_tokens <= LAUNCH_COUNTERS else (1, 16)  # (a counter per row)
+        split, split_rank = row_split(lora, _OP)
+        if num_tokens > LAUNCH_COUNTERS:  # the split takes a launch counter per row
+            split = 1
         tile = max(16, min(next_pow2(cdiv(hidden_size, split)), chunk))
         ws = torch.empty((num_tokens, split), dtype=torch.float32, device=x.device) if split > 1 else out
         counters = launch_counters(_OP, x.device, num_tokens) if split > 1 else out
