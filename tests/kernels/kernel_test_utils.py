@@ -51,6 +51,42 @@ def assert_within_ulps(
     assert worst <= 0, f"max excess over {ulps} ulp: {worst}"
 
 
+def assert_close_through(
+    actual: torch.Tensor, op, sums: list[torch.Tensor], magnitudes: list[torch.Tensor], dtype: torch.dtype,
+    ulps: float, scale: float = 1.0,
+) -> None:
+    """``actual`` against ``op(*sums)``, where each input ``sums[i]`` is a sum of terms of size ``magnitudes[i]``.
+
+    A sum's rounding error scales with its terms, not with its value, and an op after a sum with cancellation
+    carries that error on (silu(gate) * up: a gate near 0 off by 6e-5 of terms of 50 moves an output of 0.4 by
+    more than 2e-5 of it; CI, 2026-12-03). Element-wise, first-order error propagation:
+
+    ``|actual - op(sums)| <= atol + rtol |op(sums)| + ulps * ulp(dtype) * sum_i |J_i| @ magnitudes_i``
+
+    (tolerances times ``scale``; ``J_i`` the Jacobian of ``op`` in ``sums[i]`` at ``sums``, flattened). The
+    reference is ``op`` on CPU float32 copies; ``op`` must be differentiable by autograd.
+    """
+    inputs = tuple(s.detach().float().cpu() for s in sums)
+    expected = op(*inputs).detach()
+    jacobians = torch.autograd.functional.jacobian(lambda *xs: op(*xs).float(), inputs)
+    if not isinstance(jacobians, tuple):
+        jacobians = (jacobians,)
+    propagated = torch.zeros(expected.numel(), dtype=torch.float64)
+    for jacobian, magnitude in zip(jacobians, magnitudes, strict=True):
+        j = jacobian.reshape(expected.numel(), -1).double().abs()
+        propagated += j @ magnitude.detach().double().cpu().flatten()
+    a, e = actual.float().cpu(), expected.float()
+    assert torch.isfinite(a).all(), "output has NaN/Inf (not fully written?)"
+    atol, rtol = TOLERANCES[dtype]
+    allowed = atol * scale + rtol * scale * e.abs() + ulps * ULP[dtype] * propagated.view(e.shape).float()
+    excess = (a - e).abs() - allowed
+    worst = int(excess.argmax())
+    assert excess.max().item() <= 0, (
+        f"max excess {excess.max().item():.3g} at flat index {worst}: actual {a.flatten()[worst].item():.6g} "
+        f"expected {e.flatten()[worst].item():.6g}, allowed {allowed.flatten()[worst].item():.3g}"
+    )
+
+
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     """Same shape/dtype/device as ``t``, filled with NaN (output poisoning)."""
     return torch.full_like(t, float("nan"))
@@ -185,16 +221,53 @@ def assert_lora_close(
     ``magnitude`` comes from :func:`naive_lora_expand_magnitude`. One ulp, not more: a kernel that rounds
     ``v`` to a coarser dtype than B's (bf16 inside an fp16 expand) must fail.
     """
+    _assert_within(actual, expected, ULP[dtype] * magnitude.float().cpu(), dtype, scale)
+
+
+# A float32 sum taken in another order than the loop's (tiles, split-K, pages) errs by a few ulps of its terms on
+# each side (the worst case grows with the term count).
+SUM_ORDER_ULPS = 16
+
+
+def assert_sum_close(
+    actual: torch.Tensor, expected: torch.Tensor, terms: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> None:
+    """:func:`assert_close`'s tolerance plus :data:`SUM_ORDER_ULPS` float32 ulps of ``terms``.
+
+    ``terms`` bounds the summands of each output element (:func:`naive_lora_terms`,
+    :func:`naive_lora_shrink_terms`): a float32 sum's rounding error scales with them, not with its value, so an
+    output whose terms cancel is not held to a tolerance relative to itself (CI, 2026-12-03: a fresh seed's output
+    of 0.4 off by 6e-5 of terms near 50).
+    """
+    _assert_within(actual, expected, SUM_ORDER_ULPS * ULP[torch.float32] * terms.float().cpu(), dtype, scale)
+
+
+def _assert_within(actual, expected, extra: torch.Tensor, dtype: torch.dtype, scale: float) -> None:
     a, e = actual.float().cpu(), expected.float().cpu()
     assert torch.isfinite(a).all(), "output has NaN/Inf (not fully written?)"
     atol, rtol = TOLERANCES[dtype]
-    allowed = atol * scale + rtol * scale * e.abs() + ULP[dtype] * magnitude.float().cpu()
+    allowed = atol * scale + rtol * scale * e.abs() + extra
     excess = (a - e).abs() - allowed
     worst = int(excess.argmax())
     assert excess.max().item() <= 0, (
         f"max excess {excess.max().item():.3g} at flat index {worst}: "
         f"actual {a.flatten()[worst].item():.6g} expected {e.flatten()[worst].item():.6g}"
     )
+
+
+def naive_lora_shrink_terms(x: torch.Tensor, lora_a: list[torch.Tensor], token_slots: torch.Tensor) -> torch.Tensor:
+    """``|x[t]| @ |A_i[slot[t]]|.T``: the size of the shrink's terms (0 for slot -1), float32 on CPU."""
+    return naive_lora_shrink(x.abs(), [a.abs() for a in lora_a], token_slots)
+
+
+def naive_lora_terms(
+    x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scaling: list[torch.Tensor],
+    y: torch.Tensor, token_slots: torch.Tensor,
+) -> torch.Tensor:
+    """``|y| + |scaling_i[s]| (|x[t]| @ |A_i[s]|.T) @ |B_i[s]|.T``: the size of every term of ``y + x A^T B^T s``,
+    the shrink's carried through B (its order differs too), float32 on CPU."""
+    return naive_lora_expand(naive_lora_shrink_terms(x, lora_a, token_slots), [b.abs() for b in lora_b],
+                             [s.abs() for s in scaling], y.abs(), token_slots)
 
 
 def zipf_slots(num_tokens: int, num_slots: int, exponent: float = 1.5) -> torch.Tensor:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_test_utils import (
-    assert_close, assert_within_ulps, folded_gemm, naive_lora_expand, naive_lora_shrink, zipf_slots,
+    SUM_ORDER_ULPS, assert_close, assert_close_through, assert_sum_close, assert_within_ulps, folded_gemm,
+    naive_lora_expand, naive_lora_shrink, naive_lora_terms, zipf_slots,
 )
 
 from loraplex.kernels.errors import KernelArgumentError
@@ -22,13 +23,14 @@ PAGED_RANKS = [RANK, 5, 0, 3]  # slot ranks of that pool (pages of RANK // 4 row
 def _paged_delta(widths: list[int], dtype, device, token_slots, x, w, zero_scale: bool):
     """``_delta`` over a poisoned paged pool (test_lora_paged.make_pool: shuffled pages of RANK // 4 rows, NaN in
     free pages and past each rank; ranks PAGED_RANKS), the GEMM folded over every page."""
-    from test_lora_paged import make_pool, naive_paged
+    from test_lora_paged import make_pool, naive_paged, paged_terms
 
     pool = make_pool(PAGED_RANKS[:SLOTS], RANK // 4, HIDDEN, widths, dtype, device)
     if zero_scale:
         pool.scaling[-1][1] = 0.0
     y, _ = folded_gemm(x, w, pool.lora_a)
     _, expected, _ = naive_paged(x, pool, y, token_slots)
+    _, magnitude = paged_terms(x, pool, y, token_slots)
     if zero_scale:  # slot 1's last slice, of scaling 0, is never read: NaN in its pages of A (so in v) and B
         for page in (p for p in pool.table[1] if p >= 0):
             pool.lora_a[-1][page] = float("nan")
@@ -37,11 +39,12 @@ def _paged_delta(widths: list[int], dtype, device, token_slots, x, w, zero_scale
     assert v.isnan().any(), "the poison reaches the folded GEMM's columns"
     mapping = LoRAMapping.from_token_slots(token_slots.to(device))
     return y, LoRADelta(v, pool.lora_b, pool.scaling, mapping, page_table=pool.page_table, ranks=pool.ranks), \
-        expected.to(device)
+        expected.to(device), magnitude
 
 
 def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False, zero_scale: bool = False):
-    """A folded GEMM over x for ``widths`` slices: (y, LoRADelta, the expected y + delta in float32)."""
+    """A folded GEMM over x for ``widths`` slices: (y, LoRADelta, the expected y + delta in float32, the size of
+    its terms ``|y| + |scaling| |B| (|A| |x|)`` on CPU, float32: the shrink's rounding carried through B too)."""
     x = torch.randn(T, HIDDEN).to(device=device, dtype=dtype)
     w = (torch.randn(sum(widths), HIDDEN) / HIDDEN**0.5).to(device=device, dtype=dtype)
     if SEVERAL_PAGES:
@@ -70,7 +73,18 @@ def _delta(widths: list[int], dtype, device, token_slots, *, pages: bool = False
     mapping = LoRAMapping.from_token_slots(token_slots.to(device))
     expected = naive_lora_expand(naive_lora_shrink(x, slot_a, token_slots.to(device)), slot_b, scaling,
                                  expected_base, token_slots.to(device))
-    return y, LoRADelta(v, lora_b, scaling, mapping, page_table=table), expected
+    magnitude = naive_lora_terms(x, slot_a, slot_b, scaling, expected_base, token_slots)
+    return y, LoRADelta(v, lora_b, scaling, mapping, page_table=table), expected, magnitude
+
+
+def _assert_through(got, reference_op, expected, magnitude, dtype) -> None:
+    """``got`` against ``reference_op`` on ``expected`` rounded to ``dtype`` (on CPU), within the op's tolerance plus
+    the rounding of a sum of terms of size ``magnitude`` carried through the op (kernel_test_utils.
+    assert_close_through): SUM_ORDER_ULPS float32 ulps of it (a sum in another order, both sides), or in bf16 one
+    ulp (v is the GEMM's bf16 output, not the float32 loop's) and 4 times the tolerance (gate x up amplifies it)."""
+    ulps, scale = (SUM_ORDER_ULPS, 1.0) if dtype == torch.float32 else (1, 4.0)
+    assert_close_through(got, lambda s: reference_op(s.to(dtype)).float(), [expected.cpu()], [magnitude], dtype,
+                         ulps, scale=scale)
 
 
 def _slots() -> torch.Tensor:
@@ -93,18 +107,19 @@ def test_rms_norm_adds_the_delta_before_the_residual(kernel_device, backend, dty
         pytest.skip("launch shapes are the Triton launcher's")
     device = _backend_device(backend, kernel_device)
     kernels = Kernels(backend)
-    y, delta, expected = _delta([HIDDEN], dtype, device, _slots(), pages=backend == "triton")
+    y, delta, expected, magnitude = _delta([HIDDEN], dtype, device, _slots(), pages=backend == "triton")
     weight = (torch.rand(HIDDEN) + 0.5).to(device=device, dtype=dtype)
     residual = torch.randn(T, HIDDEN).to(device=device, dtype=dtype) if with_residual else None
     blocks = {"lora_blocks": pieces} if pieces else {}
     got = kernels.rms_norm(y, weight, 1e-6, residual, lora=delta, **blocks)
-    want = Kernels("reference").rms_norm(expected.to(dtype).cpu(), weight.cpu(), 1e-6,
-                                         residual.cpu() if with_residual else None)
-    scale = 1.0 if dtype == torch.float32 else 4.0  # bf16: v is the GEMM's bf16 output, not the float32 loop's
+    reference = Kernels("reference").rms_norm
     if with_residual:
-        assert_close(got[1].cpu(), want[1], dtype, scale=scale)
-        got, want = got[0], want[0]
-    assert_close(got.cpu(), want, dtype, scale=scale)
+        _assert_through(got[1], lambda s: reference(s, weight.cpu(), 1e-6, residual.cpu())[1], expected, magnitude,
+                        dtype)
+        _assert_through(got[0], lambda s: reference(s, weight.cpu(), 1e-6, residual.cpu())[0], expected, magnitude,
+                        dtype)
+    else:
+        _assert_through(got, lambda s: reference(s, weight.cpu(), 1e-6), expected, magnitude, dtype)
 
 
 @pytest.mark.interpreter
@@ -114,21 +129,19 @@ def test_rms_norm_adds_the_delta_before_the_residual(kernel_device, backend, dty
 def test_gated_activation_adds_the_delta_to_gate_and_up(kernel_device, backend, dtype, op, widths):
     """gate_proj/up_proj slices, or one fused gate_up_proj slice (Phi-3); a slot whose up slice has scaling 0."""
     device = _backend_device(backend, kernel_device)
-    y, delta, expected = _delta(widths, dtype, device, _slots(), zero_scale=True)
+    y, delta, expected, magnitude = _delta(widths, dtype, device, _slots(), zero_scale=True)
     got = getattr(Kernels(backend), op)(y, lora=delta)
-    want = getattr(Kernels("reference"), op)(expected.to(dtype).cpu())
-    # bf16: v is the GEMM's bf16 output, the expected delta the float32 loop's; gate x up amplifies the rounding
-    assert_close(got.cpu(), want, dtype, scale=1.0 if dtype == torch.float32 else 4.0)
+    _assert_through(got, getattr(Kernels("reference"), op), expected, magnitude, dtype)
 
 
 @pytest.mark.interpreter
 def test_a_delta_that_does_not_fit_is_refused(kernel_device):
-    y, delta, _ = _delta([10, 10], torch.float32, torch.device("cpu"), _slots())
+    y, delta, _, _ = _delta([10, 10], torch.float32, torch.device("cpu"), _slots())
     with pytest.raises(KernelArgumentError, match="widths"):
         Kernels("reference").rms_norm(y[:, :12], torch.ones(12), 1e-6, lora=delta)
     for backend in ("reference", "triton"):
         device = _backend_device(backend, kernel_device)
-        y, delta, _ = _delta([6, 14], torch.float32, device, _slots())  # gate (10 columns) spans two slices
+        y, delta, _, _ = _delta([6, 14], torch.float32, device, _slots())  # gate (10 columns) spans two slices
         with pytest.raises(KernelArgumentError, match="span slices"):
             Kernels(backend).silu_and_mul(y, lora=delta)
 
@@ -141,13 +154,13 @@ def test_a_delta_that_does_not_fit_is_refused(kernel_device):
 def test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, shape, fused, dtype):
     """q rotated in place and k/v written to the cache after each gets its delta (the float32 loop's, rounded);
     rows with slot -1 in the slot mapping write no cache; padding rows of the LoRA mapping (slot -1) get none."""
-    from test_rotary_and_cache_kernel import _cached_rows, _composed, _inputs, _term_magnitude
+    from test_rotary_and_cache_kernel import _cached_rows, _composed, _inputs, _other_rows, _term_magnitude
     from test_rotary_kernel import hf_cache
 
     device = _backend_device(backend, kernel_device)
     hq, hkv, d = shape
     widths = [hq * d + 2 * hkv * d] if fused else [hq * d, hkv * d, hkv * d]
-    y, delta, expected = _delta(widths, dtype, device, _slots(), pages=backend == "triton")
+    y, delta, expected, magnitude = _delta(widths, dtype, device, _slots(), pages=backend == "triton")
     positions, _, _, _, _, key_cache, value_cache, slots = _inputs(hq, hkv, d, T, dtype, device)
     cache = hf_cache(d, 10000.0, None).to(device)
     q_size, kv_size = hq * d, hkv * d
@@ -159,8 +172,15 @@ def test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, backend, sh
                                               lora=delta)
     assert got_q.data_ptr() == query.data_ptr()
     if dtype == torch.float32:
-        for got, want in ((got_q, want_q), (key_cache, want_kc), (value_cache, want_vc)):
-            assert_close(got, want, dtype)
+        # a sum of terms of size magnitude in another order (both sides), in both halves of a rotated pair (|cos|,
+        # |sin| <= 1); the cache rows no slot names are untouched
+        mq, mk, mv = magnitude.split([q_size, kv_size, kv_size], dim=-1)
+        valid = (slots >= 0).cpu()
+        assert_sum_close(got_q, want_q, _term_magnitude(mq, d), dtype)
+        for got, want, terms in ((key_cache, want_kc, _term_magnitude(mk[valid], d)), (value_cache, want_vc,
+                                                                                        mv[valid])):
+            assert_sum_close(_cached_rows(got, slots), _cached_rows(want, slots), terms, dtype)
+            assert torch.equal(_other_rows(got, slots), _other_rows(want, slots))
     else:  # bf16: v is the GEMM's bf16 output, not the float32 loop's
         assert_close(value_cache, want_vc, dtype, scale=4.0)
         # q and k are rotated: a pair's output can nearly cancel, and so can y and its delta, so the error is
@@ -199,13 +219,14 @@ def test_rank_64_deltas_take_narrower_tiles_and_stay_exact(kernel_device, op, mo
     monkeypatch.setattr(this, "RANK", 64)
     monkeypatch.setattr(this, "HIDDEN", 40)
     if op == "rms_norm":  # 40 columns: a 64-column tile at rank 16 narrows to 16 at rank 64, three passes' pieces
-        y, delta, expected = _delta([40], torch.float32, kernel_device, _slots())
+        y, delta, expected, magnitude = _delta([40], torch.float32, kernel_device, _slots())
         got = Kernels("triton").rms_norm(y, torch.ones(40, device=kernel_device), 1e-6, lora=delta)
-        assert_close(got.cpu(), Kernels("reference").rms_norm(expected.cpu(), torch.ones(40), 1e-6), torch.float32)
+        _assert_through(got, lambda s: Kernels("reference").rms_norm(s, torch.ones(40), 1e-6), expected, magnitude,
+                        torch.float32)
     elif op == "silu_and_mul":
-        y, delta, expected = _delta([20, 20], torch.float32, kernel_device, _slots())
+        y, delta, expected, magnitude = _delta([20, 20], torch.float32, kernel_device, _slots())
         got = Kernels("triton").silu_and_mul(y, lora=delta)
-        assert_close(got.cpu(), Kernels("reference").silu_and_mul(expected.cpu()), torch.float32)
+        _assert_through(got, Kernels("reference").silu_and_mul, expected, magnitude, torch.float32)
     else:
         test_rotary_and_cache_adds_the_delta_to_q_k_and_v(kernel_device, "triton", (4, 2, 8), False, torch.float32)
 
@@ -339,7 +360,7 @@ def test_paired_follows_its_setting_and_the_pool():
 
 
 def test_a_delta_of_several_pages_needs_ranks():
-    y, delta, _ = _paged_delta([10, 10], torch.float32, torch.device("cpu"), _slots(), torch.randn(T, HIDDEN),
+    y, delta, _, _ = _paged_delta([10, 10], torch.float32, torch.device("cpu"), _slots(), torch.randn(T, HIDDEN),
                                torch.randn(20, HIDDEN), False)
     with pytest.raises(KernelArgumentError, match="needs ranks"):
         Kernels("reference").silu_and_mul(y, lora=LoRADelta(delta.v, delta.lora_b, delta.scaling, delta.mapping,

@@ -8,11 +8,12 @@ correct result shows that none of them was read.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
-from kernel_test_utils import TOLERANCES, assert_close, assert_lora_close, folded_gemm
+from kernel_test_utils import assert_lora_close, assert_sum_close, folded_gemm
 
 from loraplex.kernels.errors import KernelArgumentError
 from loraplex.kernels.lora_linear import ADD_LORA
@@ -97,6 +98,15 @@ def naive_paged(x: torch.Tensor, pool: PagedPool, y: torch.Tensor, token_slots: 
     return v, out, magnitude
 
 
+def paged_terms(x: torch.Tensor, pool: PagedPool, y: torch.Tensor, token_slots: torch.Tensor):
+    """:func:`naive_paged` over ``|x|``, ``|A|``, ``|B|``, ``|scaling|`` and ``|y|``: ``(the shrink's terms |x| |A|^T
+    [n_slices, T, R], the terms of y + delta [T, N])``, float32 on CPU (a sum's rounding scales with its terms)."""
+    abs_pool = dataclasses.replace(pool, lora_a=[a.abs() for a in pool.lora_a], lora_b=[b.abs() for b in pool.lora_b],
+                                   scaling=[s.abs() for s in pool.scaling])
+    shrink_terms, terms, _ = naive_paged(x.abs(), abs_pool, y.abs(), token_slots)
+    return shrink_terms, terms
+
+
 def token_slots(num_tokens: int, num_slots: int) -> torch.Tensor:
     """1 token: the rank-128 slot; else every slot (the rank-0 one too) and some slot -1 tokens, shuffled."""
     if num_tokens == 1:
@@ -112,9 +122,12 @@ def used_columns(pool: PagedPool, slots: torch.Tensor) -> torch.Tensor:
     return torch.arange(pool.page_table.shape[1] * pool.page)[None, :] < ranks[:, None]
 
 
-def _check_y(y: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> None:
+def _check_y(y: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype,
+             terms: torch.Tensor) -> None:
+    """float32: a sum in another order than the loop's (``terms`` from :func:`paged_terms`); bf16: the rounding of
+    ``v`` to B's dtype (``magnitude`` from :func:`naive_paged`)."""
     if dtype == torch.float32:
-        assert_close(y, expected, dtype, scale=2.0)
+        assert_sum_close(y, expected, terms, dtype)
     else:
         assert_lora_close(y, expected, magnitude, dtype, scale=2.0)
 
@@ -151,10 +164,11 @@ def test_paged_add_lora_matches_per_token_loop(kernel_device, backend, case):
     x = torch.randn(tokens, hidden).to(device, dtype)
     y = torch.randn(tokens, sum(widths)).to(device, dtype)
     _, expected, magnitude = naive_paged(x, pool, y, slots)
+    _, terms = paged_terms(x, pool, y, slots)
     y_before = y.clone()
     Kernels(backend).add_lora(x, pool.lora_a, pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
                               page_table=pool.page_table)
-    _check_y(y, expected, magnitude, dtype)
+    _check_y(y, expected, magnitude, dtype, terms)
     untouched = ((slots < 0) | (slots == RANKS.index(0))).cpu()
     assert torch.equal(y.cpu()[untouched], y_before.cpu()[untouched]), "slot -1 and rank-0 rows must not change"
 
@@ -180,9 +194,10 @@ def test_one_page_per_slot_takes_the_rectangle_path_through_the_table(kernel_dev
     y = torch.randn(tokens, sum(widths)).to(device, dtype)
     pool.rank_list = ranks
     _, expected, magnitude = naive_paged(x, pool, y, slots)
+    _, terms = paged_terms(x, pool, y, slots)
     Kernels(backend).add_lora(x, pool.lora_a, pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
                               page_table=pool.page_table)
-    _check_y(y, expected, magnitude, dtype)
+    _check_y(y, expected, magnitude, dtype, terms)
 
 
 @pytest.mark.interpreter
@@ -198,8 +213,9 @@ def test_paged_shrink_writes_zeros_past_each_rank(kernel_device, backend, page, 
     x = torch.randn(7, hidden).to(device, dtype)
     v = Kernels(backend).lora_shrink(x, pool.lora_a, mapping, ranks=pool.ranks, page_table=pool.page_table)
     expected, _, _ = naive_paged(x, pool, torch.zeros(7, sum(widths)), slots)
+    terms, _ = paged_terms(x, pool, torch.zeros(7, sum(widths)), slots)
     assert v.shape == (len(widths), 7, pool.page_table.shape[1] * page) and v.dtype == torch.float32
-    assert_close(v, expected, dtype, scale=0.1 if dtype == torch.bfloat16 else 1.0)
+    assert_sum_close(v, expected, terms, dtype, scale=0.1 if dtype == torch.bfloat16 else 1.0)
     assert (v.cpu()[:, ~used_columns(pool, slots)] == 0).all(), "columns past a rank and slot -1 rows must be 0"
 
 
@@ -216,8 +232,9 @@ def test_paged_shrink_launcher_fills_lora_rows_and_leaves_the_rest(kernel_device
     out = torch.full((1, 7, pool.page_table.shape[1] * page), float("nan"), device=kernel_device)
     _launch_lora_shrink(x, pool.lora_a, mapping, ranks=pool.ranks, page_table=pool.page_table, out=out, split_k=1)
     expected, _, _ = naive_paged(x, pool, torch.zeros(7, sum(widths)), slots)
+    terms, _ = paged_terms(x, pool, torch.zeros(7, sum(widths)), slots)
     lora_rows = (slots >= 0).cpu()
-    assert_close(out.cpu()[:, lora_rows], expected[:, lora_rows], torch.float32)
+    assert_sum_close(out.cpu()[:, lora_rows], expected[:, lora_rows], terms[:, lora_rows], torch.float32)
     assert torch.isnan(out.cpu()[:, ~lora_rows]).all()
 
 
@@ -238,11 +255,11 @@ def test_paged_split_k_partials_summed_by_the_expand(kernel_device, poison_alloc
     partials = shrink_partials(x, pool.lora_a, mapping, pool.ranks, split_k, blocks, page_table=pool.page_table)
     assert partials.shape == (split_k, len(widths), 40, pool.page_table.shape[1] * page)
     v, expected, magnitude = naive_paged(x, pool, y, slots)
+    shrink_terms, terms = paged_terms(x, pool, y, slots)
     rows = (slots >= 0).cpu()
     used = used_columns(pool, slots)
     summed = partials.sum(0).cpu()
-    atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(summed[:, used], v[:, used], atol=atol, rtol=rtol)
+    assert_sum_close(summed[:, used], v[:, used], shrink_terms[:, used], dtype)
     outs = []
     for _ in range(2):
         out = y.clone()
@@ -250,7 +267,7 @@ def test_paged_split_k_partials_summed_by_the_expand(kernel_device, poison_alloc
                         page_table=pool.page_table, split_k=split_k, shrink_blocks=blocks)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), "split-K partial sums must be added in a fixed order"
-    _check_y(outs[0], expected, magnitude, dtype)
+    _check_y(outs[0], expected, magnitude, dtype, terms)
     assert torch.equal(outs[0].cpu()[~rows], y.cpu()[~rows])
 
 
@@ -265,11 +282,12 @@ def test_paged_expand_reads_no_column_past_a_rank(kernel_device, backend):
     mapping = LoRAMapping.from_token_slots(slots, len(RANKS))
     x, y = torch.randn(7, hidden, device=device), torch.randn(7, sum(widths), device=device)
     v, expected, _ = naive_paged(x, pool, y, slots)
+    _, terms = paged_terms(x, pool, y, slots)
     for t, s in enumerate(slots.tolist()):
         v[:, t, pool.rank_list[s] if s >= 0 else 0 :] = float("nan")
     Kernels(backend).lora_expand(v.to(device), pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
                                  page_table=pool.page_table)
-    assert_close(y, expected, torch.float32, scale=2.0)
+    assert_sum_close(y, expected, terms, torch.float32)
 
 
 @pytest.mark.interpreter
@@ -287,7 +305,7 @@ def test_paged_all_rank_16_equals_the_rectangle_kernels(kernel_device):
     ADD_LORA.triton(x, pool.lora_a, pool.lora_b, pool.scaling, paged, mapping, ranks=pool.ranks,
                     page_table=pool.page_table)
     ADD_LORA.triton(x, rect_a, rect_b, pool.scaling, rect, mapping)
-    assert_close(paged, rect, torch.float32)
+    assert_sum_close(paged, rect, paged_terms(x, pool, y, slots)[1], torch.float32)
 
 
 def _error_case(mutate: str, device: torch.device = torch.device("cpu")):
@@ -396,9 +414,10 @@ def test_untargeted_module_weights_are_not_read(kernel_device, backend, paged):
     x = torch.randn(7, hidden).to(device)
     y = torch.randn(7, sum(widths)).to(device)
     _, expected, magnitude = naive_paged(x, expected_pool, y, slots)
+    _, terms = paged_terms(x, expected_pool, y, slots)
     Kernels(backend).add_lora(x, pool.lora_a, pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
                               page_table=pool.page_table)
-    _check_y(y, expected, magnitude, torch.float32)
+    _check_y(y, expected, magnitude, torch.float32, terms)
 
 
 @pytest.mark.interpreter
@@ -419,11 +438,12 @@ def test_folded_expand_reads_each_rank_row_from_its_page(kernel_device, backend,
     y, v = folded_gemm(x, w, pool.lora_a)
     assert v.isnan().any() and not y.isnan().any()
     _, expected, magnitude = naive_paged(x, pool, y, slots)
+    _, terms = paged_terms(x, pool, y, slots)
     y_before = y.clone()
     Kernels(backend).lora_expand_slot_rows(v, pool.lora_b, pool.scaling, y, mapping, ranks=pool.ranks,
                                            page_table=pool.page_table)
     # bf16: v is the GEMM's bf16 output, the expected delta the float32 loop's
-    _check_y(y, expected, magnitude, dtype) if dtype == torch.float32 else \
+    _check_y(y, expected, magnitude, dtype, terms) if dtype == torch.float32 else \
         assert_lora_close(y, expected, magnitude, dtype, scale=4.0)
     untouched = ((slots < 0) | (slots == RANKS.index(0))).cpu()
     assert torch.equal(y.cpu()[untouched], y_before.cpu()[untouched]), "slot -1 and rank-0 rows must not change"

@@ -63,6 +63,14 @@ def _cached_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.cpu()[valid // BLOCK_SIZE, valid % BLOCK_SIZE].flatten(1)
 
 
+def _other_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows no valid slot names, ``[rows, Hkv, D]``."""
+    rows = cache.cpu().flatten(0, 1)
+    keep = torch.ones(rows.shape[0], dtype=torch.bool)
+    keep[slots[slots >= 0].cpu().long()] = False
+    return rows[keep]
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}d")
