@@ -64,27 +64,22 @@ def assert_close_through(
     ``|actual - op(sums)| <= atol + rtol |op(sums)| + ulps * ulp(dtype) * sum_i |J_i| @ magnitudes_i``
 
     (tolerances times ``scale``; ``J_i`` the Jacobian of ``op`` in ``sums[i]`` at ``sums``, flattened). The
-    reference is ``op`` on CPU float32 copies; ``op`` must be differentiable by autograd.
+    reference is ``op`` on CPU float32 copies, its result in float32; ``op`` must be differentiable by autograd.
     """
     inputs = tuple(s.detach().float().cpu() for s in sums)
-    expected = op(*inputs).detach()
-    jacobians = torch.autograd.functional.jacobian(lambda *xs: op(*xs).float(), inputs)
+
+    def reference(*xs: torch.Tensor) -> torch.Tensor:
+        return op(*xs).float()
+
+    expected = reference(*inputs).detach()
+    jacobians = torch.autograd.functional.jacobian(reference, inputs)
     if not isinstance(jacobians, tuple):
         jacobians = (jacobians,)
     propagated = torch.zeros(expected.numel(), dtype=torch.float64)
     for jacobian, magnitude in zip(jacobians, magnitudes, strict=True):
         j = jacobian.reshape(expected.numel(), -1).double().abs()
         propagated += j @ magnitude.detach().double().cpu().flatten()
-    a, e = actual.float().cpu(), expected.float()
-    assert torch.isfinite(a).all(), "output has NaN/Inf (not fully written?)"
-    atol, rtol = TOLERANCES[dtype]
-    allowed = atol * scale + rtol * scale * e.abs() + ulps * ULP[dtype] * propagated.view(e.shape).float()
-    excess = (a - e).abs() - allowed
-    worst = int(excess.argmax())
-    assert excess.max().item() <= 0, (
-        f"max excess {excess.max().item():.3g} at flat index {worst}: actual {a.flatten()[worst].item():.6g} "
-        f"expected {e.flatten()[worst].item():.6g}, allowed {allowed.flatten()[worst].item():.3g}"
-    )
+    _assert_within(actual, expected, ulps * ULP[dtype] * propagated.view(expected.shape).float(), dtype, scale)
 
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:
@@ -243,6 +238,8 @@ def assert_sum_close(
 
 
 def _assert_within(actual, expected, extra: torch.Tensor, dtype: torch.dtype, scale: float) -> None:
+    """``|actual - expected| <= atol + rtol |expected|`` (the dtype's tolerances times ``scale``) ``+ extra``,
+    element-wise, ``actual`` finite."""
     a, e = actual.float().cpu(), expected.float().cpu()
     assert torch.isfinite(a).all(), "output has NaN/Inf (not fully written?)"
     atol, rtol = TOLERANCES[dtype]
@@ -250,8 +247,8 @@ def _assert_within(actual, expected, extra: torch.Tensor, dtype: torch.dtype, sc
     excess = (a - e).abs() - allowed
     worst = int(excess.argmax())
     assert excess.max().item() <= 0, (
-        f"max excess {excess.max().item():.3g} at flat index {worst}: "
-        f"actual {a.flatten()[worst].item():.6g} expected {e.flatten()[worst].item():.6g}"
+        f"max excess {excess.max().item():.3g} at flat index {worst}: actual {a.flatten()[worst].item():.6g} "
+        f"expected {e.flatten()[worst].item():.6g}, allowed {allowed.flatten()[worst].item():.3g}"
     )
 
 
