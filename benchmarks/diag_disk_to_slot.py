@@ -49,6 +49,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=16)
     ap.add_argument("--read-parts", default=None, help="comma-separated PARALLEL_READ_PARTS values to time in turn")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print torch.profiler tables (CPU and device time by op) of 4 installs and 4 re-reads")
     args = ap.parse_args()
     from transformers import AutoConfig
 
@@ -87,6 +89,8 @@ def main() -> None:
         print(f"PARALLEL_READ_PARTS={parts}:", json.dumps({k: v for k, v in results[parts].items() if k != "all"}),
               flush=True)
     result = results[parts_values[-1]] if len(parts_values) == 1 else {"by_read_parts": results}
+    if args.profile:
+        profile(pool, ids[:4], evict)
     (out_dir() / "disk-to-slot.json").write_text(json.dumps(result, indent=1))
 
 
@@ -131,6 +135,39 @@ def measure(pool: LoRASlotPool, ids: list[int], evict) -> dict:
     return {k: statistics.median(v) for k, v in times.items()} | {
         "all": times, "device": str(pool.weights.device), "adapter_MB": cached.nbytes / 1e6 if cached else None}
 
+
+def profile(pool: LoRASlotPool, ids: list[int], evict) -> None:
+    """torch.profiler tables of ``ids``' installs (images in the host cache) and of their loader re-reads."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for label, evict_host in (("install (image in the host cache)", False), ("re-read (evicted from the host cache)",
+                                                                             True)):
+        for i in ids:  # images in the host cache, out of their slots
+            evict(i) if evict_host else evict_slot(pool, i)
+            while not pool.ensure_ready(i):
+                pool.wait_for_loads(timeout_s=0.0002)
+            evict(i) if evict_host else evict_slot(pool, i)
+        sync()
+        with torch_profile(activities=activities) as prof:
+            for i in ids:
+                if evict_host:
+                    pool.loader.read_now(pool.registry.get(i))
+                else:
+                    with pool.batched_installs():
+                        pool.pin(i)
+                    sync()
+                    pool.unpin(i)
+        sort = "self_cuda_time_total" if torch.cuda.is_available() and not evict_host else "self_cpu_time_total"
+        print(f"--- {label}, {len(ids)} adapters", flush=True)
+        print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+
+
+def evict_slot(pool: LoRASlotPool, i: int) -> None:
+    slot = pool.slots.slot_of(i)
+    if slot is not None and slot >= 0:
+        pool.slots.clear(slot)
 
 
 if __name__ == "__main__":
