@@ -303,9 +303,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="rank rows per adapter weight page (mixed-ranks: 8 gives every rank its own bytes)")
     ap.add_argument("--lora-fold-shrink", default="auto", choices=["auto", "on", "off"],
                     help="EngineConfig.lora_fold_shrink (the LoRA shrink in the base GEMM)")
-    ap.add_argument("--lora-max-pages", type=int, default=None,
-                    help="EngineConfig.max_lora_pages: adapter weight pages in the pool (a folded pool reads every "
-                         "page's A each LoRA step; 64 pages of 8 rows hold mixed-ranks' 512 rank rows exactly)")
+    ap.add_argument("--max-lora-pages", "--lora-max-pages", dest="max_lora_pages", type=int, default=None,
+                    help="EngineConfig.max_lora_pages (--lora-max-pages: its earlier name): adapter weight pages "
+                         "in the pool (a folded pool reads every page's A each LoRA step; 64 pages of 8 rows hold "
+                         "mixed-ranks' 512 rank rows exactly)")
     ap.add_argument("--dense-configs", default=None,
                     help="JSON from diag_dense_linear.py --table: Triton GEMM launches to use instead of the measured "
                          "table (dense_linear.use_configs); 'none' = cuBLAS everywhere")
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     bw = float("nan") if args.quick else measure_copy_bandwidth()
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
-              "lora_page_rows": args.lora_page_rows, "lora_max_pages": args.lora_max_pages,
+              "lora_page_rows": args.lora_page_rows, "max_lora_pages": args.max_lora_pages,
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
               "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
               "pdl_kv_prefetch": args.pdl_kv_prefetch, "consumer_launch": consumer_launch,
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     mean_ctx = PROMPT_LEN + args.out_len / 2
     for mode in args.async_modes.split(","):
         llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization, kinds,
-                    args.lora_page_rows, args.lora_fold_shrink, args.lora_max_pages)
+                    args.lora_page_rows, args.lora_fold_shrink, args.max_lora_pages)
         for kind_adapters in adapters_of.values():
             for a in kind_adapters:
                 llm.engine.preload_lora(a)

@@ -204,8 +204,8 @@ def gpu_decode_case(variant: str, async_scheduling: bool, batches: list[int], qu
     num_adapters = min(max(batches), GPU_MAX_ADAPTERS) if variant == "lora" else 0
     llm = LLM(model=str(folder), dummy_weights=True, dtype="bfloat16" if cuda else "float32",
               max_model_len=GPU_PROMPT + GPU_OUTPUT + 16, max_num_seqs=max(batches), gpu_memory_utilization=0.85,
-              enable_lora=variant == "lora", max_loras=max(num_adapters, 1), max_lora_rank=GPU_RANK,
-              max_cpu_loras=max(num_adapters, 1), async_scheduling=async_scheduling,
+              **(dict(enable_lora=True, max_loras=num_adapters, max_lora_rank=GPU_RANK, max_cpu_loras=num_adapters)
+                 if variant == "lora" else {}), async_scheduling=async_scheduling,
               max_num_batched_tokens=max(2048, max(batches) * GPU_PROMPT),
               **({} if cuda else {"num_kv_blocks": 1024}))
     engine = llm.engine

@@ -35,7 +35,7 @@ for part in "$@"; do
         decode) run decode 200 "$PY" benchmarks/bench_decode.py --async-modes on --profile-steps 4 \
                     --kinds base,mixed --batches 1 32 128 ;;
         ranks) run ranks 200 "$PY" benchmarks/bench_decode.py --async-modes on --profile-steps 4 \
-                   --kinds base,mixed,mixed-ranks --lora-page-rows 8 --lora-fold-shrink on --lora-max-pages 64 \
+                   --kinds base,mixed,mixed-ranks --lora-page-rows 8 --lora-fold-shrink on --max-lora-pages 64 \
                    --batches 1 32 128 ;;
         disk) run disk 90 "$PY" benchmarks/diag_disk_to_slot.py ;;
         scaling) run scaling 420 "$PY" benchmarks/bench_serving.py --parts scaling --scaling-counts 512,2000 \

@@ -236,7 +236,7 @@ class AdapterLoader:
     def _accept(self, registration: Registration, read: _Read) -> SlotImage:
         self.disk_loads += 1
         registration.signature = read.signature
-        registration.verified = True
+        registration.verified = read.signature is not None  # hashed and matched under a stat later reads can check
         registration.stored = read.stored
         return read.image
 
@@ -291,10 +291,11 @@ class AdapterLoader:
                     f"adapter {request.lora_name!r} at lora_path={path!r} changed on disk: "
                     f"version_id {image.version_id} != registered {version_id}"
                 )
-            # the header's offsets for the next (verified) read, kept when the files' stat held from before the
-            # read until after it (the signature later reads trust)
+            # the signature later reads trust, and the header's offsets for them: only when the files' stat held
+            # from before the read until after it (files replaced after the hash must not be trusted under it)
             after = adapter_files_signature(path)
-            return _Read(image, after, stored if after is not None and after == before else None)
+            held = after is not None and after == before
+            return _Read(image, after if held else None, stored if held else None)
         except AdapterError:
             raise
         except Exception as exc:  # an unreadable file is an adapter error, not an engine crash

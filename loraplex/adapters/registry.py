@@ -2,8 +2,9 @@
 
 The int id is the identity: one name may be registered under several ids (a re-uploaded
 adapter's new version gets a new id while requests on the old one finish); one id never
-changes its name, path or ``version_id``. A removed adapter still pinned by running
-requests stays registered, marked ``pending_removal``, and accepts no new requests.
+changes its name, path or ``version_id``. A removed adapter that accepted requests still hold
+(``holds``: queued or running, not finished) or running requests pin stays registered, marked
+``pending_removal``: it accepts no new requests, and the requests it accepted finish on it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Registration:
     ``verified``: the content was hashed and matched ``version_id`` under ``signature``
     (change detection: later reads trust ``version_id`` while the signature is unchanged);
     ``stored``: the safetensors header's tensors (``stored_tensors``) as parsed by the last read, under
-    ``signature`` (later reads under the same signature skip parsing it).
+    ``signature`` (later reads under the same signature skip parsing it);
+    ``holds``: accepted requests on it that have not finished (``LoRASlotPool.hold`` / ``release``).
 
     ``layout`` and ``stored`` are kept packed (``peft_format.pack_layout`` / ``pack_stored``: tuples the
     garbage collector does not walk) and rebuilt on each access: read them once per read, on the reading
@@ -41,6 +43,7 @@ class Registration:
     signature: FileSignature | None
     pending_removal: bool = field(default=False, kw_only=True)
     verified: bool = field(default=False, kw_only=True)
+    holds: int = field(default=0, kw_only=True)
     _layout: tuple | None = field(default=None, repr=False, kw_only=True)
     _stored: tuple | None = field(default=None, repr=False, kw_only=True)
 
@@ -92,6 +95,17 @@ class AdapterRegistry:
         if registration.pending_removal:
             raise UnknownAdapterError(f"lora_int_id={int_id!r} is being removed and accepts no new requests")
         return registration
+
+    def usable(self, int_id: int) -> Registration:
+        """The registration of ``int_id`` if requests may use it: it accepts new requests, or it is being removed
+        and requests it accepted earlier still hold it (they finish on it).
+
+        Raises ``UnknownAdapterError`` (not registered, or being removed with no request holding it).
+        """
+        registration = self._by_id.get(int_id)
+        if registration is not None and registration.pending_removal and registration.holds > 0:
+            return registration
+        return self.accepting(int_id)
 
     def version_id(self, int_id: int) -> str:
         """Raises ``UnknownAdapterError`` if ``int_id`` is not registered."""

@@ -94,7 +94,7 @@ class SlotPoolStats:
     - ``slots``: one ``SlotInfo`` per slot index ``0..max_loras-1``.
     - ``cpu_cache_lru``: lora names in the host cache, least recently used first.
     - ``registered``: lora names accepting new requests, by int id.
-    - ``pending_removal``: lora names removed while pinned (dropped at their last unpin).
+    - ``pending_removal``: lora names removed while requests hold or pin them (dropped when the last ends).
     - ``disk_loads``: adapters' tensors read from disk (``add_lora`` without a declared
       ``version_id``, first uses, reloads after a host-cache eviction); a header-only
       registration is not a load.
@@ -276,19 +276,35 @@ class LoRASlotPool:
             self._full_needs[int_id] = full
 
     def remove_lora(self, int_id: int) -> bool:
-        """Unregister ``int_id``. If running requests pin it, it stops accepting new pins and is
-        dropped at its last ``unpin``; running requests are never disturbed.
+        """Unregister ``int_id``. If accepted requests hold it (``hold``) or pin it, it accepts no new requests
+        (``add_lora`` of it, ``hold``, ``preload``) and is dropped when the last of them ends (``release`` /
+        ``unpin``); those requests are never disturbed: they may still pin it.
 
         Returns False if ``int_id`` is unknown or already being removed.
         """
         registration = self.registry.get(int_id)
         if registration is None or registration.pending_removal:
             return False
-        if self.slots.pin_count(int_id) > 0:
+        if self.slots.pin_count(int_id) > 0 or registration.holds > 0:
             registration.pending_removal = True
             return True
         self._drop(int_id)
         return True
+
+    def hold(self, int_id: int) -> None:
+        """An accepted request on ``int_id`` (queued or running until its ``release``): a ``remove_lora`` keeps the
+        adapter usable for it. Raises ``UnknownAdapterError`` (not registered, or being removed)."""
+        self.registry.accepting(int_id).holds += 1
+
+    def release(self, int_id: int) -> None:
+        """The end of a request ``hold`` counted (finished, aborted or failed): a pending ``remove_lora`` completes
+        when no request holds or pins the adapter any more. Raises ``SlotPoolError`` if it is not held."""
+        registration = self.registry.get(int_id)
+        if registration is None or registration.holds <= 0:
+            raise SlotPoolError(f"lora_int_id={int_id!r} is not held by a request")
+        registration.holds -= 1
+        if registration.holds == 0 and registration.pending_removal and self.slots.pin_count(int_id) == 0:
+            self._drop(int_id)
 
     def list_loras(self) -> list[LoRARequest]:
         """Registered adapters that accept new requests, by int id."""
@@ -312,11 +328,11 @@ class LoRASlotPool:
         queued or running) and returns False; the next call after it finished returns True. With
         ``background_loads=False`` the read happens inline and the result is True.
 
-        Raises ``UnknownAdapterError`` (not registered or being removed) or the read's
+        Raises ``UnknownAdapterError`` (not registered, or being removed and held by no request) or the read's
         ``AdapterError`` (files gone, corrupt, invalid, ``AdapterChangedError``), once per
         failed read.
         """
-        registration = self.registry.accepting(int_id)
+        registration = self.registry.usable(int_id)
         loader = self.loader
         loader.poll()
         if self.slots.slot_of(int_id) is not None or loader.cached(int_id) is not None:
@@ -335,11 +351,11 @@ class LoRASlotPool:
 
     def is_ready(self, int_id: int) -> bool:
         """True when ``pin(int_id)`` will not touch the disk (resident, or in host memory after
-        moving finished background reads there); False also for an unknown or removed adapter.
-        Starts no read and raises nothing (``ensure_ready`` does both); a cached adapter becomes the
+        moving finished background reads there); False also for an unknown adapter or one being removed that no
+        request holds. Starts no read and raises nothing (``ensure_ready`` does both); a cached adapter becomes the
         most recently used (it is about to be pinned)."""
         registration = self.registry.get(int_id)
-        if registration is None or registration.pending_removal:
+        if registration is None or (registration.pending_removal and registration.holds == 0):
             return False
         self.loader.poll()
         return self.slots.slot_of(int_id) is not None or self.loader.cached(int_id) is not None
@@ -374,11 +390,11 @@ class LoRASlotPool:
         come from the host cache, else from its in-flight background read (waited for), else
         are read from disk now.
 
-        Raises ``UnknownAdapterError`` (not registered or being removed), ``NoFreeSlotError``
-        (every slot, or the pages it needs, held by pinned adapters), ``AdapterChangedError`` or
-        another ``AdapterError`` if a read from disk fails; the slots are then unchanged.
+        Raises ``UnknownAdapterError`` (not registered, or being removed and held by no request),
+        ``NoFreeSlotError`` (every slot, or the pages it needs, held by pinned adapters), ``AdapterChangedError``
+        or another ``AdapterError`` if a read from disk fails; the slots are then unchanged.
         """
-        registration = self.registry.accepting(int_id)
+        registration = self.registry.usable(int_id)
         if self.slots.slot_of(int_id) is None:
             pages = self._page_needs.get(int_id, 0)
             placement = self.slots.plan(pages)
@@ -483,12 +499,14 @@ class LoRASlotPool:
 
     def unpin(self, int_id: int) -> None:
         """Release one pin of ``int_id``; at zero pins its slot may be reused (and a pending
-        ``remove_lora`` completes).
+        ``remove_lora`` completes if no request holds it either).
 
         Raises ``SlotPoolError`` if ``int_id`` is not pinned.
         """
-        if self.slots.unpin(int_id) == 0 and self.registry.get(int_id).pending_removal:
-            self._drop(int_id)
+        if self.slots.unpin(int_id) == 0:
+            registration = self.registry.get(int_id)
+            if registration.pending_removal and registration.holds == 0:
+                self._drop(int_id)
 
     def slot_of(self, int_id: int) -> int:
         """The slot of a resident adapter (the model runner's token -> slot map).
@@ -522,7 +540,7 @@ class LoRASlotPool:
 
         Raises ``UnknownAdapterError`` like ``pin``.
         """
-        self.registry.accepting(int_id)
+        self.registry.usable(int_id)
         return self.resources_fit(int_id)
 
     @property

@@ -213,6 +213,12 @@ class EngineConfig:
         for name, value in values.items():
             described[name].check(value)
         max_cpu_loras = merged["max_cpu_loras"] if merged["max_cpu_loras"] is not None else merged["max_loras"]
+        # LoRA knobs given another value than their default with LoRA disabled (max_cpu_loras: another value than
+        # max_loras, what None resolves to): refused, never ignored
+        lora_knobs = [name for name in ("max_loras", "max_lora_rank", "lora_page_rows", "max_lora_pages",
+                                        "max_adapter_wait_steps") if merged[name] != described[name].default]
+        if max_cpu_loras != merged["max_loras"]:
+            lora_knobs.append("max_cpu_loras")
         pages_per_max_rank = -(-merged["max_lora_rank"] // min(merged["lora_page_rows"], merged["max_lora_rank"]))
         across = [
             (merged["max_lora_pages"] is None or merged["max_lora_pages"] >= pages_per_max_rank, "max_lora_pages",
@@ -226,6 +232,8 @@ class EngineConfig:
              "is not implemented with tensor_parallel_size > 1 (the worker ranks read host token ids)"),
             (merged["max_full_module_slots"] == 0 or merged["tensor_parallel_size"] == 1, "max_full_module_slots",
              "is not implemented with tensor_parallel_size > 1 (embed_tokens / lm_head adapters are not sharded)"),
+            (merged["enable_lora"] or not lora_knobs, lora_knobs[0] if lora_knobs else "enable_lora",
+             "needs enable_lora (an adapter setting of an engine that serves no adapters)"),
             (merged["lora_target_modules"] is None or merged["enable_lora"], "lora_target_modules",
              "needs enable_lora"),
             (merged["lora_fold_shrink"] != "on" or merged["enable_lora"], "lora_fold_shrink", "on needs enable_lora"),

@@ -260,7 +260,9 @@ class LLMEngine:
         return added
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Unregister an adapter; running requests on it finish first."""
+        """Unregister an adapter: it accepts no new requests from now on, and the requests it accepted (queued,
+        swapped or running) finish on it first; then it is dropped. Returns False if it is unknown or already
+        being removed."""
         self._require_lora()
         return self.lora_pool.remove_lora(lora_int_id)
 
@@ -333,6 +335,8 @@ class LLMEngine:
                     seq.grammar = self.structured_outputs.new_state(params.structured_outputs)
             except StructuredOutputError as exc:
                 raise InvalidRequestError(f"structured_outputs: {exc}") from None
+        if group.lora_int_id:
+            self.lora_pool.hold(group.lora_int_id)  # a remove_lora from now on lets this request finish
         self.groups[request_id] = group
         self._prompt_total += len(token_ids)
         self.scheduler.add(group.seqs[0])
@@ -356,10 +360,18 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks and adapter pin (no-op if unknown)."""
-        group = self.groups.pop(request_id, None)
+        group = self._forget(request_id)
         if group is not None:
             self.scheduler.finish_group(group, "abort")
             self._sent.pop(request_id, None)
+
+    def _forget(self, request_id: str) -> RequestGroup | None:
+        """Take an ended (or ending) request out of the engine: its group, None if unknown; its adapter hold
+        released (a pending ``remove_lora`` completes once no request holds or pins the adapter)."""
+        group = self.groups.pop(request_id, None)
+        if group is not None and group.lora_int_id:
+            self.lora_pool.release(group.lora_int_id)
+        return group
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -426,7 +438,7 @@ class LLMEngine:
         outputs = []
         for group, finished in update.groups:
             if finished:
-                self.groups.pop(group.request_id, None)
+                self._forget(group.request_id)
             if finished or group.params.output_kind != "final_only":
                 outputs.append(self._make_output(group, finished))
         return outputs
@@ -436,7 +448,7 @@ class LLMEngine:
         outputs = []
         for failure in batch.failures:
             for seq in failure.seqs:
-                group = self.groups.pop(seq.group.request_id, None)
+                group = self._forget(seq.group.request_id)
                 if group is None:
                     continue  # another sequence of this group was reported already
                 name = group.lora_request.lora_name if group.lora_request else None

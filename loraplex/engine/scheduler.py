@@ -292,32 +292,43 @@ class _AdapterGate:
         """Whether ``max_lookahead_loras`` adapters were asked for readiness this step."""
         return self.asked >= self.max_lookahead
 
+    def fail(self, lora: int, error: str) -> None:
+        """``lora`` cannot be read: its queued requests fail at the end of the step (``Scheduler._fail_adapters``)."""
+        self.failed[lora] = error
+        self.ready[lora] = False
+        if lora == self.reserved_for:  # the starved adapter cannot be read: stop holding others back
+            self.end_drain()
+
     def _is_ready(self, lora: int) -> bool:
         """A resident or host-cached adapter is ready at once, whatever reads are in flight or
         however many adapters were asked before it; a read starts only while fewer than
         ``max_lookahead_loras`` distinct adapters were asked this step (ready ones included: they
-        hold host-cache entries that the new reads must not evict before they are pinned)."""
+        hold host-cache entries that the new reads must not evict before they are pinned).
+
+        A True answer is checked again at each question (``is_ready``, a lookup): a background read that
+        finished since may have taken the adapter's host-cache entry, and a pin would then read the disk on the
+        step's thread. False answers hold for the step."""
         if self.pins is None:
             return True
         if lora in self.failed:
             return False
         known = self.ready.get(lora)
-        if known is not None:
-            return known
-        if self.pins.is_ready(lora):  # never refused, but it holds a host-cache entry: counted
-            self.asked += 1
-            self.ready[lora] = True
-            return True
-        if self.asked >= self.max_lookahead:
+        if known is False:
             return False
-        self.asked += 1
+        if self.pins.is_ready(lora):  # never refused, but it holds a host-cache entry: counted once
+            if known is None:
+                self.asked += 1
+                self.ready[lora] = True
+            return True
+        if known is None:
+            if self.asked >= self.max_lookahead:
+                return False
+            self.asked += 1
         try:
             ready = self.pins.ensure_ready(lora)
         except AdapterError as exc:
-            self.failed[lora] = str(exc)
-            if lora == self.reserved_for:  # the starved adapter cannot be read: stop holding others back
-                self.end_drain()
-            ready = False
+            self.fail(lora, str(exc))
+            return False
         self.ready[lora] = ready
         return ready
 
@@ -466,6 +477,7 @@ class Scheduler:
         group = parent.group
         group.forked = True
         for child, sample in zip(group.seqs[1:], samples[1:]):
+            self._pin(child)  # the parent's adapter, resident and pinned: it cannot fail
             child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent, child)
             self._start_running(child)
@@ -641,20 +653,29 @@ class Scheduler:
         top = max(counter(s.group.tenant_id) for s in candidates)
         return next(s for s in reversed(candidates) if counter(s.group.tenant_id) == top)
 
+    def _pin(self, seq: Sequence) -> None:
+        """Pin ``seq``'s adapter (nothing for the base model): the first step of starting it, before any other
+        state changes, so that a pin that raises (``AdapterError``: a read from disk failed) leaves nothing to
+        undo. :meth:`_start_running` follows."""
+        if self.pins is not None and seq.group.lora_int_id:
+            self.pins.pin(seq.group.lora_int_id)
+
+    def _unpin(self, seq: Sequence) -> None:
+        if self.pins is not None and seq.group.lora_int_id:
+            self.pins.unpin(seq.group.lora_int_id)
+
     def _start_running(self, seq: Sequence) -> None:
+        """``seq`` (its adapter pinned: :meth:`_pin`) joins the running queue."""
         if seq.group.lora_int_id:
             self._last_admit_step[seq.group.lora_int_id] = self.num_steps
         if seq.group.first_scheduled_time is None:
             seq.group.first_scheduled_time = time.monotonic()
-        if self.pins is not None and seq.group.lora_int_id:
-            self.pins.pin(seq.group.lora_int_id)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def _stop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if self.pins is not None and seq.group.lora_int_id:
-            self.pins.unpin(seq.group.lora_int_id)
+        self._unpin(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         seq.num_preemptions += 1
@@ -682,6 +703,11 @@ class Scheduler:
                 continue
             if not self.kv.can_swap_in(seq, n):
                 break
+            try:
+                self._pin(seq)
+            except AdapterError as exc:
+                gate.fail(seq.group.lora_int_id, str(exc))
+                continue
             self.swapped.remove(seq)
             self._dequeued(seq)
             self.kv.swap_in(seq)
@@ -695,12 +721,18 @@ class Scheduler:
     def _admit(self, seq: Sequence, planned: list[ScheduledSeq], budget: int,
                gate: _AdapterGate) -> ScheduledSeq | None:
         """Admit waiting ``seq`` (its adapter admitted by ``gate``) with its cached prefix; returns
-        its planned work (also appended to ``planned``), None when its KV blocks do not fit
-        (then nothing changes)."""
+        its planned work (also appended to ``planned``), None when its KV blocks do not fit (then
+        nothing changes but its adapter's residence) or its adapter's read failed (``gate.fail``)."""
+        try:
+            self._pin(seq)  # first: a pin that raises leaves nothing to undo
+        except AdapterError as exc:
+            gate.fail(seq.group.lora_int_id, str(exc))  # its requests fail at the end of the step
+            return None
         computed = None if seq.group.params.prompt_logprobs is not None else self.kv.get_computed_blocks(seq)
         hit = computed.num_tokens if computed is not None else 0
         n = min(seq.num_tokens - hit, budget)
         if not self.kv.allocate_new_computed(seq, computed, n):
+            self._unpin(seq)  # resident now, unpinned: the next step's admission finds it ready
             return None  # the lookup had no side effects: retried next step, counted once when admitted
         if seq.index == 0 and seq.group.num_cached_tokens == 0:
             seq.group.num_cached_tokens = hit
@@ -740,6 +772,10 @@ class Scheduler:
             else:
                 continue  # nothing of this tenant can start now
             item = self._admit(seq, planned, budget, gate)
+            if item is None and seq.group.lora_int_id in gate.failed:  # its read failed: it fails at the step's end
+                if queue:
+                    heapq.heappush(heap, (counter(tenant), queue[0].wait_since_step, order, tenant))
+                continue
             if item is None:
                 break  # KV blocks: nobody overtakes this request
             admitted = True
@@ -763,6 +799,9 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             item = self._admit(seq, planned, budget, gate)
+            if item is None and seq.group.lora_int_id in gate.failed:  # its read failed: it fails at the step's end
+                skipped.append(self.waiting.popleft())
+                continue
             if item is None:
                 break
             self.waiting.popleft()

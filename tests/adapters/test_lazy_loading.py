@@ -449,3 +449,30 @@ def test_verified_rereads_reuse_the_parsed_header_until_the_files_change(make_ad
     pool.pin(1)  # the files changed (stat): hashed, the header parsed under the new signature
     assert len(parses) == 3
     assert_slot_holds(pool, 0, made[0][1])
+
+
+def test_a_hashed_read_whose_files_changed_meanwhile_records_no_signature_to_trust(make_adapters, monkeypatch):
+    """The files' stat after a hashed first read differs from the one before it (replaced while read): the
+    registration keeps no signature, so the next read hashes again instead of trusting files never hashed."""
+    made = make_adapters(1)
+    spy = ReadSpy(monkeypatch)
+    pool = make_pool(max_loras=1, max_cpu_loras=1)
+    pool.add_lora(made[0][0])  # declared: header only
+    real, calls = loader.adapter_files_signature, []
+
+    def changed_after_the_read(path):
+        calls.append(path)
+        signature = real(path)
+        return (signature[0], (signature[1][0] + 1, signature[1][1])) if len(calls) == 2 else signature
+
+    monkeypatch.setattr(loader, "adapter_files_signature", changed_after_the_read)
+    wait_ready(pool, 1)  # the first read: stat before, hashed read, stat after (changed)
+    registration = pool.registry.get(1)
+    assert len(calls) == 2 and spy.counts == (1, 1)
+    assert (registration.signature, registration.verified, registration.stored) == (None, False, None)
+    pool.loader.cache.pop(1)
+    wait_ready(pool, 1)  # hashed again
+    assert spy.counts == (2, 2) and pool.registry.get(1).verified
+    pool.loader.cache.pop(1)
+    wait_ready(pool, 1)  # now trusted under the stat that held
+    assert spy.counts == (3, 2)

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.adapters.errors import AdapterConflictError
 from tiny_models import FOLDS, check_row, fold_config, make_peft_adapter, peft_references
 
 ADAPTERS = {
@@ -105,3 +106,61 @@ def test_slot_churn_keeps_long_decodes_exact(tiny_llama_dir, adapters, prompts, 
     assert stats.slot_loads >= 12 and stats.slot_evictions >= 10
     assert stats.cpu_evictions >= 1
     assert all(s.pin_count == 0 for s in stats.slots)
+
+
+def run_to_end(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_remove_lora_lets_the_requests_it_accepted_finish_then_drops_it(tiny_llama_dir, adapters, prompts,
+                                                                         references):
+    """remove_lora while one request on the adapter runs and another waits (a 4-token step budget: one prompt
+    chunk per step), a third is a 2-sequence fork: all three finish on the adapter, PEFT-exact; the adapter refuses
+    new requests at once and is dropped when the last one ends; the engine serves on."""
+    engine = make_llm(tiny_llama_dir, max_loras=2, max_num_seqs=4, max_num_batched_tokens=4).engine
+    a = adapters["a"]
+    engine.add_request("run", prompts[0], PARAMS, a)
+    engine.add_request("wait", prompts[1], PARAMS, a)
+    engine.add_request("fork", prompts[3], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW,
+                                                          logprobs=5, n=2), a)
+    engine.add_request("base", prompts[2], PARAMS)
+    engine.step()
+    assert [s.group.request_id for s in engine.scheduler.running] == ["run"]
+    assert engine.remove_lora(a.lora_int_id) and not engine.remove_lora(a.lora_int_id)
+    assert a.lora_int_id not in engine.list_loras()
+    with pytest.raises(AdapterConflictError, match="being removed"):
+        engine.add_request("late", prompts[4], PARAMS, a)
+    finals = run_to_end(engine)
+    assert sorted(finals) == ["base", "fork", "run", "wait"]
+    for request_id, index in (("run", 0), ("wait", 1), ("fork", 3)):
+        for completion in finals[request_id].outputs:
+            assert completion.finish_reason == "length" and finals[request_id].error is None
+            assert completion.token_ids == references[("a", index)][0]
+    assert len(finals["fork"].outputs) == 2
+    check_row(finals["base"], *references[("base", 2)])
+    pool = engine.lora_pool
+    assert pool.registry.get(a.lora_int_id) is None and pool.stats().pending_removal == []
+    assert all(info.lora_int_id is None for info in pool.stats().slots)
+    check_row(generate_base(engine, prompts[2]), *references[("base", 2)])
+
+
+def test_remove_lora_held_only_by_a_waiting_request_completes_at_its_abort(tiny_llama_dir, adapters, prompts):
+    engine = make_llm(tiny_llama_dir, max_loras=2).engine
+    b = adapters["b"]
+    engine.add_request("queued", prompts[0], PARAMS, b)
+    assert engine.remove_lora(b.lora_int_id)
+    assert engine.lora_pool.stats().pending_removal == ["b"]
+    engine.abort_request("queued")
+    assert engine.lora_pool.registry.get(b.lora_int_id) is None and not engine.has_unfinished_requests()
+    engine.add_lora(b)  # the id can be registered again once dropped
+    assert b.lora_int_id in engine.list_loras()
+
+
+def generate_base(engine, prompt):
+    engine.add_request("after", prompt, PARAMS)
+    return run_to_end(engine)["after"]

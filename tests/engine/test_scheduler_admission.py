@@ -9,6 +9,7 @@ slot first; an adapter whose read fails fails only its own requests.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import pytest
 
@@ -16,7 +17,7 @@ from loraplex.adapters import AdapterFormatError
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.adapters.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.scheduler import Scheduler, SchedulerConfig, _AdapterGate
 from loraplex.engine.sequence import RequestGroup, Sequence, SequenceStatus
 
 PROMPT_TOKENS = 4
@@ -277,3 +278,36 @@ def test_drained_slot_is_reserved_for_the_starved_adapter():
     finish(scheduler, "b2")
     assert scheduled(scheduler.schedule()) == ["late-a1"]  # the drain ends once adapter 2 ran
     assert names(scheduler.waiting) == ["c3"]
+
+
+def test_a_ready_answer_is_checked_again_before_it_is_used():
+    """An adapter found ready (in the host cache) and not pinned yet can lose its cache entry later in the same
+    step (a background read that lands takes it): the next question finds it not ready and starts its read again,
+    instead of letting a pin read the disk on the step's thread."""
+    pins = FakePins(ready={7})
+    gate = _AdapterGate(pins, set(), SchedulerConfig(16, 256, 4, 128))
+    assert gate.admits(7) and pins.prefetches == []
+    pins.ready.discard(7)  # evicted from the host cache
+    assert not gate.admits(7) and pins.prefetches == [7]
+    assert gate.asked == 1  # one adapter asked this step, however often
+    pins.ready.add(7)  # its read landed
+    assert gate.admits(7) is False  # a False answer holds for the step
+
+
+@pytest.mark.parametrize("policy", [{}, {"policy": "fair"}], ids=["fcfs", "fair"])
+def test_a_pin_that_fails_at_admission_fails_the_adapters_requests_and_changes_nothing_else(policy):
+    """A pin that raises (its read from disk failed) leaves the sequence waiting with no KV blocks and the
+    scheduler consistent; the adapter's requests fail at the end of the step, the others run."""
+    pins = FakePins(ready={3})
+
+    def failing_pin(lora_int_id: int) -> int:
+        raise AdapterFormatError("adapter_model.safetensors: changed while it was read (replaced or rewritten)")
+
+    pins.pin = failing_pin
+    scheduler = make_scheduler(pins, max_loras=2, **policy)
+    doomed, base = add(scheduler, "doomed", 3), add(scheduler, "base", 0)
+    batch = scheduler.schedule()
+    assert scheduled(batch) == ["base"] and [f.lora_int_id for f in batch.failures] == [3]
+    assert doomed.status is SequenceStatus.FINISHED and scheduler.kv.num_held_blocks(doomed) == 0
+    assert scheduler.waiting == deque() and names(scheduler.running) == ["base"] and pins.pins == {}
+    assert base.status is SequenceStatus.RUNNING

@@ -58,6 +58,30 @@ def test_rules_across_fields_name_the_flag_and_env_var():
         "max_cpu_loras=4 (--max-cpu-loras / LORAPLEX_MAX_CPU_LORAS): must be >= max_loras=8")
 
 
+def test_an_adapter_setting_without_lora_is_refused_naming_it():
+    with pytest.raises(ValidationError) as caught:
+        settings_from_args(parse(["serve", "--model", "m", "--no-enable-lora", "--max-lora-rank", "64"]))
+    assert validation_error_text(caught.value) == (
+        "max_lora_rank=64 (--max-lora-rank / LORAPLEX_MAX_LORA_RANK): needs enable_lora (an adapter setting of an "
+        "engine that serves no adapters)")
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"max_loras": 9}, "max_loras"), ({"max_lora_rank": 64}, "max_lora_rank"),
+    ({"lora_page_rows": 8}, "lora_page_rows"),
+    ({"max_lora_pages": 3}, "max_lora_pages"), ({"max_cpu_loras": 8}, "max_cpu_loras"),
+    ({"max_adapter_wait_steps": 3}, "max_adapter_wait_steps"),
+])
+def test_the_engine_refuses_every_adapter_setting_without_lora(values, field):
+    with pytest.raises(ConfigError) as caught:
+        EngineConfig(model="m", **values)
+    assert (caught.value.field, caught.value.rule) == (
+        field, "needs enable_lora (an adapter setting of an engine that serves no adapters)")
+    EngineConfig(model="m", enable_lora=True, **values)  # the same value is served with LoRA on
+    plain = EngineConfig(model="m")  # defaults (max_cpu_loras resolved to max_loras) pass again, as replace() does
+    assert dataclasses.replace(plain, block_size=plain.block_size).max_cpu_loras == plain.max_loras
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: 1.5: must be in (0.0, 1.0]"),
     (["--max-lora-rank", "12"], "argument --max-lora-rank: 12: must be one of 1, 2, 4, 8, 16, 32, 64, 128, 256"),
@@ -90,11 +114,11 @@ def test_every_engine_field_is_a_flag_and_a_setting_with_its_help_and_default():
 def test_flags_and_env_reach_the_engine_config(monkeypatch):
     monkeypatch.setenv("LORAPLEX_BLOCK_SIZE", "32")
     monkeypatch.setenv("LORAPLEX_ENFORCE_EAGER", "true")
-    settings = settings_from_args(parse(["serve", "--model", "m", "--max-lora-rank", "64", "--no-enable-lora",
-                                         "--scheduling-policy", "fcfs"]))
+    settings = settings_from_args(parse(["serve", "--model", "m", "--max-lora-rank", "64",
+                                         "--no-enable-prefix-caching", "--scheduling-policy", "fcfs"]))
     config = EngineConfig(model="m", **settings.engine_values())
     assert (config.block_size, config.enforce_eager, config.max_lora_rank, config.enable_lora,
-            config.scheduling_policy) == (32, True, 64, False, "fcfs")
+            config.enable_prefix_caching, config.scheduling_policy) == (32, True, 64, True, False, "fcfs")
     assert config.max_num_seqs == 256  # not given: the engine's default
     server = EngineConfig(model="m", **Settings().engine_values())
     assert (server.enable_lora, server.scheduling_policy) == (True, "fair")  # the server's defaults
