@@ -130,7 +130,8 @@ class AdapterRegistry:
         """
         if known.pending_removal:
             raise AdapterConflictError(
-                f"LoRARequest.lora_int_id={request.lora_int_id} is being removed (still pinned by running requests)"
+                f"LoRARequest.lora_int_id={request.lora_int_id} is being removed (requests it accepted are still queued "
+                "or running)"
             )
         for field_name in ("lora_name", "lora_path"):
             old, new = getattr(known.request, field_name), getattr(request, field_name)

@@ -601,6 +601,7 @@ class Scheduler:
                     victim = self._drain_victim(exclude=starved) or victim
                     self._drain = (victim, starved, for_resources)
                 gate.draining, gate.reserved_for, gate.reserve_all = self._drain
+                gate.prefetch(starved)  # asked first: the admission scan's lookahead must not leave it unread
                 return
         blocked = self._resource_blocked
         if len(gate.active) < self.config.max_loras and not blocked:
@@ -629,6 +630,7 @@ class Scheduler:
             return
         self._drain = (victim, starved, not gate.resources_fit(starved))
         gate.draining, gate.reserved_for, gate.reserve_all = self._drain
+        gate.prefetch(starved)
 
     def _drain_victim(self, exclude: int) -> int | None:
         """The running adapter (not ``exclude``) with the fewest running sequences, ties broken by the oldest last

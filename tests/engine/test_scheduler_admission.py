@@ -311,3 +311,26 @@ def test_a_pin_that_fails_at_admission_fails_the_adapters_requests_and_changes_n
     assert doomed.status is SequenceStatus.FINISHED and scheduler.kv.num_held_blocks(doomed) == 0
     assert scheduler.waiting == deque() and names(scheduler.running) == ["base"] and pins.pins == {}
     assert base.status is SequenceStatus.RUNNING
+
+
+def test_the_starved_adapter_is_asked_first_however_many_ready_adapters_wait_ahead():
+    """Aging drains a slot for the oldest blocked request, but requests on host-cached adapters sit ahead of it in
+    the queue (a recompute-preempted request goes back to the head, younger): each one asked counts against
+    ``max_lookahead_loras``. The starved adapter is asked first in every step of its drain, so its read starts and
+    it gets the slot (a fuzzer found the scheduler stuck for good with no read in flight: review 2026-12-04)."""
+    pins = FakePins(ready={1, 2, 3})
+    scheduler = make_scheduler(pins, max_loras=1, max_lookahead_loras=2, max_adapter_wait_steps=2)
+    running = add(scheduler, "r1", 1)
+    assert scheduled(scheduler.schedule()) == ["r1"]
+    add(scheduler, "w2", 2)
+    add(scheduler, "w3", 3)
+    starved = add(scheduler, "w9", 9)
+    starved.wait_since_step = -10  # the oldest: behind younger requests on cached adapters
+    for _ in range(3):
+        scheduler.schedule()
+    assert 9 in pins.prefetches  # its read started
+    assert scheduler._drain is not None and scheduler._drain[1] == 9
+    pins.ready.add(9)  # the read landed
+    scheduler.finish(running, "stop")  # the drained adapter's last request ends
+    assert "w9" in scheduled(scheduler.schedule())
+    assert scheduler._drain is None and scheduler.running_adapters() == {9}
