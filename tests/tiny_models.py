@@ -187,3 +187,13 @@ FOLDS = ["off", "on", "on-paged"]
 def fold_config(fold: str) -> dict:
     """The engine settings of a :data:`FOLDS` entry."""
     return {"lora_fold_shrink": fold.split("-")[0]} | ({"lora_page_rows": 4} if fold.endswith("paged") else {})
+
+
+def step_to_end(engine) -> dict:
+    """Step ``engine`` (an ``LLMEngine``) until no request is unfinished; request id -> final ``RequestOutput``."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals

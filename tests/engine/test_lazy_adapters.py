@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from tiny_models import hf_greedy_ids, make_peft_adapter, peft_model
+from tiny_models import hf_greedy_ids, make_peft_adapter, peft_model, step_to_end
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
@@ -78,12 +78,7 @@ def run_all(engine, jobs: dict[str, tuple[list[int], LoRARequest | None]]) -> di
     """Queue every job at once, step to completion; request id -> final RequestOutput."""
     for request_id, (prompt, lora) in jobs.items():
         engine.add_request(request_id, prompt, PARAMS, lora)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
+    return step_to_end(engine)
 
 
 def test_lazy_first_use_equals_peft_and_eager_registration(tiny_llama_dir, adapter_dirs, prompts, references):

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.errors import AdapterConflictError
-from tiny_models import FOLDS, check_row, fold_config, make_peft_adapter, peft_references
+from tiny_models import FOLDS, check_row, fold_config, make_peft_adapter, peft_references, step_to_end
 
 ADAPTERS = {
     # name: (rank, alpha, targets, rslora)
@@ -108,15 +108,6 @@ def test_slot_churn_keeps_long_decodes_exact(tiny_llama_dir, adapters, prompts, 
     assert all(s.pin_count == 0 for s in stats.slots)
 
 
-def run_to_end(engine) -> dict:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
-
-
 def test_remove_lora_lets_the_requests_it_accepted_finish_then_drops_it(tiny_llama_dir, adapters, prompts,
                                                                          references):
     """remove_lora while one request on the adapter runs and another waits (a 4-token step budget: one prompt
@@ -135,7 +126,7 @@ def test_remove_lora_lets_the_requests_it_accepted_finish_then_drops_it(tiny_lla
     assert a.lora_int_id not in engine.list_loras()
     with pytest.raises(AdapterConflictError, match="being removed"):
         engine.add_request("late", prompts[4], PARAMS, a)
-    finals = run_to_end(engine)
+    finals = step_to_end(engine)
     assert sorted(finals) == ["base", "fork", "run", "wait"]
     for request_id, index in (("run", 0), ("wait", 1), ("fork", 3)):
         for completion in finals[request_id].outputs:
@@ -163,4 +154,4 @@ def test_remove_lora_held_only_by_a_waiting_request_completes_at_its_abort(tiny_
 
 def generate_base(engine, prompt):
     engine.add_request("after", prompt, PARAMS)
-    return run_to_end(engine)["after"]
+    return step_to_end(engine)["after"]
