@@ -1,15 +1,16 @@
-"""Experiment (issue 19): FP8 weights on FP8 tensor cores with the bf16 activations split into two e4m3 terms.
+"""FP8 linears with split activations (issue 19): launch shapes of the e4m3 GEMM, against W8A16 and cuBLAS bf16.
 
-W8A16 (``fp8_linear``) widens every e4m3 weight to bf16 inside the kernel and reads the weights at ~0.4 of the copy
-bandwidth at 32 tokens (RESULTS.md session 18). Here the weights go to the tensor cores as they are: each token's
-activation row is written once as ``x[t, :] ~= s[t] * (h[t, :] + l[t, :] / 16)``, with ``s[t] = amax|x[t, :]| / 448``,
-``h = e4m3(x / s)`` and ``l = e4m3(16 * (x / s - h))`` (two e4m3 terms hold ~7 mantissa bits, about bf16's 8), stored
-interleaved as ``q[t, 0] = h[t], q[t, 1] = l[t]`` so that one e4m3 x e4m3 dot over the ``2T`` rows gives both sums.
+``fp8_linear``'s split path (``SPLIT_ACTIVATIONS``): the weights go to the e4m3 tensor cores as they are, and each
+token's activation row is written once as ``x[t, :] ~= s[t] * (h[t, :] + l[t, :] / 16)`` (two e4m3 terms, ~7
+mantissa bits), interleaved so that one e4m3 x e4m3 dot over the ``2T`` rows gives both sums. W8A16 (the weights
+widened to bf16 inside the kernel) read the weights at ~0.4 of the copy bandwidth at 32 tokens (session 18).
 
-Semantics: out[t, n] = scale[n] * s[t] * sum_k w[n, k] * (h[t, k] + l[t, k] / 16)
-
-Timed in CUDA graphs of back-to-back calls over rotating weight copies (spanning twice the L2), against the W8A16
-default launch and cuBLAS bf16. Usage (CUDA)::
+For T in ``--tokens`` and each Llama-2-7B linear: every GEMM launch shape of a grid (BLOCK_R over the 2T rows,
+BLOCK_N, BLOCK_K, warps, stages, SPLIT_K), checked against the exact product (relative error < 1e-2), timed alone;
+then the best shape's activation split alone, split + GEMM, and the op as the engine calls it (``fp8_linear`` with
+its defaults, buffers allocated per call). Each time is the least of 3 replays of a CUDA graph of back-to-back calls
+over rotating weight copies (spanning twice the L2). Peers in the same graphs: W8A16's default launch and cuBLAS
+bf16. Usage (CUDA)::
 
     python benchmarks/diag_fp8_split_act.py [--tokens 1,32,128] [--out FILE]
 """
@@ -26,131 +27,39 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loraplex.kernels._triton import tl, triton  # noqa: E402
-from loraplex.kernels.fp8_linear import _launch_fp8_linear, fp8_linear_ref  # noqa: E402
+from loraplex.kernels.fp8_linear import (  # noqa: E402
+    _launch_fp8_linear,
+    _split_block_sizes,
+    fp8_linear_ref,
+    fp8_linear_split_ref,
+    split_activations,
+    split_gemm,
+)
 
 LINEARS = (("qkv", 4096, 12288), ("o", 4096, 4096), ("gate_up", 4096, 22016), ("down", 11008, 4096))
 L2_BYTES = 60 << 20
 
 
-@triton.jit
-def _split_quant_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, stride_qt, BLOCK: tl.constexpr):
-    # one program per token: s = amax / 448, q[t, 0] = e4m3(x / s), q[t, 1] = e4m3(16 * (x / s - q[t, 0]))
-    t = tl.program_id(0)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, in_features, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + t * stride_xt + k, mask=k < in_features, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    s = tl.maximum(tl.max(amax, axis=0), 1e-30) / 448.0
-    inv = 1.0 / s
-    tl.store(s_ptr + t, s)
-    for k0 in range(0, in_features, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        mask = k < in_features
-        x = tl.load(x_ptr + t * stride_xt + k, mask=mask, other=0.0).to(tl.float32) * inv
-        h = x.to(tl.float8e4nv)
-        lo = ((x - h.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-        tl.store(q_ptr + t * stride_qt + k, h, mask=mask)
-        tl.store(q_ptr + t * stride_qt + in_features + k, lo, mask=mask)
-
-
-@triton.jit
-def _fp8_split_act_swap_kernel(w_ptr, q_ptr, s_ptr, scale_ptr, out_ptr, num_tokens, out_features, in_features,
-                               k_per_split, stride_wn, stride_qr, stride_ot, stride_os, PARTIAL: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # acc[n, r] = sum_k w[n, k] * q[r, k] over the 2T rows r = 2t + {0: h, 1: l}; one e4m3 dot per K tile
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    qrows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col_mask = cols < out_features
-    qrow_mask = qrows < 2 * num_tokens
-    k_first = tl.program_id(1) * k_per_split
-    k_end = tl.minimum(k_first + k_per_split, in_features)
-    acc = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
-    for k0 in range(k_first, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_end
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
-                    mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
-        acc = tl.dot(w, q, acc)
-    acc_h, acc_l = tl.split(tl.reshape(acc, [BLOCK_N, BLOCK_R // 2, 2]))
-    rows = tl.program_id(2) * (BLOCK_R // 2) + tl.arange(0, BLOCK_R // 2)
-    row_mask = rows < num_tokens
-    s = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-    y = (acc_h + acc_l * 0.0625) * s[None, :]
-    mask = col_mask[:, None] & row_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + tl.program_id(1) * stride_os + rows[None, :].to(tl.int64) * stride_ot + cols[:, None], y,
-                 mask=mask)
-    else:
-        y = y * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[:, None]
-        tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None], y.to(out_ptr.dtype.element_ty),
-                 mask=mask)
-
-
-@triton.jit
-def _sum_kernel(part_ptr, scale_ptr, out_ptr, numel, out_features, split, stride_ps, BLOCK: tl.constexpr):
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < numel
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(split):
-        acc += tl.load(part_ptr + s * stride_ps + idx, mask=mask, other=0.0)
-    acc = acc * tl.load(scale_ptr + idx % out_features, mask=mask, other=0.0)
-    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 class SplitAct:
-    """Buffers and launches of one (T, linear) shape, so that a CUDA graph captures fixed pointers."""
+    """One (T, linear) shape's buffers, so that a CUDA graph captures fixed pointers: the activation split
+    (``split_activations``) and the e4m3 GEMM (``split_gemm``) callable apart."""
 
-    def __init__(self, x: torch.Tensor, out_features: int, config: tuple[int, ...], quant_block: int = 1024):
-        self.x = x
+    def __init__(self, x: torch.Tensor, out_features: int, config: tuple[int, ...]):
+        self.x, self.config = x, config
         t, k = x.shape
         self.q = torch.empty((t, 2, k), dtype=torch.float8_e4m3fn, device=x.device)
         self.s = torch.empty((t,), dtype=torch.float32, device=x.device)
         self.out = torch.empty((t, out_features), dtype=x.dtype, device=x.device)
-        self.block_r, self.block_n, self.block_k, self.warps, self.stages, split = config
-        self.k_per_split = triton.cdiv(triton.cdiv(k, split), self.block_k) * self.block_k
-        self.split = triton.cdiv(k, self.k_per_split)
-        self.part = (torch.empty((self.split, t, out_features), dtype=torch.float32, device=x.device)
-                     if self.split > 1 else None)
-        self.quant_block = quant_block
 
     def quantize(self) -> None:
-        t, k = self.x.shape
-        _split_quant_kernel[(t,)](self.x, self.q, self.s, k, self.x.stride(0), self.q.stride(0),
-                                  BLOCK=self.quant_block, num_warps=4)
+        split_activations(self.x, self.q, self.s)
 
     def gemm(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        t, k = self.x.shape
-        n = w.shape[0]
-        target = self.part if self.part is not None else self.out
-        grid = (triton.cdiv(n, self.block_n), self.split, triton.cdiv(2 * t, self.block_r))
-        _fp8_split_act_swap_kernel[grid](
-            w, self.q, self.s, scale, target, t, n, k, self.k_per_split, w.stride(0), k, target.stride(-2),
-            target.stride(0) if self.part is not None else 0, PARTIAL=self.part is not None,
-            BLOCK_R=self.block_r, BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_warps=self.warps,
-            num_stages=self.stages)
-        if self.part is not None:
-            numel = t * n
-            _sum_kernel[(triton.cdiv(numel, 1024),)](self.part, scale, self.out, numel, n, self.split,
-                                                     self.part.stride(0), BLOCK=1024, num_warps=4)
-        return self.out
+        return split_gemm(w, self.q, self.s, scale, None, self.out, self.config)
 
     def __call__(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         self.quantize()
         return self.gemm(w, scale)
-
-
-def split_act_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 torch of the split-activation semantics (e4m3 rounding by torch's cast)."""
-    x = x.float()
-    s = (x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)) / 448.0
-    xs = x / s
-    h = xs.to(torch.float8_e4m3fn).float()
-    lo = ((xs - h) * 16).to(torch.float8_e4m3fn).float()
-    return ((h + lo / 16) * s) @ w.float().T * scale
 
 
 def graph_us(fns, copies: int, reps: int = 20) -> float:
@@ -196,8 +105,10 @@ def main() -> None:
     dev = torch.device("cuda")
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    graph_copy = graph_us([lambda: dst.copy_(src)], 1, reps=10)
-    bw = 2 * src.numel() / (graph_copy * 1e-6)
+    import triton.testing
+
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    bw = 2 * src.numel() / (copy_ms * 1e-3)
     del src, dst
     report = {"copy_TBps": bw / 1e12, "rows": []}
     print(json.dumps(report), flush=True)
@@ -215,15 +126,19 @@ def main() -> None:
             row = {"tokens": tokens, "linear": name, "floor_us": (n * k + 4 * n) / bw * 1e6, "us": {}, "err": {}}
             for _ in range(10):
                 spin @ spin
-            w8a16_out = _launch_fp8_linear(x, ws[0], scales[0]).float()
+            w8a16_out = _launch_fp8_linear(x, ws[0], scales[0], activations="exact").float()
             row["err"]["w8a16"] = ((w8a16_out - exact).norm() / exact.norm()).item()
             row["us"]["w8a16 default"] = graph_us(
-                [lambda j=j: _launch_fp8_linear(x, ws[j], scales[j]) for j in range(copies)], copies)
+                [lambda j=j: _launch_fp8_linear(x, ws[j], scales[j], activations="exact") for j in range(copies)],
+                copies)
+            row["op_us"] = graph_us([lambda j=j: _launch_fp8_linear(x, ws[j], scales[j]) for j in range(copies)],
+                                    copies)
             row["us"]["cublas bf16"] = graph_us(
                 [lambda j=j: torch.nn.functional.linear(x, w16[j]) for j in range(copies)], copies)
-            ref = split_act_ref(x, ws[0], scales[0])
+            ref = fp8_linear_split_ref(x, ws[0], scales[0]).float()
             row["err"]["split ref vs exact"] = ((ref - exact).norm() / exact.norm()).item()
-            cfgs = list(configs(tokens))
+            default = _split_block_sizes(tokens, n, k)
+            cfgs = list(dict.fromkeys([default, *configs(tokens)]))
             if args.quick:
                 cfgs = cfgs[:: max(1, len(cfgs) // 6)]
             best = None
@@ -246,6 +161,7 @@ def main() -> None:
             if best is not None:
                 op = best[2]
                 row["best"] = [str(best[0]), best[1]]
+                row["default"] = [str(default), row["us"].get(str(default))]
                 row["quantize_us"] = graph_us([op.quantize], 1, reps=50)
                 row["both_us"] = graph_us([lambda j=j: op(ws[j], scales[j]) for j in range(copies)], copies)
             report["rows"].append(row)

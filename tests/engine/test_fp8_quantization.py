@@ -90,10 +90,10 @@ def test_fp8_engine_equals_hf_and_peft_over_the_dequantized_weights(tiny_llama_d
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the PTX widening runs on CUDA (bf16)")
 def test_bf16_fp8_engine_widening_by_bit_moves_gives_the_exact_conversions_tokens(tiny_llama_dir, prompts,
                                                                                   monkeypatch):
-    """The default CUDA engine (bf16) widens e4m3 by bit moves (fp8_linear widen 2, value x 2^-120, 2^120 in the
-    epilogue); forced to Triton's exact conversion (widen 0), the same launch shapes give the same tokens and
-    logprobs to 1e-3: the widening is exact and only products below 2^-6 (fp32 subnormals when scaled) may round
-    differently."""
+    """With the weights widened (``activations="exact"``), the CUDA engine (bf16) widens e4m3 by bit moves
+    (fp8_linear widen 2, value x 2^-120, 2^120 in the epilogue); forced to Triton's exact conversion (widen 0), the
+    same launch shapes give the same tokens and logprobs to 1e-3: the widening is exact and only products below 2^-6
+    (fp32 subnormals when scaled) may round differently."""
     from loraplex.kernels import fp8_linear
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
@@ -104,12 +104,46 @@ def test_bf16_fp8_engine_widening_by_bit_moves_gives_the_exact_conversions_token
         return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
     assert fp8_linear.default_widen(torch.bfloat16, torch.device("cuda")) == 2
+    monkeypatch.setattr(fp8_linear, "default_activations", lambda dtype, device, num_tokens: "exact")
     bit_moves = run()
     monkeypatch.setattr(fp8_linear, "default_widen", lambda dtype, device: 0)
     converted = run()
     assert [o.token_ids for o in bit_moves] == [o.token_ids for o in converted]
     for a, b in zip(bit_moves, converted):
         assert abs(a.cumulative_logprob - b.cumulative_logprob) <= 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="split activations run on CUDA (16-bit)")
+def test_bf16_fp8_engine_with_split_activations_follows_the_exact_product(tiny_llama_dir, prompts, monkeypatch):
+    """The default CUDA engine (bf16) runs steps of up to 128 tokens on e4m3 tensor cores, each token's activations
+    split into two e4m3 terms (fp8_linear's SPLIT_ACTIVATIONS, ~2^-8 of each element). Against the same engine
+    widening the weights instead (the exact product): the exact engine's greedy tokens, read back teacher-forced
+    by both, get logprobs within 0.05 at every position (bf16 logits' own rounding is ~1e-2), and the split path
+    did run (a spy on its launcher)."""
+    from loraplex.kernels import fp8_linear
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    calls = []
+    launch_split = fp8_linear._launch_split
+    monkeypatch.setattr(fp8_linear, "_launch_split", lambda *a, **k: calls.append(1) or launch_split(*a, **k))
+
+    def logprobs(sequences):
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=256, quantization="fp8")
+        read = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in sequences], read)
+        return [[o.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))] for o, ids in zip(outs, sequences)]
+
+    with monkeypatch.context() as exact:
+        exact.setattr(fp8_linear, "default_activations", lambda dtype, device, num_tokens: "exact")
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=256, quantization="fp8")
+        generated = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        sequences = [p + list(g) for p, g in zip(prompts, generated)]
+        widened = logprobs(sequences)
+    assert calls == []
+    split = logprobs(sequences)
+    assert calls
+    worst = max(abs(a - b) for sa, sb in zip(split, widened) for a, b in zip(sa, sb))
+    assert worst <= 0.05, worst
 
 
 def test_smollm2_projection_errors_stay_within_e4m3_precision(smollm2_dir):

@@ -59,6 +59,7 @@ _PTR_TYPES = {
     torch.int32: "*i32",
     torch.int64: "*i64",
     torch.float8_e4m3fn: "*fp8e4nv",
+    torch.uint8: "*u8",
 }
 _KERNELS = {
     reshape_and_cache: ["_reshape_and_cache_kernel"],
@@ -68,7 +69,8 @@ _KERNELS = {
     rotary: ["_rotary_kernel"],
     rotary_and_cache: ["_rotary_and_cache_kernel", "_rotary_and_cache_lora_kernel"],
     activation: ["_silu_and_mul_kernel", "_act_and_mul_lora_kernel"],
-    fp8_linear: ["_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_fp8_split_sum_kernel"],
+    fp8_linear: ["_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_fp8_split_sum_kernel", "_split_activations_kernel",
+                 "_fp8_linear_split_kernel"],
     dense_linear: ["_dense_linear_kernel", "_dense_gemv_kernel"],
     lora_shrink: ["_lora_shrink_kernel"],
     lora_expand: ["_lora_expand_kernel"],
@@ -119,12 +121,15 @@ def pretend_cuda() -> dict[str, Recorder]:
     """Patch launch decisions to a 132-SM GPU and replace every kernel by a Recorder."""
     for module in (attention_decode, attention_prefill, lora_shrink, lora_expand, lora_fused, fp8_linear, dense_linear):
         for name in ("dot_dtype", "dot_precision", "_block_sizes", "_block_n", "partial_split_k", "decode_config",
-                     "prefill_tiles", "default_widen"):
+                     "prefill_tiles", "default_widen", "_split_activations_launch"):
             if hasattr(module, name):
                 setattr(module, name, _as_cuda(getattr(module, name)))
     for module in (rms_norm, rotary_and_cache, activation, attention_decode, attention_prefill, dense_linear, lora_shrink,
                    lora_expand, lora_fused, fp8_linear, reshape_and_cache, rotary):
         module.pdl_args = _hopper_pdl_args  # a Hopper launch's choice
+    fp8_linear._cuda_capability = lambda device: (9, 0)
+    default_activations = fp8_linear.default_activations
+    fp8_linear.default_activations = lambda dtype, device, num_tokens: default_activations(dtype, CUDA, num_tokens)
     attention_decode.num_sms = lambda device: 132
     lora_shrink.num_sms = lambda device: 132
     lora_fused.num_sms = lambda device: 132
@@ -362,11 +367,13 @@ def _lora_consumers_once(dtype: torch.dtype, hidden: int = 4096, inter: int = 11
 
 
 def _fp8(dtype: torch.dtype) -> None:
-    """FP8 linears (W8A16) at Llama-2-7B shapes: decode, 65-128 tokens (swapped operands, split-K) and prefill."""
+    """FP8 linears at Llama-2-7B shapes: decode, 65-128 tokens and prefill. bf16: split activations up to 128 tokens
+    (split-K for the narrow outputs), W8A16 after; fp32: W8A16 (token-major, swapped operands with split-K)."""
     for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
         weight = torch.zeros(n, k, dtype=fp8_linear.FP8_DTYPE)
-        for num_tokens in (1, 32, 64, 100, 128, 512):
-            fp8_linear.FP8_LINEAR.triton(torch.zeros(num_tokens, k, dtype=dtype), weight, torch.ones(n))
+        for num_tokens in (1, 16, 17, 32, 64, 100, 128, 512):
+            bias = torch.zeros(n, dtype=dtype) if num_tokens == 17 else None
+            fp8_linear.FP8_LINEAR.triton(torch.zeros(num_tokens, k, dtype=dtype), weight, torch.ones(n), bias)
 
 
 def _dense(dtype: torch.dtype) -> None:

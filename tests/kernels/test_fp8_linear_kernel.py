@@ -156,3 +156,119 @@ def test_default_widening_and_bad_widen():
     x, weight, scale, _ = _inputs(2, 16, 8, torch.float16, torch.device("cpu"), False)
     with pytest.raises(KernelArgumentError, match="widen=2 with torch.float16"):
         _launch_fp8_linear(x, weight, scale, widen=2)
+
+
+# --- split activations (SPLIT_ACTIVATIONS: e4m3 x e4m3 tensor cores, x as s * (h + l / 16)) ---
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every non-negative finite e4m3 value, ascending (0, the 7 subnormals, ..., 448)."""
+    codes = torch.tensor([b for b in range(0x7F)], dtype=torch.uint8)
+    return codes.view(FP8_DTYPE).to(torch.float32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_activation_split_rounds_every_value_and_tie_as_torch(kernel_device, dtype):
+    """``_split_activations_kernel``'s own e4m3 rounding (integer and fp32 operations) against torch's nearest-even
+    cast: every e4m3 value, every midpoint between neighbours (ties to even), points just off the midpoints, the
+    subnormal/normal boundary, both signs. Row amax 448 * 2^-3 makes x / s exact, so h and l are checked bit for bit
+    (the kernel takes 16-bit x on the GPU; fp32 x here holds the off-midpoint points exactly)."""
+    from loraplex.kernels.fp8_linear import split_activations
+
+    grid = _e4m3_grid()
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids * (1 + 2**-12), mids * (1 - 2**-12), torch.tensor([0.0155, 0.0157, 447.9])])
+    if dtype == torch.bfloat16:  # only the values bf16 holds exactly
+        values = values[values.to(torch.bfloat16).to(torch.float32) == values]
+    v = torch.cat([values, -values, torch.tensor([448.0])])
+    x = (v * 2.0**-3).to(dtype)
+    x = torch.stack([x, x.flip(0)]).to(kernel_device)
+    q = torch.empty(2, 2, x.shape[1], dtype=FP8_DTYPE, device=kernel_device)
+    s = torch.empty(2, dtype=torch.float32, device=kernel_device)
+    split_activations(x, q, s)
+    assert s.tolist() == [2.0**-3, 2.0**-3]
+    vx = x.to(torch.float32).cpu() / 2.0**-3
+    h = vx.to(FP8_DTYPE)
+    lo = ((vx - h.to(torch.float32)) * 16).to(FP8_DTYPE)
+    assert torch.equal(q[:, 0].cpu().view(torch.uint8), h.view(torch.uint8))
+    assert torch.equal(q[:, 1].cpu().view(torch.uint8), lo.view(torch.uint8))
+
+
+def test_split_activations_hold_x_to_two_to_the_minus_8():
+    """h + l / 16 carries two 3-bit mantissas: |split(x) - x| <= 2^-8 |x| + 2^-14 s per element (s = amax / 448; the
+    second term is l's subnormal spacing), finer than bf16's own rounding (2^-9 |x|) on average. Rows with an outlier
+    channel 1,000x the rest, as LLM activations have."""
+    from loraplex.kernels.fp8_linear import split_activations_ref
+
+    torch.manual_seed(3)
+    x = torch.randn(64, 4096) * torch.rand(64, 1) * 10
+    x[:, 17] *= 1000
+    got = split_activations_ref(x)
+    s = x.abs().amax(dim=1, keepdim=True) / 448
+    err = (got - x).abs()
+    assert (err <= 2.0**-8 * x.abs() + 2.0**-14 * s).all()
+    bf16_err = (x.to(torch.bfloat16).to(torch.float32) - x).abs()
+    assert err.mean() < bf16_err.mean()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 40, 24), (19, 72, 50)])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_activation_kernel_matches_its_reference(kernel_device, poison_allocations, dtype, shape, split, bias):
+    """The split path (activation split, e4m3 GEMM over the 2T rows of h and l, K split in ``split`` chunks summed
+    in order) against :func:`fp8_linear_split_ref`, relative to the terms' magnitude; K = 72 leaves a partial last
+    K tile; 19 tokens leave a partial row tile."""
+    from loraplex.kernels.fp8_linear import _launch_fp8_linear, fp8_linear_split_ref
+
+    x, weight, scale, b = _inputs(*shape, dtype, kernel_device, bias)
+    out = _launch_fp8_linear(x, weight, scale, b, config=(16, 16, 16, 4, 2, split), activations="split")
+    expected = fp8_linear_split_ref(x.cpu(), weight.cpu(), scale.cpu(), None if b is None else b.cpu())
+    assert out.dtype == dtype and out.shape == (shape[0], shape[2])
+    err = (out.double().cpu() - expected.double()).abs() / _magnitude(x, weight, scale, b).clamp_min(1.0)
+    assert err.max().item() <= TOL[dtype], err.max().item()
+    # and the split is not the exact product: the reference differs from the W8A16 loop somewhere
+    assert not torch.equal(fp8_linear_ref(x.cpu().float(), weight.cpu(), scale.cpu()),
+                           fp8_linear_split_ref(x.cpu().float().to(dtype), weight.cpu(), scale.cpu()).float())
+
+
+def test_split_activations_are_the_cuda_default_for_16_bit_decode_batches(monkeypatch):
+    """On CUDA devices of compute capability >= 9, 16-bit activations of 1-128 tokens take the split path; fp32,
+    longer batches, older devices and the CPU widen the weights. Bad ``activations`` values are refused."""
+    from loraplex.kernels import fp8_linear
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fp8_linear, "_cuda_capability", lambda device: (9, 0))
+    for dtype in (torch.bfloat16, torch.float16):
+        assert [fp8_linear.default_activations(dtype, cuda, t) for t in (1, 32, 128, 129)] == \
+            ["split", "split", "split", "exact"]
+    assert fp8_linear.default_activations(torch.float32, cuda, 32) == "exact"
+    assert fp8_linear.default_activations(torch.bfloat16, torch.device("cpu"), 32) == "exact"
+    monkeypatch.setattr(fp8_linear, "_cuda_capability", lambda device: (8, 9))
+    assert fp8_linear.default_activations(torch.bfloat16, cuda, 32) == "exact"
+    x, weight, scale, _ = _inputs(2, 16, 8, torch.float32, torch.device("cpu"), False)
+    with pytest.raises(KernelArgumentError, match="split activations take 16-bit x"):
+        fp8_linear._launch_fp8_linear(x, weight, scale, activations="split")
+    with pytest.raises(KernelArgumentError, match="activations='w8a8'"):
+        fp8_linear._launch_fp8_linear(x, weight, scale, activations="w8a8")
+
+
+def test_split_launch_shapes_are_the_measured_ones():
+    """RESULTS.md session 27 (H200, Llama-2-7B's linears): (BLOCK_R over the 2T rows, BLOCK_N, BLOCK_K, warps,
+    stages, SPLIT_K)."""
+    from loraplex.kernels.fp8_linear import _split_block_sizes
+
+    assert _split_block_sizes(1, 12288, 4096) == (16, 128, 256, 4, 4, 1)
+    assert _split_block_sizes(1, 4096, 4096) == (16, 64, 256, 4, 4, 1)
+    assert _split_block_sizes(1, 22016, 4096) == (16, 64, 128, 4, 4, 1)
+    assert _split_block_sizes(1, 4096, 11008) == (16, 64, 256, 4, 4, 1)
+    assert _split_block_sizes(32, 12288, 4096) == (64, 128, 256, 4, 4, 1)
+    assert _split_block_sizes(32, 4096, 4096) == (64, 64, 256, 4, 5, 1)
+    assert _split_block_sizes(32, 22016, 4096) == (64, 64, 128, 4, 4, 1)
+    assert _split_block_sizes(32, 4096, 11008) == (64, 64, 256, 4, 5, 2)
+    assert _split_block_sizes(128, 12288, 4096) == (128, 64, 128, 4, 3, 1)
+    assert _split_block_sizes(128, 4096, 4096) == (256, 64, 128, 4, 3, 2)
+    assert _split_block_sizes(128, 22016, 4096) == (128, 64, 128, 4, 3, 1)
+    assert _split_block_sizes(128, 4096, 11008) == (256, 64, 128, 4, 5, 4)
