@@ -276,7 +276,9 @@ def _split_activations_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, strid
         k = k0 + tl.arange(0, BLOCK)
         x_first = tl.load(x_ptr + t * stride_xt + k, mask=k < in_features, other=0.0).to(tl.float32)
         amax_k = tl.maximum(amax_k, tl.abs(x_first))
-    s = tl.maximum(tl.max(amax_k, axis=0), 1e-30) / 448.0
+    # IEEE divisions (div_rn): Triton's "/" on fp32 is the approximate div.full on the GPU (s = 56 / 448 read back as
+    # 0.12499999 on the H200, session 27), and h, l must be the roundings of x / s itself
+    s = tl.math.div_rn(tl.maximum(tl.max(amax_k, axis=0), 1e-30), 448.0)
     tl.store(s_ptr + t, s)
     for k0 in range(0, in_features, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
@@ -285,7 +287,7 @@ def _split_activations_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, strid
             x = x_first
         else:
             x = tl.load(x_ptr + t * stride_xt + k, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
         h_byte, h = _round_e4m3(v)
         l_byte, _ = _round_e4m3((v - h) * 16.0)
         tl.store(q_ptr + t * stride_qt + k, h_byte.to(tl.uint8), mask=mask)
@@ -466,21 +468,21 @@ def _split_block_sizes(num_tokens: int, out_features: int, in_features: int) -> 
     """(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) of the split-activation GEMM, BLOCK_R counting
     the 2T rows of h and l: from the H200 sweep of RESULTS.md session 27 (``benchmarks/diag_fp8_split_act.py``,
     Llama-2-7B's linears at 1, 32 and 128 tokens). Up to 32 tokens one row tile and 64-column weight tiles (256 long;
-    128 for wide outputs), down_proj's long reduction split in two from 17 tokens; from 33 tokens 128-row tiles, and
-    for narrow outputs (o, down) 256 rows and a split reduction."""
+    128 for wide outputs), down_proj's long reduction split in four (two from 17 tokens); from 33 tokens 128-row tiles,
+    and for down_proj 256 rows and a reduction split in two."""
     rows = 2 * num_tokens
     if rows <= 64:
         block_r = max(16, triton.next_power_of_2(rows))
         if in_features > 8192:
-            return block_r, 64, 256, 4, 5 if block_r == 64 else 4, 2 if num_tokens > 16 else 1
+            return (block_r, 64, 256, 4, 5, 2) if num_tokens > 16 else (block_r, 64, 256, 4, 3, 4)
         if out_features > 16384:
             return block_r, 64, 128, 4, 4, 1
         if out_features > 8192:
             return block_r, 128, 256, 4, 4, 1
         return block_r, 64, 256, 4, 5 if block_r == 64 else 4, 1
-    if out_features <= 8192:
-        return (256, 64, 128, 4, 5, 4) if in_features > 8192 else (256, 64, 128, 4, 3, 2)
-    return 128, 64, 128, 4, 3, 1
+    if in_features > 8192:
+        return 256, 64, 128, 4, 5, 2
+    return (128, 64, 128, 4, 5, 1) if out_features <= 8192 else (128, 64, 128, 4, 3, 1)
 
 
 def _split_activations_launch(in_features: int, device: torch.device) -> tuple[int, int]:
