@@ -61,7 +61,8 @@ WIDEN_EXPONENT = {torch.bfloat16: 120, torch.float16: 8, torch.float32: 120}
 # Split activations (CUDA, 16-bit x, at most SPLIT_MAX_TOKENS tokens; :func:`default_activations`): the weights go to
 # the e4m3 tensor cores as they are, and each token's activations, written once per call as two e4m3 terms, with them.
 SPLIT_ACTIVATIONS = ("out[t, n] = scale[n] * s[t] * sum_k float(weight[n, k]) * (h[t, k] + l[t, k] / 16) + bias[n],  "
-                     "s[t] = max_k |x[t, k]| / 448, h = e4m3(x / s), l = e4m3(16 * (x / s - h))  (nearest-even)")
+                     "s[t] = 2^ceil(log2(max_k |x[t, k]| / 448)), h = e4m3(x / s), l = e4m3(16 * (x / s - h))  "
+                     "(nearest-even)")
 SPLIT_MAX_TOKENS = 128
 
 
@@ -266,7 +267,7 @@ def _round_e4m3(v):
 def _split_activations_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, stride_qt, BLOCK: tl.constexpr,
                               ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
-    # One program per token (SPLIT_ACTIVATIONS): s[t] = max_k |x[t, k]| / 448, q[t, 0] = e4m3(x / s),
+    # One program per token (SPLIT_ACTIVATIONS): s[t] = 2^ceil(log2(max_k |x[t, k]| / 448)), q[t, 0] = e4m3(x / s),
     # q[t, 1] = e4m3(16 * (x / s - q[t, 0])). q_ptr: the [T, 2, K] e4m3 buffer as bytes.
     # ONE_PASS (in_features <= BLOCK): the row is read once and held in registers.
     t = tl.program_id(0).to(tl.int64)
@@ -276,9 +277,13 @@ def _split_activations_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, strid
         k = k0 + tl.arange(0, BLOCK)
         x_first = tl.load(x_ptr + t * stride_xt + k, mask=k < in_features, other=0.0).to(tl.float32)
         amax_k = tl.maximum(amax_k, tl.abs(x_first))
-    # IEEE divisions (div_rn): Triton's "/" on fp32 is the approximate div.full on the GPU (s = 56 / 448 read back as
-    # 0.12499999 on the H200, session 27), and h, l must be the roundings of x / s itself
-    s = tl.math.div_rn(tl.maximum(tl.max(amax_k, axis=0), 1e-30), 448.0)
+    # s: the power of two at or above amax / 448, so that x / s is x * (1 / s), exact (an IEEE division per element,
+    # div_rn, doubled the kernel's time on the H200; Triton's fp32 "/" is the approximate div.full there). The one
+    # division per row is div_rn: amax / 448 must round as the reference's.
+    t_bits = tl.math.div_rn(tl.maximum(tl.max(amax_k, axis=0), 1e-30), 448.0).to(tl.uint32, bitcast=True)
+    s_bits = (t_bits + 0x7FFFFF) & 0x7F800000  # round the (positive, normal) float up to a power of two
+    s = s_bits.to(tl.float32, bitcast=True)
+    inv_s = ((254 << 23) - s_bits).to(tl.float32, bitcast=True)  # 2^-e: exact
     tl.store(s_ptr + t, s)
     for k0 in range(0, in_features, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
@@ -287,7 +292,7 @@ def _split_activations_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, strid
             x = x_first
         else:
             x = tl.load(x_ptr + t * stride_xt + k, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0)
         h_byte, h = _round_e4m3(v)
         l_byte, _ = _round_e4m3((v - h) * 16.0)
         tl.store(q_ptr + t * stride_qt + k, h_byte.to(tl.uint8), mask=mask)
@@ -644,10 +649,17 @@ def fp8_linear_split_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return fp8_linear_ref(split_activations_ref(x), weight, scale, bias).to(x.dtype)
 
 
+def split_scale(amax: torch.Tensor) -> torch.Tensor:
+    """:data:`SPLIT_ACTIVATIONS`' ``s``: the least power of two at or above ``max(amax, 1e-30) / 448`` (float32)."""
+    t = amax.to(torch.float32).clamp_min(1e-30) / 448.0
+    mantissa, exponent = torch.frexp(t)  # t = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.where(mantissa == 0.5, t, torch.ldexp(torch.ones_like(t), exponent))
+
+
 def split_activations_ref(x: torch.Tensor) -> torch.Tensor:
     """``s[t] * (h[t, k] + l[t, k] / 16)`` in float32 (:data:`SPLIT_ACTIVATIONS`'s representation of ``x [T, K]``)."""
     xf = x.to(torch.float32)
-    s = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 448.0
+    s = split_scale(xf.abs().amax(dim=1, keepdim=True))
     v = (xf / s).clamp(-448.0, 448.0)
     h = v.to(FP8_DTYPE).to(torch.float32)
     lo = ((v - h) * 16.0).to(FP8_DTYPE).to(torch.float32)

@@ -195,17 +195,39 @@ def test_activation_split_rounds_every_value_and_tie_as_torch(kernel_device, dty
     assert torch.equal(q[:, 1].cpu().view(torch.uint8), lo.view(torch.uint8))
 
 
+@pytest.mark.interpreter
+def test_activation_split_scale_is_the_power_of_two_at_or_above_amax_over_448(kernel_device):
+    """s[t] = 2^ceil(log2(amax / 448)) (so that x / s is exact): at the powers' boundaries (amax 448 * 2^k, and one
+    bf16 step either side), zero rows (amax clamped to 1e-30), a tiny and a huge amax; the kernel's s equals
+    :func:`split_scale`'s, and its h / l stay the reference's."""
+    from loraplex.kernels.fp8_linear import split_activations, split_activations_ref, split_scale
+
+    amaxes = torch.tensor([56.0, 56.25, 55.75, 448.0, 100.0, 0.0, 3e-20, 3e30, 1.0])
+    x = torch.randn(len(amaxes), 64).clamp(-1, 1) * amaxes[:, None] * 0.5
+    x[:, 5] = amaxes
+    x = x.to(torch.bfloat16)
+    q = torch.empty(len(amaxes), 2, 64, dtype=FP8_DTYPE, device=kernel_device)
+    s = torch.empty(len(amaxes), dtype=torch.float32, device=kernel_device)
+    split_activations(x.to(kernel_device), q, s)
+    expected = split_scale(x.float().abs().amax(dim=1))
+    assert expected[:4].tolist() == [0.125, 0.25, 0.125, 1.0]
+    assert torch.equal(s.cpu(), expected)
+    got = (q[:, 0].float().cpu() + q[:, 1].float().cpu() / 16) * s.cpu()[:, None]
+    assert torch.equal(got, split_activations_ref(x))
+
+
 def test_split_activations_hold_x_to_two_to_the_minus_8():
-    """h + l / 16 carries two 3-bit mantissas: |split(x) - x| <= 2^-8 |x| + 2^-14 s per element (s = amax / 448; the
-    second term is l's subnormal spacing), finer than bf16's own rounding (2^-9 |x|) on average. Rows with an outlier
-    channel 1,000x the rest, as LLM activations have."""
-    from loraplex.kernels.fp8_linear import split_activations_ref
+    """h + l / 16 carries two 3-bit mantissas: |split(x) - x| <= 2^-8 |x| + 2^-14 s per element (s <= 2 amax / 448;
+    the second term is l's subnormal spacing), finer than bf16's own rounding (2^-9 |x|) on average. Rows with an
+    outlier channel 1,000x the rest, as LLM activations have."""
+    from loraplex.kernels.fp8_linear import split_activations_ref, split_scale
 
     torch.manual_seed(3)
     x = torch.randn(64, 4096) * torch.rand(64, 1) * 10
     x[:, 17] *= 1000
     got = split_activations_ref(x)
-    s = x.abs().amax(dim=1, keepdim=True) / 448
+    s = split_scale(x.abs().amax(dim=1, keepdim=True))
+    assert (s <= 2 * x.abs().amax(dim=1, keepdim=True) / 448).all()
     err = (got - x).abs()
     assert (err <= 2.0**-8 * x.abs() + 2.0**-14 * s).all()
     bf16_err = (x.to(torch.bfloat16).to(torch.float32) - x).abs()
@@ -220,11 +242,12 @@ def test_split_activations_hold_x_to_two_to_the_minus_8():
 def test_split_activation_kernel_matches_its_reference(kernel_device, poison_allocations, dtype, shape, split, bias):
     """The split path (activation split, e4m3 GEMM over the 2T rows of h and l, K split in ``split`` chunks summed
     in order) against :func:`fp8_linear_split_ref`, relative to the terms' magnitude; K = 72 leaves a partial last
-    K tile; 19 tokens leave a partial row tile."""
+    K tile (and split 3 an 8-column third chunk); 19 tokens leave a partial row tile."""
     from loraplex.kernels.fp8_linear import _launch_fp8_linear, fp8_linear_split_ref
 
     x, weight, scale, b = _inputs(*shape, dtype, kernel_device, bias)
-    out = _launch_fp8_linear(x, weight, scale, b, config=(16, 16, 16, 4, 2, split), activations="split")
+    # K tiles of 32: e4m3 tensor-core instructions reduce 32 at a time (16 gave wrong sums on the H200)
+    out = _launch_fp8_linear(x, weight, scale, b, config=(16, 16, 32, 4, 2, split), activations="split")
     expected = fp8_linear_split_ref(x.cpu(), weight.cpu(), scale.cpu(), None if b is None else b.cpu())
     assert out.dtype == dtype and out.shape == (shape[0], shape[2])
     err = (out.double().cpu() - expected.double()).abs() / _magnitude(x, weight, scale, b).clamp_min(1.0)
