@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loraplex.kernels.fp8_linear import (  # noqa: E402
+    ActivationSplit,
     _launch_fp8_linear,
     _split_block_sizes,
     fp8_linear_ref,
@@ -47,15 +48,14 @@ class SplitAct:
     def __init__(self, x: torch.Tensor, out_features: int, config: tuple[int, ...]):
         self.x, self.config = x, config
         t, k = x.shape
-        self.q = torch.empty((t, 2, k), dtype=torch.float8_e4m3fn, device=x.device)
-        self.s = torch.empty((t,), dtype=torch.float32, device=x.device)
+        self.split = ActivationSplit.empty(t, k, x.device)
         self.out = torch.empty((t, out_features), dtype=x.dtype, device=x.device)
 
     def quantize(self) -> None:
-        split_activations(self.x, self.q, self.s)
+        split_activations(self.x, self.split)
 
     def gemm(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return split_gemm(w, self.q, self.s, scale, None, self.out, self.config)
+        return split_gemm(w, self.split, scale, None, self.out, self.config)
 
     def __call__(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         self.quantize()

@@ -20,8 +20,9 @@ from loraplex.kernels._checks import (
     check_same_dtype,
     check_shape,
 )
-from loraplex.kernels._triton import cdiv, pdl_args, pdl_wait, require_triton, tl, triton
+from loraplex.kernels._triton import cdiv, next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
+from loraplex.kernels.fp8_linear import SPLIT_FUSED_MAX, ActivationSplit, split_activations, split_row, write_split_ref
 from loraplex.kernels.lora_delta import (CONSUMER_PAGES, LoRADelta, block_r, check_delta, delta_args,
                                          lora_delta_cols, lora_delta_pair, lora_delta_ref, lora_row_programs, paired,
                                          row_split, slice_of_columns, slot_pages, tile_columns)
@@ -45,15 +46,20 @@ def _gated(gate, up, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr,
-                         GELU_TANH: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, inter_size, stride_xt, stride_ot, stride_qt, BLOCK: tl.constexpr,
+                         GELU_TANH: tl.constexpr = False, SPLIT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
+    # grid (T, column tiles); SPLIT: one tile holds the whole row, whose split for an FP8 linear the program writes
+    # too (fp8_linear.split_row; q_ptr the [T, 2, I] e4m3 buffer as bytes, s_ptr [T])
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
     gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + inter_size + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + t * stride_ot + cols, _gated(gate, up, GELU_TANH), mask=mask)
+    out = _gated(gate, up, GELU_TANH)
+    tl.store(out_ptr + t * stride_ot + cols, out, mask=mask)
+    if SPLIT:
+        split_row(tl.where(mask, out.to(tl.float32), 0.0), q_ptr, s_ptr, t, cols, mask, inter_size, stride_qt)
 
 
 _LORA_BLOCK = 256  # columns per program with a LoRA delta (two [BLOCK, R] B tiles; fewer for ranks above 16)
@@ -161,11 +167,13 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
-                         gelu_tanh: bool = False, lora_blocks: tuple[int, int] | None = None) -> torch.Tensor:
+                         split: ActivationSplit | None = None, gelu_tanh: bool = False,
+                         lora_blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """Triton launch of :func:`silu_and_mul_ref` (one program per token and 1024 columns, 256 with ``lora``, and
-    over a paged pool several for a high-rank token, :func:`~loraplex.kernels.lora_delta.row_split`);
-    ``gelu_tanh`` switches the gate to :func:`gelu_tanh_and_mul_ref`'s. ``lora_blocks``: (columns per program,
-    num_warps) with ``lora`` (benchmarks)."""
+    over a paged pool several for a high-rank token, :func:`~loraplex.kernels.lora_delta.row_split`; with ``split``
+    one program per token holding the whole row, up to ``SPLIT_FUSED_MAX`` columns without ``lora``, else the split
+    by ``fp8_linear.split_activations`` after); ``gelu_tanh`` switches the gate to :func:`gelu_tanh_and_mul_ref`'s.
+    ``lora_blocks``: (columns per program, num_warps) with ``lora`` (benchmarks)."""
     require_triton(_OP)
     _check_args(x)
     if lora is not None:
@@ -176,7 +184,13 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
         out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)
     _check_out(x, out)
     check_last_dim_contiguous(_OP, "out", out)
+    if split is not None:
+        split.check(_OP, out)
     if num_tokens == 0 or inter_size == 0:
+        return out
+    if split is not None and (lora is not None or next_pow2(inter_size) > SPLIT_FUSED_MAX):
+        _launch_silu_and_mul(x, out=out, lora=lora, gelu_tanh=gelu_tanh, lora_blocks=lora_blocks)
+        split_activations(out, split)
         return out
     if lora is not None:
         gate, up = delta_args(lora, x, 0, inter_size), delta_args(lora, x, inter_size, inter_size)
@@ -190,15 +204,18 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
             num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out
-    _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, _BLOCK))](
-        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4,
+    block = next_pow2(inter_size) if split is not None else _BLOCK
+    _silu_and_mul_kernel[(num_tokens, cdiv(inter_size, block))](
+        x, out, split.q.view(torch.uint8) if split is not None else out, split.s if split is not None else out,
+        inter_size, x.stride(0), out.stride(0), split.q.stride(0) if split is not None else 0, BLOCK=block,
+        GELU_TANH=gelu_tanh, SPLIT=split is not None, num_warps=min(max(block // 1024, 4), 16),
         **pdl_args(x.device, _OP)
     )
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
-                     lora: LoRADelta | None = None) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                     split: ActivationSplit | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for a fused gate/up projection (plain torch: HF ``act_fn(gate) * up``).
 
     Args:
@@ -207,6 +224,8 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
         lora: optional expand of the folded gate/up linear that made ``x``
             (:class:`~loraplex.kernels.lora_delta.LoRADelta`): ``x`` is first replaced by ``x + delta`` rounded to
             its dtype.
+        split: optional :class:`~loraplex.kernels.fp8_linear.ActivationSplit` ``[T, 2, I]`` / ``[T]``, filled with
+            the output's split (``fp8_linear.SPLIT_ACTIVATIONS``) for the FP8 linear that reads it.
 
     Returns:
         ``[T, I]`` in x.dtype (``out`` when given).
@@ -215,40 +234,45 @@ def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
         KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
         TritonUnavailableError: Triton backend without triton installed.
     """
-    return _gated_ref(x, out, lora, torch.nn.functional.silu)
+    return _gated_ref(x, out, lora, split, torch.nn.functional.silu)
 
 
-def _gated_ref(x: torch.Tensor, out: torch.Tensor | None, lora: LoRADelta | None, act) -> torch.Tensor:
-    """``act(gate) * up`` of ``x + delta`` (the references' shared body)."""
+def _gated_ref(x: torch.Tensor, out: torch.Tensor | None, lora: LoRADelta | None, split: ActivationSplit | None,
+               act) -> torch.Tensor:
+    """``act(gate) * up`` of ``x + delta`` (the references' shared body), and its split into ``split``."""
     _check_args(x)
     if lora is not None:
         _check_halves(lora, x)
         x = lora_delta_ref(lora, x)
     gate, up = x.chunk(2, dim=-1)
     result = act(gate) * up
-    if out is None:
-        return result
-    _check_out(x, out)
-    return out.copy_(result)
+    if out is not None:
+        _check_out(x, out)
+        result = out.copy_(result)
+    if split is not None:
+        split.check(_OP, result)
+        write_split_ref(result, split)
+    return result
 
 
 SILU_AND_MUL = Op(
     name=_OP,
-    semantics="out[t, i] = silu(x'[t, i]) * x'[t, I + i], x' = x + delta (x without lora), x [T, 2I] -> out [T, I]",
+    semantics="out[t, i] = silu(x'[t, i]) * x'[t, I + i], x' = x + delta (x without lora), x [T, 2I] -> out [T, I]; "
+    "split <- SPLIT_ACTIVATIONS of out",
     reference=silu_and_mul_ref,
     triton=_launch_silu_and_mul,
 )
 
 
 
-def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None,
-                              lora: LoRADelta | None = None) -> torch.Tensor:
+def _launch_gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                              split: ActivationSplit | None = None) -> torch.Tensor:
     """Triton launch of :func:`gelu_tanh_and_mul_ref` (the SwiGLU kernel with the GeGLU gate)."""
-    return _launch_silu_and_mul(x, out=out, lora=lora, gelu_tanh=True)
+    return _launch_silu_and_mul(x, out=out, lora=lora, split=split, gelu_tanh=True)
 
 
-def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
-                          lora: LoRADelta | None = None) -> torch.Tensor:
+def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                          split: ActivationSplit | None = None) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (GeGLU, Gemma) for a fused gate/up projection (plain torch: HF
     ``ACT2FN["gelu_pytorch_tanh"](gate) * up``).
 
@@ -258,6 +282,8 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
         lora: optional expand of the folded gate/up linear that made ``x``
             (:class:`~loraplex.kernels.lora_delta.LoRADelta`): ``x`` is first replaced by ``x + delta`` rounded to
             its dtype.
+        split: optional :class:`~loraplex.kernels.fp8_linear.ActivationSplit` ``[T, 2, I]`` / ``[T]``, filled with
+            the output's split (``fp8_linear.SPLIT_ACTIVATIONS``) for the FP8 linear that reads it.
 
     Returns:
         ``[T, I]`` in x.dtype (``out`` when given).
@@ -266,13 +292,13 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None,
         KernelArgumentError: bad shape/dtype/layout or odd ``x.shape[1]``.
         TritonUnavailableError: Triton backend without triton installed.
     """
-    return _gated_ref(x, out, lora, lambda gate: torch.nn.functional.gelu(gate, approximate="tanh"))
+    return _gated_ref(x, out, lora, split, lambda gate: torch.nn.functional.gelu(gate, approximate="tanh"))
 
 
 GELU_TANH_AND_MUL = Op(
     name="gelu_tanh_and_mul",
     semantics="out[t, i] = gelu_tanh(x'[t, i]) * x'[t, I + i], x' = x + delta (x without lora), x [T, 2I] -> "
-    "out [T, I]",
+    "out [T, I]; split <- SPLIT_ACTIVATIONS of out",
     reference=gelu_tanh_and_mul_ref,
     triton=_launch_gelu_tanh_and_mul,
 )

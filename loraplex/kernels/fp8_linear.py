@@ -17,6 +17,7 @@ its other side; for long reductions split over K, the fp32 partial sums added in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -64,6 +65,9 @@ SPLIT_ACTIVATIONS = ("out[t, n] = scale[n] * s[t] * sum_k float(weight[n, k]) * 
                      "s[t] = 2^ceil(log2(max_k |x[t, k]| / 448)), h = e4m3(x / s), l = e4m3(16 * (x / s - h))  "
                      "(nearest-even)")
 SPLIT_MAX_TOKENS = 128
+# Rows the producing kernels (rms_norm, silu_and_mul) split in the same program, held whole in registers; longer rows
+# are split by split_activations after them.
+SPLIT_FUSED_MAX = 16384
 
 
 @triton.jit
@@ -264,39 +268,63 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _split_scale(amax):
+    """``(s, 1 / s)``: the power of two at or above ``max(amax, 1e-30) / 448`` and its exact reciprocal, so that
+    ``x / s`` is the multiply ``x * (1 / s)`` (an IEEE division per element, div_rn, doubled the split kernel's time
+    on the H200, and Triton's fp32 "/" is the approximate div.full there). The one division per row is div_rn:
+    ``amax / 448`` must round as the reference's."""
+    t_bits = tl.math.div_rn(tl.maximum(amax, 1e-30), 448.0).to(tl.uint32, bitcast=True)
+    s_bits = (t_bits + 0x7FFFFF) & 0x7F800000  # round the (positive, normal) float up to a power of two
+    return s_bits.to(tl.float32, bitcast=True), ((254 << 23) - s_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_split(x, inv_s, q_ptr, t, cols, mask, in_features, stride_qt):
+    """``q[t, 0, cols] = e4m3(x * inv_s)``, ``q[t, 1, cols] = e4m3(16 * (x * inv_s - q[t, 0, cols]))`` (fp32 ``x``;
+    ``q_ptr``: the ``[T, 2, K]`` e4m3 buffer as bytes)."""
+    v = tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0)
+    h_byte, h = _round_e4m3(v)
+    l_byte, _ = _round_e4m3((v - h) * 16.0)
+    tl.store(q_ptr + t * stride_qt + cols, h_byte.to(tl.uint8), mask=mask)
+    tl.store(q_ptr + t * stride_qt + in_features + cols, l_byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def split_row(x, q_ptr, s_ptr, t, cols, mask, in_features, stride_qt):
+    """:data:`SPLIT_ACTIVATIONS`' split of row ``t`` held whole in ``x`` (fp32, masked-off columns 0): ``s[t]`` and
+    ``q[t]``. For the kernels that make an FP8 linear's input (``rms_norm``, ``silu_and_mul``) to write it alongside
+    their output."""
+    s, inv_s = _split_scale(tl.max(tl.abs(x), axis=0))
+    tl.store(s_ptr + t, s)
+    _store_split(x, inv_s, q_ptr, t, cols, mask, in_features, stride_qt)
+
+
+@triton.jit
 def _split_activations_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, stride_qt, BLOCK: tl.constexpr,
                               ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
     # One program per token (SPLIT_ACTIVATIONS): s[t] = 2^ceil(log2(max_k |x[t, k]| / 448)), q[t, 0] = e4m3(x / s),
-    # q[t, 1] = e4m3(16 * (x / s - q[t, 0])). q_ptr: the [T, 2, K] e4m3 buffer as bytes.
-    # ONE_PASS (in_features <= BLOCK): the row is read once and held in registers.
+    # q[t, 1] = e4m3(16 * (x / s - q[t, 0])). q_ptr: the [T, 2, K] e4m3 buffer as bytes. ONE_PASS (in_features <=
+    # BLOCK): the row read once; else twice (amax, then the split) in BLOCK pieces.
     t = tl.program_id(0).to(tl.int64)
-    amax_k = tl.zeros([BLOCK], tl.float32)
-    x_first = amax_k
-    for k0 in range(0, in_features, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        x_first = tl.load(x_ptr + t * stride_xt + k, mask=k < in_features, other=0.0).to(tl.float32)
-        amax_k = tl.maximum(amax_k, tl.abs(x_first))
-    # s: the power of two at or above amax / 448, so that x / s is x * (1 / s), exact (an IEEE division per element,
-    # div_rn, doubled the kernel's time on the H200; Triton's fp32 "/" is the approximate div.full there). The one
-    # division per row is div_rn: amax / 448 must round as the reference's.
-    t_bits = tl.math.div_rn(tl.maximum(tl.max(amax_k, axis=0), 1e-30), 448.0).to(tl.uint32, bitcast=True)
-    s_bits = (t_bits + 0x7FFFFF) & 0x7F800000  # round the (positive, normal) float up to a power of two
-    s = s_bits.to(tl.float32, bitcast=True)
-    inv_s = ((254 << 23) - s_bits).to(tl.float32, bitcast=True)  # 2^-e: exact
-    tl.store(s_ptr + t, s)
-    for k0 in range(0, in_features, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        mask = k < in_features
-        if ONE_PASS:
-            x = x_first
-        else:
-            x = tl.load(x_ptr + t * stride_xt + k, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0)
-        h_byte, h = _round_e4m3(v)
-        l_byte, _ = _round_e4m3((v - h) * 16.0)
-        tl.store(q_ptr + t * stride_qt + k, h_byte.to(tl.uint8), mask=mask)
-        tl.store(q_ptr + t * stride_qt + in_features + k, l_byte.to(tl.uint8), mask=mask)
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < in_features
+        split_row(tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32), q_ptr, s_ptr, t, cols,
+                  mask, in_features, stride_qt)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, in_features, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < in_features, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        s, inv_s = _split_scale(tl.max(amax, axis=0))
+        tl.store(s_ptr + t, s)
+        for k0 in range(0, in_features, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = cols < in_features
+            x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+            _store_split(x, inv_s, q_ptr, t, cols, mask, in_features, stride_qt)
 
 
 @triton.jit
@@ -499,66 +527,108 @@ def _split_activations_launch(in_features: int, device: torch.device) -> tuple[i
     return block, 8 if block > 4096 else 4
 
 
-def split_activations(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
-    """Write :data:`SPLIT_ACTIVATIONS`' split of ``x [T, K]`` (16-bit, last dim contiguous): ``q [T, 2, K]``
-    ``float8_e4m3fn`` (contiguous; ``q[t, 0]`` = h, ``q[t, 1]`` = l) and ``s [T] float32``. Launched under its own
-    PDL name, ``fp8_split_activations`` (the "start" trigger: the GEMM after it launches and waits)."""
+@dataclasses.dataclass
+class ActivationSplit:
+    """:data:`SPLIT_ACTIVATIONS`' form of a ``[T, K]`` activation: ``q [T, 2, K] float8_e4m3fn`` (contiguous;
+    ``q[t, 0]`` = h, ``q[t, 1]`` = l) and ``s [T] float32``. The kernel that makes an FP8 linear's input can write it
+    (``rms_norm(..., split=)``, ``silu_and_mul(..., split=)``) and ``fp8_linear(..., split=)`` then reads it instead of
+    splitting its x again."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_tokens: int, in_features: int, device: torch.device) -> ActivationSplit:
+        return cls(torch.empty((num_tokens, 2, in_features), dtype=FP8_DTYPE, device=device),
+                   torch.empty((num_tokens,), dtype=torch.float32, device=device))
+
+    def check(self, op: str, x: torch.Tensor) -> None:
+        """Raises KernelArgumentError unless this holds the split of a tensor shaped and placed like ``x [T, K]``."""
+        check_dtype(op, "split.q", self.q, (FP8_DTYPE,))
+        check_shape(op, "split.q", self.q, (x.shape[0], 2, x.shape[1]))
+        check_dtype(op, "split.s", self.s, (torch.float32,))
+        check_shape(op, "split.s", self.s, (x.shape[0],))
+        check_device(op, "split.q", self.q, x.device)
+        check_device(op, "split.s", self.s, x.device)
+        if not self.q.is_contiguous():
+            raise KernelArgumentError(f"{op}: split.q must be contiguous")
+
+    def values(self) -> torch.Tensor:
+        """``s[t] * (h[t, k] + l[t, k] / 16)``, ``[T, K] float32``: the activations this split stands for."""
+        return (self.q[:, 0].to(torch.float32) + self.q[:, 1].to(torch.float32) / 16.0) * self.s[:, None]
+
+
+def split_activations(x: torch.Tensor, split: ActivationSplit) -> None:
+    """Write :data:`SPLIT_ACTIVATIONS`' split of ``x [T, K]`` (16-bit, last dim contiguous) into ``split``. Launched
+    under its own PDL name, ``fp8_split_activations`` (the "start" trigger: the GEMM after it launches and waits)."""
     block, warps = _split_activations_launch(x.shape[1], x.device)
     _split_activations_kernel[(x.shape[0],)](
-        x, q.view(torch.uint8), s, x.shape[1], x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=x.shape[1] <= block,
-        num_warps=warps, **pdl_args(x.device, "fp8_split_activations"),
+        x, split.q.view(torch.uint8), split.s, x.shape[1], x.stride(0), split.q.stride(0), BLOCK=block,
+        ONE_PASS=x.shape[1] <= block, num_warps=warps, **pdl_args(x.device, "fp8_split_activations"),
     )
+
+
+def write_split_ref(y: torch.Tensor, split: ActivationSplit) -> None:
+    """Plain torch: write :data:`SPLIT_ACTIVATIONS`' split of ``y [T, K]`` into ``split`` (the reference kernels'
+    counterpart of :func:`split_row`)."""
+    yf = y.to(torch.float32)
+    s = split_scale(yf.abs().amax(dim=1, keepdim=True))
+    v = (yf / s).clamp(-448.0, 448.0)
+    h = v.to(FP8_DTYPE)
+    split.q[:, 0].copy_(h)
+    split.q[:, 1].copy_(((v - h.to(torch.float32)) * 16.0).to(FP8_DTYPE))
+    split.s.copy_(s[:, 0])
 
 
 def _launch_split(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
-    """:data:`SPLIT_ACTIVATIONS`: the activations split into ``q [T, 2, K]`` e4m3 and ``s [T]``
-    (:func:`split_activations`), then the e4m3 GEMM (:func:`split_gemm`)."""
-    num_tokens, in_features = x.shape
-    q = torch.empty((num_tokens, 2, in_features), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((num_tokens,), dtype=torch.float32, device=x.device)
-    split_activations(x, q, s)
-    return split_gemm(weight, q, s, scale, bias, out, config)
+    """:data:`SPLIT_ACTIVATIONS`: the activations split (:func:`split_activations`), then the e4m3 GEMM
+    (:func:`split_gemm`)."""
+    split = ActivationSplit.empty(*x.shape, x.device)
+    split_activations(x, split)
+    return split_gemm(weight, split, scale, bias, out, config)
 
 
-def split_gemm(weight: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
     """``out [T, N]`` = :data:`SPLIT_ACTIVATIONS`' product of ``weight [N, K]`` e4m3 (``scale [N]`` fp32, ``bias``
-    ``[N]`` or None) with an activation split ``q [T, 2, K]``, ``s [T]`` (:func:`split_activations`); split over K when
-    ``config[5] > 1`` (fp32 partial sums, added in order by :func:`_fp8_split_sum_kernel`). ``config``: (BLOCK_R,
-    BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)."""
-    block_r, block_n, block_k, num_warps, num_stages, split = config
+    ``[N]`` or None) with an activation ``split``; the K reduction split in ``config[5]`` chunks when above 1 (fp32
+    partial sums, added in order by :func:`_fp8_split_sum_kernel`). ``config``: (BLOCK_R, BLOCK_N, BLOCK_K,
+    num_warps, num_stages, SPLIT_K)."""
+    block_r, block_n, block_k, num_warps, num_stages, split_k = config
+    q, s = split.q, split.s
     num_tokens, _, in_features = q.shape
     out_features = weight.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
-    split = triton.cdiv(in_features, k_per_split)
-    target = out if split == 1 else torch.empty((split, num_tokens, out_features), dtype=torch.float32,
-                                                device=out.device)
-    grid = (triton.cdiv(out_features, block_n), split, triton.cdiv(2 * num_tokens, block_r))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    split_k = triton.cdiv(in_features, k_per_split)
+    target = out if split_k == 1 else torch.empty((split_k, num_tokens, out_features), dtype=torch.float32,
+                                                  device=out.device)
+    grid = (triton.cdiv(out_features, block_n), split_k, triton.cdiv(2 * num_tokens, block_r))
     _fp8_linear_split_kernel[grid](
         weight, q, s, scale, bias if bias is not None else scale, target,
         num_tokens, out_features, in_features, k_per_split,
-        weight.stride(0), in_features, target.stride(-2), target.stride(0) if split > 1 else 0,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
+        weight.stride(0), in_features, target.stride(-2), target.stride(0) if split_k > 1 else 0,
+        HAS_BIAS=bias is not None, PARTIAL=split_k > 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out.device, _OP),
     )
-    if split > 1:
+    if split_k > 1:
         numel = num_tokens * out_features
         block = 1024 if out.device.type == "cuda" else 64
         _fp8_split_sum_kernel[(triton.cdiv(numel, block),)](
-            target, scale, bias if bias is not None else scale, out, numel, out_features, split, target.stride(0),
+            target, scale, bias if bias is not None else scale, out, numel, out_features, split_k, target.stride(0),
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(out.device, _OP),
         )
     return out
 
 
 def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None, *,
+                       bias: torch.Tensor | None = None, *, split: ActivationSplit | None = None,
                        config: tuple[int, ...] | None = None, widen: int | None = None,
                        activations: str | None = None) -> torch.Tensor:
     """Triton launch of :func:`fp8_linear_ref`. ``activations``: ``"exact"`` (the weights widened, W8A16) or
     ``"split"`` (:data:`SPLIT_ACTIVATIONS`, within :func:`fp8_linear_split_ref`'s rounding of x, 16-bit x only);
-    default :func:`default_activations`. ``config``, exact: (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    default :func:`default_activations`; a given ``split`` (of x, written by the kernel that made x) is used as it
+    is. ``config``, exact: (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages)
     override of the token-major kernel, or (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for the
     swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both); split: (BLOCK_R, BLOCK_N, BLOCK_K, num_warps,
     num_stages, SPLIT_K) (:func:`_split_block_sizes`). ``widen``: how the exact kernels widen the weight tile
@@ -577,6 +647,10 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
+    if split is not None:
+        split.check(_OP, x)
+        return split_gemm(weight, split, scale, bias, out,
+                          config or _split_block_sizes(num_tokens, out_features, in_features))
     if activations is None:
         activations = default_activations(x.dtype, x.device, num_tokens)
     if activations == "split":
@@ -611,7 +685,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, *, split: ActivationSplit | None = None) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T + bias`` over an FP8 weight (plain torch, fp32 math).
 
     Args:
@@ -619,6 +693,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         weight: ``[N, K]`` ``torch.float8_e4m3fn`` quantized weight.
         scale: ``[N]`` float32 per-output-channel scale (dequantized ``W = weight * scale``).
         bias: optional ``[N]`` bias in x.dtype.
+        split: optional :class:`ActivationSplit` of ``x``, which then stands for x (:data:`SPLIT_ACTIVATIONS`).
 
     Returns:
         ``[T, N]`` in x.dtype (accumulated in fp32).
@@ -628,7 +703,10 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         TritonUnavailableError: Triton backend without triton installed.
     """
     _check_args(x, weight, scale, bias)
-    out = (x.to(torch.float32) @ weight.to(torch.float32).T) * scale
+    if split is not None:
+        split.check(_OP, x)
+    xf = x.to(torch.float32) if split is None else split.values()
+    out = (xf @ weight.to(torch.float32).T) * scale
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)

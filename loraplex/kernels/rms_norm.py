@@ -25,6 +25,8 @@ from loraplex.kernels._triton import (LAUNCH_COUNTERS, cdiv, launch_counters, ne
 from loraplex.kernels.lora_delta import (CONSUMER_PAGES, LoRADelta, block_r, check_delta, delta_args,
                                          lora_delta_cols, lora_delta_ref, lora_row_programs, row_split, slot_pages,
                                          tile_columns)
+from loraplex.kernels.fp8_linear import (SPLIT_FUSED_MAX, ActivationSplit, split_activations, split_row,
+                                         write_split_ref)
 from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
@@ -42,11 +44,13 @@ def _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, s
 
 @triton.jit
 def _store_normed(out_ptr, weight_ptr, t, cols, mask, s, inv, stride_ot):
-    """``out = w * (s * inv)`` with HF's roundings (the normed value to s's dtype, the product to out's)."""
+    """``out = w * (s * inv)`` with HF's roundings (the normed value to s's dtype, the product to out's); returns
+    what it stored."""
     normed = (s.to(tl.float32) * inv).to(s.dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + t * stride_ot + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + cols, out, mask=mask)
+    return out
 
 
 @triton.jit
@@ -56,26 +60,33 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     residual_out_ptr,
+    q_ptr,
+    s_ptr,
     hidden_size,
     eps,
     stride_xt,
     stride_rt,
     stride_ot,
     stride_rot,
+    stride_qt,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SPLIT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
-    # One program per row; the whole row fits in one BLOCK_H tile.
+    # One program per row; the whole row fits in one BLOCK_H tile. SPLIT: out's split for an FP8 linear too
+    # (fp8_linear.split_row; q_ptr the [T, 2, H] e4m3 buffer as bytes, s_ptr [T]).
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
     x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     x = _add_residual(x, residual_ptr, residual_out_ptr, t, cols, mask, stride_rt, stride_rot, HAS_RESIDUAL)
     xf = x.to(tl.float32)
-    _store_normed(out_ptr, weight_ptr, t, cols, mask, x, tl.math.rsqrt(tl.sum(xf * xf, 0) / hidden_size + eps),
-                  stride_ot)
+    out = _store_normed(out_ptr, weight_ptr, t, cols, mask, x, tl.math.rsqrt(tl.sum(xf * xf, 0) / hidden_size + eps),
+                        stride_ot)
+    if SPLIT:
+        split_row(tl.where(mask, out.to(tl.float32), 0.0), q_ptr, s_ptr, t, cols, mask, hidden_size, stride_qt)
 
 
 # With a LoRA delta: rows up to this many columns in one tile, longer ones in two passes over pieces of _LORA_CHUNK
@@ -227,14 +238,21 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 def _launch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-    lora: LoRADelta | None = None, lora_blocks: tuple[int, int] | None = None,
+    lora: LoRADelta | None = None, split: ActivationSplit | None = None, lora_blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton launch of :func:`rms_norm_ref` (one program per row; with ``lora`` the row in one tile up to
     :data:`_LORA_ONE_PASS_MAX` columns, else two passes over 1024-column pieces, and over a paged pool a high-rank
-    slot's row split over several programs, :func:`row_split`). ``lora_blocks``: (columns per piece, num_warps)
-    override (benchmarks)."""
+    slot's row split over several programs, :func:`row_split`). ``split``: written by the same program (rows of up to
+    :data:`SPLIT_FUSED_MAX` columns, no ``lora``), else by ``fp8_linear.split_activations`` after. ``lora_blocks``:
+    (columns per piece, num_warps) override (benchmarks)."""
     require_triton(_OP)
     _check_args(x, weight, eps, residual)
+    if split is not None:
+        split.check(_OP, x)
+    if split is not None and (lora is not None or next_pow2(x.shape[1]) > SPLIT_FUSED_MAX):
+        result = _launch_rms_norm(x, weight, eps, residual, lora=lora, lora_blocks=lora_blocks)
+        split_activations(result if residual is None else result[0], split)
+        return result
     if lora is not None:
         check_delta(_OP, lora, x)
     check_last_dim_contiguous(_OP, "x", x)
@@ -275,14 +293,18 @@ def _launch_rms_norm(
         weight,
         out,
         residual_out if residual_out is not None else out,
+        split.q.view(torch.uint8) if split is not None else out,
+        split.s if split is not None else out,
         hidden_size,
         eps,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         residual_out.stride(0) if residual_out is not None else 0,
+        split.q.stride(0) if split is not None else 0,
         HAS_RESIDUAL=residual is not None,
         BLOCK_H=block_h,
+        SPLIT=split is not None,
         num_warps=min(max(block_h // 256, 1), 16), **pdl_args(x.device, _OP),
     )
     return out if residual_out is None else (out, residual_out)
@@ -290,7 +312,7 @@ def _launch_rms_norm(
 
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-    lora: LoRADelta | None = None,
+    lora: LoRADelta | None = None, split: ActivationSplit | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm, optionally fused with the residual add (plain torch: HF ``LlamaRMSNorm.forward`` after the add).
 
@@ -301,6 +323,8 @@ def rms_norm_ref(
         residual: optional ``[T, H]`` residual stream, dtype of ``x``.
         lora: optional expand of the folded linear that made ``x`` (:class:`~loraplex.kernels.lora_delta.LoRADelta`,
             one slice of H columns): ``x`` is first replaced by ``x + delta`` rounded to its dtype.
+        split: optional :class:`~loraplex.kernels.fp8_linear.ActivationSplit` ``[T, 2, H]`` / ``[T]``, filled with
+            out's split (``fp8_linear.SPLIT_ACTIVATIONS``) for the FP8 linear that reads out.
 
     Returns:
         ``out [T, H]`` when ``residual`` is None, else ``(out, x + residual)``; new ``[T, H]`` tensors in x.dtype.
@@ -317,13 +341,16 @@ def rms_norm_ref(
     sf = s.to(torch.float32)
     variance = sf.pow(2).mean(-1, keepdim=True)
     out = weight * (sf * torch.rsqrt(variance + eps)).to(x.dtype)
+    if split is not None:
+        split.check(_OP, x)
+        write_split_ref(out, split)
     return out if residual is None else (out, s)
 
 
 RMS_NORM = Op(
     name=_OP,
     semantics="s = (x + delta) + residual (without: s = x + delta; delta = 0 without lora); "
-    "out = w * (s * rsqrt(mean(s^2) + eps)); returns out or (out, s)",
+    "out = w * (s * rsqrt(mean(s^2) + eps)); returns out or (out, s); split <- SPLIT_ACTIVATIONS of out",
     reference=rms_norm_ref,
     triton=_launch_rms_norm,
 )

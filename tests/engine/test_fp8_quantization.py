@@ -146,6 +146,57 @@ def test_bf16_fp8_engine_with_split_activations_follows_the_exact_product(tiny_l
     assert worst <= 0.05, worst
 
 
+@pytest.mark.interpreter
+def test_fp8_engine_norms_and_activation_write_the_activation_split_for_the_gemm_after_them(tiny_llama_dir, prompts,
+                                                                                          monkeypatch):
+    """Split activations in the engine (the CPU interpreter here, bf16, the split path forced on as on an H200): each
+    RMSNorm writes its output's split for qkv_proj / gate_up_proj and the gated activation for down_proj, so per
+    layer and step only o_proj's input is split by the separate kernel; tokens and logprobs equal the same engine
+    splitting every linear's input itself (the same splits, bit for bit)."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the engine runs on the CPU here: Triton kernels need the interpreter (TRITON_INTERPRET=1)")
+    from loraplex.engine import llm_engine
+    from loraplex.engine.models import llama
+    from loraplex.kernels import fp8_linear
+
+    def split_on_cpu(dtype, device, num_tokens):
+        return "split" if dtype in (torch.bfloat16, torch.float16) and num_tokens <= fp8_linear.SPLIT_MAX_TOKENS \
+            else "exact"
+
+    monkeypatch.setattr(llm_engine, "default_backend", lambda device: "triton")
+    monkeypatch.setattr(fp8_linear, "default_activations", split_on_cpu)
+    monkeypatch.setattr(llama, "default_activations", split_on_cpu)
+    launches = []
+    split_activations = fp8_linear.split_activations
+    monkeypatch.setattr(fp8_linear, "split_activations",
+                        lambda x, split: launches.append(x.shape) or split_activations(x, split))
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, logprobs=3)
+
+    def run():
+        launches.clear()
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=64, quantization="fp8",
+                  dtype="bfloat16")
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        layers = len(llm.engine.model.layers)
+        hidden = llm.engine.model.layers[0].self_attn.o_proj.qweight.shape[1]
+        return outs, layers, hidden, list(launches)
+
+    fused, layers, hidden, fused_launches = run()
+    with monkeypatch.context() as unfused:
+        unfused.setattr(llama.LinearWithLoRA, "split_for", lambda self, num_tokens, like: None)
+        separate, _, _, separate_launches = run()
+    assert [o.token_ids for o in fused] == [o.token_ids for o in separate]
+    assert [o.logprobs for o in fused] == [o.logprobs for o in separate]
+    # every separate split is o_proj's (its input width), one per layer and step; without the producers' splits
+    # there are four per layer and step
+    assert fused_launches and all(shape[1] == hidden for shape in fused_launches)
+    assert len(separate_launches) == 4 * len(fused_launches)
+    assert len(fused_launches) % layers == 0
+
+
 def test_smollm2_projection_errors_stay_within_e4m3_precision(smollm2_dir):
     """Per-layer relative output error ``||x Wq^T - x W^T|| / ||x W^T||`` of every quantized
     projection on real activations (HF transformers forward, two held-out questions): e4m3's 3

@@ -238,6 +238,12 @@ def _elementwise(dtype: torch.dtype) -> None:
         torch.zeros(8, dtype=torch.int64), qkv[:, : 32 * 128], qkv[:, 32 * 128 : 40 * 128], cache, 128
     )
     activation.SILU_AND_MUL.triton(torch.zeros(8, 2 * 11008, dtype=dtype))
+    # FP8 models' producers writing the activation split (Llama-2-7B / Llama-3-8B widths; 28672 past SPLIT_FUSED_MAX)
+    split = fp8_linear.ActivationSplit.empty(8, 4096, torch.device("cpu"))
+    rms_norm.RMS_NORM.triton(x, torch.ones(4096, dtype=dtype), 1e-5, x, split=split)
+    for inter in (11008, 14336, 28672):
+        activation.SILU_AND_MUL.triton(torch.zeros(8, 2 * inter, dtype=dtype),
+                                       split=fp8_linear.ActivationSplit.empty(8, inter, torch.device("cpu")))
 
 
 def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 32) -> None:

@@ -174,7 +174,7 @@ def test_activation_split_rounds_every_value_and_tie_as_torch(kernel_device, dty
     cast: every e4m3 value, every midpoint between neighbours (ties to even), points just off the midpoints, the
     subnormal/normal boundary, both signs. Row amax 448 * 2^-3 makes x / s exact, so h and l are checked bit for bit
     (the kernel takes 16-bit x on the GPU; fp32 x here holds the off-midpoint points exactly)."""
-    from loraplex.kernels.fp8_linear import split_activations
+    from loraplex.kernels.fp8_linear import ActivationSplit, split_activations
 
     grid = _e4m3_grid()
     mids = (grid[1:] + grid[:-1]) / 2
@@ -184,9 +184,9 @@ def test_activation_split_rounds_every_value_and_tie_as_torch(kernel_device, dty
     v = torch.cat([values, -values, torch.tensor([448.0])])
     x = (v * 2.0**-3).to(dtype)
     x = torch.stack([x, x.flip(0)]).to(kernel_device)
-    q = torch.empty(2, 2, x.shape[1], dtype=FP8_DTYPE, device=kernel_device)
-    s = torch.empty(2, dtype=torch.float32, device=kernel_device)
-    split_activations(x, q, s)
+    split = ActivationSplit.empty(2, x.shape[1], kernel_device)
+    split_activations(x, split)
+    q, s = split.q, split.s
     assert s.tolist() == [2.0**-3, 2.0**-3]
     vx = x.to(torch.float32).cpu() / 2.0**-3
     h = vx.to(FP8_DTYPE)
@@ -207,15 +207,15 @@ def test_activation_split_scale_is_the_power_of_two_at_or_above_amax_over_448(ke
     """s[t] = 2^ceil(log2(amax / 448)) (so that x / s is exact): at the powers' boundaries (amax 448 * 2^k, and one
     bf16 step either side), zero rows (amax clamped to 1e-30), a tiny and a huge amax; the kernel's s equals
     :func:`split_scale`'s, and its h / l stay the reference's."""
-    from loraplex.kernels.fp8_linear import split_activations, split_activations_ref, split_scale
+    from loraplex.kernels.fp8_linear import ActivationSplit, split_activations, split_activations_ref, split_scale
 
     amaxes = torch.tensor([56.0, 56.25, 55.75, 448.0, 100.0, 0.0, 3e-20, 3e30, 1.0])
     x = torch.randn(len(amaxes), 64).clamp(-1, 1) * amaxes[:, None] * 0.5
     x[:, 5] = amaxes
     x = x.to(torch.bfloat16)
-    q = torch.empty(len(amaxes), 2, 64, dtype=FP8_DTYPE, device=kernel_device)
-    s = torch.empty(len(amaxes), dtype=torch.float32, device=kernel_device)
-    split_activations(x.to(kernel_device), q, s)
+    split = ActivationSplit.empty(len(amaxes), 64, kernel_device)
+    split_activations(x.to(kernel_device), split)
+    q, s = split.q, split.s
     expected = split_scale(x.float().abs().amax(dim=1))
     assert expected[:4].tolist() == [0.125, 0.25, 0.125, 1.0]
     assert torch.equal(s.cpu(), expected)

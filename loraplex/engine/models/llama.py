@@ -26,6 +26,7 @@ from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.host_copy import host_to_device
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.dense_linear import dense_linear_config
+from loraplex.kernels.fp8_linear import ActivationSplit, default_activations
 from loraplex.kernels.lora_delta import LoRADelta
 from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_linear import FOLD_MAX_TOKENS
@@ -228,6 +229,17 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         return self.forward_deferred(x, lora, defer=False)[0]
 
+    def split_for(self, num_tokens: int, like: torch.Tensor) -> ActivationSplit | None:
+        """Buffers for the activation split of this FP8 linear's input (``[num_tokens, in]`` of ``like``'s dtype and
+        device) where ``fp8_linear`` takes its split path
+        (:func:`~loraplex.kernels.fp8_linear.default_activations`), for the kernel that makes the input to fill
+        (``rms_norm`` / ``silu_and_mul`` with ``split=``); None where the path does not apply (an unquantized
+        linear, the reference kernels, fp32, long steps)."""
+        if (self.qweight is None or self.kernels.backend != "triton"
+                or default_activations(like.dtype, like.device, num_tokens) != "split"):
+            return None
+        return ActivationSplit.empty(num_tokens, self.qweight.shape[1], like.device)
+
     def forward_base(self, x: torch.Tensor, *, norm: RMSNorm | None = None, activation: str | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
         """The base linear alone (no LoRA; a complete, unquantized weight) with the neighbours it absorbs
@@ -237,18 +249,19 @@ class LinearWithLoRA(nn.Module):
                                          norm_eps=1e-6 if norm is None else norm.eps, activation=activation,
                                          residual=residual)
 
-    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None,
-                         defer: bool = True) -> tuple[torch.Tensor, LoRADelta | None]:
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None, defer: bool = True,
+                         split: ActivationSplit | None = None) -> tuple[torch.Tensor, LoRADelta | None]:
         """``(y, delta)``: with ``defer`` and a folded step (folded linear, LoRA tokens, at most
         ``FOLD_MAX_TOKENS`` tokens, no DoRA), ``y`` is the base output and ``delta`` its expand for the kernel that
         reads ``y`` next (``rms_norm``, ``silu_and_mul``, ``gelu_tanh_and_mul`` take ``lora=delta``); otherwise
-        ``(forward's y, None)``."""
+        ``(forward's y, None)``. ``split``: x's activation split (:meth:`split_for`, filled by the kernel that made
+        x), read by an FP8 weight's GEMM instead of splitting x again."""
         reduce = self.all_reduce
         dora = lora is not None and lora.dora and self.lora_gain is not None
         bias = self.bias if reduce is None and not dora else None  # else added last
         with_lora = lora is not None and bool(self.lora_a) and lora.mapping.has_lora
         if self.qweight is not None:
-            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias)
+            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split)
         elif with_lora and self.folded_weight is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS:
             # one GEMM: the base output (a row-strided view) and every page's shrink, read by the expand
             out = self.kernels.dense_linear(x, self.folded_weight, self.folded_bias if bias is not None else None)
@@ -282,9 +295,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: LoRADelta | None = None):
-        """``rms_norm``; ``lora``: the expand of the folded linear that made ``x``, added first."""
-        return self.kernels.rms_norm(x, self.weight, self.eps, residual, lora=lora)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                split: ActivationSplit | None = None):
+        """``rms_norm``; ``lora``: the expand of the folded linear that made ``x``, added first; ``split``: filled
+        with the output's activation split (for the FP8 linear that reads it)."""
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual, lora=lora, split=split)
 
 
 class Attention(nn.Module):
@@ -317,10 +332,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                lora: LoRABatch | None) -> tuple[torch.Tensor, LoRADelta | None]:
-        """``(o_proj's output, its deferred LoRA expand or None)``."""
+                lora: LoRABatch | None, split: ActivationSplit | None = None) -> tuple[torch.Tensor, LoRADelta | None]:
+        """``(o_proj's output, its deferred LoRA expand or None)``; ``split``: x's activation split for an FP8
+        qkv_proj."""
         # A folded qkv linear's expand is added by the rotary kernel, unless a per-head norm comes first.
-        qkv, delta = self.qkv_proj.forward_deferred(x, lora, defer=self.q_norm is None)
+        qkv, delta = self.qkv_proj.forward_deferred(x, lora, defer=self.q_norm is None, split=split)
         return self.o_proj.forward_deferred(self.attend(qkv, positions, cos_sin, kv, meta, delta), lora)
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -356,11 +372,15 @@ class MLP(nn.Module):
         self.activation = "gelu_tanh" if gelu else "silu"  # dense_linear's name for it
         self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, LoRADelta | None]:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None,
+                split: ActivationSplit | None = None) -> tuple[torch.Tensor, LoRADelta | None]:
         """``(down_proj's output, its deferred LoRA expand or None)``; gate/up's expand, if deferred, is added by
-        the activation kernel."""
-        gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)
-        return self.down_proj.forward_deferred(self.act_and_mul(gate_up, lora=delta), lora)
+        the activation kernel, which also writes an FP8 down_proj's activation split. ``split``: x's, for an FP8
+        gate_up_proj."""
+        gate_up, delta = self.gate_up_proj.forward_deferred(x, lora, split=split)
+        down_split = self.down_proj.split_for(gate_up.shape[0], gate_up)
+        act = self.act_and_mul(gate_up, lora=delta, split=down_split)
+        return self.down_proj.forward_deferred(act, lora, split=down_split)
 
 
 class DecoderLayer(nn.Module):
@@ -387,14 +407,17 @@ class DecoderLayer(nn.Module):
             hidden = hidden + self.post_attention_layernorm(attn, lora=delta)
             mlp, delta = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
             return hidden + self.post_feedforward_layernorm(mlp, lora=delta), None, None
+        # FP8 linears: each norm writes its output's activation split for the GEMM after it (None otherwise)
+        split = self.self_attn.qkv_proj.split_for(hidden.shape[0], hidden)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, split=split)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, lora=pending)
-        hidden, delta = self.self_attn(hidden, positions, cos_sin, kv, meta, lora)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, lora=delta)
-        hidden, pending = self.mlp(hidden, lora)
+            hidden, residual = self.input_layernorm(hidden, residual, lora=pending, split=split)
+        hidden, delta = self.self_attn(hidden, positions, cos_sin, kv, meta, lora, split=split)
+        split = self.mlp.gate_up_proj.split_for(hidden.shape[0], hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, lora=delta, split=split)
+        hidden, pending = self.mlp(hidden, lora, split=split)
         return hidden, residual, pending
 
     def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
