@@ -1,4 +1,4 @@
-"""Linear layer over FP8 (e4m3) weights with per-output-channel scales, 16/32-bit activations (W8A16).
+"""Linear layer over FP8 (e4m3) weights with per-output-channel scales, 16/32-bit activations.
 
 Semantics: :data:`FP8_LINEAR`. The weight is read as 1 byte per element (half the bytes of
 bf16: a decode step, bound by weight reads, moves half as much), widened to the activation
@@ -13,6 +13,13 @@ Two kernels compute it: the token-major one (a token tile times a weight tile tr
 tokens) and, from 65 to 128 tokens, the swapped-operand one (the weight tile as the dot's 64-row side, the tokens as
 its other side; for long reductions split over K, the fp32 partial sums added in a fixed order by a second kernel).
 :func:`_block_sizes` picks by token count and shape (H200 sweeps, benchmarks/RESULTS.md sessions 7, 13 and 18).
+
+On Hopper GPUs, 16-bit activations of up to :data:`SPLIT_MAX_TOKENS` tokens take a third path instead
+(:data:`SPLIT_ACTIVATIONS`, :func:`default_activations`): the weights go to the e4m3 tensor cores unwidened, and each
+token's activations, written once as two e4m3 terms ``s * (h + l / 16)`` (~2^-8 of each element, finer than bf16's own
+rounding; :func:`split_activations`, or the kernel that made them: ``rms_norm`` / ``silu_and_mul`` with ``split=``),
+with them: one e4m3 GEMM over the 2T rows of h and l (:func:`split_gemm`). At 32 tokens it reads a Llama-2-7B
+layer's weights at 0.72 of the copy bandwidth, where widening them reads at 0.38 (RESULTS.md session 27).
 """
 
 from __future__ import annotations
