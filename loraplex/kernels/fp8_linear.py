@@ -225,17 +225,25 @@ def _fp8_linear_swap_kernel(
         w = _widen_e4m3(w, WIDE, WIDEN)
         acc += tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=PRECISION)
     pdl_trigger(USE_PDL)
-    acc = acc * UNSCALE
+    _store_swapped(acc * UNSCALE, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, stride_ot, stride_os,
+                   HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, stride_ot, stride_os,
+                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """Epilogue of the swapped-operand kernels (``y [BLOCK_N, BLOCK_T]`` fp32, the weight's columns as rows):
+    PARTIAL, ``y`` to this K split's fp32 partials ``out[split]``; else ``scale[n] * y + bias[n]`` to ``out [T, N]``."""
     mask = col_mask[:, None] & row_mask[None, :]
     if PARTIAL:
         out = out_ptr + tl.program_id(1) * stride_os + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
-        tl.store(out, acc, mask=mask)
+        tl.store(out, y, mask=mask)
     else:
-        acc = acc * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[:, None]
+        y = y * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[:, None]
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+            y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
         out = out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -382,16 +390,8 @@ def _fp8_linear_split_kernel(
     rows = tl.program_id(2) * (BLOCK_R // 2) + tl.arange(0, BLOCK_R // 2)
     row_mask = rows < num_tokens
     y = (acc_h + acc_l * 0.0625) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[None, :]
-    mask = col_mask[:, None] & row_mask[None, :]
-    if PARTIAL:
-        out = out_ptr + tl.program_id(1) * stride_os + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
-        tl.store(out, y, mask=mask)
-    else:
-        y = y * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[:, None]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
-        out = out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, stride_ot, stride_os, HAS_BIAS,
+                   PARTIAL)
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
