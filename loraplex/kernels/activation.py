@@ -22,7 +22,8 @@ from loraplex.kernels._checks import (
 )
 from loraplex.kernels._triton import cdiv, next_pow2, pdl_args, pdl_wait, require_triton, tl, triton
 from loraplex.kernels.errors import KernelArgumentError
-from loraplex.kernels.fp8_linear import SPLIT_FUSED_MAX, ActivationSplit, split_activations, split_row, write_split_ref
+from loraplex.kernels.fp8_linear import (SPLIT_FUSED_MAX, ActivationSplit, check_split, split_activations, split_row,
+                                         write_split_ref)
 from loraplex.kernels.lora_delta import (CONSUMER_PAGES, LoRADelta, block_r, check_delta, delta_args,
                                          lora_delta_cols, lora_delta_pair, lora_delta_ref, lora_row_programs, paired,
                                          row_split, slice_of_columns, slot_pages, tile_columns)
@@ -185,7 +186,7 @@ def _launch_silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, lo
     _check_out(x, out)
     check_last_dim_contiguous(_OP, "out", out)
     if split is not None:
-        split.check(_OP, out)
+        check_split(_OP, split, out)
     if num_tokens == 0 or inter_size == 0:
         return out
     if split is not None and (lora is not None or next_pow2(inter_size) > SPLIT_FUSED_MAX):
@@ -250,7 +251,7 @@ def _gated_ref(x: torch.Tensor, out: torch.Tensor | None, lora: LoRADelta | None
         _check_out(x, out)
         result = out.copy_(result)
     if split is not None:
-        split.check(_OP, result)
+        check_split(_OP, split, result)
         write_split_ref(result, split)
     return result
 

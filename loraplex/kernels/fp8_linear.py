@@ -14,7 +14,7 @@ tokens) and, from 65 to 128 tokens, the swapped-operand one (the weight tile as 
 its other side; for long reductions split over K, the fp32 partial sums added in a fixed order by a second kernel).
 :func:`_block_sizes` picks by token count and shape (H200 sweeps, benchmarks/RESULTS.md sessions 7, 13 and 18).
 
-On Hopper GPUs, 16-bit activations of up to :data:`SPLIT_MAX_TOKENS` tokens take a third path instead
+On Hopper GPUs, bf16 activations of up to :data:`SPLIT_MAX_TOKENS` tokens take a third path instead
 (:data:`SPLIT_ACTIVATIONS`, :func:`default_activations`): the weights go to the e4m3 tensor cores unwidened, and each
 token's activations, written once as two e4m3 terms ``s * (h + l / 16)`` (~2^-8 of each element, finer than bf16's own
 rounding; :func:`split_activations`, or the kernel that made them: ``rms_norm`` / ``silu_and_mul`` with ``split=``),
@@ -66,11 +66,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 # 2^-126 become fp32 subnormals (held exactly on the H200: every-byte test), as in Marlin.
 WIDEN_EXPONENT = {torch.bfloat16: 120, torch.float16: 8, torch.float32: 120}
 
-# Split activations (CUDA, 16-bit x, at most SPLIT_MAX_TOKENS tokens; :func:`default_activations`): the weights go to
+# Split activations (Hopper, bf16 x, at most SPLIT_MAX_TOKENS tokens; :func:`default_activations`): the weights go to
 # the e4m3 tensor cores as they are, and each token's activations, written once per call as two e4m3 terms, with them.
 SPLIT_ACTIVATIONS = ("out[t, n] = scale[n] * s[t] * sum_k float(weight[n, k]) * (h[t, k] + l[t, k] / 16) + bias[n],  "
                      "s[t] = 2^ceil(log2(max_k |x[t, k]| / 448)), h = e4m3(x / s), l = e4m3(16 * (x / s - h))  "
-                     "(nearest-even)")
+                     "(nearest-even; a row holding NaN or inf: s = NaN, h = l = 0)")
 SPLIT_MAX_TOKENS = 128
 # Rows the producing kernels (rms_norm, silu_and_mul) split in the same program, held whole in registers; longer rows
 # are split by split_activations after them.
@@ -283,21 +283,31 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _split_scale(amax):
+def _nonfinite(x):
+    """1 where ``x`` (fp32) is NaN or infinite, else 0 (int32): ``tl.max`` and the clamps skip NaN."""
+    return ((x != x) | (tl.abs(x) > 3.4028234663852886e38)).to(tl.int32)
+
+
+@triton.jit
+def _split_scale(amax, nonfinite):
     """``(s, 1 / s)``: the power of two at or above ``max(amax, 1e-30) / 448`` and its exact reciprocal, so that
     ``x / s`` is the multiply ``x * (1 / s)`` (an IEEE division per element, div_rn, doubled the split kernel's time
     on the H200, and Triton's fp32 "/" is the approximate div.full there). The one division per row is div_rn:
-    ``amax / 448`` must round as the reference's."""
+    ``amax / 448`` must round as the reference's. A row holding NaN or inf (``nonfinite`` > 0): ``(NaN, 0)``, so its
+    q is 0 and every output of the row NaN."""
     t_bits = tl.math.div_rn(tl.maximum(amax, 1e-30), 448.0).to(tl.uint32, bitcast=True)
     s_bits = (t_bits + 0x7FFFFF) & 0x7F800000  # round the (positive, normal) float up to a power of two
-    return s_bits.to(tl.float32, bitcast=True), ((254 << 23) - s_bits).to(tl.float32, bitcast=True)
+    bad = nonfinite > 0
+    s = tl.where(bad, 0x7FC00000, s_bits).to(tl.float32, bitcast=True)
+    inv_s = tl.where(bad, 0, (254 << 23) - s_bits).to(tl.float32, bitcast=True)
+    return s, inv_s
 
 
 @triton.jit
 def _store_split(x, inv_s, q_ptr, t, cols, mask, in_features, stride_qt):
     """``q[t, 0, cols] = e4m3(x * inv_s)``, ``q[t, 1, cols] = e4m3(16 * (x * inv_s - q[t, 0, cols]))`` (fp32 ``x``;
     ``q_ptr``: the ``[T, 2, K]`` e4m3 buffer as bytes)."""
-    v = tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0)
+    v = tl.where(inv_s > 0, tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0), 0.0)  # 0: a NaN/inf row, h = l = +0
     h_byte, h = _round_e4m3(v)
     l_byte, _ = _round_e4m3((v - h) * 16.0)
     tl.store(q_ptr + t * stride_qt + cols, h_byte.to(tl.uint8), mask=mask)
@@ -309,7 +319,7 @@ def split_row(x, q_ptr, s_ptr, t, cols, mask, in_features, stride_qt):
     """:data:`SPLIT_ACTIVATIONS`' split of row ``t`` held whole in ``x`` (fp32, masked-off columns 0): ``s[t]`` and
     ``q[t]``. For the kernels that make an FP8 linear's input (``rms_norm``, ``silu_and_mul``) to write it alongside
     their output."""
-    s, inv_s = _split_scale(tl.max(tl.abs(x), axis=0))
+    s, inv_s = _split_scale(tl.max(tl.abs(x), axis=0), tl.max(_nonfinite(x), axis=0))
     tl.store(s_ptr + t, s)
     _store_split(x, inv_s, q_ptr, t, cols, mask, in_features, stride_qt)
 
@@ -329,11 +339,13 @@ def _split_activations_kernel(x_ptr, q_ptr, s_ptr, in_features, stride_xt, strid
                   mask, in_features, stride_qt)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
+        nonfinite = tl.zeros([BLOCK], tl.int32)
         for k0 in range(0, in_features, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + t * stride_xt + cols, mask=cols < in_features, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s, inv_s = _split_scale(tl.max(amax, axis=0))
+            nonfinite = tl.maximum(nonfinite, _nonfinite(x))
+        s, inv_s = _split_scale(tl.max(amax, axis=0), tl.max(nonfinite, axis=0))
         tl.store(s_ptr + t, s)
         for k0 in range(0, in_features, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
@@ -488,13 +500,14 @@ def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
 
 
 def default_activations(dtype: torch.dtype, device: torch.device, num_tokens: int) -> str:
-    """``"split"`` (:data:`SPLIT_ACTIVATIONS`: e4m3 x e4m3 tensor cores) for 16-bit activations of 1 to
-    :data:`SPLIT_MAX_TOKENS` tokens on CUDA devices of compute capability 9 or more, where it was measured (H200,
-    RESULTS.md session 27: a Llama-2-7B layer's four linears at 32 tokens in 65 µs of GEMM + 14 µs of activation
-    splits, against 124 µs widening the weights and 116 µs for cuBLAS bf16); otherwise ``"exact"`` (the weights
-    widened to the activations' dtype)."""
-    if (device.type == "cuda" and torch.version.hip is None and dtype in (torch.bfloat16, torch.float16)
-            and 1 <= num_tokens <= SPLIT_MAX_TOKENS and _cuda_capability(device)[0] >= 9):
+    """``"split"`` (:data:`SPLIT_ACTIVATIONS`: e4m3 x e4m3 tensor cores) for bf16 activations of 1 to
+    :data:`SPLIT_MAX_TOKENS` tokens on CUDA devices of compute capability 9 (Hopper), where it was measured (H200,
+    RESULTS.md session 27: a Llama-2-7B layer's four GEMMs at 32 tokens in 66 µs, against 126 µs widening the weights
+    and 119 µs for cuBLAS bf16); otherwise ``"exact"`` (the weights widened to the activations' dtype). Not fp16: the
+    split's ~8 bits are finer than bf16's rounding but coarser than fp16's (11). Not other devices: unmeasured, and
+    the launch shapes need Hopper's shared memory (compute capability 12 has 99 KB)."""
+    if (device.type == "cuda" and torch.version.hip is None and dtype == torch.bfloat16
+            and 1 <= num_tokens <= SPLIT_MAX_TOKENS and _cuda_capability(device)[0] == 9):
         return "split"
     return "exact"
 
@@ -549,25 +562,40 @@ class ActivationSplit:
         return cls(torch.empty((num_tokens, 2, in_features), dtype=FP8_DTYPE, device=device),
                    torch.empty((num_tokens,), dtype=torch.float32, device=device))
 
-    def check(self, op: str, x: torch.Tensor) -> None:
-        """Raises KernelArgumentError unless this holds the split of a tensor shaped and placed like ``x [T, K]``."""
-        check_dtype(op, "split.q", self.q, (FP8_DTYPE,))
-        check_shape(op, "split.q", self.q, (x.shape[0], 2, x.shape[1]))
-        check_dtype(op, "split.s", self.s, (torch.float32,))
-        check_shape(op, "split.s", self.s, (x.shape[0],))
-        check_device(op, "split.q", self.q, x.device)
-        check_device(op, "split.s", self.s, x.device)
-        if not self.q.is_contiguous():
-            raise KernelArgumentError(f"{op}: split.q must be contiguous")
 
     def values(self) -> torch.Tensor:
         """``s[t] * (h[t, k] + l[t, k] / 16)``, ``[T, K] float32``: the activations this split stands for."""
         return (self.q[:, 0].to(torch.float32) + self.q[:, 1].to(torch.float32) / 16.0) * self.s[:, None]
 
 
+def check_split(op: str, split: ActivationSplit, x: torch.Tensor) -> None:
+    """Raises KernelArgumentError unless ``split`` is an :class:`ActivationSplit` for a float tensor shaped and
+    placed like ``x [T, K]``: ``q [T, 2, K]`` e4m3 and ``s [T]`` float32, both contiguous."""
+    if not isinstance(split, ActivationSplit):
+        raise KernelArgumentError(f"{op}: split must be an ActivationSplit, not {type(split).__name__}")
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    check_dtype(op, "split.q", split.q, (FP8_DTYPE,))
+    check_shape(op, "split.q", split.q, (x.shape[0], 2, x.shape[1]))
+    check_dtype(op, "split.s", split.s, (torch.float32,))
+    check_shape(op, "split.s", split.s, (x.shape[0],))
+    check_device(op, "split.q", split.q, x.device)
+    check_device(op, "split.s", split.s, x.device)
+    if not (split.q.is_contiguous() and split.s.is_contiguous()):
+        raise KernelArgumentError(f"{op}: split.q and split.s must be contiguous")
+
+
 def split_activations(x: torch.Tensor, split: ActivationSplit) -> None:
-    """Write :data:`SPLIT_ACTIVATIONS`' split of ``x [T, K]`` (16-bit, last dim contiguous) into ``split``. Launched
-    under its own PDL name, ``fp8_split_activations`` (the "start" trigger: the GEMM after it launches and waits)."""
+    """Write :data:`SPLIT_ACTIVATIONS`' split of ``x [T, K]`` (last dim contiguous) into ``split``. Launched
+    under its own PDL name, ``fp8_split_activations`` (the "start" trigger: the GEMM after it launches and waits).
+
+    Raises:
+        KernelArgumentError: ``x`` not a float ``[T, K]`` with a contiguous last dim, or ``split`` not fitting it
+            (:func:`check_split`).
+    """
+    require_triton("split_activations")
+    check_shape("split_activations", "x", x, (None, None))
+    check_last_dim_contiguous("split_activations", "x", x)
+    check_split("split_activations", split, x)
     block, warps = _split_activations_launch(x.shape[1], x.device)
     _split_activations_kernel[(x.shape[0],)](
         x, split.q.view(torch.uint8), split.s, x.shape[1], x.stride(0), split.q.stride(0), BLOCK=block,
@@ -578,12 +606,9 @@ def split_activations(x: torch.Tensor, split: ActivationSplit) -> None:
 def write_split_ref(y: torch.Tensor, split: ActivationSplit) -> None:
     """Plain torch: write :data:`SPLIT_ACTIVATIONS`' split of ``y [T, K]`` into ``split`` (the reference kernels'
     counterpart of :func:`split_row`)."""
-    yf = y.to(torch.float32)
-    s = split_scale(yf.abs().amax(dim=1, keepdim=True))
-    v = (yf / s).clamp(-448.0, 448.0)
-    h = v.to(FP8_DTYPE)
+    s, h, lo = _split_terms(y)
     split.q[:, 0].copy_(h)
-    split.q[:, 1].copy_(((v - h.to(torch.float32)) * 16.0).to(FP8_DTYPE))
+    split.q[:, 1].copy_(lo)
     split.s.copy_(s[:, 0])
 
 
@@ -633,7 +658,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
                        config: tuple[int, ...] | None = None, widen: int | None = None,
                        activations: str | None = None) -> torch.Tensor:
     """Triton launch of :func:`fp8_linear_ref`. ``activations``: ``"exact"`` (the weights widened, W8A16) or
-    ``"split"`` (:data:`SPLIT_ACTIVATIONS`, within :func:`fp8_linear_split_ref`'s rounding of x, 16-bit x only);
+    ``"split"`` (:data:`SPLIT_ACTIVATIONS`, within :func:`fp8_linear_split_ref`'s rounding of x);
     default :func:`default_activations`; a given ``split`` (of x, written by the kernel that made x) is used as it
     is. ``config``, exact: (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages)
     override of the token-major kernel, or (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for the
@@ -642,8 +667,8 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     (:data:`WIDEN_EXPONENT`'s comment; default :func:`default_widen`).
 
     Raises:
-        KernelArgumentError: bad arguments (:func:`fp8_linear_ref`), ``activations`` not one of the two, split
-            activations in fp32, or a bad ``widen``.
+        KernelArgumentError: bad arguments (:func:`fp8_linear_ref`, :func:`check_split`), ``activations`` not one
+            of the two, a config of the other path's length, or a bad ``widen``.
     """
     require_triton(_OP)
     _check_args(x, weight, scale, bias)
@@ -655,14 +680,18 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if num_tokens == 0:
         return out
     if split is not None:
-        split.check(_OP, x)
+        check_split(_OP, split, x)
+        if config is not None and len(config) != 6:
+            raise KernelArgumentError(f"{_OP}: config {config} with a split: (BLOCK_R, BLOCK_N, BLOCK_K, num_warps, "
+                                      "num_stages, SPLIT_K)")
         return split_gemm(weight, split, scale, bias, out,
                           config or _split_block_sizes(num_tokens, out_features, in_features))
     if activations is None:
         activations = default_activations(x.dtype, x.device, num_tokens)
     if activations == "split":
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            raise KernelArgumentError(f"{_OP}: split activations take 16-bit x, not {x.dtype}")
+        if config is not None and len(config) != 6:
+            raise KernelArgumentError(f"{_OP}: config {config} with split activations: (BLOCK_R, BLOCK_N, BLOCK_K, "
+                                      "num_warps, num_stages, SPLIT_K)")
         return _launch_split(x, weight, scale, bias, out,
                              config or _split_block_sizes(num_tokens, out_features, in_features))
     if activations != "exact":
@@ -711,7 +740,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """
     _check_args(x, weight, scale, bias)
     if split is not None:
-        split.check(_OP, x)
+        check_split(_OP, split, x)
     xf = x.to(torch.float32) if split is None else split.values()
     out = (xf @ weight.to(torch.float32).T) * scale
     if bias is not None:
@@ -722,9 +751,12 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def fp8_linear_split_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """:data:`SPLIT_ACTIVATIONS` in plain torch (fp32 math, torch's nearest-even e4m3 casts): ``x`` as
-    ``s * (h + l / 16)``, then :func:`fp8_linear_ref`'s product. ``[T, K]`` 16-bit ``x`` -> ``[T, N]`` in x.dtype.
-    The split holds x to about 2^-8 of each element (two 3-bit mantissas), finer than x's own bf16 rounding
-    (session 27: relative output error 6e-4 against the exact product, W8A16's bf16 output rounding 1.7e-3).
+    ``s * (h + l / 16)``, then :func:`fp8_linear_ref`'s product. ``[T, K]`` ``x`` -> ``[T, N]`` in x.dtype.
+    The split holds x to about 2^-8 of each element (two 3-bit mantissas), finer than x's own bf16 rounding but not
+    fp16's (relative output error at K = 4096: ~1e-7 for bf16 x, 6.7e-4 for fp16 x). The GPU kernel adds its tensor
+    cores' e4m3 accumulation (Triton's sm_90 default: the whole K loop in their reduced-precision accumulator): on
+    the H200 the bf16 output's error against the exact product is 1.8e-3 at K = 4096 and 3.1e-3 at 11008, against
+    1.65e-3 for W8A16's (its bf16 rounding; RESULTS.md session 27).
 
     Raises:
         KernelArgumentError: as :func:`fp8_linear_ref`.
@@ -735,20 +767,28 @@ def fp8_linear_split_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 
 def split_scale(amax: torch.Tensor) -> torch.Tensor:
-    """:data:`SPLIT_ACTIVATIONS`' ``s``: the least power of two at or above ``max(amax, 1e-30) / 448`` (float32)."""
+    """:data:`SPLIT_ACTIVATIONS`' ``s``: the least power of two at or above ``max(amax, 1e-30) / 448`` (float32);
+    NaN where ``amax`` is NaN or inf (a row holding either)."""
     t = amax.to(torch.float32).clamp_min(1e-30) / 448.0
     mantissa, exponent = torch.frexp(t)  # t = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return torch.where(mantissa == 0.5, t, torch.ldexp(torch.ones_like(t), exponent))
+    s = torch.where(mantissa == 0.5, t, torch.ldexp(torch.ones_like(t), exponent))
+    return torch.where(torch.isfinite(t), s, torch.full_like(t, float("nan")))
+
+
+def _split_terms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s [T, 1], h [T, K], l [T, K])`` of :data:`SPLIT_ACTIVATIONS` in torch (h, l e4m3; 0 in a NaN-s row)."""
+    xf = x.to(torch.float32)
+    s = split_scale(xf.abs().amax(dim=1, keepdim=True))
+    v = (xf / s).clamp(-448.0, 448.0)
+    v = torch.where(torch.isnan(s), torch.zeros_like(v), v)
+    h = v.to(FP8_DTYPE)
+    return s, h, ((v - h.to(torch.float32)) * 16.0).to(FP8_DTYPE)
 
 
 def split_activations_ref(x: torch.Tensor) -> torch.Tensor:
     """``s[t] * (h[t, k] + l[t, k] / 16)`` in float32 (:data:`SPLIT_ACTIVATIONS`'s representation of ``x [T, K]``)."""
-    xf = x.to(torch.float32)
-    s = split_scale(xf.abs().amax(dim=1, keepdim=True))
-    v = (xf / s).clamp(-448.0, 448.0)
-    h = v.to(FP8_DTYPE).to(torch.float32)
-    lo = ((v - h) * 16.0).to(FP8_DTYPE).to(torch.float32)
-    return (h + lo / 16.0) * s
+    s, h, lo = _split_terms(x)
+    return (h.to(torch.float32) + lo.to(torch.float32) / 16.0) * s
 
 
 FP8_LINEAR = Op(

@@ -25,8 +25,8 @@ from loraplex.kernels._triton import (LAUNCH_COUNTERS, cdiv, launch_counters, ne
 from loraplex.kernels.lora_delta import (CONSUMER_PAGES, LoRADelta, block_r, check_delta, delta_args,
                                          lora_delta_cols, lora_delta_ref, lora_row_programs, row_split, slot_pages,
                                          tile_columns)
-from loraplex.kernels.fp8_linear import (SPLIT_FUSED_MAX, ActivationSplit, split_activations, split_row,
-                                         write_split_ref)
+from loraplex.kernels.fp8_linear import (SPLIT_FUSED_MAX, ActivationSplit, check_split, split_activations,
+                                         split_row, write_split_ref)
 from loraplex.kernels.op import Op
 
 _OP = "rms_norm"
@@ -248,7 +248,7 @@ def _launch_rms_norm(
     require_triton(_OP)
     _check_args(x, weight, eps, residual)
     if split is not None:
-        split.check(_OP, x)
+        check_split(_OP, split, x)
     if split is not None and (lora is not None or next_pow2(x.shape[1]) > SPLIT_FUSED_MAX):
         result = _launch_rms_norm(x, weight, eps, residual, lora=lora, lora_blocks=lora_blocks)
         split_activations(result if residual is None else result[0], split)
@@ -342,7 +342,7 @@ def rms_norm_ref(
     variance = sf.pow(2).mean(-1, keepdim=True)
     out = weight * (sf * torch.rsqrt(variance + eps)).to(x.dtype)
     if split is not None:
-        split.check(_OP, x)
+        check_split(_OP, split, x)
         write_split_ref(out, split)
     return out if residual is None else (out, s)
 

@@ -173,7 +173,7 @@ def test_activation_split_rounds_every_value_and_tie_as_torch(kernel_device, dty
     """``_split_activations_kernel``'s own e4m3 rounding (integer and fp32 operations) against torch's nearest-even
     cast: every e4m3 value, every midpoint between neighbours (ties to even), points just off the midpoints, the
     subnormal/normal boundary, both signs. Row amax 448 * 2^-3 makes x / s exact, so h and l are checked bit for bit
-    (the kernel takes 16-bit x on the GPU; fp32 x here holds the off-midpoint points exactly)."""
+    (the engine's x is bf16; fp32 x here holds the off-midpoint points exactly)."""
     from loraplex.kernels.fp8_linear import ActivationSplit, split_activations
 
     grid = _e4m3_grid()
@@ -264,25 +264,70 @@ def test_split_activation_kernel_matches_its_reference(kernel_device, poison_all
                            fp8_linear_split_ref(x.cpu().float().to(dtype), weight.cpu(), scale.cpu()).float())
 
 
-def test_split_activations_are_the_cuda_default_for_16_bit_decode_batches(monkeypatch):
-    """On CUDA devices of compute capability >= 9, 16-bit activations of 1-128 tokens take the split path; fp32,
-    longer batches, older devices and the CPU widen the weights. Bad ``activations`` values are refused."""
+def test_split_activations_are_the_hopper_default_for_bf16_decode_batches(monkeypatch):
+    """On CUDA devices of compute capability 9 (where it was measured), bf16 activations of 1-128 tokens take the
+    split path; fp16 (whose own rounding is finer than the split's), fp32, longer batches, other devices (compute
+    capability 12's 99 KB of shared memory does not hold the launch shapes) and the CPU widen the weights."""
     from loraplex.kernels import fp8_linear
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(fp8_linear, "_cuda_capability", lambda device: (9, 0))
-    for dtype in (torch.bfloat16, torch.float16):
-        assert [fp8_linear.default_activations(dtype, cuda, t) for t in (1, 32, 128, 129)] == \
-            ["split", "split", "split", "exact"]
+    assert [fp8_linear.default_activations(torch.bfloat16, cuda, t) for t in (1, 32, 128, 129)] == \
+        ["split", "split", "split", "exact"]
+    assert fp8_linear.default_activations(torch.float16, cuda, 32) == "exact"
     assert fp8_linear.default_activations(torch.float32, cuda, 32) == "exact"
     assert fp8_linear.default_activations(torch.bfloat16, torch.device("cpu"), 32) == "exact"
-    monkeypatch.setattr(fp8_linear, "_cuda_capability", lambda device: (8, 9))
-    assert fp8_linear.default_activations(torch.bfloat16, cuda, 32) == "exact"
-    x, weight, scale, _ = _inputs(2, 16, 8, torch.float32, torch.device("cpu"), False)
-    with pytest.raises(KernelArgumentError, match="split activations take 16-bit x"):
-        fp8_linear._launch_fp8_linear(x, weight, scale, activations="split")
+    for capability in ((8, 9), (10, 0), (12, 0)):
+        monkeypatch.setattr(fp8_linear, "_cuda_capability", lambda device, c=capability: c)
+        assert fp8_linear.default_activations(torch.bfloat16, cuda, 32) == "exact", capability
+
+
+@pytest.mark.interpreter
+def test_bad_split_arguments_are_refused(kernel_device):
+    """A split that is not an ActivationSplit, of the wrong shape, dtype or layout, and a config of the other path's
+    length: KernelArgumentError naming the argument; an unknown ``activations`` too."""
+    from loraplex.kernels import fp8_linear
+    from loraplex.kernels.fp8_linear import ActivationSplit, split_activations
+
+    x, weight, scale, _ = _inputs(3, 64, 8, torch.bfloat16, kernel_device, False)
+    good = ActivationSplit.empty(3, 64, kernel_device)
+    strided_s = torch.empty(6, device=kernel_device)[::2]
+    for bad, match in (((good.q, good.s), "must be an ActivationSplit"),
+                       (ActivationSplit.empty(3, 32, kernel_device), "split.q"),
+                       (ActivationSplit(good.q.view(torch.uint8), good.s), "split.q"),
+                       (ActivationSplit(good.q, good.s.double()), "split.s"),
+                       (ActivationSplit(good.q, strided_s), "contiguous")):
+        with pytest.raises(KernelArgumentError, match=match):
+            split_activations(x, bad)
+        with pytest.raises(KernelArgumentError, match=match):
+            fp8_linear._launch_fp8_linear(x, weight, scale, split=bad)
+    with pytest.raises(KernelArgumentError, match="config"):
+        fp8_linear._launch_fp8_linear(x, weight, scale, split=good, config=(16, 16, 32, 4, 2))
+    with pytest.raises(KernelArgumentError, match="config"):
+        fp8_linear._launch_fp8_linear(x, weight, scale, activations="split", config=(16, 16, 32, 4, 2))
     with pytest.raises(KernelArgumentError, match="activations='w8a8'"):
         fp8_linear._launch_fp8_linear(x, weight, scale, activations="w8a8")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_holding_nan_or_inf_gives_a_nan_row(kernel_device, bad):
+    """SPLIT_ACTIVATIONS: a row holding NaN or inf gets s = NaN and h = l = 0 (kernel and reference alike), so every
+    output of that row is NaN and the other rows are untouched (the max and the clamps would otherwise skip a NaN
+    and make it -448 s, and an inf would wrap 1/s)."""
+    from loraplex.kernels.fp8_linear import (ActivationSplit, _launch_fp8_linear, fp8_linear_split_ref,
+                                             split_activations, split_activations_ref)
+
+    x, weight, scale, _ = _inputs(3, 72, 24, torch.bfloat16, kernel_device, False)
+    x[1, 5] = bad
+    split = ActivationSplit.empty(3, 72, kernel_device)
+    split_activations(x, split)
+    assert torch.isnan(split.s[1]).item() and torch.isfinite(split.s[[0, 2]]).all().item()
+    assert not split.q[1].cpu().view(torch.uint8).any()
+    assert torch.equal(split.values().cpu().isnan(), split_activations_ref(x.cpu()).isnan())
+    out = _launch_fp8_linear(x, weight, scale, config=(16, 16, 32, 4, 2, 1), activations="split").cpu()
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+    assert torch.equal(out.isnan(), fp8_linear_split_ref(x.cpu(), weight.cpu(), scale.cpu()).isnan())
 
 
 def test_split_launch_shapes_are_the_measured_ones():
