@@ -1,5 +1,8 @@
 """FP8 (W8A16) linear launch shapes on the GPU: the Llama-2-7B layer's four linears at decode token counts.
 
+The weights-widened path (``activations="exact"``) throughout; the split-activation path the engine takes on Hopper
+for bf16 steps of up to 128 tokens is swept by ``benchmarks/diag_fp8_split_act.py``.
+
 For T in ``--tokens`` (default 1, 32, 128) and each linear (qkv 4096->12288, o 4096->4096, gate_up
 4096->22016, down 11008->4096): every launch shape of a grid (BLOCK_T, BLOCK_N, BLOCK_K, warps, stages; and for
 the swapped-operand kernel, whose weight tile is the dot's M side, also SPLIT_K), for each weight widening in
@@ -77,7 +80,7 @@ def check_every_byte(dev: torch.device, widens: list[int]) -> dict:
         w = values.repeat(64, 1024 // len(values) + 1)[:, :1024].contiguous().view(torch.float8_e4m3fn).to(dev)
         ref = fp8_linear_ref(x.float(), w, scale).float()
         for widen in widens:
-            got = _launch_fp8_linear(x, w, scale, widen=widen).float()
+            got = _launch_fp8_linear(x, w, scale, widen=widen, activations="exact").float()
             out[f"{name}, widen {widen}"] = ((got - ref).norm() / ref.norm()).item()
     return out
 
@@ -117,7 +120,8 @@ def main() -> None:
                 for cfg in dict.fromkeys([default, *configs(tokens)]):
                     label = f"widen {widen} {cfg}"
                     try:
-                        got = _launch_fp8_linear(x, ws[0], scales[0], config=cfg, widen=widen).float()
+                        got = _launch_fp8_linear(x, ws[0], scales[0], config=cfg, widen=widen,
+                                                 activations="exact").float()
                     except Exception as exc:  # noqa: BLE001 - a shape that does not compile (shared memory) is skipped
                         row[label] = f"failed: {type(exc).__name__}"
                         continue
@@ -126,7 +130,8 @@ def main() -> None:
                         row[label] = f"wrong: rel {rel:.3g}"
                         continue
                     candidates[label] = (lambda j, cfg=cfg, widen=widen:
-                                         _launch_fp8_linear(x, ws[j], scales[j], config=cfg, widen=widen))
+                                         _launch_fp8_linear(x, ws[j], scales[j], config=cfg, widen=widen,
+                                                            activations="exact"))
             candidates["cublas bf16"] = lambda j: torch.nn.functional.linear(x, w16[j])
             sa = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
             xq = (x.float() / sa).to(torch.float8_e4m3fn)
