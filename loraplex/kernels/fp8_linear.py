@@ -562,7 +562,6 @@ class ActivationSplit:
         return cls(torch.empty((num_tokens, 2, in_features), dtype=FP8_DTYPE, device=device),
                    torch.empty((num_tokens,), dtype=torch.float32, device=device))
 
-
     def values(self) -> torch.Tensor:
         """``s[t] * (h[t, k] + l[t, k] / 16)``, ``[T, K] float32``: the activations this split stands for."""
         return (self.q[:, 0].to(torch.float32) + self.q[:, 1].to(torch.float32) / 16.0) * self.s[:, None]
@@ -610,15 +609,6 @@ def write_split_ref(y: torch.Tensor, split: ActivationSplit) -> None:
     split.q[:, 0].copy_(h)
     split.q[:, 1].copy_(lo)
     split.s.copy_(s[:, 0])
-
-
-def _launch_split(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
-    """:data:`SPLIT_ACTIVATIONS`: the activations split (:func:`split_activations`), then the e4m3 GEMM
-    (:func:`split_gemm`)."""
-    split = ActivationSplit.empty(*x.shape, x.device)
-    split_activations(x, split)
-    return split_gemm(weight, split, scale, bias, out, config)
 
 
 def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -679,21 +669,19 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    if split is not None:
-        check_split(_OP, split, x)
-        if config is not None and len(config) != 6:
-            raise KernelArgumentError(f"{_OP}: config {config} with a split: (BLOCK_R, BLOCK_N, BLOCK_K, num_warps, "
-                                      "num_stages, SPLIT_K)")
-        return split_gemm(weight, split, scale, bias, out,
-                          config or _split_block_sizes(num_tokens, out_features, in_features))
-    if activations is None:
+    if split is None and activations is None:
         activations = default_activations(x.dtype, x.device, num_tokens)
-    if activations == "split":
+    if split is not None or activations == "split":
         if config is not None and len(config) != 6:
             raise KernelArgumentError(f"{_OP}: config {config} with split activations: (BLOCK_R, BLOCK_N, BLOCK_K, "
                                       "num_warps, num_stages, SPLIT_K)")
-        return _launch_split(x, weight, scale, bias, out,
-                             config or _split_block_sizes(num_tokens, out_features, in_features))
+        if split is None:
+            split = ActivationSplit.empty(num_tokens, in_features, x.device)
+            split_activations(x, split)
+        else:
+            check_split(_OP, split, x)
+        return split_gemm(weight, split, scale, bias, out,
+                          config or _split_block_sizes(num_tokens, out_features, in_features))
     if activations != "exact":
         raise KernelArgumentError(f"{_OP}: activations={activations!r} (\"exact\" or \"split\")")
     if config is None:

@@ -119,13 +119,13 @@ def test_bf16_fp8_engine_with_split_activations_follows_the_exact_product(tiny_l
     split into two e4m3 terms (fp8_linear's SPLIT_ACTIVATIONS, ~2^-8 of each element). Against the same engine
     widening the weights instead (the exact product): the exact engine's greedy tokens, read back teacher-forced
     by both, get logprobs within 0.05 at every position (bf16 logits' own rounding is ~1e-2), and the split path
-    did run (a spy on its launcher)."""
+    did run (a spy on its GEMM's launcher)."""
     from loraplex.kernels import fp8_linear
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
     calls = []
-    launch_split = fp8_linear._launch_split
-    monkeypatch.setattr(fp8_linear, "_launch_split", lambda *a, **k: calls.append(1) or launch_split(*a, **k))
+    split_gemm = fp8_linear.split_gemm
+    monkeypatch.setattr(fp8_linear, "split_gemm", lambda *a, **k: calls.append(1) or split_gemm(*a, **k))
 
     def logprobs(sequences):
         llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=256, quantization="fp8")

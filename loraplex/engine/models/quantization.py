@@ -8,7 +8,7 @@ compressed-tensors' ``float-quantized`` per-channel weights::
 
 LoRA stays in the model dtype; the products run in
 :data:`loraplex.kernels.fp8_linear.FP8_LINEAR`: on Hopper GPUs, at steps of up to 128 tokens, on e4m3
-tensor cores with each token's 16-bit activations split into two e4m3 terms (``SPLIT_ACTIVATIONS``,
+tensor cores with each token's bf16 activations split into two e4m3 terms (``SPLIT_ACTIVATIONS``,
 ~2^-8 of each element), otherwise with the weights widened to the activations' dtype (W8A16). The
 embeddings, the LM head and the norms stay unquantized (as in vLLM). A weight's relative error per
 element is at most 2^-4 (3 mantissa bits) for normal values.
