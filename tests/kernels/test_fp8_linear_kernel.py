@@ -248,17 +248,21 @@ def test_split_activations_hold_x_to_two_to_the_minus_8():
 @pytest.mark.parametrize("bias", [False, True])
 def test_split_activation_kernel_matches_its_reference(kernel_device, poison_allocations, dtype, shape, split, bias):
     """The split path (activation split, e4m3 GEMM over the 2T rows of h and l, K split in ``split`` chunks summed
-    in order) against :func:`fp8_linear_split_ref`, relative to the terms' magnitude; K = 72 leaves a partial last
-    K tile (and split 3 an 8-column third chunk); 19 tokens leave a partial row tile."""
-    from loraplex.kernels.fp8_linear import _launch_fp8_linear, fp8_linear_split_ref
+    in order) against a float64 loop over the split's values (and :func:`fp8_linear_split_ref` against it),
+    relative to the terms' magnitude; K = 72 leaves a partial last K tile (and split 3 an 8-column third chunk);
+    19 tokens leave a partial row tile."""
+    from loraplex.kernels.fp8_linear import _launch_fp8_linear, fp8_linear_split_ref, split_activations_ref
 
     x, weight, scale, b = _inputs(*shape, dtype, kernel_device, bias)
     # K tiles of 32: e4m3 tensor-core instructions reduce 32 at a time (16 gave wrong sums on the H200)
     out = _launch_fp8_linear(x, weight, scale, b, config=(16, 16, 32, 4, 2, split), activations="split")
-    expected = fp8_linear_split_ref(x.cpu(), weight.cpu(), scale.cpu(), None if b is None else b.cpu())
+    # the float64 loop over the split's values (torch's e4m3 casts), and the torch reference against the same loop
+    expected = _loop(split_activations_ref(x.cpu()), weight, scale, b)
+    reference = fp8_linear_split_ref(x.cpu(), weight.cpu(), scale.cpu(), None if b is None else b.cpu())
     assert out.dtype == dtype and out.shape == (shape[0], shape[2])
-    err = (out.double().cpu() - expected.double()).abs() / _magnitude(x, weight, scale, b).clamp_min(1.0)
-    assert err.max().item() <= TOL[dtype], err.max().item()
+    for got in (out, reference):
+        err = (got.double().cpu() - expected).abs() / _magnitude(x, weight, scale, b).clamp_min(1.0)
+        assert err.max().item() <= TOL[dtype], err.max().item()
     # and the split is not the exact product: the reference differs from the W8A16 loop somewhere
     assert not torch.equal(fp8_linear_ref(x.cpu().float(), weight.cpu(), scale.cpu()),
                            fp8_linear_split_ref(x.cpu().float().to(dtype), weight.cpu(), scale.cpu()).float())
