@@ -151,10 +151,12 @@ class EngineConfig:
     auto = on for each linear whose pool A rows (every page's) are at most its base rows, in pools of at most 16
     rank rows per page (the page sizes measured; on an H200, Llama-2-7B, r=16: 32 slots on every module took a
     batch-32 decode step from 8.69 to 6.16 ms, the 512-adapter q/v row of 256 slots from +2.75 to +1.36 ms per
-    decode step over the base model: benchmarks/RESULTS.md, session 17), off where a linear is FP8 or
-    row-parallel. A paged pool (lora_page_rows < max_lora_rank) folds every page; each token's expand reads its
+    decode step over the base model: benchmarks/RESULTS.md, session 17), off where a linear is row-parallel. An
+    FP8 linear folds where its GEMM takes split activations (bf16 on a compute capability 9 GPU, steps of at most
+    128 tokens; the A rows stay bf16, after the e4m3 weight's tiles in the same launch); on without that is
+    refused at start. A paged pool (lora_page_rows < max_lora_rank) folds every page; each token's expand reads its
     slot's pages through the page table. A large pool whose batches use few of its slots or pages reads its A for
-    nothing: off suits it. on: needs no fp8 and tensor_parallel_size 1."""
+    nothing: off suits it. on: needs tensor_parallel_size 1."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))
@@ -237,10 +239,9 @@ class EngineConfig:
             (merged["lora_target_modules"] is None or merged["enable_lora"], "lora_target_modules",
              "needs enable_lora"),
             (merged["lora_fold_shrink"] != "on" or merged["enable_lora"], "lora_fold_shrink", "on needs enable_lora"),
-            (merged["lora_fold_shrink"] != "on" or (merged["quantization"] is None
-                                                    and merged["tensor_parallel_size"] == 1),
-             "lora_fold_shrink", "on needs no quantization and tensor_parallel_size 1 (the folded GEMM is the "
-             "bf16/fp16/fp32 weight's, whole)"),
+            (merged["lora_fold_shrink"] != "on" or merged["tensor_parallel_size"] == 1,
+             "lora_fold_shrink", "on needs tensor_parallel_size 1 (a row-parallel linear's shrink would need its own "
+             "all-reduce before the expand)"),
             (merged["max_full_module_slots"] == 0 or merged["lora_target_modules"] is None
              or bool({"embed_tokens", "lm_head"} & set(module_names(merged["lora_target_modules"]) or ())),
              "max_full_module_slots", "needs embed_tokens or lm_head in lora_target_modules (the slots hold "

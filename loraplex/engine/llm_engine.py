@@ -180,9 +180,10 @@ class LLMEngine:
 
         pool = LoRASlotPool(self.adapter_spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device),
                             weights=self.tp.state.lora_weights if self.tp is not None else None)
-        if self.config.lora_fold_shrink == "on" and self.spec.checkpoint_quantization is not None:
-            raise ConfigError("lora_fold_shrink", "on", "is not implemented for an FP8 checkpoint (the folded GEMM "
-                              "is the bf16/fp16/fp32 weight's)")
+        if self.config.lora_fold_shrink == "on" and self.tp is None and any(
+                lin.qweight is not None and not lin.can_fold_shrink(self.dtype) for _, lin in self.model.lora_linears()):
+            raise ConfigError("lora_fold_shrink", "on", "with FP8 weights needs their GEMM's split activations (bf16 "
+                              f"on a compute capability 9 GPU, Triton kernels), not {self.dtype} on {self.device}")
         if bind_lora(self.model, pool.weights, self.config.lora_fold_shrink if self.tp is None else "off") \
                 and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights the folded ones replaced: to the KV cache, as with FP8
@@ -200,7 +201,7 @@ class LLMEngine:
             shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for lin in bound}
             check_add_lora(sorted(shapes), self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device,
                            page_rows=pool.weights.page_rows)
-            folded = {(lin.weight_in_features, tuple(lin.out_sizes)) for lin in bound if lin.folded_weight is not None}
+            folded = {(lin.weight_in_features, tuple(lin.out_sizes)) for lin in bound if lin.folded_a is not None}
             if folded:
                 check_folded_lora(sorted(folded), self.rank_spec.hidden_size, self.config.max_loras,
                                   self.config.max_lora_rank, self.dtype, self.device,

@@ -136,7 +136,9 @@ def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> boo
     where :func:`~loraplex.kernels.lora_linear.fold_shrink_pays` (of the pool's page rows), "off" none. A paged pool
     folds all its pages (each token's expand then reads its slot's pages through the page table). Returns whether
     any linear folded (the weights it replaced are free: on CUDA the caller returns them to the device before sizing
-    the KV cache). Raises ``ValueError`` when folding is asked of an FP8 or a row-parallel linear."""
+    the KV cache). An FP8 linear folds where its GEMM takes split activations (``LinearWithLoRA.can_fold_shrink``).
+    Raises ``ValueError`` when folding is asked of a linear that cannot fold (a row-parallel linear, or an FP8 one
+    without split activations)."""
     if fold_shrink not in ("on", "auto", "off"):
         raise ValueError(f"bind_lora: fold_shrink={fold_shrink!r}, expected 'on', 'auto' or 'off'")
     folded = False
@@ -146,7 +148,7 @@ def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> boo
             continue
         pages = [weights.a[layer][m] for m in lin.module_names]
         lora_rows = sum(a.shape[0] * a.shape[1] for a in pages)
-        if fold_shrink == "on" or (fold_shrink == "auto" and lin.qweight is None and lin.all_reduce is None
+        if fold_shrink == "on" or (fold_shrink == "auto" and lin.can_fold_shrink(pages[0].dtype)
                                    and fold_shrink_pays(sum(lin.out_sizes), lora_rows, weights.page_rows)):
             for module, view in zip(lin.module_names, lin.fold_lora_a(pages)):
                 weights.replace_a(layer, module, view)

@@ -225,41 +225,44 @@ def _fp8_linear_swap_kernel(
         w = _widen_e4m3(w, WIDE, WIDEN)
         acc += tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=PRECISION)
     pdl_trigger(USE_PDL)
-    _store_swapped(acc * UNSCALE, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, stride_ot, stride_os,
-                   HAS_BIAS, PARTIAL)
+    _store_swapped(acc * UNSCALE, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, col_mask, stride_ot,
+                   stride_os, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
-def _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, stride_ot, stride_os,
+def _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, scaled, stride_ot, stride_os,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    """Epilogue of the swapped-operand kernels (``y [BLOCK_N, BLOCK_T]`` fp32, the weight's columns as rows):
-    PARTIAL, ``y`` to this K split's fp32 partials ``out[split]``; else ``scale[n] * y + bias[n]`` to ``out [T, N]``."""
+    """Epilogue of the swapped-operand kernels (``y [BLOCK_N, BLOCK_T]`` fp32, the output's columns ``cols`` as rows):
+    PARTIAL, ``y`` to this K split's fp32 partials ``out[split]``; else ``scale[n] * y + bias[n]`` to ``out [T, N]``,
+    where ``scaled`` (the weight's columns; a folded shrink's columns past them take ``y`` as it is)."""
     mask = col_mask[:, None] & row_mask[None, :]
     if PARTIAL:
         out = out_ptr + tl.program_id(1) * stride_os + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
         tl.store(out, y, mask=mask)
     else:
-        y = y * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[:, None]
+        y = y * tl.load(scale_ptr + cols, mask=scaled, other=1.0)[:, None]
         if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+            y += tl.load(bias_ptr + cols, mask=scaled, other=0.0).to(tl.float32)[:, None]
         out = out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _fp8_split_sum_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, numel, out_features, split, stride_ps,
+def _fp8_split_sum_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, numel, out_features, out_columns, split, stride_ps,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
-    # out[t, n] = scale[n] * sum_s part[s, t, n] + bias[n], the splits summed in order (deterministic)
+    # out[t, n] = scale[n] * sum_s part[s, t, n] + bias[n], the splits summed in order (deterministic); out has
+    # out_columns columns, those past out_features (a folded shrink's) take the sum alone
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < numel
-    col = idx % out_features
+    col = idx % out_columns
+    scaled = mask & (col < out_features)
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(split):
         acc += tl.load(part_ptr + s * stride_ps + idx, mask=mask, other=0.0)
-    acc = acc * tl.load(scale_ptr + col, mask=mask, other=0.0)
+    acc = acc * tl.load(scale_ptr + col, mask=scaled, other=1.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(bias_ptr + col, mask=scaled, other=0.0).to(tl.float32)
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -361,12 +364,15 @@ def _fp8_linear_split_kernel(
     s_ptr,
     scale_ptr,
     bias_ptr,
+    a_ptr,
     out_ptr,
     num_tokens,
     out_features,
+    a_rows,
     in_features,
     k_per_split,
     stride_wn,
+    stride_an,
     stride_qr,
     stride_ot,
     stride_os,
@@ -375,35 +381,62 @@ def _fp8_linear_split_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_A: tl.constexpr,  # a folded LoRA shrink's column tiles after the weight's
+    DOT_DTYPE: tl.constexpr,  # of the a tiles' dot: a's dtype (dot_dtype)
+    PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     # SPLIT_ACTIVATIONS' GEMM: acc[n, r] = sum_k w[n, k] * q[r, k] over q's 2T rows (r = 2t: h, 2t + 1: l), e4m3 x
     # e4m3 on the tensor cores (the weight tile as the dot's M side, as in the swapped-operand kernel), then
     # out[t, n] = scale[n] * s[t] * (acc[n, 2t] + acc[n, 2t + 1] / 16) + bias[n]. Grid = (column tiles, K splits,
-    # row tiles).
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # row tiles). The column tiles past the weight's (a_rows > 0: a folded LoRA shrink) take rows of the 16-bit
+    # a [a_rows, K] instead, against q widened exactly to a's dtype: out[t, N + r] = s[t] * (acc[r, 2t] + ...).
+    base_tiles = tl.cdiv(out_features, BLOCK_N)
     qrows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col_mask = cols < out_features
     qrow_mask = qrows < 2 * num_tokens
     k_first = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_first + k_per_split, in_features)
     acc = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
-    for k0 in range(k_first, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_end
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
-                    mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
-        acc = tl.dot(w, q, acc)
+    if not HAS_A or tl.program_id(0) < base_tiles:
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < out_features
+        for k0 in range(k_first, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < k_end
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
+                        mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
+            acc = tl.dot(w, q, acc)
+    else:
+        a_idx = (tl.program_id(0) - base_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        a_mask = a_idx < a_rows
+        cols = out_features + a_idx
+        col_mask = a_mask
+        for k0 in range(k_first, k_end, BLOCK_K // 2):  # half the K tile: a 16-bit a tile takes the w tile's bytes
+            k = k0 + tl.arange(0, BLOCK_K // 2)
+            k_mask = k < k_end
+            a = tl.load(a_ptr + a_idx[:, None].to(tl.int64) * stride_an + k[None, :],
+                        mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+            q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
+                        mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
+            acc = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), acc, input_precision=PRECISION)
     pdl_trigger(USE_PDL)
     acc_h, acc_l = tl.split(tl.reshape(acc, [BLOCK_N, BLOCK_R // 2, 2]))
     rows = tl.program_id(2) * (BLOCK_R // 2) + tl.arange(0, BLOCK_R // 2)
     row_mask = rows < num_tokens
     y = (acc_h + acc_l * 0.0625) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[None, :]
-    _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, stride_ot, stride_os, HAS_BIAS,
-                   PARTIAL)
+    _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, cols < out_features, stride_ot,
+                   stride_os, HAS_BIAS, PARTIAL)
+
+
+def _check_lora_a(x: torch.Tensor, lora_a: torch.Tensor) -> None:
+    """``lora_a [R, K]``: x's dtype and device, last dim contiguous (KernelArgumentError)."""
+    check_shape(_OP, "lora_a", lora_a, (None, x.shape[1]))
+    check_same_dtype(_OP, "lora_a", lora_a, "x", x)
+    check_device(_OP, "lora_a", lora_a, x.device)
+    check_last_dim_contiguous(_OP, "lora_a", lora_a)
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -493,8 +526,8 @@ def _launch_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
         numel = num_tokens * out_features
         block = 1024 if x.device.type == "cuda" else 64
         _fp8_split_sum_kernel[(triton.cdiv(numel, block),)](
-            target, scale, bias if bias is not None else scale, out, numel, out_features, split, target.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(x.device, _OP),
+            target, scale, bias if bias is not None else scale, out, numel, out_features, out_features, split,
+            target.stride(0), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(x.device, _OP),
         )
     return out
 
@@ -612,41 +645,50 @@ def write_split_ref(y: torch.Tensor, split: ActivationSplit) -> None:
 
 
 def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor, bias: torch.Tensor | None,
-               out: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
+               out: torch.Tensor, config: tuple[int, int, int, int, int, int],
+               lora_a: torch.Tensor | None = None) -> torch.Tensor:
     """``out [T, N]`` = :data:`SPLIT_ACTIVATIONS`' product of ``weight [N, K]`` e4m3 (``scale [N]`` fp32, ``bias``
     ``[N]`` or None) with an activation ``split``; the K reduction split in ``config[5]`` chunks when above 1 (fp32
     partial sums, added in order by :func:`_fp8_split_sum_kernel`). ``config``: (BLOCK_R, BLOCK_N, BLOCK_K,
-    num_warps, num_stages, SPLIT_K)."""
+    num_warps, num_stages, SPLIT_K). With ``lora_a [R, K]`` (16-bit, last dim contiguous) ``out`` is ``[T, N + R]``
+    and its last R columns the split's product with ``lora_a``'s rows (no scale, no bias; column tiles after the
+    weight's, in the same launch)."""
     block_r, block_n, block_k, num_warps, num_stages, split_k = config
     q, s = split.q, split.s
     num_tokens, _, in_features = q.shape
     out_features = weight.shape[0]
+    a_rows = 0 if lora_a is None else lora_a.shape[0]
+    columns = out_features + a_rows
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     split_k = triton.cdiv(in_features, k_per_split)
-    target = out if split_k == 1 else torch.empty((split_k, num_tokens, out_features), dtype=torch.float32,
+    target = out if split_k == 1 else torch.empty((split_k, num_tokens, columns), dtype=torch.float32,
                                                   device=out.device)
-    grid = (triton.cdiv(out_features, block_n), split_k, triton.cdiv(2 * num_tokens, block_r))
+    grid = (triton.cdiv(out_features, block_n) + triton.cdiv(a_rows, block_n), split_k,
+            triton.cdiv(2 * num_tokens, block_r))
     _fp8_linear_split_kernel[grid](
-        weight, q, s, scale, bias if bias is not None else scale, target,
-        num_tokens, out_features, in_features, k_per_split,
-        weight.stride(0), in_features, target.stride(-2), target.stride(0) if split_k > 1 else 0,
+        weight, q, s, scale, bias if bias is not None else scale, lora_a if lora_a is not None else weight, target,
+        num_tokens, out_features, a_rows, in_features, k_per_split,
+        weight.stride(0), lora_a.stride(0) if lora_a is not None else 0, in_features, target.stride(-2),
+        target.stride(0) if split_k > 1 else 0,
         HAS_BIAS=bias is not None, PARTIAL=split_k > 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_A=lora_a is not None, DOT_DTYPE=dot_dtype(torch.bfloat16 if lora_a is None else lora_a.dtype, out.device),
+        PRECISION=dot_precision(torch.bfloat16 if lora_a is None else lora_a.dtype, out.device),
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out.device, _OP),
     )
     if split_k > 1:
-        numel = num_tokens * out_features
+        numel = num_tokens * columns
         block = 1024 if out.device.type == "cuda" else 64
         _fp8_split_sum_kernel[(triton.cdiv(numel, block),)](
-            target, scale, bias if bias is not None else scale, out, numel, out_features, split_k, target.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(out.device, _OP),
+            target, scale, bias if bias is not None else scale, out, numel, out_features, columns, split_k,
+            target.stride(0), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(out.device, _OP),
         )
     return out
 
 
 def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None = None, *, split: ActivationSplit | None = None,
-                       config: tuple[int, ...] | None = None, widen: int | None = None,
-                       activations: str | None = None) -> torch.Tensor:
+                       lora_a: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
+                       widen: int | None = None, activations: str | None = None) -> torch.Tensor:
     """Triton launch of :func:`fp8_linear_ref`. ``activations``: ``"exact"`` (the weights widened, W8A16) or
     ``"split"`` (:data:`SPLIT_ACTIVATIONS`, within :func:`fp8_linear_split_ref`'s rounding of x);
     default :func:`default_activations`; a given ``split`` (of x, written by the kernel that made x) is used as it
@@ -654,11 +696,13 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     override of the token-major kernel, or (BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for the
     swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both); split: (BLOCK_R, BLOCK_N, BLOCK_K, num_warps,
     num_stages, SPLIT_K) (:func:`_split_block_sizes`). ``widen``: how the exact kernels widen the weight tile
-    (:data:`WIDEN_EXPONENT`'s comment; default :func:`default_widen`).
+    (:data:`WIDEN_EXPONENT`'s comment; default :func:`default_widen`). ``lora_a`` (a folded LoRA shrink,
+    ``[T, N + R]`` out): split activations only; its columns are the split's product with its rows, bf16 x bf16 on
+    the tensor cores after the weight's column tiles in the same launch.
 
     Raises:
         KernelArgumentError: bad arguments (:func:`fp8_linear_ref`, :func:`check_split`), ``activations`` not one
-            of the two, a config of the other path's length, or a bad ``widen``.
+            of the two, a config of the other path's length, a bad ``widen``, or ``lora_a`` with the weights widened.
     """
     require_triton(_OP)
     _check_args(x, weight, scale, bias)
@@ -666,11 +710,17 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     check_last_dim_contiguous(_OP, "weight", weight)
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
-    out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
+    if lora_a is not None:
+        _check_lora_a(x, lora_a)
+    out = torch.empty((num_tokens, out_features + (0 if lora_a is None else lora_a.shape[0])), dtype=x.dtype,
+                      device=x.device)
     if num_tokens == 0:
         return out
     if split is None and activations is None:
         activations = default_activations(x.dtype, x.device, num_tokens)
+    if split is None and activations != "split" and lora_a is not None:
+        raise KernelArgumentError(f"{_OP}: lora_a (a folded shrink) takes split activations, not "
+                                  f"activations={activations!r} ({num_tokens} tokens of {x.dtype} on {x.device})")
     if split is not None or activations == "split":
         if config is not None and len(config) != 6:
             raise KernelArgumentError(f"{_OP}: config {config} with split activations: (BLOCK_R, BLOCK_N, BLOCK_K, "
@@ -681,7 +731,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         else:
             check_split(_OP, split, x)
         return split_gemm(weight, split, scale, bias, out,
-                          config or _split_block_sizes(num_tokens, out_features, in_features))
+                          config or _split_block_sizes(num_tokens, out_features, in_features), lora_a)
     if activations != "exact":
         raise KernelArgumentError(f"{_OP}: activations={activations!r} (\"exact\" or \"split\")")
     if config is None:
@@ -709,7 +759,8 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None = None, *, split: ActivationSplit | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, *, split: ActivationSplit | None = None,
+                   lora_a: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T + bias`` over an FP8 weight (plain torch, fp32 math).
 
     Args:
@@ -718,9 +769,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         scale: ``[N]`` float32 per-output-channel scale (dequantized ``W = weight * scale``).
         bias: optional ``[N]`` bias in x.dtype.
         split: optional :class:`ActivationSplit` of ``x``, which then stands for x (:data:`SPLIT_ACTIVATIONS`).
+        lora_a: optional ``[R, K]`` in x.dtype: a LoRA shrink folded into the GEMM (every slot's A rows,
+            ``LinearWithLoRA.fold_lora_a``); its R columns follow the weight's: ``x @ lora_a.T``, no scale, no bias.
 
     Returns:
-        ``[T, N]`` in x.dtype (accumulated in fp32).
+        ``[T, N]`` (with ``lora_a``: ``[T, N + R]``) in x.dtype (accumulated in fp32).
 
     Raises:
         KernelArgumentError: bad shape/dtype/device/layout.
@@ -729,10 +782,14 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _check_args(x, weight, scale, bias)
     if split is not None:
         check_split(_OP, split, x)
+    if lora_a is not None:
+        _check_lora_a(x, lora_a)
     xf = x.to(torch.float32) if split is None else split.values()
     out = (xf @ weight.to(torch.float32).T) * scale
     if bias is not None:
         out = out + bias.to(torch.float32)
+    if lora_a is not None:
+        out = torch.cat([out, xf @ lora_a.to(torch.float32).T], dim=1)
     return out.to(x.dtype)
 
 
@@ -781,7 +838,8 @@ def split_activations_ref(x: torch.Tensor) -> torch.Tensor:
 
 FP8_LINEAR = Op(
     name=_OP,
-    semantics="out[t, n] = scale[n] * sum_k x[t, k] * float(weight[n, k]) + bias[n]  (weight e4m3, fp32 accumulation)",
+    semantics="out[t, n] = scale[n] * sum_k x[t, k] * float(weight[n, k]) + bias[n]  (weight e4m3, fp32 accumulation);"
+    " with lora_a: out[t, N + r] = sum_k x[t, k] * lora_a[r, k]",
     reference=fp8_linear_ref,
     triton=_launch_fp8_linear,
 )

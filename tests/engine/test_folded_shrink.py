@@ -175,7 +175,6 @@ def test_auto_folds_the_linears_whose_pool_rows_are_small_and_off_folds_none(tin
 
 
 @pytest.mark.parametrize("fields, fragment", [
-    ({"quantization": "fp8"}, "no quantization"),
     ({"enable_lora": True, "lora_fold_shrink": "sometimes"}, "lora_fold_shrink"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 1"),
     ({"enable_lora": False}, "needs enable_lora"),

@@ -197,6 +197,127 @@ def test_fp8_engine_norms_and_activation_write_the_activation_split_for_the_gemm
     assert len(fused_launches) % layers == 0
 
 
+def _split_on_cpu(monkeypatch):
+    """The split path forced on as on an H200 (the CPU interpreter, 16-bit activations, Triton kernels)."""
+    from loraplex.engine import llm_engine
+    from loraplex.engine.models import llama
+    from loraplex.kernels import fp8_linear
+
+    def split_on_cpu(dtype, device, num_tokens):
+        return "split" if dtype in (torch.bfloat16, torch.float16) and num_tokens <= fp8_linear.SPLIT_MAX_TOKENS \
+            else "exact"
+
+    monkeypatch.setattr(llm_engine, "default_backend", lambda device: "triton")
+    monkeypatch.setattr(fp8_linear, "default_activations", split_on_cpu)
+    monkeypatch.setattr(llama, "default_activations", split_on_cpu)
+
+
+@pytest.mark.interpreter
+def test_fp8_engine_folds_the_lora_shrink_into_its_split_gemm(tiny_llama_dir, prompts, tmp_path, monkeypatch):
+    """FP8 weights with adapters, the split path forced on as on an H200 (the CPU interpreter, bf16): folded
+    (``lora_fold_shrink="on"``), each LoRA'd linear's shrink over every slot's bf16 A rows runs in its FP8 GEMM's
+    launch (``fp8_linear(..., lora_a=)``) and each expand in the kernel after the linear; no SGMV pair runs. Against
+    the unfolded engine (the SGMV pair over x, PEFT-exact in float32 above): the same greedy tokens for a batch of
+    two adapters and the base model (the first prompt with an adapter and without), and logprobs within 0.02 (the
+    folded shrink reads x's split, ~2^-8 of each element). ``auto`` folds here too, and the bf16 A rows are the pool's pages (views, written by installs)."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the engine runs on the CPU here: Triton kernels need the interpreter (TRITON_INTERPRET=1)")
+    from loraplex.kernels import fp8_linear
+
+    _split_on_cpu(monkeypatch)
+    adapters = [LoRARequest(name, i + 1, str(make_peft_adapter(tiny_llama_dir, tmp_path / name, r=8, alpha=16,
+                                                                   targets=targets, seed=21 + i)))
+                for i, (name, targets) in enumerate((("all", LINEARS), ("qv", ("q_proj", "v_proj"))))]
+    folded_gemms = []
+    split_gemm = fp8_linear.split_gemm
+    monkeypatch.setattr(fp8_linear, "split_gemm", lambda *a, **k: folded_gemms.append(
+        (a[6] if len(a) > 6 else k.get("lora_a")) is not None) or split_gemm(*a, **k))
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=3)
+
+    def run(fold):
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=64, quantization="fp8",
+                  dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, lora_fold_shrink=fold)
+        bound = [lin for _, lin in llm.engine.model.lora_linears() if lin.lora_a]
+        kernels = bound[0].kernels
+        sgmv = []
+        add_lora = kernels.add_lora
+        kernels.add_lora = lambda *a, **k: sgmv.append(1) or add_lora(*a, **k)
+        folded_gemms.clear()
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:1]], params,
+                                                    lora_request=[adapters[0], None, adapters[1], None])]
+        return llm, bound, outs, list(folded_gemms), len(sgmv)
+
+    llm, bound, folded, gemms, sgmv = run("on")
+    assert bound and all(lin.folded_a is not None and lin.folded_weight is None for lin in bound)
+    assert all(lin.folded_a.dtype == torch.bfloat16 and lin.qweight is not None for lin in bound)
+    weights = llm.engine.lora_pool.weights
+    assert any(weights.a[0][m].data_ptr() == bound[0].folded_a.data_ptr() for m in bound[0].module_names)
+    assert any(gemms) and sgmv == 0
+    _, unfolded_bound, unfolded, gemms, sgmv = run("off")
+    assert all(lin.folded_a is None for lin in unfolded_bound) and not any(gemms) and sgmv > 0
+    assert [o.token_ids for o in folded] == [o.token_ids for o in unfolded]
+    worst = max(abs(a[t] - b[t]) for fo, un in zip(folded, unfolded)
+                for a, b in zip(fo.logprobs, un.logprobs) for t in a if t in b)
+    assert worst <= 0.02, worst
+    assert folded[0].logprobs != folded[3].logprobs, "the adapter changes the first prompt's row"
+    _, auto_bound, _, _, _ = run("auto")
+    assert all(lin.folded_a is not None for lin in auto_bound)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="split activations run on CUDA (bf16, Hopper)")
+def test_bf16_fp8_engine_with_a_folded_shrink_follows_the_unfolded_engine(tiny_llama_dir, prompts, tmp_path):
+    """On the GPU (bf16, CUDA graphs, an H200 taking split activations): the FP8 engine with the LoRA shrink folded
+    into its split GEMMs (the default ``auto`` folds every linear here) against the same engine unfolded (the SGMV
+    pair): the unfolded engine's greedy tokens, read back teacher-forced by both with their adapters, get logprobs
+    within 0.05 at every position, and the adapters change them."""
+    from loraplex.kernels import fp8_linear
+
+    if fp8_linear.default_activations(torch.bfloat16, torch.device("cuda"), 32) != "split":
+        pytest.skip("this GPU takes no split activations (compute capability 9 only)")
+    adapters = [LoRARequest(name, i + 1, str(make_peft_adapter(tiny_llama_dir, tmp_path / name, r=8, alpha=16,
+                                                                   targets=targets, seed=31 + i)))
+                for i, (name, targets) in enumerate((("all", LINEARS), ("qv", ("q_proj", "v_proj"))))]
+    loras = [adapters[0], None, adapters[1], None]
+    batch = prompts + prompts[:1]
+    kw = dict(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=256, quantization="fp8",
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+
+    def logprobs(llm, sequences):
+        read = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in sequences], read, lora_request=loras)
+        return [[o.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))] for o, ids in zip(outs, sequences)]
+
+    unfolded = LLM(**kw, lora_fold_shrink="off")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    generated = [o.outputs[0].token_ids for o in unfolded.generate([{"prompt_token_ids": p} for p in batch], params,
+                                                                   lora_request=loras)]
+    sequences = [p + list(g) for p, g in zip(batch, generated)]
+    expected = logprobs(unfolded, sequences)
+    del unfolded
+    folded = LLM(**kw)
+    assert all(lin.folded_a is not None for _, lin in folded.engine.model.lora_linears() if lin.lora_a)
+    got = logprobs(folded, sequences)
+    worst = max(abs(a - b) for sa, sb in zip(got, expected) for a, b in zip(sa, sb))
+    assert worst <= 0.05, worst
+    assert expected[0] != expected[3], "the adapter changes the first prompt's row"
+
+
+def test_fold_on_with_fp8_weights_and_no_split_activations_is_refused(tiny_llama_dir):
+    """The FP8 fold runs in the split-activation GEMM only (bf16 on compute capability 9, Triton kernels): on
+    elsewhere (here the CPU's reference kernels) is refused at start, naming the field; auto folds none there."""
+    from loraplex.engine.config import ConfigError
+
+    kw = dict(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=64, quantization="fp8",
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    with pytest.raises(ConfigError, match="lora_fold_shrink.*split activations"):
+        LLM(**kw, lora_fold_shrink="on")
+    llm = LLM(**kw, lora_fold_shrink="auto")
+    assert all(lin.folded_a is None for _, lin in llm.engine.model.lora_linears())
+
+
 def test_smollm2_projection_errors_stay_within_e4m3_precision(smollm2_dir):
     """Per-layer relative output error ``||x Wq^T - x W^T|| / ||x W^T||`` of every quantized
     projection on real activations (HF transformers forward, two held-out questions): e4m3's 3

@@ -380,6 +380,10 @@ def _fp8(dtype: torch.dtype) -> None:
         for num_tokens in (1, 16, 17, 32, 64, 100, 128, 512):
             bias = torch.zeros(n, dtype=dtype) if num_tokens == 17 else None
             fp8_linear.FP8_LINEAR.triton(torch.zeros(num_tokens, k, dtype=dtype), weight, torch.ones(n), bias)
+            if dtype == torch.bfloat16 and num_tokens <= fp8_linear.SPLIT_MAX_TOKENS:
+                # a folded LoRA shrink: 32 slots x r16 bf16 A rows per slice after the weight's tiles
+                fp8_linear.FP8_LINEAR.triton(torch.zeros(num_tokens, k, dtype=dtype), weight, torch.ones(n), bias,
+                                             lora_a=torch.zeros(512 * (3 if n == 12288 else 1), k, dtype=dtype))
 
 
 def _dense(dtype: torch.dtype) -> None:

@@ -268,6 +268,53 @@ def test_split_activation_kernel_matches_its_reference(kernel_device, poison_all
                            fp8_linear_split_ref(x.cpu().float().to(dtype), weight.cpu(), scale.cpu()).float())
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(1, 40, 24), (19, 72, 50)])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("a_rows", [16, 37])
+def test_split_gemm_with_a_folded_lora_shrink(kernel_device, poison_allocations, shape, split, a_rows):
+    """``lora_a`` (a folded LoRA shrink: every slot's bf16 A rows): the launch's column tiles after the weight's
+    give ``out[:, N:] = split(x) @ lora_a.T`` (bf16 x bf16, no scale or bias), against a float64 loop over the
+    split's values, with the K reduction split too; the weight's columns are those of the launch without it, bit
+    for bit; 37 rows leave a partial A tile. The reference takes ``lora_a`` the same way."""
+    from loraplex.kernels.fp8_linear import (ActivationSplit, _launch_fp8_linear, split_activations,
+                                             split_activations_ref)
+
+    x, weight, scale, b = _inputs(*shape, torch.bfloat16, kernel_device, True)
+    lora_a = (torch.randn(a_rows, shape[1]) * 0.2).to(device=kernel_device, dtype=torch.bfloat16)
+    config = (16, 16, 32, 4, 2, split)
+    out = _launch_fp8_linear(x, weight, scale, b, lora_a=lora_a, config=config, activations="split")
+    assert out.shape == (shape[0], shape[2] + a_rows) and out.dtype == torch.bfloat16
+    assert torch.equal(out[:, :shape[2]], _launch_fp8_linear(x, weight, scale, b, config=config, activations="split"))
+    xs = split_activations_ref(x.cpu()).double()
+    expected = xs @ lora_a.cpu().double().T
+    magnitude = (xs.abs() @ lora_a.cpu().double().abs().T).clamp_min(1.0)
+    given = ActivationSplit.empty(shape[0], shape[1], kernel_device)
+    split_activations(x, given)
+    reference = fp8_linear_ref(x, weight, scale, b, split=given, lora_a=lora_a)
+    for got in (out[:, shape[2]:], reference[:, shape[2]:]):
+        err = (got.double().cpu() - expected).abs() / magnitude
+        assert err.max().item() <= TOL[torch.bfloat16], err.max().item()
+    assert torch.equal(reference[:, :shape[2]], fp8_linear_ref(x, weight, scale, b, split=given))
+
+
+@pytest.mark.interpreter
+def test_a_folded_shrink_takes_split_activations_and_x_dtype(kernel_device):
+    """``lora_a`` of another dtype, width or layout, or with the weights widened (``activations="exact"``):
+    KernelArgumentError naming it."""
+    from loraplex.kernels.fp8_linear import _launch_fp8_linear
+
+    x, weight, scale, _ = _inputs(3, 64, 8, torch.bfloat16, kernel_device, False)
+    good = torch.zeros(16, 64, dtype=torch.bfloat16, device=kernel_device)
+    for bad in (good.float(), good[:, :32], torch.zeros(64, 16, dtype=torch.bfloat16, device=kernel_device).T):
+        with pytest.raises(KernelArgumentError, match="lora_a"):
+            _launch_fp8_linear(x, weight, scale, lora_a=bad, activations="split")
+        with pytest.raises(KernelArgumentError, match="lora_a"):
+            fp8_linear_ref(x, weight, scale, lora_a=bad)
+    with pytest.raises(KernelArgumentError, match="lora_a.*split activations"):
+        _launch_fp8_linear(x, weight, scale, lora_a=good, activations="exact")
+
+
 def test_split_activations_are_the_hopper_default_for_bf16_decode_batches(monkeypatch):
     """On CUDA devices of compute capability 9 (where it was measured), bf16 activations of 1-128 tokens take the
     split path; fp16 (whose own rounding is finer than the split's), fp32, longer batches, other devices (compute

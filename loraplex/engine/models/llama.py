@@ -124,7 +124,8 @@ class LinearWithLoRA(nn.Module):
     DoRA steps (``LoRABatch.dora``), then: ``y[t] = gain[s] * (y[t] - bias) + bias`` (the bias added after
     the rescale; ``gain [S + 1, sum(out_i)]`` from ``LoRADeviceWeights.gain_columns``, 1 for non-DoRA slots).
     A folded linear (:meth:`fold_lora_a`) computes ``x @ A_i[s].T`` for every slot in its base GEMM at steps of up
-    to ``FOLD_MAX_TOKENS`` tokens; its output ``y`` is then a row-strided view of that GEMM's output.
+    to ``FOLD_MAX_TOKENS`` tokens (an FP8 weight: steps its GEMM takes with split activations,
+    ``fp8_linear.default_activations``); its output ``y`` is then a row-strided view of that GEMM's output.
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], module_names: list[str], bias: bool,
@@ -147,6 +148,9 @@ class LinearWithLoRA(nn.Module):
         # fold_lora_a(): [out + n·P·R, in], W's rows then each slice's A pages (weight and the pool's A are views)
         self.folded_weight: torch.Tensor | None = None
         self.folded_bias: torch.Tensor | None = None  # the bias, zeros under the A rows (when there is a bias)
+        # fold_lora_a(): every slice's A pages [n·P·R, in] in the model dtype (folded_weight's rows past W, or for an
+        # FP8 weight a tensor of their own, read by fp8_linear's split GEMM after the weight's column tiles)
+        self.folded_a: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # FP8 weight [out, in] once quantize_fp8() ran
         self.weight_scale: torch.Tensor | None = None  # its per-output-channel scale [out] float32
         # Row-parallel (tensor parallelism): sums the ranks' partial outputs, LoRA delta included; the
@@ -187,32 +191,50 @@ class LinearWithLoRA(nn.Module):
         rows, then slice 0's pages, slice 1's, ...), so that one GEMM gives a step's base output and every page's
         shrink (:meth:`forward`, steps of at most ``FOLD_MAX_TOKENS`` tokens; the expand then reads each token's own
         slot's pages of those columns through the page table). ``weight`` becomes a
-        view of it. Returns the views of ``lora_a`` (contents copied) that the pool holds from now on
+        view of it. An FP8 weight (:meth:`can_fold_shrink`) keeps its e4m3 rows; the A pages, in the model dtype,
+        go to ``folded_a [n·P·R, in]`` of their own, which ``fp8_linear``'s split GEMM reads after the weight's column
+        tiles in the same launch. Returns the views of ``lora_a`` (contents copied) that the pool holds from now on
         (``LoRADeviceWeights.replace_a``).
 
-        Raises ``ValueError`` for an FP8 weight, a row-parallel linear (tensor parallelism: its shrink would need
-        its own all-reduce before the expand), a folded linear, or A of another dtype, device or width."""
-        if self.weight is None or self.all_reduce is not None or self.folded_weight is not None:
-            raise ValueError("fold_lora_a: only an unfolded, unquantized, complete (not row-parallel) linear folds its "
-                             f"shrink ({self.module_names})")
-        w = self.weight.data
-        if any(a.dim() != 3 or a.shape[2] != w.shape[1] or a.dtype != w.dtype or a.device != w.device or
+        Raises ``ValueError`` for a linear that cannot fold (:meth:`can_fold_shrink`: a row-parallel linear under
+        tensor parallelism, whose shrink would need its own all-reduce before the expand; an FP8 weight whose GEMM
+        does not take split activations), a folded linear, or A of another dtype, device or width."""
+        if not self.can_fold_shrink(lora_a[0].dtype) or self.folded_a is not None:
+            raise ValueError("fold_lora_a: only an unfolded, complete (not row-parallel) linear, unquantized or FP8 "
+                             f"with split activations, folds its shrink ({self.module_names})")
+        w = self.weight.data if self.qweight is None else self.qweight
+        dtype = w.dtype if self.qweight is None else lora_a[0].dtype
+        if any(a.dim() != 3 or a.shape[2] != w.shape[1] or a.dtype != dtype or a.device != w.device or
                a.shape[:2] != lora_a[0].shape[:2] for a in lora_a):
             raise ValueError(f"fold_lora_a: A pages {[(tuple(a.shape), a.dtype) for a in lora_a]} do not fit weight "
                              f"{tuple(w.shape)} {w.dtype} of {self.module_names}")
         rows = [a.shape[0] * a.shape[1] for a in lora_a]
-        folded = torch.empty(w.shape[0] + sum(rows), w.shape[1], dtype=w.dtype, device=w.device)
-        folded[: w.shape[0]].copy_(w)
-        views, start = [], w.shape[0]
+        base = 0 if self.qweight is not None else w.shape[0]
+        folded = torch.empty(base + sum(rows), w.shape[1], dtype=dtype, device=w.device)
+        folded[:base].copy_(w[:base])
+        views, start = [], base
         for a, n in zip(lora_a, rows):
             views.append(folded[start:start + n].view(a.shape))
             views[-1].copy_(a)
             start += n
+        self.folded_a = folded[base:]
+        if self.qweight is not None:
+            return views
         self.folded_weight = folded
-        self.weight = nn.Parameter(folded[: w.shape[0]], requires_grad=False)
+        self.weight = nn.Parameter(folded[:base], requires_grad=False)
         if self.bias is not None:
             self.folded_bias = torch.cat([self.bias.data, self.bias.new_zeros(sum(rows))])
         return views
+
+    def can_fold_shrink(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`fold_lora_a` applies to A pages of ``dtype``: a complete (not row-parallel) linear, with an
+        unquantized weight or an FP8 one whose GEMM takes split activations for ``dtype`` (Triton kernels; bf16 on
+        Hopper, ``fp8_linear.default_activations``)."""
+        if self.all_reduce is not None:
+            return False
+        if self.qweight is None:
+            return self.weight is not None
+        return self.kernels.backend == "triton" and default_activations(dtype, self.qweight.device, 1) == "split"
 
     def weight_rows(self, module: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start..stop`` of slice ``module``'s weight: ``[stop - start, in_features]`` in the model
@@ -260,12 +282,22 @@ class LinearWithLoRA(nn.Module):
         dora = lora is not None and lora.dora and self.lora_gain is not None
         bias = self.bias if reduce is None and not dora else None  # else added last
         with_lora = lora is not None and bool(self.lora_a) and lora.mapping.has_lora
+        folds = with_lora and self.folded_a is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS
+        out = None  # a folded GEMM's output: the base columns, then every page's shrink
         if self.qweight is not None:
-            y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split)
-        elif with_lora and self.folded_weight is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS:
-            # one GEMM: the base output (a row-strided view) and every page's shrink, read by the expand
+            folds = folds and (split is not None
+                               or default_activations(x.dtype, x.device, lora.mapping.num_tokens) == "split")
+            out = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split,
+                                          lora_a=self.folded_a if folds else None)
+        elif folds:
             out = self.kernels.dense_linear(x, self.folded_weight, self.folded_bias if bias is not None else None)
-            n = self.weight.shape[0]
+        else:
+            y = self.kernels.dense_linear(x, self.weight, bias)
+        if out is not None and not folds:
+            y = out
+        elif out is not None:
+            # one GEMM: the base output (a row-strided view) and every page's shrink, read by the expand
+            n = (self.weight if self.qweight is None else self.qweight).shape[0]
             y = out[:, :n]
             v = slot_rows_view(out, n, len(self.lora_a), *self.lora_a[0].shape[:2])
             if defer and not dora:
@@ -274,8 +306,6 @@ class LinearWithLoRA(nn.Module):
             self.kernels.lora_expand_slot_rows(v, self.lora_b, self.lora_scaling, y, lora.mapping,
                                                ranks=self.lora_ranks, page_table=self.lora_page_table)
             with_lora = False
-        else:
-            y = self.kernels.dense_linear(x, self.weight, bias)
         if with_lora:
             self.kernels.add_lora(x, self.lora_a, self.lora_b, self.lora_scaling, y, lora.mapping,
                                   ranks=self.lora_ranks, page_table=self.lora_page_table)
