@@ -437,7 +437,8 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     base = {(r["batch"], r["async"]): r["step_ms"] for r in result["rows"] if r["kind"].startswith("base")}
     for r in result["rows"]:
-        r["of_base"] = base[(r["batch"], r["async"])] / r["step_ms"]
+        key = (r["batch"], r["async"])
+        r["of_base"] = base[key] / r["step_ms"] if key in base else float("nan")  # no base row in this run
     path = Path(args.out) if args.out else out_dir() / "decode.json"
     path.write_text(json.dumps(result, indent=1))
     print(format_table(result))

@@ -382,6 +382,7 @@ def _fp8_linear_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_A: tl.constexpr,  # a folded LoRA shrink's column tiles after the weight's
+    BLOCK_A: tl.constexpr,  # a's rows per tile (16-bit: half the weight tile's rows, as many bytes)
     DOT_DTYPE: tl.constexpr,  # of the a tiles' dot: a's dtype (dot_dtype)
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -397,10 +398,26 @@ def _fp8_linear_split_kernel(
     qrow_mask = qrows < 2 * num_tokens
     k_first = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_first + k_per_split, in_features)
-    acc = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
-    if not HAS_A or tl.program_id(0) < base_tiles:
+    if HAS_A and tl.program_id(0) >= base_tiles:
+        # an a tile of BLOCK_A rows: as many bytes per K tile, and per program, as a weight tile
+        a_idx = (tl.program_id(0) - base_tiles) * BLOCK_A + tl.arange(0, BLOCK_A)
+        a_mask = a_idx < a_rows
+        acc_a = tl.zeros([BLOCK_A, BLOCK_R], tl.float32)
+        for k0 in range(k_first, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < k_end
+            a = tl.load(a_ptr + a_idx[:, None].to(tl.int64) * stride_an + k[None, :],
+                        mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+            q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
+                        mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
+            acc_a = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), acc_a, input_precision=PRECISION)
+        pdl_trigger(USE_PDL)
+        _split_epilogue(acc_a, s_ptr, out_ptr, scale_ptr, bias_ptr, out_features + a_idx, a_mask, a_idx < 0,
+                        num_tokens, stride_ot, stride_os, HAS_BIAS, PARTIAL, BLOCK_A, BLOCK_R)
+    else:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < out_features
+        acc = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
         for k0 in range(k_first, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < k_end
@@ -409,26 +426,22 @@ def _fp8_linear_split_kernel(
             q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
                         mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
             acc = tl.dot(w, q, acc)
-    else:
-        a_idx = (tl.program_id(0) - base_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        a_mask = a_idx < a_rows
-        cols = out_features + a_idx
-        col_mask = a_mask
-        for k0 in range(k_first, k_end, BLOCK_K // 2):  # half the K tile: a 16-bit a tile takes the w tile's bytes
-            k = k0 + tl.arange(0, BLOCK_K // 2)
-            k_mask = k < k_end
-            a = tl.load(a_ptr + a_idx[:, None].to(tl.int64) * stride_an + k[None, :],
-                        mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-            q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
-                        mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
-            acc = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), acc, input_precision=PRECISION)
-    pdl_trigger(USE_PDL)
-    acc_h, acc_l = tl.split(tl.reshape(acc, [BLOCK_N, BLOCK_R // 2, 2]))
+        pdl_trigger(USE_PDL)
+        _split_epilogue(acc, s_ptr, out_ptr, scale_ptr, bias_ptr, cols, col_mask, col_mask, num_tokens, stride_ot,
+                        stride_os, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_R)
+
+
+@triton.jit
+def _split_epilogue(acc, s_ptr, out_ptr, scale_ptr, bias_ptr, cols, col_mask, scaled, num_tokens, stride_ot, stride_os,
+                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``out[t, cols] = s[t] * (acc[:, 2t] + acc[:, 2t + 1] / 16)`` of the split GEMM's ``acc [BLOCK_C, BLOCK_R]``
+    (q's rows h, l interleaved), through :func:`_store_swapped` (scale and bias where ``scaled``)."""
+    acc_h, acc_l = tl.split(tl.reshape(acc, [BLOCK_C, BLOCK_R // 2, 2]))
     rows = tl.program_id(2) * (BLOCK_R // 2) + tl.arange(0, BLOCK_R // 2)
     row_mask = rows < num_tokens
     y = (acc_h + acc_l * 0.0625) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[None, :]
-    _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, cols < out_features, stride_ot,
-                   stride_os, HAS_BIAS, PARTIAL)
+    _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, scaled, stride_ot, stride_os,
+                   HAS_BIAS, PARTIAL)
 
 
 def _check_lora_a(x: torch.Tensor, lora_a: torch.Tensor) -> None:
@@ -663,7 +676,8 @@ def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor
     split_k = triton.cdiv(in_features, k_per_split)
     target = out if split_k == 1 else torch.empty((split_k, num_tokens, columns), dtype=torch.float32,
                                                   device=out.device)
-    grid = (triton.cdiv(out_features, block_n) + triton.cdiv(a_rows, block_n), split_k,
+    block_a = max(16, block_n // 2)
+    grid = (triton.cdiv(out_features, block_n) + triton.cdiv(a_rows, block_a), split_k,
             triton.cdiv(2 * num_tokens, block_r))
     _fp8_linear_split_kernel[grid](
         weight, q, s, scale, bias if bias is not None else scale, lora_a if lora_a is not None else weight, target,
@@ -671,7 +685,7 @@ def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor
         weight.stride(0), lora_a.stride(0) if lora_a is not None else 0, in_features, target.stride(-2),
         target.stride(0) if split_k > 1 else 0,
         HAS_BIAS=bias is not None, PARTIAL=split_k > 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_A=lora_a is not None, DOT_DTYPE=dot_dtype(torch.bfloat16 if lora_a is None else lora_a.dtype, out.device),
+        HAS_A=lora_a is not None, BLOCK_A=block_a, DOT_DTYPE=dot_dtype(torch.bfloat16 if lora_a is None else lora_a.dtype, out.device),
         PRECISION=dot_precision(torch.bfloat16 if lora_a is None else lora_a.dtype, out.device),
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out.device, _OP),
     )
