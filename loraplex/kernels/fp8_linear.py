@@ -365,6 +365,7 @@ def _fp8_linear_split_kernel(
     scale_ptr,
     bias_ptr,
     a_ptr,
+    x_ptr,
     out_ptr,
     num_tokens,
     out_features,
@@ -373,6 +374,7 @@ def _fp8_linear_split_kernel(
     k_per_split,
     stride_wn,
     stride_an,
+    stride_xt,
     stride_qr,
     stride_ot,
     stride_os,
@@ -383,6 +385,7 @@ def _fp8_linear_split_kernel(
     BLOCK_K: tl.constexpr,
     HAS_A: tl.constexpr,  # a folded LoRA shrink's column tiles after the weight's
     BLOCK_A: tl.constexpr,  # a's rows per tile (16-bit: half the weight tile's rows, as many bytes)
+    BLOCK_T: tl.constexpr,  # x's rows loaded per a tile: max(16, BLOCK_R // 2)
     DOT_DTYPE: tl.constexpr,  # of the a tiles' dot: a's dtype (dot_dtype)
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -391,29 +394,32 @@ def _fp8_linear_split_kernel(
     # SPLIT_ACTIVATIONS' GEMM: acc[n, r] = sum_k w[n, k] * q[r, k] over q's 2T rows (r = 2t: h, 2t + 1: l), e4m3 x
     # e4m3 on the tensor cores (the weight tile as the dot's M side, as in the swapped-operand kernel), then
     # out[t, n] = scale[n] * s[t] * (acc[n, 2t] + acc[n, 2t + 1] / 16) + bias[n]. Grid = (column tiles, K splits,
-    # row tiles). The column tiles past the weight's (a_rows > 0: a folded LoRA shrink) take rows of the 16-bit
-    # a [a_rows, K] instead, against q widened exactly to a's dtype: out[t, N + r] = s[t] * (acc[r, 2t] + ...).
+    # row tiles). The column tiles past the weight's (HAS_A: a folded LoRA shrink) take rows of the 16-bit
+    # a [a_rows, K] times x itself instead: out[t, N + r] = sum_k a[r, k] * x[t, k].
     base_tiles = tl.cdiv(out_features, BLOCK_N)
     qrows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     qrow_mask = qrows < 2 * num_tokens
     k_first = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_first + k_per_split, in_features)
     if HAS_A and tl.program_id(0) >= base_tiles:
-        # an a tile of BLOCK_A rows: as many bytes per K tile, and per program, as a weight tile
+        # an a tile of BLOCK_A rows (as many bytes per K tile as a weight tile) times x itself (16-bit, no split):
+        # out[t, N + r] = sum_k a[r, k] * x[t, k], for this row tile's BLOCK_R // 2 tokens (BLOCK_T >= 16 loaded)
         a_idx = (tl.program_id(0) - base_tiles) * BLOCK_A + tl.arange(0, BLOCK_A)
         a_mask = a_idx < a_rows
-        acc_a = tl.zeros([BLOCK_A, BLOCK_R], tl.float32)
+        t_idx = tl.program_id(2) * (BLOCK_R // 2) + tl.arange(0, BLOCK_T)
+        t_mask = (t_idx < num_tokens) & (tl.arange(0, BLOCK_T) < BLOCK_R // 2)
+        acc_a = tl.zeros([BLOCK_A, BLOCK_T], tl.float32)
         for k0 in range(k_first, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < k_end
             a = tl.load(a_ptr + a_idx[:, None].to(tl.int64) * stride_an + k[None, :],
                         mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-            q = tl.load(q_ptr + qrows[None, :].to(tl.int64) * stride_qr + k[:, None],
-                        mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
-            acc_a = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), acc_a, input_precision=PRECISION)
+            x = tl.load(x_ptr + t_idx[None, :].to(tl.int64) * stride_xt + k[:, None],
+                        mask=k_mask[:, None] & t_mask[None, :], other=0.0)
+            acc_a = tl.dot(a.to(DOT_DTYPE), x.to(DOT_DTYPE), acc_a, input_precision=PRECISION)
         pdl_trigger(USE_PDL)
-        _split_epilogue(acc_a, s_ptr, out_ptr, scale_ptr, bias_ptr, out_features + a_idx, a_mask, a_idx < 0,
-                        num_tokens, stride_ot, stride_os, HAS_BIAS, PARTIAL, BLOCK_A, BLOCK_R)
+        _store_swapped(acc_a, out_ptr, scale_ptr, bias_ptr, out_features + a_idx, t_idx, a_mask, t_mask, a_idx < 0,
+                       stride_ot, stride_os, HAS_BIAS, PARTIAL)
     else:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < out_features
@@ -659,13 +665,13 @@ def write_split_ref(y: torch.Tensor, split: ActivationSplit) -> None:
 
 def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor, config: tuple[int, int, int, int, int, int],
-               lora_a: torch.Tensor | None = None) -> torch.Tensor:
+               lora_a: torch.Tensor | None = None, x: torch.Tensor | None = None) -> torch.Tensor:
     """``out [T, N]`` = :data:`SPLIT_ACTIVATIONS`' product of ``weight [N, K]`` e4m3 (``scale [N]`` fp32, ``bias``
     ``[N]`` or None) with an activation ``split``; the K reduction split in ``config[5]`` chunks when above 1 (fp32
     partial sums, added in order by :func:`_fp8_split_sum_kernel`). ``config``: (BLOCK_R, BLOCK_N, BLOCK_K,
-    num_warps, num_stages, SPLIT_K). With ``lora_a [R, K]`` (16-bit, last dim contiguous) ``out`` is ``[T, N + R]``
-    and its last R columns the split's product with ``lora_a``'s rows (no scale, no bias; column tiles after the
-    weight's, in the same launch)."""
+    num_warps, num_stages, SPLIT_K). With ``lora_a [R, K]`` and the activations ``x [T, K]`` the split stands for
+    (16-bit, last dims contiguous), ``out`` is ``[T, N + R]`` and its last R columns ``x @ lora_a.T`` (no scale, no
+    bias; column tiles after the weight's, in the same launch)."""
     block_r, block_n, block_k, num_warps, num_stages, split_k = config
     q, s = split.q, split.s
     num_tokens, _, in_features = q.shape
@@ -677,16 +683,17 @@ def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor
     target = out if split_k == 1 else torch.empty((split_k, num_tokens, columns), dtype=torch.float32,
                                                   device=out.device)
     block_a = max(16, block_n // 2)
+    a_dtype = torch.bfloat16 if lora_a is None else lora_a.dtype
     grid = (triton.cdiv(out_features, block_n) + triton.cdiv(a_rows, block_a), split_k,
             triton.cdiv(2 * num_tokens, block_r))
     _fp8_linear_split_kernel[grid](
-        weight, q, s, scale, bias if bias is not None else scale, lora_a if lora_a is not None else weight, target,
-        num_tokens, out_features, a_rows, in_features, k_per_split,
-        weight.stride(0), lora_a.stride(0) if lora_a is not None else 0, in_features, target.stride(-2),
-        target.stride(0) if split_k > 1 else 0,
+        weight, q, s, scale, bias if bias is not None else scale, lora_a if lora_a is not None else weight,
+        x if lora_a is not None else weight, target, num_tokens, out_features, a_rows, in_features, k_per_split,
+        weight.stride(0), lora_a.stride(0) if lora_a is not None else 0, x.stride(0) if lora_a is not None else 0,
+        in_features, target.stride(-2), target.stride(0) if split_k > 1 else 0,
         HAS_BIAS=bias is not None, PARTIAL=split_k > 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_A=lora_a is not None, BLOCK_A=block_a, DOT_DTYPE=dot_dtype(torch.bfloat16 if lora_a is None else lora_a.dtype, out.device),
-        PRECISION=dot_precision(torch.bfloat16 if lora_a is None else lora_a.dtype, out.device),
+        HAS_A=lora_a is not None, BLOCK_A=block_a, BLOCK_T=max(16, block_r // 2),
+        DOT_DTYPE=dot_dtype(a_dtype, out.device), PRECISION=dot_precision(a_dtype, out.device),
         num_warps=num_warps, num_stages=num_stages, **pdl_args(out.device, _OP),
     )
     if split_k > 1:
@@ -711,8 +718,8 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both); split: (BLOCK_R, BLOCK_N, BLOCK_K, num_warps,
     num_stages, SPLIT_K) (:func:`_split_block_sizes`). ``widen``: how the exact kernels widen the weight tile
     (:data:`WIDEN_EXPONENT`'s comment; default :func:`default_widen`). ``lora_a`` (a folded LoRA shrink,
-    ``[T, N + R]`` out): split activations only; its columns are the split's product with its rows, bf16 x bf16 on
-    the tensor cores after the weight's column tiles in the same launch.
+    ``[T, N + R]`` out): split activations only; its columns are ``x @ lora_a.T``, bf16 x bf16 on the tensor
+    cores, column tiles after the weight's in the same launch.
 
     Raises:
         KernelArgumentError: bad arguments (:func:`fp8_linear_ref`, :func:`check_split`), ``activations`` not one
@@ -745,7 +752,7 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         else:
             check_split(_OP, split, x)
         return split_gemm(weight, split, scale, bias, out,
-                          config or _split_block_sizes(num_tokens, out_features, in_features), lora_a)
+                          config or _split_block_sizes(num_tokens, out_features, in_features), lora_a, x)
     if activations != "exact":
         raise KernelArgumentError(f"{_OP}: activations={activations!r} (\"exact\" or \"split\")")
     if config is None:
@@ -784,7 +791,8 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         bias: optional ``[N]`` bias in x.dtype.
         split: optional :class:`ActivationSplit` of ``x``, which then stands for x (:data:`SPLIT_ACTIVATIONS`).
         lora_a: optional ``[R, K]`` in x.dtype: a LoRA shrink folded into the GEMM (every slot's A rows,
-            ``LinearWithLoRA.fold_lora_a``); its R columns follow the weight's: ``x @ lora_a.T``, no scale, no bias.
+            ``LinearWithLoRA.fold_lora_a``); its R columns follow the weight's: ``x @ lora_a.T`` (x itself, not its
+            split), no scale, no bias.
 
     Returns:
         ``[T, N]`` (with ``lora_a``: ``[T, N + R]``) in x.dtype (accumulated in fp32).
@@ -803,7 +811,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         out = out + bias.to(torch.float32)
     if lora_a is not None:
-        out = torch.cat([out, xf @ lora_a.to(torch.float32).T], dim=1)
+        out = torch.cat([out, x.to(torch.float32) @ lora_a.to(torch.float32).T], dim=1)
     return out.to(x.dtype)
 
 

@@ -274,11 +274,10 @@ def test_split_activation_kernel_matches_its_reference(kernel_device, poison_all
 @pytest.mark.parametrize("a_rows", [16, 37])
 def test_split_gemm_with_a_folded_lora_shrink(kernel_device, poison_allocations, shape, split, a_rows):
     """``lora_a`` (a folded LoRA shrink: every slot's bf16 A rows): the launch's column tiles after the weight's
-    give ``out[:, N:] = split(x) @ lora_a.T`` (bf16 x bf16, no scale or bias), against a float64 loop over the
-    split's values, with the K reduction split too; the weight's columns are those of the launch without it, bit
-    for bit; 37 rows leave a partial A tile. The reference takes ``lora_a`` the same way."""
-    from loraplex.kernels.fp8_linear import (ActivationSplit, _launch_fp8_linear, split_activations,
-                                             split_activations_ref)
+    give ``out[:, N:] = x @ lora_a.T`` (x itself, not its split; bf16 x bf16, no scale or bias), against a float64
+    loop, with the K reduction split too; the weight's columns are those of the launch without it, bit for bit; 37
+    rows leave a partial A tile, 19 tokens a partial token tile. The reference takes ``lora_a`` the same way."""
+    from loraplex.kernels.fp8_linear import ActivationSplit, _launch_fp8_linear, split_activations
 
     x, weight, scale, b = _inputs(*shape, torch.bfloat16, kernel_device, True)
     lora_a = (torch.randn(a_rows, shape[1]) * 0.2).to(device=kernel_device, dtype=torch.bfloat16)
@@ -286,9 +285,9 @@ def test_split_gemm_with_a_folded_lora_shrink(kernel_device, poison_allocations,
     out = _launch_fp8_linear(x, weight, scale, b, lora_a=lora_a, config=config, activations="split")
     assert out.shape == (shape[0], shape[2] + a_rows) and out.dtype == torch.bfloat16
     assert torch.equal(out[:, :shape[2]], _launch_fp8_linear(x, weight, scale, b, config=config, activations="split"))
-    xs = split_activations_ref(x.cpu()).double()
-    expected = xs @ lora_a.cpu().double().T
-    magnitude = (xs.abs() @ lora_a.cpu().double().abs().T).clamp_min(1.0)
+    xd = x.cpu().double()
+    expected = xd @ lora_a.cpu().double().T
+    magnitude = (xd.abs() @ lora_a.cpu().double().abs().T).clamp_min(1.0)
     given = ActivationSplit.empty(shape[0], shape[1], kernel_device)
     split_activations(x, given)
     reference = fp8_linear_ref(x, weight, scale, b, split=given, lora_a=lora_a)

@@ -26,7 +26,8 @@ from loraplex.adapters.model_spec import ModelSpec
 from loraplex.engine.host_copy import host_to_device
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.dense_linear import dense_linear_config
-from loraplex.kernels.fp8_linear import ActivationSplit, default_activations
+from loraplex.kernels import fp8_linear
+from loraplex.kernels.fp8_linear import ActivationSplit
 from loraplex.kernels.lora_delta import LoRADelta
 from loraplex.kernels.lora_expand import slot_rows_view
 from loraplex.kernels.lora_linear import FOLD_MAX_TOKENS
@@ -234,7 +235,8 @@ class LinearWithLoRA(nn.Module):
             return False
         if self.qweight is None:
             return self.weight is not None
-        return self.kernels.backend == "triton" and default_activations(dtype, self.qweight.device, 1) == "split"
+        return (self.kernels.backend == "triton"
+                and fp8_linear.default_activations(dtype, self.qweight.device, 1) == "split")
 
     def weight_rows(self, module: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start..stop`` of slice ``module``'s weight: ``[stop - start, in_features]`` in the model
@@ -258,7 +260,7 @@ class LinearWithLoRA(nn.Module):
         (``rms_norm`` / ``silu_and_mul`` with ``split=``); None where the path does not apply (an unquantized
         linear, the reference kernels, fp32, long steps)."""
         if (self.qweight is None or self.kernels.backend != "triton"
-                or default_activations(like.dtype, like.device, num_tokens) != "split"):
+                or fp8_linear.default_activations(like.dtype, like.device, num_tokens) != "split"):
             return None
         return ActivationSplit.empty(num_tokens, self.qweight.shape[1], like.device)
 
@@ -285,8 +287,8 @@ class LinearWithLoRA(nn.Module):
         folds = with_lora and self.folded_a is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS
         out = None  # a folded GEMM's output: the base columns, then every page's shrink
         if self.qweight is not None:
-            folds = folds and (split is not None
-                               or default_activations(x.dtype, x.device, lora.mapping.num_tokens) == "split")
+            folds = folds and (split is not None or fp8_linear.default_activations(
+                x.dtype, x.device, lora.mapping.num_tokens) == "split")
             out = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split,
                                           lora_a=self.folded_a if folds else None)
         elif folds:
