@@ -224,6 +224,7 @@ def test_fp8_engine_folds_the_lora_shrink_into_its_split_gemm(tiny_llama_dir, pr
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the engine runs on the CPU here: Triton kernels need the interpreter (TRITON_INTERPRET=1)")
+    from loraplex.engine.models import llama
     from loraplex.kernels import fp8_linear
 
     _split_on_cpu(monkeypatch)
@@ -239,7 +240,8 @@ def test_fp8_engine_folds_the_lora_shrink_into_its_split_gemm(tiny_llama_dir, pr
 
     def engine(fold):
         llm = LLM(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=64, quantization="fp8",
-                  dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, lora_fold_shrink=fold)
+                  dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, lora_fold_shrink=fold,
+                  max_num_batched_tokens=llama.FP8_FOLD_MAX_TOKENS)  # every step folds
         bound = [lin for _, lin in llm.engine.model.lora_linears() if lin.lora_a]
         sgmv = []
         add_lora = bound[0].kernels.add_lora
@@ -280,7 +282,9 @@ def test_bf16_fp8_engine_with_a_folded_shrink_follows_the_unfolded_engine(tiny_l
     """On the GPU (bf16, CUDA graphs, an H200 taking split activations): the FP8 engine with the LoRA shrink folded
     into its split GEMMs (the default ``auto`` folds every linear here) against the same engine unfolded (the SGMV
     pair): the unfolded engine's greedy tokens, read back teacher-forced by both with their adapters, get logprobs
-    within 0.05 at every position, and the adapters change them."""
+    within 0.05 at every position, and the adapters change them (steps of at most FP8_FOLD_MAX_TOKENS: every step
+    folds)."""
+    from loraplex.engine.models import llama
     from loraplex.kernels import fp8_linear
 
     if fp8_linear.default_activations(torch.bfloat16, torch.device("cuda"), 32) != "split":
@@ -291,7 +295,7 @@ def test_bf16_fp8_engine_with_a_folded_shrink_follows_the_unfolded_engine(tiny_l
     loras = [adapters[0], None, adapters[1], None]
     batch = prompts + prompts[:1]
     kw = dict(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=256, quantization="fp8",
-              enable_lora=True, max_loras=2, max_lora_rank=8)
+              enable_lora=True, max_loras=2, max_lora_rank=8, max_num_batched_tokens=llama.FP8_FOLD_MAX_TOKENS)
 
     def logprobs(llm, sequences):
         read = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

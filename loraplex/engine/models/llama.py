@@ -117,6 +117,12 @@ class VocabLoRA:
     lora_host: list[list[bool]]
 
 
+FP8_FOLD_MAX_TOKENS = 32
+"""Steps of more tokens take the SGMV pair in a folded FP8 linear. Measured on an H200 (Llama-2-7B, 32 adapters of
+r=16 on every module, decode; RESULTS.md session 28): folded / SGMV step 3.57 / 3.93 ms at batch 1, 5.08 / 7.14 at
+32, 11.68 / 11.29 at 128 (the folded A tiles' bf16 GEMM over 128 tokens costs more than SGMV's)."""
+
+
 class LinearWithLoRA(nn.Module):
     """``y = x @ W.T + b`` with W the concatenation of ``len(out_sizes)`` output
     slices, plus each slice's batched LoRA delta.
@@ -125,8 +131,9 @@ class LinearWithLoRA(nn.Module):
     DoRA steps (``LoRABatch.dora``), then: ``y[t] = gain[s] * (y[t] - bias) + bias`` (the bias added after
     the rescale; ``gain [S + 1, sum(out_i)]`` from ``LoRADeviceWeights.gain_columns``, 1 for non-DoRA slots).
     A folded linear (:meth:`fold_lora_a`) computes ``x @ A_i[s].T`` for every slot in its base GEMM at steps of up
-    to ``FOLD_MAX_TOKENS`` tokens (an FP8 weight: steps its GEMM takes with split activations,
-    ``fp8_linear.default_activations``); its output ``y`` is then a row-strided view of that GEMM's output.
+    to ``FOLD_MAX_TOKENS`` tokens (an FP8 weight: up to ``FP8_FOLD_MAX_TOKENS``, in steps its GEMM takes with split
+    activations, ``fp8_linear.default_activations``); its output ``y`` is then a row-strided view of that GEMM's
+    output.
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], module_names: list[str], bias: bool,
@@ -287,8 +294,9 @@ class LinearWithLoRA(nn.Module):
         folds = with_lora and self.folded_a is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS
         out = None  # a folded GEMM's output: the base columns, then every page's shrink
         if self.qweight is not None:
-            folds = folds and (split is not None or fp8_linear.default_activations(
-                x.dtype, x.device, lora.mapping.num_tokens) == "split")
+            tokens = lora.mapping.num_tokens
+            folds = folds and tokens <= FP8_FOLD_MAX_TOKENS and (
+                split is not None or fp8_linear.default_activations(x.dtype, x.device, tokens) == "split")
             out = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split,
                                           lora_a=self.folded_a if folds else None)
         elif folds:
