@@ -323,7 +323,7 @@ def test_fold_on_with_fp8_weights_and_no_split_activations_is_refused(tiny_llama
     from loraplex.engine.config import ConfigError
 
     kw = dict(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=64, quantization="fp8",
-              enable_lora=True, max_loras=2, max_lora_rank=8)
+              enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu")
     with pytest.raises(ConfigError, match="lora_fold_shrink.*split activations"):
         LLM(**kw, lora_fold_shrink="on")
     llm = LLM(**kw, lora_fold_shrink="auto")

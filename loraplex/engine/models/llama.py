@@ -294,9 +294,8 @@ class LinearWithLoRA(nn.Module):
         folds = with_lora and self.folded_a is not None and lora.mapping.num_tokens <= FOLD_MAX_TOKENS
         out = None  # a folded GEMM's output: the base columns, then every page's shrink
         if self.qweight is not None:
-            tokens = lora.mapping.num_tokens
-            folds = folds and tokens <= FP8_FOLD_MAX_TOKENS and (
-                split is not None or fp8_linear.default_activations(x.dtype, x.device, tokens) == "split")
+            folds = folds and lora.mapping.num_tokens <= FP8_FOLD_MAX_TOKENS and (
+                split is not None or fp8_linear.default_activations(x.dtype, x.device, x.shape[0]) == "split")
             out = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split,
                                           lora_a=self.folded_a if folds else None)
         elif folds:
