@@ -195,7 +195,7 @@ class LLMEngine:
                                                  weights.vocab_scaling, weights.full, weights.full_index,
                                                  weights.full_index_host, weights.vocab_lora_host))
         if self.device.type == "cuda":  # compiled kernels: checked on this device before serving adapters
-            from loraplex.kernels.self_check import check_add_lora, check_folded_lora
+            from loraplex.kernels.self_check import check_add_lora, check_folded_lora, check_fp8_folded_shrink
 
             bound = [lin for _, lin in self.model.lora_linears() if lin.lora_a]  # the linears bound to the pool
             shapes = {(lin.weight_in_features, tuple(lin.out_sizes)) for lin in bound}
@@ -206,6 +206,10 @@ class LLMEngine:
                 check_folded_lora(sorted(folded), self.rank_spec.hidden_size, self.config.max_loras,
                                   self.config.max_lora_rank, self.dtype, self.device,
                                   page_rows=pool.weights.page_rows)
+            fp8_folded = {(lin.weight_in_features, lin.qweight.shape[0], lin.folded_a.shape[0]) for lin in bound
+                          if lin.qweight is not None and lin.folded_a is not None}
+            if fp8_folded:
+                check_fp8_folded_shrink(sorted(fp8_folded), self.dtype, self.device)
         return pool
 
     def _build_kv_cache(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels.fp8_linear import FP8_DTYPE, FP8_LINEAR
 from loraplex.kernels.lora_delta import LoRADelta
 from loraplex.kernels.lora_expand import LORA_EXPAND_SLOT_ROWS
 from loraplex.kernels.lora_linear import ADD_LORA
@@ -23,6 +24,7 @@ from loraplex.kernels.lora_mapping import plan_segments
 from loraplex.kernels.rms_norm import RMS_NORM
 
 TOKEN_COUNTS = (1, 32, 300)  # one decode token, a decode batch, a prompt chunk (their own launch shapes)
+FP8_FOLD_TOKEN_COUNTS = (1, 32)  # the FP8 fold's steps (the engine folds FP8 linears at up to 32 tokens)
 
 
 class LoRAKernelMismatch(RuntimeError):
@@ -160,3 +162,28 @@ def paged_pool(hidden: int, widths: Sequence[int], num_slots: int, rank: int, pa
             a[pages, offsets] = torch.randn(r, hidden, generator=gen) / hidden**0.5
             b[pages, :, offsets] = torch.randn(r, b.shape[1], generator=gen) / max(r, 1) ** 0.5
     return PagedPool(lora_a, lora_b, torch.tensor(ranks, dtype=torch.int32), torch.tensor(table, dtype=torch.int32))
+
+
+def check_fp8_folded_shrink(shapes: Sequence[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, *,
+                            seed: int = 0) -> None:
+    """For FP8 linears that fold their shrink into their GEMM: ``FP8_LINEAR.triton`` with ``lora_a`` for each
+    ``(in_features, out_features, a_rows)`` of ``shapes`` at every count of :data:`FP8_FOLD_TOKEN_COUNTS`, its A
+    columns (``x @ lora_a.T``, bf16 x bf16 in the split GEMM's extra column tiles) against the float32 reference:
+    ``max |ours - ref| <= 0.01 * max |ref| + 1e-3`` (the bf16 output's rounding). The weight's columns are the
+    GEMM's own (served without adapters too). Raises :class:`LoRAKernelMismatch`."""
+    gen = torch.Generator().manual_seed(seed)
+    for hidden, out_features, a_rows in shapes:
+        weight = (torch.randn(out_features, hidden, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE).to(device)
+        scale = torch.full((out_features,), 1e-3, device=device)
+        lora_a = (torch.randn(a_rows, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+        for tokens in FP8_FOLD_TOKEN_COUNTS:
+            x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+            ours = FP8_LINEAR.triton(x, weight, scale, lora_a=lora_a)[:, out_features:].float()
+            ref = x.float() @ lora_a.float().T
+            err = (ours - ref).abs().max().item()
+            if not err <= 0.01 * ref.abs().max().item() + 1e-3:
+                raise LoRAKernelMismatch(
+                    f"fp8_linear with a folded shrink on {device} ({dtype}): max error {err:.4g} against the float32 "
+                    f"reference (scale {ref.abs().max().item():.4g}) for {tokens} tokens, in_features={hidden}, "
+                    f"out_features={out_features}, {a_rows} A rows; refusing to serve adapters with a wrong LoRA "
+                    "kernel (lora_fold_shrink='off' serves them without it)")

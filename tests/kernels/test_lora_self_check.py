@@ -79,3 +79,23 @@ def test_the_folded_kernels_pass_and_a_wrong_one_is_refused(kernel_device, monke
     with pytest.raises(self_check.LoRAKernelMismatch, match=r"lora_expand_slot_rows, widths=\[16, 8\] .* for 1 tokens"):
         self_check.check_folded_lora([(32, (16, 8))], hidden_size=24, num_slots=3, rank=4, dtype=torch.float32,
                                      device=kernel_device, page_rows=page_rows)
+
+
+@pytest.mark.interpreter
+def test_the_fp8_folded_shrink_passes_and_a_wrong_one_is_refused(kernel_device, monkeypatch):
+    """check_fp8_folded_shrink (bf16, the split path forced as on an H200): the real kernel passes; one whose A
+    columns are off by 5% is refused, naming the shape."""
+    from loraplex.kernels import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "default_activations", lambda dtype, device, num_tokens: "split")
+    self_check.check_fp8_folded_shrink([(64, 48, 40)], torch.bfloat16, kernel_device)
+
+    def a_columns_off(x, weight, scale, bias=None, *, lora_a=None, **kw):
+        return fp8_linear._launch_fp8_linear(x, weight, scale, bias, lora_a=lora_a * 1.05, **kw)
+
+    wrong = Op(name="fp8_linear", semantics="", reference=fp8_linear.fp8_linear_ref,
+               triton=fp8_linear._launch_fp8_linear)
+    object.__setattr__(wrong, "triton", a_columns_off)
+    monkeypatch.setattr(self_check, "FP8_LINEAR", wrong)
+    with pytest.raises(self_check.LoRAKernelMismatch, match=r"for 1 tokens, in_features=64, out_features=48, 40 A"):
+        self_check.check_fp8_folded_shrink([(64, 48, 40)], torch.bfloat16, kernel_device)
