@@ -131,11 +131,13 @@ def _store_normed_stored(out_ptr, weight_ptr, residual_out_ptr, t, hidden_size, 
 @triton.jit
 def _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt,
               stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr,
-              width, col0, scale_ptr, rank_rows, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
-              N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr):
+              width, col0, scale_ptr, rank_rows, q_ptr, s_ptr, stride_qt, HAS_RESIDUAL: tl.constexpr,
+              CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr,
+              PAGES_AT_ONCE: tl.constexpr, WRITE_SPLIT: tl.constexpr):
     """Row ``t`` in one program: s = (x + delta) + residual, each sum rounded to the dtype. The row in one tile
-    (N_CHUNKS 1: s stays in registers), or two passes over CHUNK-column pieces: s written out (to residual_out, or to
-    out as scratch) with the sum of squares, then the norm of s read back."""
+    (N_CHUNKS 1: s stays in registers; WRITE_SPLIT: out's activation split too, ``fp8_linear.split_row``), or two
+    passes over CHUNK-column pieces: s written out (to residual_out, or to out as scratch) with the sum of squares,
+    then the norm of s read back."""
     acc = tl.zeros([CHUNK], tl.float32)
     for c in tl.static_range(N_CHUNKS):
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -148,7 +150,9 @@ def _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden
         acc += xf * xf
     inv = tl.math.rsqrt(tl.sum(acc, 0) / hidden_size + eps)
     if N_CHUNKS == 1:
-        _store_normed(out_ptr, weight_ptr, t, cols, mask, x, inv, stride_ot)
+        out = _store_normed(out_ptr, weight_ptr, t, cols, mask, x, inv, stride_ot)
+        if WRITE_SPLIT:
+            split_row(tl.where(mask, out.to(tl.float32), 0.0), q_ptr, s_ptr, t, cols, mask, hidden_size, stride_qt)
     else:
         tl.debug_barrier()  # the first pass's stores are read back by other threads of the program
         _store_normed_stored(out_ptr, weight_ptr, residual_out_ptr, t, hidden_size, inv, stride_ot, stride_rot,
@@ -159,19 +163,20 @@ def _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden
 def _rms_norm_lora_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt, stride_ot,
     stride_rot, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp, b_ptr, width, col0, scale_ptr,
-    rank_rows, ws_ptr, counter_ptr, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
-    BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr, SPLIT: tl.constexpr = 1,
-    SPLIT_RANK: tl.constexpr = 16, TILE: tl.constexpr = 16, N_TILES: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    rank_rows, ws_ptr, counter_ptr, q_ptr, s_ptr, stride_qt, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
+    N_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGES_AT_ONCE: tl.constexpr,
+    SPLIT: tl.constexpr = 1, SPLIT_RANK: tl.constexpr = 16, TILE: tl.constexpr = 16, N_TILES: tl.constexpr = 1,
+    WRITE_SPLIT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
-    # grid (T, SPLIT): one program per row, or under the row split (lora_delta.row_split) up to SPLIT
+    # grid (T, SPLIT): one program per row, or under the row split (lora_delta.row_split) up to SPLIT. WRITE_SPLIT
+    # (SPLIT 1, N_CHUNKS 1): out's activation split for an FP8 linear too (q_ptr the [T, 2, H] e4m3 bytes, s_ptr [T])
     t = tl.program_id(0).to(tl.int64)
     if SPLIT == 1:
         _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt, stride_rt,
                   stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr, stride_vt, stride_vp,
-                  b_ptr, width, col0, scale_ptr, rank_rows, HAS_RESIDUAL, CHUNK, N_CHUNKS, BLOCK_R, SLOT_PAGES,
-                  PAGES_AT_ONCE)
+                  b_ptr, width, col0, scale_ptr, rank_rows, q_ptr, s_ptr, stride_qt, HAS_RESIDUAL, CHUNK, N_CHUNKS,
+                  BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, WRITE_SPLIT)
     else:
         _lora_row_split(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt,
                         stride_rt, stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr,
@@ -196,8 +201,8 @@ def _lora_row_split(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
         if p == 0:
             _lora_row(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps, stride_xt,
                       stride_rt, stride_ot, stride_rot, t, token_slots_ptr, page_table_ptr, ranks_ptr, v_ptr,
-                      stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, HAS_RESIDUAL, CHUNK, N_CHUNKS,
-                      BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE)
+                      stride_vt, stride_vp, b_ptr, width, col0, scale_ptr, rank_rows, v_ptr, v_ptr, 0, HAS_RESIDUAL,
+                      CHUNK, N_CHUNKS, BLOCK_R, SLOT_PAGES, PAGES_AT_ONCE, False)
     elif p < n:
         # program p of n: column tiles p, p + n, ... of the row; s written out (to residual_out, or to out as
         # scratch), the tiles' sum of squares to the workspace [T, SPLIT]
@@ -236,6 +241,19 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         check_device(_OP, "residual", residual, x.device)
 
 
+def _lora_launch(x: torch.Tensor, lora: LoRADelta, lora_blocks: tuple[int, int] | None) -> tuple[int, int, int, int]:
+    """(columns per piece, num_warps, programs per row, the row split's rank) of :func:`_rms_norm_lora_kernel`."""
+    hidden_size = x.shape[1]
+    chunk = max(16, tile_columns(next_pow2(hidden_size) if hidden_size <= _LORA_ONE_PASS_MAX else _LORA_CHUNK, lora))
+    warps = min(max(chunk // 256, 1), 16)
+    if lora_blocks is not None:
+        chunk, warps = lora_blocks
+    programs, split_rank = row_split(lora, _OP)
+    if x.shape[0] > LAUNCH_COUNTERS:  # the split takes a launch counter per row
+        programs = 1
+    return chunk, warps, programs, split_rank
+
+
 def _launch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
     lora: LoRADelta | None = None, split: ActivationSplit | None = None, lora_blocks: tuple[int, int] | None = None,
@@ -243,18 +261,20 @@ def _launch_rms_norm(
     """Triton launch of :func:`rms_norm_ref` (one program per row; with ``lora`` the row in one tile up to
     :data:`_LORA_ONE_PASS_MAX` columns, else two passes over 1024-column pieces, and over a paged pool a high-rank
     slot's row split over several programs, :func:`row_split`). ``split``: written by the same program (rows of up to
-    :data:`SPLIT_FUSED_MAX` columns, no ``lora``), else by ``fp8_linear.split_activations`` after. ``lora_blocks``:
-    (columns per piece, num_warps) override (benchmarks)."""
+    :data:`SPLIT_FUSED_MAX` columns; with ``lora``, where the row is one tile of one program), else by
+    ``fp8_linear.split_activations`` after. ``lora_blocks``: (columns per piece, num_warps) override (benchmarks)."""
     require_triton(_OP)
     _check_args(x, weight, eps, residual)
     if split is not None:
         check_split(_OP, split, x)
-    if split is not None and (lora is not None or next_pow2(x.shape[1]) > SPLIT_FUSED_MAX):
+    if lora is not None:
+        check_delta(_OP, lora, x)
+        chunk, warps, programs, split_rank = _lora_launch(x, lora, lora_blocks)
+    if split is not None and (next_pow2(x.shape[1]) > SPLIT_FUSED_MAX
+                              or (lora is not None and (programs > 1 or chunk < x.shape[1]))):
         result = _launch_rms_norm(x, weight, eps, residual, lora=lora, lora_blocks=lora_blocks)
         split_activations(result if residual is None else result[0], split)
         return result
-    if lora is not None:
-        check_delta(_OP, lora, x)
     check_last_dim_contiguous(_OP, "x", x)
     check_last_dim_contiguous(_OP, "weight", weight)
     if residual is not None:
@@ -265,25 +285,19 @@ def _launch_rms_norm(
     if num_tokens == 0:
         return out if residual_out is None else (out, residual_out)
     if lora is not None:
-        chunk = max(16, tile_columns(next_pow2(hidden_size) if hidden_size <= _LORA_ONE_PASS_MAX else _LORA_CHUNK,
-                                     lora))
-        warps = min(max(chunk // 256, 1), 16)
-        if lora_blocks is not None:
-            chunk, warps = lora_blocks
-        split, split_rank = row_split(lora, _OP)
-        if num_tokens > LAUNCH_COUNTERS:  # the split takes a launch counter per row
-            split = 1
-        tile = max(16, min(next_pow2(cdiv(hidden_size, split)), chunk))
-        ws = torch.empty((num_tokens, split), dtype=torch.float32, device=x.device) if split > 1 else out
-        counters = launch_counters(_OP, x.device, num_tokens) if split > 1 else out
-        _rms_norm_lora_kernel[(num_tokens, split)](
+        tile = max(16, min(next_pow2(cdiv(hidden_size, programs)), chunk))
+        ws = torch.empty((num_tokens, programs), dtype=torch.float32, device=x.device) if programs > 1 else out
+        counters = launch_counters(_OP, x.device, num_tokens) if programs > 1 else out
+        _rms_norm_lora_kernel[(num_tokens, programs)](
             x, residual if residual is not None else x, weight, out, residual_out if residual_out is not None else out,
             hidden_size, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual_out is not None else 0, *delta_args(lora, x, 0, hidden_size), ws,
-            counters, HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk),
-            BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=CONSUMER_PAGES[_OP], SPLIT=split,
-            SPLIT_RANK=split_rank, TILE=tile, N_TILES=cdiv(hidden_size, tile), num_warps=warps,
-            **pdl_args(x.device, _OP),
+            counters, split.q.view(torch.uint8) if split is not None else out,
+            split.s if split is not None else out, split.q.stride(0) if split is not None else 0,
+            HAS_RESIDUAL=residual is not None, CHUNK=chunk, N_CHUNKS=cdiv(hidden_size, chunk),
+            BLOCK_R=block_r(lora), SLOT_PAGES=slot_pages(lora), PAGES_AT_ONCE=CONSUMER_PAGES[_OP], SPLIT=programs,
+            SPLIT_RANK=split_rank, TILE=tile, N_TILES=cdiv(hidden_size, tile), WRITE_SPLIT=split is not None,
+            num_warps=warps, **pdl_args(x.device, _OP),
         )
         return out if residual_out is None else (out, residual_out)
     block_h = next_pow2(hidden_size)

@@ -244,6 +244,11 @@ def _elementwise(dtype: torch.dtype) -> None:
     for inter in (11008, 14336, 28672):
         activation.SILU_AND_MUL.triton(torch.zeros(8, 2 * inter, dtype=dtype),
                                        split=fp8_linear.ActivationSplit.empty(8, inter, torch.device("cpu")))
+    # and with a folded linear's LoRA delta (an FP8 model's folded shrink), with and without the residual
+    for page in (None, 8):
+        delta = _folded_delta(dtype, [4096], 8, page=page)
+        rms_norm.RMS_NORM.triton(x, torch.ones(4096, dtype=dtype), 1e-5, x, lora=delta, split=split)
+        rms_norm.RMS_NORM.triton(x, torch.ones(4096, dtype=dtype), 1e-5, lora=delta, split=split)
 
 
 def _lora(dtype: torch.dtype, hidden: int = 4096, rank: int = 16, slots: int = 32) -> None:

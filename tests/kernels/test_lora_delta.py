@@ -99,6 +99,44 @@ def _backend_device(backend, kernel_device):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("pieces", [None, (8, 2)], ids=["one tile", "two passes over 8-column pieces"])
+def test_rms_norm_with_a_delta_writes_its_outputs_split(kernel_device, backend, with_residual, pieces,
+                                                        monkeypatch):
+    """rms_norm with a LoRA delta and an FP8 linear's activation split (bf16): the outputs equal those without the
+    split, bit for bit, and the split is fp8_linear.split_activations' of out, byte for byte (zeros as zeros). The
+    row in one tile writes it in the same program (no separate split launch); two passes over pieces split after."""
+    from loraplex.kernels import fp8_linear, rms_norm
+    from loraplex.kernels.fp8_linear import ActivationSplit
+
+    if backend == "reference" and pieces:
+        pytest.skip("launch shapes are the Triton launcher's")
+    device = _backend_device(backend, kernel_device)
+    kernels = Kernels(backend)
+    y, delta, _, _ = _delta([HIDDEN], torch.bfloat16, device, _slots(), pages=backend == "triton")
+    weight = (torch.rand(HIDDEN) + 0.5).to(device=device, dtype=torch.bfloat16)
+    residual = torch.randn(T, HIDDEN).to(device=device, dtype=torch.bfloat16) if with_residual else None
+    blocks = {"lora_blocks": pieces} if pieces else {}
+    separate = []
+    split_activations = fp8_linear.split_activations
+    monkeypatch.setattr(rms_norm, "split_activations",
+                        lambda x, split: separate.append(1) or split_activations(x, split))
+    split = ActivationSplit.empty(T, HIDDEN, device)
+    got = kernels.rms_norm(y, weight, 1e-6, residual, lora=delta, split=split, **blocks)
+    plain = kernels.rms_norm(y, weight, 1e-6, residual, lora=delta, **blocks)
+    for a, b in zip(got if with_residual else [got], plain if with_residual else [plain]):
+        assert torch.equal(a, b)
+    out = got[0] if with_residual else got
+    expected = ActivationSplit.empty(T, HIDDEN, device)
+    split_activations(out, expected)
+    as_bytes = lambda q: torch.where(q.cpu().view(torch.uint8) == 0x80, 0, q.cpu().view(torch.uint8))  # noqa: E731
+    assert torch.equal(split.s.cpu(), expected.s.cpu()) and torch.equal(as_bytes(split.q), as_bytes(expected.q))
+    if backend == "triton":
+        assert len(separate) == (1 if pieces else 0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("pieces", [None, (8, 2)], ids=["one tile", "two passes over 8-column pieces"])
