@@ -149,7 +149,8 @@ def bind_lora(model: LlamaForCausalLM, weights, fold_shrink: str = "off") -> boo
         pages = [weights.a[layer][m] for m in lin.module_names]
         lora_rows = sum(a.shape[0] * a.shape[1] for a in pages)
         if fold_shrink == "on" or (fold_shrink == "auto" and lin.can_fold_shrink(pages[0].dtype)
-                                   and fold_shrink_pays(sum(lin.out_sizes), lora_rows, weights.page_rows)):
+                                   and fold_shrink_pays(sum(lin.out_sizes), lora_rows, weights.page_rows,
+                                                        fp8=lin.qweight is not None)):
             for module, view in zip(lin.module_names, lin.fold_lora_a(pages)):
                 weights.replace_a(layer, module, view)
             folded = True

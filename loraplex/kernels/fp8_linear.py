@@ -670,13 +670,19 @@ def split_gemm(weight: torch.Tensor, split: ActivationSplit, scale: torch.Tensor
     ``[N]`` or None) with an activation ``split``; the K reduction split in ``config[5]`` chunks when above 1 (fp32
     partial sums, added in order by :func:`_fp8_split_sum_kernel`). ``config``: (BLOCK_R, BLOCK_N, BLOCK_K,
     num_warps, num_stages, SPLIT_K). With ``lora_a [R, K]`` and the activations ``x [T, K]`` the split stands for
-    (16-bit, last dims contiguous), ``out`` is ``[T, N + R]`` and its last R columns ``x @ lora_a.T`` (no scale, no
-    bias; column tiles after the weight's, in the same launch)."""
+    (x's dtype, last dims contiguous), ``out`` is ``[T, N + R]`` and its last R columns ``x @ lora_a.T`` (no scale,
+    no bias; column tiles after the weight's, in the same launch).
+
+    Raises:
+        KernelArgumentError: ``lora_a`` without ``x``, or an ``out`` that is not ``[T, N + R]``."""
     block_r, block_n, block_k, num_warps, num_stages, split_k = config
     q, s = split.q, split.s
     num_tokens, _, in_features = q.shape
     out_features = weight.shape[0]
     a_rows = 0 if lora_a is None else lora_a.shape[0]
+    if lora_a is not None and x is None:
+        raise KernelArgumentError(f"{_OP}: split_gemm with lora_a needs x, the activations the split stands for")
+    check_shape(_OP, "out", out, (num_tokens, out_features + a_rows))
     columns = out_features + a_rows
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     split_k = triton.cdiv(in_features, k_per_split)
@@ -718,8 +724,8 @@ def _launch_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     swapped-operand kernel (benchmarks/bench_fp8_linear.py sweeps both); split: (BLOCK_R, BLOCK_N, BLOCK_K, num_warps,
     num_stages, SPLIT_K) (:func:`_split_block_sizes`). ``widen``: how the exact kernels widen the weight tile
     (:data:`WIDEN_EXPONENT`'s comment; default :func:`default_widen`). ``lora_a`` (a folded LoRA shrink,
-    ``[T, N + R]`` out): split activations only; its columns are ``x @ lora_a.T``, bf16 x bf16 on the tensor
-    cores, column tiles after the weight's in the same launch.
+    ``[T, N + R]`` out): split activations only; its columns are ``x @ lora_a.T`` (x's dtype on the tensor cores),
+    column tiles after the weight's in the same launch.
 
     Raises:
         KernelArgumentError: bad arguments (:func:`fp8_linear_ref`, :func:`check_split`), ``activations`` not one

@@ -14,10 +14,11 @@ Punica (Chen et al. 2023) and S-LoRA (Sheng et al. 2023) describe the SGMV
 shrink/expand pair.
 
 A linear can instead fold the shrink into its base GEMM (``LinearWithLoRA.fold_lora_a``): one cuBLAS GEMM over
-``[W; every slot's A]`` gives the base output and every slot's shrink, and the expand reads each token's own slot's
-columns (:data:`~loraplex.kernels.lora_expand.LORA_EXPAND_SLOT_ROWS`): one launch per linear instead of two, for
-the bytes of every slot's A whatever the batch uses. :func:`fold_shrink_pays` and :data:`FOLD_MAX_TOKENS` are when
-that measured faster.
+``[W; every slot's A]`` (an FP8 weight: its Triton split-activation GEMM, with A's column tiles after the weight's,
+``fp8_linear(..., lora_a=)``) gives the base output and every slot's shrink, and the expand reads each token's own
+slot's columns (:data:`~loraplex.kernels.lora_expand.LORA_EXPAND_SLOT_ROWS`): one launch per linear instead of two,
+for the bytes of every slot's A whatever the batch uses. :func:`fold_shrink_pays` and :data:`FOLD_MAX_TOKENS` are
+when that measured faster.
 
 The slot weights are rectangles (``[S, R, H]`` / ``[S, out_i, R]``, lower ranks zero-padded) or, with a
 ``page_table``, pages of a paged pool (``[P, PAGE, H]`` / ``[P, out_i, PAGE]``; S-LoRA's unified paging), where
@@ -62,12 +63,14 @@ FOLD_MAX_RANK = 16
 """The fold was measured with pages of at most 16 rank rows; ``auto`` leaves pools of larger pages unfolded."""
 
 
-def fold_shrink_pays(base_rows: int, lora_rows: int, rank: int) -> bool:
+def fold_shrink_pays(base_rows: int, lora_rows: int, rank: int, *, fp8: bool = False) -> bool:
     """Whether folding a linear's shrink into its base GEMM measured faster: ``lora_rows <=``
     :data:`FOLD_MAX_LORA_ROWS_FRACTION` ``* base_rows`` and ``rank <=`` :data:`FOLD_MAX_RANK` (``base_rows``: the
     weight's output rows; ``lora_rows``: its pool's A rows over every slice, page and rank row; ``rank``: the
-    pool's rank rows per page, max_lora_rank in a pool of one page per adapter)."""
-    return lora_rows <= FOLD_MAX_LORA_ROWS_FRACTION * base_rows and rank <= FOLD_MAX_RANK
+    pool's rank rows per page, max_lora_rank in a pool of one page per adapter). ``fp8``: an e4m3 weight, whose
+    rows hold half the bytes of the 16-bit A rows: the rule is applied to bytes, ``2 * lora_rows`` (measured at 32
+    slots of r=16 on every module, 25% of the bytes: RESULTS.md session 28; larger pools by this extrapolation)."""
+    return (2 if fp8 else 1) * lora_rows <= FOLD_MAX_LORA_ROWS_FRACTION * base_rows and rank <= FOLD_MAX_RANK
 
 
 def _launch_add_lora(

@@ -197,3 +197,11 @@ def test_a_folded_linear_refuses_a_second_fold_and_foreign_pages():
     assert torch.equal(views[1], torch.full((2, 4, 8), 2.0)) and views[1].data_ptr() == lin.folded_weight[16:].data_ptr()
     with pytest.raises(ValueError, match="unfolded"):
         lin.fold_lora_a(views)
+
+
+def test_the_auto_rule_counts_an_fp8_weights_rows_as_half_an_a_row():
+    """fold_shrink_pays over bytes: an e4m3 weight row holds half the bytes of a 16-bit A row, so an FP8 linear
+    folds up to half as many A rows as a 16-bit one of the same shape."""
+    assert fold_shrink_pays(1024, 1024, 16) and not fold_shrink_pays(1024, 1025, 16)
+    assert fold_shrink_pays(1024, 512, 16, fp8=True) and not fold_shrink_pays(1024, 513, 16, fp8=True)
+    assert not fold_shrink_pays(1024, 16, 32, fp8=True)

@@ -216,8 +216,10 @@ def test_fp8_engine_folds_the_lora_shrink_into_its_split_gemm(tiny_llama_dir, pr
     launch (``fp8_linear(..., lora_a=)``) and each expand in the kernel after the linear; no SGMV pair runs, at
     prefill or decode. Against the unfolded engine (the SGMV pair, PEFT-exact in float32 above), a batch of two
     adapters and the base model (the first prompt with an adapter and without): the unfolded engine's greedy tokens,
-    read back teacher-forced by both, get logprobs within 0.05 at every position (the folded shrink is rounded to
-    bf16 in the GEMM's output, SGMV's stays float32), and the adapter changes them. ``auto`` folds here too, and
+    read back teacher-forced by both, get logprobs within 0.01 at every position (the folded shrink is rounded to
+    bf16 in the GEMM's output, SGMV's in the expand, which casts it to B's dtype for its dot: on the CPU the two
+    engines agree bit for bit, and a 2^-8 relative error in the folded columns moves a logprob by ~0.047, which
+    0.05 let through), and the adapter changes them. ``auto`` folds here too, and
     the bf16 A rows are the pool's pages (views, written by installs)."""
     import os
 
@@ -266,12 +268,15 @@ def test_fp8_engine_folds_the_lora_shrink_into_its_split_gemm(tiny_llama_dir, pr
     assert bound and all(lin.folded_a is not None and lin.folded_weight is None for lin in bound)
     assert all(lin.folded_a.dtype == torch.bfloat16 and lin.qweight is not None for lin in bound)
     weights = folded.engine.lora_pool.weights
-    assert any(weights.a[0][m].data_ptr() == bound[0].folded_a.data_ptr() for m in bound[0].module_names)
+    layers = {id(lin): layer for layer, lin in folded.engine.model.lora_linears()}
+    storage = [(weights.a[layers[id(lin)]][m], lin.folded_a) for lin in bound for m in lin.module_names]
+    assert all(a.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+               for a, f in storage)  # every slice's pages: views of its linear's folded_a
     generate(folded)  # decode steps, folded
     got = logprobs(folded, sequences)
     assert any(folded_gemms) and not sgmv
     worst = max(abs(a - b) for sa, sb in zip(got, expected) for a, b in zip(sa, sb))
-    assert worst <= 0.05, worst
+    assert worst <= 0.01, worst
     assert expected[0] != expected[3], "the adapter changes the first prompt's row"
     _, auto_bound, _ = engine("auto")
     assert all(lin.folded_a is not None for lin in auto_bound)

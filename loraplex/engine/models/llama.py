@@ -283,7 +283,8 @@ class LinearWithLoRA(nn.Module):
     def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None, defer: bool = True,
                          split: ActivationSplit | None = None) -> tuple[torch.Tensor, LoRADelta | None]:
         """``(y, delta)``: with ``defer`` and a folded step (folded linear, LoRA tokens, at most
-        ``FOLD_MAX_TOKENS`` tokens, no DoRA), ``y`` is the base output and ``delta`` its expand for the kernel that
+        ``FOLD_MAX_TOKENS`` tokens, or for an FP8 weight ``FP8_FOLD_MAX_TOKENS`` in a step its GEMM takes with split
+        activations; no DoRA), ``y`` is the base output and ``delta`` its expand for the kernel that
         reads ``y`` next (``rms_norm``, ``silu_and_mul``, ``gelu_tanh_and_mul`` take ``lora=delta``); otherwise
         ``(forward's y, None)``. ``split``: x's activation split (:meth:`split_for`, filled by the kernel that made
         x), read by an FP8 weight's GEMM instead of splitting x again."""
