@@ -180,9 +180,8 @@ class LLMEngine:
 
         pool = LoRASlotPool(self.adapter_spec, dtype=self.dtype, device=self.device, config=self.config.lora_config(self.device),
                             weights=self.tp.state.lora_weights if self.tp is not None else None)
-        fp8_unfoldable = [lin for _, lin in self.model.lora_linears()
-                          if lin.qweight is not None and not lin.can_fold_shrink(self.dtype)]
-        if self.config.lora_fold_shrink == "on" and self.tp is None and fp8_unfoldable:
+        if self.config.lora_fold_shrink == "on" and self.tp is None and any(
+                not lin.can_fold_shrink(self.dtype) for _, lin in self.model.lora_linears() if lin.qweight is not None):
             raise ConfigError("lora_fold_shrink", "on", "with FP8 weights needs their GEMM's split activations (bf16 "
                               f"on a compute capability 9 GPU, Triton kernels), not {self.dtype} on {self.device}")
         if bind_lora(self.model, pool.weights, self.config.lora_fold_shrink if self.tp is None else "off") \

@@ -433,21 +433,12 @@ def _fp8_linear_split_kernel(
                         mask=k_mask[:, None] & qrow_mask[None, :], other=0.0)
             acc = tl.dot(w, q, acc)
         pdl_trigger(USE_PDL)
-        _split_epilogue(acc, s_ptr, out_ptr, scale_ptr, bias_ptr, cols, col_mask, col_mask, num_tokens, stride_ot,
-                        stride_os, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_R)
-
-
-@triton.jit
-def _split_epilogue(acc, s_ptr, out_ptr, scale_ptr, bias_ptr, cols, col_mask, scaled, num_tokens, stride_ot, stride_os,
-                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``out[t, cols] = s[t] * (acc[:, 2t] + acc[:, 2t + 1] / 16)`` of the split GEMM's ``acc [BLOCK_C, BLOCK_R]``
-    (q's rows h, l interleaved), through :func:`_store_swapped` (scale and bias where ``scaled``)."""
-    acc_h, acc_l = tl.split(tl.reshape(acc, [BLOCK_C, BLOCK_R // 2, 2]))
-    rows = tl.program_id(2) * (BLOCK_R // 2) + tl.arange(0, BLOCK_R // 2)
-    row_mask = rows < num_tokens
-    y = (acc_h + acc_l * 0.0625) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[None, :]
-    _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, scaled, stride_ot, stride_os,
-                   HAS_BIAS, PARTIAL)
+        acc_h, acc_l = tl.split(tl.reshape(acc, [BLOCK_N, BLOCK_R // 2, 2]))
+        rows = tl.program_id(2) * (BLOCK_R // 2) + tl.arange(0, BLOCK_R // 2)
+        row_mask = rows < num_tokens
+        y = (acc_h + acc_l * 0.0625) * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[None, :]
+        _store_swapped(y, out_ptr, scale_ptr, bias_ptr, cols, rows, col_mask, row_mask, col_mask, stride_ot,
+                       stride_os, HAS_BIAS, PARTIAL)
 
 
 def _check_lora_a(x: torch.Tensor, lora_a: torch.Tensor) -> None:

@@ -170,10 +170,11 @@ def check_fp8_folded_shrink(shapes: Sequence[tuple[int, int, int]], dtype: torch
     ``(in_features, out_features, a_rows)`` of ``shapes`` at every count of :data:`FP8_FOLD_TOKEN_COUNTS`, its A
     columns (``x @ lora_a.T``, bf16 x bf16 in the split GEMM's extra column tiles) against the float32 reference:
     ``max |ours - ref| <= 0.01 * max |ref| + 1e-3`` (the bf16 output's rounding). The weight's columns are the
-    GEMM's own (served without adapters too). Raises :class:`LoRAKernelMismatch`."""
+    GEMM's own (served without adapters too), so the weight is zeros of the real shape (it places the A tiles).
+    Raises :class:`LoRAKernelMismatch`."""
     gen = torch.Generator().manual_seed(seed)
     for hidden, out_features, a_rows in shapes:
-        weight = (torch.randn(out_features, hidden, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE).to(device)
+        weight = torch.zeros(out_features, hidden, dtype=FP8_DTYPE, device=device)
         scale = torch.full((out_features,), 1e-3, device=device)
         lora_a = (torch.randn(a_rows, hidden, generator=gen) / hidden**0.5).to(device, dtype)
         for tokens in FP8_FOLD_TOKEN_COUNTS:

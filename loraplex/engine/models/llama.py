@@ -297,17 +297,18 @@ class LinearWithLoRA(nn.Module):
         if self.qweight is not None:
             folds = folds and lora.mapping.num_tokens <= FP8_FOLD_MAX_TOKENS and (
                 split is not None or fp8_linear.default_activations(x.dtype, x.device, x.shape[0]) == "split")
-            out = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split,
-                                          lora_a=self.folded_a if folds else None)
+            if folds:
+                out = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split,
+                                              lora_a=self.folded_a)
+            else:
+                y = self.kernels.fp8_linear(x, self.qweight, self.weight_scale, bias, split=split)
         elif folds:
             out = self.kernels.dense_linear(x, self.folded_weight, self.folded_bias if bias is not None else None)
         else:
             y = self.kernels.dense_linear(x, self.weight, bias)
-        if out is not None and not folds:
-            y = out
-        elif out is not None:
+        if out is not None:
             # one GEMM: the base output (a row-strided view) and every page's shrink, read by the expand
-            n = (self.weight if self.qweight is None else self.qweight).shape[0]
+            n = out.shape[1] - self.folded_a.shape[0]
             y = out[:, :n]
             v = slot_rows_view(out, n, len(self.lora_a), *self.lora_a[0].shape[:2])
             if defer and not dora:
