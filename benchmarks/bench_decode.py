@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pdl-prefetch", type=int, default=None,
                     help="weight columns each PDL GEMM program prefetches into L2 before its wait "
                          "(kernels._triton.use_pdl_prefetch; default: the engine's)")
+    ap.add_argument("--fp8-fold-max-tokens", type=int, default=None,
+                    help="largest FP8 step that folds the LoRA shrink (engine.models.llama.FP8_FOLD_MAX_TOKENS; "
+                         "default: the engine's)")
     ap.add_argument("--fused-layers", default="on", choices=["on", "off"],
                     help="base steps' decode layers in four GEMMs (norms, activation and residual adds inside them; "
                          "llama.fuse_decode_layers), or the separate kernels")
@@ -346,6 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         dense_linear.use_fused_configs(dense_linear.fused_configs_from_json(Path(args.fused_configs).read_text()))
     llama.fuse_decode_layers(args.fused_layers == "on")
+    if args.fp8_fold_max_tokens is not None:
+        llama.FP8_FOLD_MAX_TOKENS = args.fp8_fold_max_tokens
     if args.pdl in ("on", "off"):
         use_pdl(args.pdl == "on")
     else:
@@ -392,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
               "dense_configs": args.dense_configs, "fused_layers": args.fused_layers, "pdl": args.pdl,
               "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
               "pdl_kv_prefetch": args.pdl_kv_prefetch, "consumer_launch": consumer_launch,
-              "fused_configs": args.fused_configs,
+              "fused_configs": args.fused_configs, "fp8_fold_max_tokens": llama.FP8_FOLD_MAX_TOKENS,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1
