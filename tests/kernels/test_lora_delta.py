@@ -104,7 +104,7 @@ def _backend_device(backend, kernel_device):
 def test_rms_norm_with_a_delta_writes_its_outputs_split(kernel_device, backend, with_residual, pieces,
                                                         monkeypatch):
     """rms_norm with a LoRA delta and an FP8 linear's activation split (bf16): the outputs equal those without the
-    split, bit for bit, and the split is fp8_linear.split_activations' of out, byte for byte (zeros as zeros). The
+    split, bit for bit, and the split is fp8_linear.write_split_ref's of out, byte for byte (zeros as zeros). The
     row in one tile writes it in the same program (no separate split launch); two passes over pieces split after."""
     from loraplex.kernels import fp8_linear, rms_norm
     from loraplex.kernels.fp8_linear import ActivationSplit
@@ -128,7 +128,7 @@ def test_rms_norm_with_a_delta_writes_its_outputs_split(kernel_device, backend, 
         assert torch.equal(a, b)
     out = got[0] if with_residual else got
     expected = ActivationSplit.empty(T, HIDDEN, device)
-    split_activations(out, expected)
+    fp8_linear.write_split_ref(out, expected)  # torch: on the GPU too, where the reference backend's tensors are CPU
     as_bytes = lambda q: torch.where(q.cpu().view(torch.uint8) == 0x80, 0, q.cpu().view(torch.uint8))  # noqa: E731
     assert torch.equal(split.s.cpu(), expected.s.cpu()) and torch.equal(as_bytes(split.q), as_bytes(expected.q))
     if backend == "triton":

@@ -117,10 +117,11 @@ class VocabLoRA:
     lora_host: list[list[bool]]
 
 
-FP8_FOLD_MAX_TOKENS = 32
+FP8_FOLD_MAX_TOKENS = 64
 """Steps of more tokens take the SGMV pair in a folded FP8 linear. Measured on an H200 (Llama-2-7B, 32 adapters of
-r=16 on every module, decode; RESULTS.md session 28): folded / SGMV step 3.57 / 3.93 ms at batch 1, 5.08 / 7.14 at
-32, 11.68 / 11.29 at 128 (the folded A tiles' bf16 GEMM over 128 tokens costs more than SGMV's)."""
+r=16 on every module, decode; RESULTS.md sessions 28-29): folded / SGMV step 3.57 / 3.93 ms at batch 1, 5.08 / 7.14
+at 32, 6.90 / 8.26 at 48, 7.52 / 8.68 at 64, 10.62 / 10.55 at 96, 11.68 / 11.29 at 128 (the folded A tiles' bf16
+GEMM over 96 or more tokens costs more than SGMV's)."""
 
 
 class LinearWithLoRA(nn.Module):
