@@ -562,10 +562,11 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
 
 def _split_block_sizes(num_tokens: int, out_features: int, in_features: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) of the split-activation GEMM, BLOCK_R counting
-    the 2T rows of h and l: from the H200 sweep of RESULTS.md session 27 (``benchmarks/diag_fp8_split_act.py``,
-    Llama-2-7B's linears at 1, 32 and 128 tokens). Up to 32 tokens one row tile and 64-column weight tiles (256 long;
-    128 for wide outputs), down_proj's long reduction split in four (two from 17 tokens); from 33 tokens 128-row tiles,
-    and for down_proj 256 rows and a reduction split in two."""
+    the 2T rows of h and l: from the H200 sweeps of RESULTS.md sessions 27 and 29 (``benchmarks/diag_fp8_split_act.py``,
+    Llama-2-7B's linears at 1, 32 and 128 tokens, then 40, 48, 64, 80, 96 and 128). Up to 32 tokens one row tile and
+    64-column weight tiles (256 long; 128 for wide outputs), down_proj's long reduction split in four (two from 17
+    tokens); 33-64 tokens one 128-row tile, 128-column tiles for qkv-wide outputs, the reduction split in two for
+    down_proj and o_proj-sized ones; 65-128 tokens 128-row tiles (256 for gate_up-wide outputs), unsplit."""
     rows = 2 * num_tokens
     if rows <= 64:
         block_r = max(16, triton.next_power_of_2(rows))
@@ -576,9 +577,21 @@ def _split_block_sizes(num_tokens: int, out_features: int, in_features: int) -> 
         if out_features > 8192:
             return block_r, 128, 256, 4, 4, 1
         return block_r, 64, 256, 4, 5 if block_r == 64 else 4, 1
-    if in_features > 8192:
-        return 256, 64, 128, 4, 5, 2
-    return (128, 64, 128, 4, 5, 1) if out_features <= 8192 else (128, 64, 128, 4, 3, 1)
+    if rows <= 128:  # 33-64 tokens: one 128-row tile
+        if in_features > 8192:
+            return 128, 64, 256, 4, 4, 2
+        if out_features > 16384:
+            return 128, 64, 128, 4, 3, 1
+        if out_features > 8192:
+            return 128, 128, 128, 4, 5, 1
+        return 128, 64, 256, 4, 4, 2
+    if in_features > 8192:  # 65-128 tokens
+        return 128, 64, 256, 4, 4, 1
+    if out_features > 16384:
+        return 256, 64, 128, 4, 4, 1
+    if out_features > 8192:
+        return 128, 64, 128, 4, 3, 1
+    return 128, 64, 256, 4, 4, 1
 
 
 def _split_activations_launch(in_features: int, device: torch.device) -> tuple[int, int]:

@@ -381,8 +381,8 @@ def test_a_row_holding_nan_or_inf_gives_a_nan_row(kernel_device, bad):
 
 
 def test_split_launch_shapes_are_the_measured_ones():
-    """RESULTS.md session 27 (H200, Llama-2-7B's linears): (BLOCK_R over the 2T rows, BLOCK_N, BLOCK_K, warps,
-    stages, SPLIT_K)."""
+    """RESULTS.md sessions 27 and 29 (H200, Llama-2-7B's linears): (BLOCK_R over the 2T rows, BLOCK_N, BLOCK_K,
+    warps, stages, SPLIT_K)."""
     from loraplex.kernels.fp8_linear import _split_block_sizes
 
     assert _split_block_sizes(1, 12288, 4096) == (16, 128, 256, 4, 4, 1)
@@ -393,7 +393,13 @@ def test_split_launch_shapes_are_the_measured_ones():
     assert _split_block_sizes(32, 4096, 4096) == (64, 64, 256, 4, 5, 1)
     assert _split_block_sizes(32, 22016, 4096) == (64, 64, 128, 4, 4, 1)
     assert _split_block_sizes(32, 4096, 11008) == (64, 64, 256, 4, 5, 2)
-    assert _split_block_sizes(128, 12288, 4096) == (128, 64, 128, 4, 3, 1)
-    assert _split_block_sizes(128, 4096, 4096) == (128, 64, 128, 4, 5, 1)
-    assert _split_block_sizes(128, 22016, 4096) == (128, 64, 128, 4, 3, 1)
-    assert _split_block_sizes(128, 4096, 11008) == (256, 64, 128, 4, 5, 2)
+    for tokens in (33, 48, 64):  # session 29
+        assert _split_block_sizes(tokens, 12288, 4096) == (128, 128, 128, 4, 5, 1)
+        assert _split_block_sizes(tokens, 4096, 4096) == (128, 64, 256, 4, 4, 2)
+        assert _split_block_sizes(tokens, 22016, 4096) == (128, 64, 128, 4, 3, 1)
+        assert _split_block_sizes(tokens, 4096, 11008) == (128, 64, 256, 4, 4, 2)
+    for tokens in (65, 96, 128):
+        assert _split_block_sizes(tokens, 12288, 4096) == (128, 64, 128, 4, 3, 1)
+        assert _split_block_sizes(tokens, 4096, 4096) == (128, 64, 256, 4, 4, 1)
+        assert _split_block_sizes(tokens, 22016, 4096) == (256, 64, 128, 4, 4, 1)
+        assert _split_block_sizes(tokens, 4096, 11008) == (128, 64, 256, 4, 4, 1)
