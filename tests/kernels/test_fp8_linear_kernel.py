@@ -380,6 +380,35 @@ def test_a_row_holding_nan_or_inf_gives_a_nan_row(kernel_device, bad):
     assert torch.equal(out.isnan(), fp8_linear_split_ref(x.cpu(), weight.cpu(), scale.cpu()).isnan())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the measured launch shapes run on Hopper")
+@pytest.mark.parametrize("tokens", [1, 32, 40, 64, 96, 128])
+@pytest.mark.parametrize("linear", [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)],
+                         ids=["qkv", "o", "gate_up", "down"])
+def test_split_launch_shapes_at_llama_shapes(tokens, linear):
+    """The default launch shape of every measured row (Llama-2-7B's linears, 1-128 tokens, split-K included), with
+    a folded LoRA shrink (32 slots of r=16) where the engine folds (up to FP8_FOLD_MAX_TOKENS): the base columns
+    against the split reference within bf16's tolerance of the product's magnitude, the A columns against x @ A.T."""
+    from loraplex.engine.models.llama import FP8_FOLD_MAX_TOKENS
+    from loraplex.kernels.fp8_linear import ActivationSplit, _launch_fp8_linear, split_activations
+
+    in_features, out_features = linear
+    x, weight, scale, _ = _inputs(tokens, in_features, out_features, torch.bfloat16, torch.device("cuda"), False)
+    lora_a = (torch.randn(512, in_features, device="cuda") * 0.05).to(torch.bfloat16)
+    folds = tokens <= FP8_FOLD_MAX_TOKENS
+    out = _launch_fp8_linear(x, weight, scale, lora_a=lora_a if folds else None, activations="split")
+    given = ActivationSplit.empty(tokens, in_features, x.device)
+    split_activations(x, given)
+    expected = fp8_linear_ref(x.float(), weight, scale, split=given).double()
+    magnitude = (x.float().abs() @ weight.float().abs().T * scale).double().clamp_min(1e-3)
+    err = (out[:, :out_features].double() - expected).abs() / magnitude
+    assert err.max().item() <= TOL[torch.bfloat16], err.max().item()
+    if folds:
+        shrink = x.double() @ lora_a.double().T
+        err = (out[:, out_features:].double() - shrink).abs() / (x.double().abs() @ lora_a.double().abs().T)
+        assert err.max().item() <= TOL[torch.bfloat16], err.max().item()
+
+
 def test_split_launch_shapes_are_the_measured_ones():
     """RESULTS.md sessions 27 and 29 (H200, Llama-2-7B's linears): (BLOCK_R over the 2T rows, BLOCK_N, BLOCK_K,
     warps, stages, SPLIT_K)."""

@@ -1,0 +1,191 @@
+"""Persistent decode attention, as an experiment (issue 16): one pipelined loop over a program's K/V tiles.
+
+The engine's decode kernel (``attention_decode._paged_decode_kernel``) runs one program per (sequence, KV head); at
+batch 32 x 32 heads x contexts 128-192 each program reads 2-3 tiles of 64 positions, and the kernel reads the KV at
+~0.74-0.77 of the copy bandwidth whatever its tile (RESULTS.md sessions 18 and 21). Hypothesis: a program's
+startup (q, its block table, the first tiles' latency) and the last wave's tail cost what is left. Here a fixed
+grid of ``P`` programs (a few per SM) each walks a list of (sequence, KV head, tile) work items in one software-
+pipelined loop, so the next item's first K/V tiles are in flight while the current item finishes; the online softmax
+state resets at an item's first tile and the output is stored at its last (masked, no branches). The host builds
+the lists (whole items per program, cut where the running tile count crosses ``p * total / P``).
+
+For each case: the engine kernel's default config and the persistent kernel at several ``P`` / stages / tiles, each
+checked against the engine kernel's output (bf16 tolerance) and timed by CUDA-graph replay over rotating caches
+(``bench_attention``'s timer); µs per call and the fraction of the copy bandwidth. Usage (CUDA)::
+
+    python benchmarks/diag_persistent_decode.py [--cases 32x128,32x160,32x192,128x160] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_attention import GraphTimer, _shuffled_tables, copy_bandwidth_gbs, rotation_layers  # noqa: E402
+
+from loraplex.kernels._triton import num_sms, tl, triton  # noqa: E402
+from loraplex.kernels.attention_decode import paged_decode_attention  # noqa: E402
+from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+
+
+@triton.jit
+def _persistent_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, item_ptr, tile_ptr, count_ptr, out_ptr, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_bt, num_kv_heads, max_iters,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    # program p: work items i < count[p]; item[p, i] = b * Hkv + kvh; tile[p, i] = t << 9 | valid << 2 | first << 1
+    # | last (positions t * BLOCK_N + [0, valid)). m/l/acc: base-2 online softmax over the item's positions.
+    p = tl.program_id(0)
+    n = tl.load(count_ptr + p)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for it in tl.range(0, n, num_stages=NUM_STAGES):
+        item = tl.load(item_ptr + p * max_iters + it)
+        word = tl.load(tile_ptr + p * max_iters + it)
+        b = item // num_kv_heads
+        kvh = item % num_kv_heads
+        first = (word >> 1) & 1
+        last = word & 1
+        valid = (word >> 2) & 127
+        pos = (word >> 9) * BLOCK_N + tl.arange(0, BLOCK_N)
+        p_mask = tl.arange(0, BLOCK_N) < valid
+        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+        row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + kvh * stride_kh
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+        heads = kvh * GROUP + g
+        q_mask = g[:, None] < GROUP
+        q = tl.load(q_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                    mask=q_mask, other=0.0)
+        m_i = tl.where(first == 1, float("-inf"), m_i)
+        l_i = tl.where(first == 1, 0.0, l_i)
+        acc = tl.where(first == 1, 0.0, acc)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pe = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pe, 1)
+        acc = acc * alpha[:, None] + tl.dot(pe.to(v.dtype), v)
+        m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask & ((g[:, None] * 0 + last) > 0))
+
+
+def work_lists(seq_lens: list[int], num_kv_heads: int, programs: int, block_n: int, device: torch.device):
+    """(item [P, I], tile [P, I], count [P]) int32: whole items per program, cut at ``p * total / P`` tiles."""
+    items = [(b, h) for b in range(len(seq_lens)) for h in range(num_kv_heads)]
+    tiles_of = [-(-seq_lens[b] // block_n) for b, _ in items]
+    total = sum(tiles_of)
+    lists: list[list[tuple[int, int]]] = [[] for _ in range(programs)]
+    done = 0
+    for (b, h), n in zip(items, tiles_of):
+        p = min(programs - 1, done * programs // total)
+        for t in range(n):
+            valid = min(block_n, seq_lens[b] - t * block_n)
+            lists[p].append((b * num_kv_heads + h, t << 9 | valid << 2 | (t == 0) << 1 | (t == n - 1)))
+        done += n
+    width = max(len(x) for x in lists)
+    item = torch.zeros(programs, width, dtype=torch.int32)
+    tile = torch.zeros(programs, width, dtype=torch.int32)
+    for p, entries in enumerate(lists):
+        for i, (a, w) in enumerate(entries):
+            item[p, i], tile[p, i] = a, w
+    count = torch.tensor([len(x) for x in lists], dtype=torch.int32)
+    return item.to(device), tile.to(device), count.to(device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="32x128,32x160,32x192,128x160",
+                    help="batch x context (Llama-2-7B heads: 32 x 128, MHA)")
+    ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--programs-per-sm", default="2,3,4,6")
+    ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--tiles", default="32,64")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    timer = GraphTimer()
+    copy_gbs = copy_bandwidth_gbs(1 << 30, dev, timer)
+    report = {"copy_GBps": copy_gbs, "rows": []}
+    print(json.dumps(report), flush=True)
+    heads, hkv, dim, page = 32, args.kv_heads, 128, 16
+    group = heads // hkv
+    for case in args.cases.split(","):
+        batch, context = (int(x) for x in case.split("x"))
+        blocks_per_seq = -(-context // page)
+        num_blocks = batch * blocks_per_seq
+        kv_bytes = 2 * batch * context * hkv * dim * 2
+        layers = rotation_layers(kv_bytes, 256 << 20, 256, 16 << 30)
+        shape = (layers * num_blocks, page, hkv, dim)
+        k_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_()
+        v_cache = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_()
+        tables = _shuffled_tables(batch, blocks_per_seq)
+        seq_lens = [context] * batch
+        meta = AttentionMetadata.build([1] * batch, seq_lens, tables, page, dev)
+        bt = torch.tensor(tables, dtype=torch.int32, device=dev)
+        query = torch.randn(batch, heads, dim, device=dev).to(torch.bfloat16)
+        scale = dim ** -0.5
+        out = torch.empty_like(query)
+        expected = paged_decode_attention(query, k_cache[:num_blocks], v_cache[:num_blocks], meta, scale).float()
+
+        def engine(layer: int) -> None:
+            lo = layer * num_blocks
+            paged_decode_attention(query, k_cache[lo:lo + num_blocks], v_cache[lo:lo + num_blocks], meta, scale,
+                                   out=out)
+
+        rows = {"engine": timer([lambda i=i: engine(i) for i in range(layers)])}
+        for block_n in (int(x) for x in args.tiles.split(",")):
+            for per_sm in (int(x) for x in args.programs_per_sm.split(",")):
+                programs = per_sm * num_sms(dev)
+                item, tile, count = work_lists(seq_lens, hkv, programs, block_n, dev)
+                for stages in (int(x) for x in args.stages.split(",")):
+                    def persistent(layer: int, stages=stages, block_n=block_n, programs=programs, item=item,
+                                   tile=tile, count=count) -> None:
+                        kc = k_cache[layer * num_blocks:(layer + 1) * num_blocks]
+                        vc = v_cache[layer * num_blocks:(layer + 1) * num_blocks]
+                        _persistent_decode_kernel[(programs,)](
+                            query, kc, vc, bt, item, tile, count, out, scale * 1.4426950408889634,
+                            kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0), hkv, item.shape[1],
+                            GROUP=group, BLOCK_G=max(16, group), HEAD_DIM=dim, PAGE=page, BLOCK_N=block_n,
+                            NUM_STAGES=stages, num_warps=4)
+
+                    key = f"persistent n{block_n} P={per_sm}/SM s{stages}"
+                    try:
+                        out.fill_(float("nan"))
+                        persistent(0)
+                        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+                    except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+                        rows[key] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
+                        continue
+                    rows[key] = timer([lambda i=i, f=persistent: f(i) for i in range(layers)])
+        line = {"batch": batch, "context": context, "kv_mib": kv_bytes / (1 << 20),
+                "floor_us": kv_bytes / (copy_gbs * 1e3),
+                "us": {k: round(v, 2) if isinstance(v, float) else v for k, v in rows.items()}}
+        best = min((v, k) for k, v in rows.items() if isinstance(v, float))
+        line["best"] = [best[1], round(best[0], 2), round(line["floor_us"] / best[0], 3)]
+        line["engine_frac"] = round(line["floor_us"] / rows["engine"], 3)
+        report["rows"].append(line)
+        print(json.dumps(line), flush=True)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
