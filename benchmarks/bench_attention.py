@@ -39,7 +39,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         help="default: the heuristic's config only (~1 min on an H200); sweep: tiles x split targets")
     parser.add_argument("--tiles", default=None,
                         help="with --configs sweep: the tiles, BLOCK_NxWARPSxSTAGES comma list (default SWEEP_TILES)")
+    parser.add_argument("--heads-per-program", default="",
+                        help="comma list: also run each case's default config with this many KV heads a program")
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens (engine default 16)")
     parser.add_argument("--max-kv-gib", type=float, default=66.0, help="skip cases whose K+V exceed this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
@@ -428,6 +430,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             for batch in batches:
                 case = Case(heads, ctx, batch, page)
                 configs = sweep_configs(case, device, args.configs, tiles)
+                configs += [replace(configs[0], heads_per_program=k) for k in _ints(args.heads_per_program)
+                            if k != configs[0].heads_per_program and heads.num_kv_heads % k == 0]
                 case_rows = run_case(case, configs, device, timer, copy_gbs, int(args.max_kv_gib * GIB),
                                      min_rotation, max_layers)
                 for r in case_rows:

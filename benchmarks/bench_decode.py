@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pdl-prefetch", type=int, default=None,
                     help="weight columns each PDL GEMM program prefetches into L2 before its wait "
                          "(kernels._triton.use_pdl_prefetch; default: the engine's)")
+    ap.add_argument("--decode-max-heads", type=int, default=None,
+                    help="most KV heads a decode attention program walks (kernels.attention_decode."
+                         "MAX_HEADS_PER_PROGRAM; default: the engine's)")
     ap.add_argument("--fp8-fold-max-tokens", type=int, default=None,
                     help="largest FP8 step that folds the LoRA shrink (engine.models.llama.FP8_FOLD_MAX_TOKENS; "
                          "default: the engine's)")
@@ -351,6 +354,10 @@ def main(argv: list[str] | None = None) -> dict:
     llama.fuse_decode_layers(args.fused_layers == "on")
     if args.fp8_fold_max_tokens is not None:
         llama.FP8_FOLD_MAX_TOKENS = args.fp8_fold_max_tokens
+    if args.decode_max_heads is not None:
+        from loraplex.kernels import attention_decode
+
+        attention_decode.MAX_HEADS_PER_PROGRAM = args.decode_max_heads
     if args.pdl in ("on", "off"):
         use_pdl(args.pdl == "on")
     else:
@@ -398,6 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
               "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
               "pdl_kv_prefetch": args.pdl_kv_prefetch, "consumer_launch": consumer_launch,
               "fused_configs": args.fused_configs, "fp8_fold_max_tokens": llama.FP8_FOLD_MAX_TOKENS,
+              "decode_max_heads": args.decode_max_heads,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1

@@ -54,13 +54,17 @@ from loraplex.kernels._attention_checks import check_attention_args, check_atten
 from loraplex.kernels._triton import (cdiv, dot_dtype, dot_precision, next_pow2, num_sms, pdl_args,
                                       pdl_kv_prefetch_positions, pdl_prefetch, pdl_trigger, pdl_wait, require_triton,
                                       tl, triton)
-from loraplex.kernels.attention_common import attend_kv_range
+from loraplex.kernels.attention_common import attend_kv_range, attend_kv_tile
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.errors import KernelArgumentError
 
 _OP = "paged_decode_attention"
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+MAX_HEADS_PER_PROGRAM = 1
+"""The most KV heads :func:`decode_config` gives one program (``DecodeConfig.heads_per_program``) on CUDA, where a
+batch without split-K keeps at least :data:`HEADS_MIN_PROGRAMS_PER_SM` programs per SM; 1: one head each."""
+HEADS_MIN_PROGRAMS_PER_SM = 3
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,8 @@ class DecodeConfig:
     ``block_n``: KV positions per inner-loop tile; ``num_warps``; ``num_stages``: software-pipeline depth of
     the K/V loads; ``num_splits``: split-K programs per (sequence, KV head), 1..64; ``min_chunk``: fewest
     positions of context a split gets (a multiple of ``block_n``); ``use_dot``: ``tl.dot`` (16-row tiles)
-    or FMA reductions (one-row tiles, MHA only).
+    or FMA reductions (one-row tiles, MHA only); ``heads_per_program``: KV heads one program walks in a single
+    software-pipelined loop over their tiles (the next head's first K/V tiles in flight while one head ends).
     """
 
     block_n: int = 64
@@ -79,11 +84,13 @@ class DecodeConfig:
     num_splits: int = 1
     min_chunk: int = 256
     use_dot: bool = True
+    heads_per_program: int = 1
 
     def label(self) -> str:
-        """Short name for benchmark tables, e.g. ``n64 w4 s2 k8 c256 dot``."""
+        """Short name for benchmark tables, e.g. ``n64 w4 s2 k8 c256 dot`` (``h2``: two KV heads a program)."""
         return (f"n{self.block_n} w{self.num_warps} s{self.num_stages} k{self.num_splits} c{self.min_chunk} "
-                f"{'dot' if self.use_dot else 'fma'}")
+                f"{'dot' if self.use_dot else 'fma'}" + (f" h{self.heads_per_program}"
+                                                         if self.heads_per_program > 1 else ""))
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device, *,
@@ -125,13 +132,21 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
     splits = choose_num_splits(programs, max_seq_len, device, programs_per_sm=2, min_chunk=min_chunk)
     # MHA too takes 16-row tl.dot tiles on CUDA: measured on an H200 (benchmarks/RESULTS.md, session 5), the
     # one-row FMA tiles read Llama-2-7B's KV at ~1.3 TB/s, the dot tiles of GQA at 3.3-3.9 TB/s.
+    heads = 1
+    while (splits == 1 and 2 * heads <= MAX_HEADS_PER_PROGRAM and num_kv_heads % (2 * heads) == 0
+           and programs // (2 * heads) >= HEADS_MIN_PROGRAMS_PER_SM * num_sms(device)):
+        heads *= 2
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages, num_splits=splits, min_chunk=min_chunk,
-                        use_dot=True)
+                        use_dot=True, heads_per_program=heads)
 
 
-def check_decode_config(config: DecodeConfig, group: int, page: int) -> None:
-    """Raise :class:`KernelArgumentError` for a config the kernel cannot run."""
+def check_decode_config(config: DecodeConfig, group: int, page: int, num_kv_heads: int | None = None) -> None:
+    """Raise :class:`KernelArgumentError` for a config the kernel cannot run (``num_kv_heads``: the heads that
+    ``heads_per_program`` must divide)."""
     problems = []
+    hp = config.heads_per_program
+    if hp not in (1, 2, 4, 8) or (num_kv_heads is not None and num_kv_heads % hp):
+        problems.append(f"heads_per_program={hp} (1, 2, 4 or 8, dividing the {num_kv_heads} KV heads)")
     if config.block_n < 16 or config.block_n & (config.block_n - 1):
         problems.append(f"block_n={config.block_n} (a power of two >= 16)")
     if config.block_n % page and page % config.block_n:
@@ -197,6 +212,7 @@ def _paged_decode_kernel(
     USE_PDL: tl.constexpr = False,
     PREFETCH_N: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
+    HEADS: tl.constexpr = 1,
 ):
     # PREFETCH_N > 0 (PDL launches only; the engine's are its decode graphs): the step's metadata (uploaded before the
     # graph; no kernel of the step writes it) is read before the wait, and the K/V lines of the chunk's first
@@ -204,10 +220,11 @@ def _paged_decode_kernel(
     # do: the next kernel's wait covers this grid only, so this grid must not finish before the kernel before it.
     if PREFETCH_N == 0:
         pdl_wait(USE_PDL)
+    # grid (sequences, KV heads / HEADS, splits): program (b, j, split) the heads j * HEADS + [0, HEADS)
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) * HEADS
     split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
+    num_q_heads = tl.num_programs(1) * HEADS * GROUP
     tok = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - tok
     if q_len != 1:  # a prefill row of a mixed batch (or an empty padding sequence): not ours
@@ -239,28 +256,61 @@ def _paged_decode_kernel(
 
     tok = tok.to(tl.int64)
     g = tl.arange(0, BLOCK_G)
-    heads = kvh * GROUP + g
     d = tl.arange(0, BLOCK_D)
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i, l_i, acc = attend_kv_range(
-        q.to(DOT_DTYPE), g, m_i, l_i, acc,
-        k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh, block_tables_ptr + b * stride_bt,
-        start, end, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, softcap, window,
-        PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_DTYPE, PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
-    )
-    pdl_trigger(USE_PDL)
+    bt_row = block_tables_ptr + b * stride_bt
+    if HEADS == 1:
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        m_i, l_i, acc = attend_kv_range(
+            q.to(DOT_DTYPE), g, m_i, l_i, acc, k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh, bt_row,
+            start, end, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, softcap, window,
+            PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_DTYPE, PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
+        )
+        pdl_trigger(USE_PDL)
+        _store_decode(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, b, tok, heads, d, q_mask, g < GROUP,
+                      split, num_active, num_splits, num_q_heads, stride_ot, stride_oh, HEAD_DIM)
+    else:
+        # one pipelined loop over the HEADS heads' tiles: iteration i is tile i % n of head i // n; the softmax
+        # state restarts at a head's first tile (m = -inf: the tile's rescale 2^(m - m') = 0 clears l and acc) and
+        # the head's output is stored (masked) at its last
+        n_tiles = tl.cdiv(end - start, BLOCK_N)
+        for i in tl.range(0, HEADS * n_tiles, num_stages=NUM_STAGES):
+            j = i // n_tiles
+            tile = i - j * n_tiles
+            heads = (kvh + j) * GROUP + g
+            q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+            m_i = tl.where(tile == 0, float("-inf"), m_i)
+            m_i, l_i, acc = attend_kv_tile(
+                q.to(DOT_DTYPE), g, m_i, l_i, acc, k_cache_ptr + (kvh + j) * stride_kh,
+                v_cache_ptr + (kvh + j) * stride_vh, bt_row, start + tile * BLOCK_N, end, stride_kb, stride_ks,
+                stride_vb, stride_vs, qk_scale, softcap, window, PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
+                PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
+            )
+            last = (g * 0 + tile) == n_tiles - 1
+            _store_decode(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, b, tok, heads, d, q_mask & last[:, None],
+                          (g < GROUP) & last, split, num_active, num_splits, num_q_heads, stride_ot, stride_oh,
+                          HEAD_DIM)
+        pdl_trigger(USE_PDL)
+
+
+@triton.jit
+def _store_decode(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, b, tok, heads, d, mask, row_mask, split,
+                  num_active, num_splits, num_q_heads, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+    """The elements ``mask`` (rows ``row_mask``) of a (sequence, KV head, split) program's query-head rows: ``acc /
+    l`` as the output where the sequence has one active split, else as a normalised partial with its log-sum-exp
+    ``m + log2(l)`` for the reduce kernel."""
     if num_active == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         row = (b * num_q_heads + heads) * num_splits + split
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < GROUP)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=q_mask)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -334,7 +384,7 @@ def launch_decode(
         part_out = part_lse = out  # never written: every sequence has one active split
     pdl = pdl_args(query.device, _OP)
     block_d = max(16, next_pow2(head_dim))
-    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+    _paged_decode_kernel[(num_seqs, num_kv_heads // config.heads_per_program, splits)](
         query,
         key_cache,
         value_cache,
@@ -372,7 +422,8 @@ def launch_decode(
         USE_DOT=config.use_dot,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=config.num_warps, **pdl, **_prefetch_args(pdl, head_dim, block_d, key_cache.element_size()),
+        HEADS=config.heads_per_program, num_warps=config.num_warps, **pdl,
+        **_prefetch_args(pdl, head_dim, block_d, key_cache.element_size(), config.heads_per_program),
     )
     if splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -395,13 +446,14 @@ def launch_decode(
         )
 
 
-def _prefetch_args(pdl: dict, head_dim: int, block_d: int, itemsize: int) -> dict:
+def _prefetch_args(pdl: dict, head_dim: int, block_d: int, itemsize: int, heads_per_program: int = 1) -> dict:
     """``PREFETCH_N`` and ``LINE`` (elements per 128-byte line) of a decode launch with ``pdl`` (:func:`pdl_args`):
     :func:`~loraplex.kernels._triton.pdl_kv_prefetch_positions`, or none where the head rows are not a whole number of
-    lines filling the kernel's ``block_d`` columns (``HEAD_DIM == BLOCK_D``, a multiple of ``LINE``)."""
+    lines filling the kernel's ``block_d`` columns (``HEAD_DIM == BLOCK_D``, a multiple of ``LINE``) or a program
+    walks several heads (the read-ahead covers one head's chunk)."""
     line = 128 // itemsize
     positions = pdl_kv_prefetch_positions(pdl["USE_PDL"])
-    if head_dim % line or block_d != head_dim:
+    if head_dim % line or block_d != head_dim or heads_per_program > 1:
         positions = 0
     return {"PREFETCH_N": positions, "LINE": line}
 
@@ -416,7 +468,7 @@ def resolve_decode_config(query: torch.Tensor, key_cache: torch.Tensor, meta: At
                                query.dtype, query.device)
     if num_splits is not None:
         config = replace(config, num_splits=num_splits)
-    check_decode_config(config, group, page)
+    check_decode_config(config, group, page, num_kv_heads)
     return config
 
 
