@@ -290,10 +290,16 @@ def _paged_decode_kernel(
                 stride_vb, stride_vs, qk_scale, softcap, window, PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
                 PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
             )
+            # branch-free masked stores (a branch in the loop body keeps Triton from pipelining it)
             last = (g * 0 + tile) == n_tiles - 1
-            _store_decode(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, b, tok, heads, d, q_mask & last[:, None],
-                          (g < GROUP) & last, split, num_active, num_splits, num_q_heads, stride_ot, stride_oh,
-                          HEAD_DIM)
+            direct = (g * 0 + num_active) == 1
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=q_mask & (last & direct)[:, None])
+            row = (b * num_q_heads + heads) * num_splits + split
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=(g < GROUP) & last & ~direct)
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out,
+                     mask=q_mask & (last & ~direct)[:, None])
         pdl_trigger(USE_PDL)
 
 
@@ -302,7 +308,7 @@ def _store_decode(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, b, tok, he
                   num_active, num_splits, num_q_heads, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
     """The elements ``mask`` (rows ``row_mask``) of a (sequence, KV head, split) program's query-head rows: ``acc /
     l`` as the output where the sequence has one active split, else as a normalised partial with its log-sum-exp
-    ``m + log2(l)`` for the reduce kernel."""
+    ``m + log2(l)`` for the reduce kernel (the several-heads loop stores the same without a branch)."""
     if num_active == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
