@@ -24,8 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.diag_fp8_split_act import L2_BYTES, LINEARS, graph_us  # noqa: E402
+from common import measure_copy_bandwidth  # noqa: E402
+from diag_fp8_split_act import L2_BYTES, LINEARS, graph_us  # noqa: E402
+
 from loraplex.kernels.fp8_linear import (  # noqa: E402
     ActivationSplit,
     _split_block_sizes,
@@ -41,13 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    import triton.testing
-
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
-    bw = 2 * src.numel() / (copy_ms * 1e-3)
-    del src, dst
+    bw = measure_copy_bandwidth(1 << 30)
     report = {"copy_TBps": bw / 1e12, "rows": []}
     print(json.dumps(report), flush=True)
     for tokens in (int(t) for t in args.tokens.split(",")):
