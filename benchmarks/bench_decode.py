@@ -53,6 +53,7 @@ from loraplex.engine import cuda_graphs  # noqa: E402
 from loraplex.engine.models import llama  # noqa: E402
 from loraplex.kernels._triton import (DEFAULT_PDL_TRIGGERS, use_pdl, use_pdl_kv_prefetch,  # noqa: E402
                                       use_pdl_prefetch, use_pdl_trigger)
+from loraplex.kernels import attention_decode  # noqa: E402
 from loraplex.kernels.lora_delta import use_consumer_launch  # noqa: E402
 
 PROMPT_LEN = 128
@@ -355,8 +356,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.fp8_fold_max_tokens is not None:
         llama.FP8_FOLD_MAX_TOKENS = args.fp8_fold_max_tokens
     if args.decode_max_heads is not None:
-        from loraplex.kernels import attention_decode
-
         attention_decode.MAX_HEADS_PER_PROGRAM = args.decode_max_heads
     if args.pdl in ("on", "off"):
         use_pdl(args.pdl == "on")
@@ -405,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
               "pdl_max_batch": args.pdl_max_batch, "pdl_trigger": args.pdl_trigger, "pdl_prefetch": args.pdl_prefetch,
               "pdl_kv_prefetch": args.pdl_kv_prefetch, "consumer_launch": consumer_launch,
               "fused_configs": args.fused_configs, "fp8_fold_max_tokens": llama.FP8_FOLD_MAX_TOKENS,
-              "decode_max_heads": args.decode_max_heads,
+              "decode_max_heads": attention_decode.MAX_HEADS_PER_PROGRAM,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1

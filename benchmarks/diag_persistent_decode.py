@@ -42,7 +42,7 @@ def _persistent_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # program p: work items i < count[p]; item[p, i] = b * Hkv + kvh; tile[p, i] = t << 9 | valid << 2 | first << 1
+    # program p: work items i < count[p]; item[p, i] = b * Hkv + kvh; tile[p, i] = t << 10 | valid << 2 | first << 1
     # | last (positions t * BLOCK_N + [0, valid)). m/l/acc: base-2 online softmax over the item's positions.
     p = tl.program_id(0)
     n = tl.load(count_ptr + p)
@@ -58,8 +58,8 @@ def _persistent_decode_kernel(
         kvh = item % num_kv_heads
         first = (word >> 1) & 1
         last = word & 1
-        valid = (word >> 2) & 127
-        pos = (word >> 9) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (word >> 2) & 255
+        pos = (word >> 10) * BLOCK_N + tl.arange(0, BLOCK_N)
         p_mask = tl.arange(0, BLOCK_N) < valid
         blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
         row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + kvh * stride_kh
@@ -96,7 +96,7 @@ def work_lists(seq_lens: list[int], num_kv_heads: int, programs: int, block_n: i
         p = min(programs - 1, done * programs // total)
         for t in range(n):
             valid = min(block_n, seq_lens[b] - t * block_n)
-            lists[p].append((b * num_kv_heads + h, t << 9 | valid << 2 | (t == 0) << 1 | (t == n - 1)))
+            lists[p].append((b * num_kv_heads + h, t << 10 | valid << 2 | (t == 0) << 1 | (t == n - 1)))
         done += n
     width = max(len(x) for x in lists)
     item = torch.zeros(programs, width, dtype=torch.int32)

@@ -153,12 +153,12 @@ class EngineConfig:
     batch-32 decode step from 8.69 to 6.16 ms, the 512-adapter q/v row of 256 slots from +2.75 to +1.36 ms per
     decode step over the base model: benchmarks/RESULTS.md, session 17), off where a linear is row-parallel. An
     FP8 linear (auto: the same rule over bytes, its e4m3 rows half an A row's) folds where its GEMM takes split
-    activations (bf16 on a compute capability 9 GPU), at steps of at most 32 tokens (the A rows stay bf16, column
+    activations (bf16 on a compute capability 9 GPU), at steps of at most 64 tokens (the A rows stay bf16, column
     tiles after the e4m3 weight's in the same launch; on an H200 with 32 adapters a batch-32 decode step took 5.08
-    ms against 7.14 with the SGMV pair, session 28); on without split activations is refused at start. A paged pool
-    (lora_page_rows < max_lora_rank) folds every page; each token's expand reads its slot's pages through the page
-    table. A large pool whose batches use few of its slots or pages reads its A for
-    nothing: off suits it. on: needs tensor_parallel_size 1."""
+    ms against 7.14 with the SGMV pair, session 28, and batch 64 6.65 against 8.68, session 29); on without split
+    activations is refused at start. A paged pool (lora_page_rows < max_lora_rank) folds every page; each token's
+    expand reads its slot's pages through the page table. A large pool whose batches use few of its slots or pages
+    reads its A for nothing: off suits it. on: needs tensor_parallel_size 1."""
     max_cpu_loras: int | None = None
     """Adapters kept in the host-memory LRU cache (None: max_loras; at least max_loras)."""
     max_full_module_slots: int = knob(0, at_least(0))

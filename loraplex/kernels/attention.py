@@ -6,12 +6,12 @@ Semantics: :data:`PAGED_ATTENTION`, where token t is query i of sequence b, ``G 
 with a soft-cap c the scores s become ``c * tanh(s / c)`` before the mask (Gemma 2).
 
 The Triton path is one launcher for any mix of rows: sequences with one query token go to the decode kernel
-(:mod:`loraplex.kernels.attention_decode`: one program per sequence x KV head x split, one-token tiles of the
-KV head's query heads), the others to the prefill/extend kernel (:mod:`loraplex.kernels.attention_prefill`:
-64-row tiles of tokens x query heads); both skip the other's rows on the device and share the paged K/V
-gather + online-softmax loop (:mod:`loraplex.kernels.attention_common`). Grids depend only on the token and
-sequence counts (and the decode config), so a CUDA graph captured for a (T, B) shape replays any batch
-of at most T tokens and B sequences.
+(:mod:`loraplex.kernels.attention_decode`: one program per sequence x KV head (or k of them) x split, one-token
+tiles of the KV head's query heads), the others to the prefill/extend kernel
+(:mod:`loraplex.kernels.attention_prefill`: 64-row tiles of tokens x query heads); both skip the other's rows on
+the device and share the paged K/V gather + online-softmax loop (:mod:`loraplex.kernels.attention_common`).
+Grids depend only on the token and sequence counts (and the decode config), so a CUDA graph captured for a (T, B)
+shape replays any batch of at most T tokens and B sequences.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Design (after FlashDecoding, Dao et al. 2023, and vLLM's Triton decode attention
 - The K/V gather and online softmax are :func:`~loraplex.kernels.attention_common.attend_kv_range`, shared
   with the prefill kernel; a tile of ``block_n`` positions spans whole KV blocks (``block_n`` is a multiple of
   the block size, or divides it).
+- ``heads_per_program`` k > 1 (off by default: RESULTS.md session 29 measured at most 2.5% at batch 32 and a 6%
+  loss at batch 128 for k = 2): one program per (sequence, k KV heads, split) walks the k heads' tiles in one
+  software-pipelined loop of :func:`~loraplex.kernels.attention_common.attend_kv_tile` (the range's step), the
+  softmax state restarting at each head's first tile and its output stored masked at its last.
 - Split-K: ``num_splits`` programs share a sequence's context. Each sequence cuts *its own* context into
   chunks of ``max(min_chunk, cdiv(seq_len, num_splits))`` positions (rounded up to ``block_n``), so the grid
   is fixed by the batch size alone (CUDA graphs capture it once) while short contexts use fewer, fuller
@@ -275,15 +279,18 @@ def _paged_decode_kernel(
                       split, num_active, num_splits, num_q_heads, stride_ot, stride_oh, HEAD_DIM)
     else:
         # one pipelined loop over the HEADS heads' tiles: iteration i is tile i % n of head i // n; the softmax
-        # state restarts at a head's first tile (m = -inf: the tile's rescale 2^(m - m') = 0 clears l and acc) and
-        # the head's output is stored (masked) at its last
+        # state restarts at a head's first tile (all three: a non-finite l or acc of the head before would survive
+        # the rescale, 0 * inf = NaN) and the head's output is stored (masked) at its last
         n_tiles = tl.cdiv(end - start, BLOCK_N)
         for i in tl.range(0, HEADS * n_tiles, num_stages=NUM_STAGES):
             j = i // n_tiles
             tile = i - j * n_tiles
             heads = (kvh + j) * GROUP + g
             q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-            m_i = tl.where(tile == 0, float("-inf"), m_i)
+            first = tile == 0
+            m_i = tl.where(first, float("-inf"), m_i)
+            l_i = tl.where(first, 0.0, l_i)
+            acc = tl.where(first, 0.0, acc)
             m_i, l_i, acc = attend_kv_tile(
                 q.to(DOT_DTYPE), g, m_i, l_i, acc, k_cache_ptr + (kvh + j) * stride_kh,
                 v_cache_ptr + (kvh + j) * stride_vh, bt_row, start + tile * BLOCK_N, end, stride_kb, stride_ks,

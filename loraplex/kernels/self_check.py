@@ -24,7 +24,7 @@ from loraplex.kernels.lora_mapping import plan_segments
 from loraplex.kernels.rms_norm import RMS_NORM
 
 TOKEN_COUNTS = (1, 32, 300)  # one decode token, a decode batch, a prompt chunk (their own launch shapes)
-FP8_FOLD_TOKEN_COUNTS = (1, 32)  # the FP8 fold's steps (the engine folds FP8 linears at up to 32 tokens)
+FP8_FOLD_TOKEN_COUNTS = (1, 32, 64)  # the FP8 fold's steps and launch shapes (it folds up to 64 tokens)
 
 
 class LoRAKernelMismatch(RuntimeError):

@@ -385,7 +385,7 @@ def _lora_consumers_once(dtype: torch.dtype, hidden: int = 4096, inter: int = 11
 
 
 def _fp8(dtype: torch.dtype) -> None:
-    """FP8 linears at Llama-2-7B shapes: decode, 33-64 and 65-128 tokens and prefill. bf16: split activations up to 128 tokens
+    """FP8 linears at Llama-2-7B shapes: decode, 33-128 tokens and prefill. bf16: split activations up to 128 tokens
     (split-K for the narrow outputs), W8A16 after; fp32: W8A16 (token-major, swapped operands with split-K)."""
     for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
         weight = torch.zeros(n, k, dtype=fp8_linear.FP8_DTYPE)

@@ -110,6 +110,22 @@ def test_decode_with_several_kv_heads_a_program_matches_naive(kernel_device, poi
     assert (out[5:] == 0).all(), "padding rows must be zeroed"
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_decode_several_heads_a_program_keeps_heads_independent(kernel_device, heads_per_program):
+    """A non-finite value in one KV head's cache (a position the sequence reads) poisons that head's query heads
+    only, as in the reference: the next head walked by the same program restarts its softmax state from scratch."""
+    batch = make_paged_batch([1, 1], [20, 20], 2, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device)
+    batch.value_cache[batch.block_tables[0][0], 3, 0, 5] = float("nan")  # sequence 0, position 3, KV head 0
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_chunk=16, heads_per_program=heads_per_program)
+    out = paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                 out=nan_like(batch.query), config=config)
+    expected = naive_paged_attention(batch, _scale())
+    assert torch.isnan(out[0, :2]).any() and torch.isnan(expected[0, :2]).any()
+    assert_close(out[0, 2:], expected[0, 2:], torch.float32)  # KV head 1 of sequence 0
+    assert_close(out[1], expected[1], torch.float32)
+
+
 def test_decode_config_is_checked():
     batch = make_paged_batch([1], [9], 1, 2, HEAD_DIM, 8, torch.float32, torch.device("cpu"))
     for bad, fragment in [(DecodeConfig(use_dot=False), "FMA tiles are one row"),
