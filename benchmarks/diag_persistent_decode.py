@@ -9,7 +9,8 @@ pipelined loop, so the next item's first K/V tiles are in flight while the curre
 state resets at an item's first tile and the output is stored at its last (masked, no branches). The host builds
 the lists (whole items per program, cut where the running tile count crosses ``p * total / P``).
 
-For each case: the engine kernel's default config and the persistent kernel at several ``P`` / stages / tiles, each
+For each case: the engine kernel's default config (and with two heads a program, ``DecodeConfig.heads_per_program``)
+and the persistent kernel at several ``P`` / stages / tiles / tile bodies (``--bodies``), each
 checked against the engine kernel's output (bf16 tolerance) and timed by CUDA-graph replay over rotating caches
 (``bench_attention``'s timer); µs per call and the fraction of the copy bandwidth. Usage (CUDA)::
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attention import GraphTimer, _shuffled_tables, copy_bandwidth_gbs, rotation_layers  # noqa: E402
 
-from loraplex.kernels._triton import num_sms, tl, triton  # noqa: E402
-from loraplex.kernels.attention_decode import paged_decode_attention  # noqa: E402
+from loraplex.kernels._triton import dot_dtype, dot_precision, num_sms, tl, triton  # noqa: E402
+from loraplex.kernels.attention_common import attend_kv_tile  # noqa: E402
+from loraplex.kernels.attention_decode import paged_decode_attention, resolve_decode_config  # noqa: E402
 from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
 
@@ -40,7 +43,8 @@ def _persistent_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, item_ptr, tile_ptr, count_ptr, out_ptr, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_bt, num_kv_heads, max_iters,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED_BODY: tl.constexpr = False,
 ):
     # program p: work items i < count[p]; item[p, i] = b * Hkv + kvh; tile[p, i] = t << 10 | valid << 2 | first << 1
     # | last (positions t * BLOCK_N + [0, valid)). m/l/acc: base-2 online softmax over the item's positions.
@@ -61,10 +65,6 @@ def _persistent_decode_kernel(
         valid = (word >> 2) & 255
         pos = (word >> 10) * BLOCK_N + tl.arange(0, BLOCK_N)
         p_mask = tl.arange(0, BLOCK_N) < valid
-        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
-        row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + kvh * stride_kh
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
         heads = kvh * GROUP + g
         q_mask = g[:, None] < GROUP
         q = tl.load(q_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
@@ -72,14 +72,25 @@ def _persistent_decode_kernel(
         m_i = tl.where(first == 1, float("-inf"), m_i)
         l_i = tl.where(first == 1, 0.0, l_i)
         acc = tl.where(first == 1, 0.0, acc)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pe = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pe, 1)
-        acc = acc * alpha[:, None] + tl.dot(pe.to(v.dtype), v)
-        m_i = m_new
+        if SHARED_BODY:  # the engine kernels' tile body (V loaded after the softmax in program order)
+            m_i, l_i, acc = attend_kv_tile(
+                q.to(DOT_DTYPE), g, m_i, l_i, acc, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh,
+                bt_ptr + b * stride_bt, (word >> 10) * BLOCK_N, (word >> 10) * BLOCK_N + valid, stride_kb, stride_ks,
+                stride_kb, stride_ks, qk_scale, 0.0, 0, PAGE, HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_DTYPE, PRECISION, True,
+                False, False, False)
+        else:  # K and V both loaded at the top
+            blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+            row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + kvh * stride_kh
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(p_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            pe = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pe, 1)
+            acc = acc * alpha[:, None] + tl.dot(pe.to(v.dtype), v)
+            m_i = m_new
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask & ((g[:, None] * 0 + last) > 0))
@@ -116,6 +127,9 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", default="2,3,4,6")
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--tiles", default="32,64")
+    ap.add_argument("--bodies", default="top",
+                    help="top: K and V loaded at the top of the iteration; shared: the engine kernels' tile body "
+                         "(attention_common.attend_kv_tile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -143,28 +157,34 @@ def main() -> None:
         out = torch.empty_like(query)
         expected = paged_decode_attention(query, k_cache[:num_blocks], v_cache[:num_blocks], meta, scale).float()
 
-        def engine(layer: int) -> None:
+        default = resolve_decode_config(query, k_cache, meta, None, None)
+
+        def engine(layer: int, config=default) -> None:
             lo = layer * num_blocks
             paged_decode_attention(query, k_cache[lo:lo + num_blocks], v_cache[lo:lo + num_blocks], meta, scale,
-                                   out=out)
+                                   out=out, config=config)
 
         rows = {"engine": timer([lambda i=i: engine(i) for i in range(layers)])}
+        if default.num_splits == 1 and hkv % 2 == 0:  # the engine kernel walking two heads a program
+            two = replace(default, heads_per_program=2)
+            rows["engine, 2 heads a program"] = timer([lambda i=i: engine(i, two) for i in range(layers)])
         for block_n in (int(x) for x in args.tiles.split(",")):
             for per_sm in (int(x) for x in args.programs_per_sm.split(",")):
                 programs = per_sm * num_sms(dev)
                 item, tile, count = work_lists(seq_lens, hkv, programs, block_n, dev)
-                for stages in (int(x) for x in args.stages.split(",")):
+                for stages, body in ((int(x), b) for x in args.stages.split(",") for b in args.bodies.split(",")):
                     def persistent(layer: int, stages=stages, block_n=block_n, programs=programs, item=item,
-                                   tile=tile, count=count) -> None:
+                                   tile=tile, count=count, body=body) -> None:
                         kc = k_cache[layer * num_blocks:(layer + 1) * num_blocks]
                         vc = v_cache[layer * num_blocks:(layer + 1) * num_blocks]
                         _persistent_decode_kernel[(programs,)](
                             query, kc, vc, bt, item, tile, count, out, scale * 1.4426950408889634,
                             kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0), hkv, item.shape[1],
                             GROUP=group, BLOCK_G=max(16, group), HEAD_DIM=dim, PAGE=page, BLOCK_N=block_n,
-                            NUM_STAGES=stages, num_warps=4)
+                            NUM_STAGES=stages, DOT_DTYPE=dot_dtype(query.dtype, dev),
+                            PRECISION=dot_precision(query.dtype, dev), SHARED_BODY=body == "shared", num_warps=4)
 
-                    key = f"persistent n{block_n} P={per_sm}/SM s{stages}"
+                    key = f"persistent n{block_n} P={per_sm}/SM s{stages}" + (" shared" if body == "shared" else "")
                     try:
                         out.fill_(float("nan"))
                         persistent(0)
