@@ -12,7 +12,7 @@ Design (after FlashDecoding, Dao et al. 2023, and vLLM's Triton decode attention
 - The K/V gather and online softmax are :func:`~loraplex.kernels.attention_common.attend_kv_range`, shared
   with the prefill kernel; a tile of ``block_n`` positions spans whole KV blocks (``block_n`` is a multiple of
   the block size, or divides it).
-- ``heads_per_program`` k > 1 (off by default: RESULTS.md session 29 measured at most 2.5% at batch 32 and a 6%
+- ``heads_per_program`` k > 1 (off by default: RESULTS.md session 29 measured at most 2.5% at batch 32 and a 6-7%
   loss at batch 128 for k = 2): one program per (sequence, k KV heads, split) walks the k heads' tiles in one
   software-pipelined loop of :func:`~loraplex.kernels.attention_common.attend_kv_tile` (the range's step), the
   softmax state restarting at each head's first tile and its output stored masked at its last.
