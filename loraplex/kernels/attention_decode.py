@@ -144,12 +144,12 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
                         use_dot=True, heads_per_program=heads)
 
 
-def check_decode_config(config: DecodeConfig, group: int, page: int, num_kv_heads: int | None = None) -> None:
+def check_decode_config(config: DecodeConfig, group: int, page: int, num_kv_heads: int) -> None:
     """Raise :class:`KernelArgumentError` for a config the kernel cannot run (``num_kv_heads``: the heads that
     ``heads_per_program`` must divide)."""
     problems = []
     hp = config.heads_per_program
-    if hp not in (1, 2, 4, 8) or (num_kv_heads is not None and num_kv_heads % hp):
+    if hp not in (1, 2, 4, 8) or num_kv_heads % hp:
         problems.append(f"heads_per_program={hp} (1, 2, 4 or 8, dividing the {num_kv_heads} KV heads)")
     if config.block_n < 16 or config.block_n & (config.block_n - 1):
         problems.append(f"block_n={config.block_n} (a power of two >= 16)")
@@ -275,8 +275,14 @@ def _paged_decode_kernel(
             PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_DTYPE, PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
         )
         pdl_trigger(USE_PDL)
-        _store_decode(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, b, tok, heads, d, q_mask, g < GROUP,
-                      split, num_active, num_splits, num_q_heads, stride_ot, stride_oh, HEAD_DIM)
+        if num_active == 1:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            row = (b * num_q_heads + heads) * num_splits + split
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < GROUP)
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=q_mask)
     else:
         # one pipelined loop over the HEADS heads' tiles: iteration i is tile i % n of head i // n; the softmax
         # state restarts at a head's first tile (all three: a non-finite l or acc of the head before would survive
@@ -297,7 +303,7 @@ def _paged_decode_kernel(
                 stride_vb, stride_vs, qk_scale, softcap, window, PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
                 PRECISION, USE_DOT, False, SLIDING, SOFTCAP,
             )
-            # branch-free masked stores (a branch in the loop body keeps Triton from pipelining it)
+            # the stores above, branch-free and masked (a branch in the loop body keeps Triton from pipelining it)
             last = (g * 0 + tile) == n_tiles - 1
             direct = (g * 0 + num_active) == 1
             out = acc / l_i[:, None]
@@ -308,22 +314,6 @@ def _paged_decode_kernel(
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out,
                      mask=q_mask & (last & ~direct)[:, None])
         pdl_trigger(USE_PDL)
-
-
-@triton.jit
-def _store_decode(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, b, tok, heads, d, mask, row_mask, split,
-                  num_active, num_splits, num_q_heads, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
-    """The elements ``mask`` (rows ``row_mask``) of a (sequence, KV head, split) program's query-head rows: ``acc /
-    l`` as the output where the sequence has one active split, else as a normalised partial with its log-sum-exp
-    ``m + log2(l)`` for the reduce kernel (the several-heads loop stores the same without a branch)."""
-    if num_active == 1:
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        row = (b * num_q_heads + heads) * num_splits + split
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
