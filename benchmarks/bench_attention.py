@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         help="with --configs sweep: the tiles, BLOCK_NxWARPSxSTAGES comma list (default SWEEP_TILES)")
     parser.add_argument("--heads-per-program", default="",
                         help="comma list: also run each case's default config with this many KV heads a program")
+    parser.add_argument("--head-major", action="store_true",
+                        help="also run every config with the head-major grid (DecodeConfig.head_major)")
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens (engine default 16)")
     parser.add_argument("--max-kv-gib", type=float, default=66.0, help="skip cases whose K+V exceed this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
@@ -432,6 +434,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 configs = sweep_configs(case, device, args.configs, tiles)
                 configs += [replace(configs[0], heads_per_program=k) for k in _ints(args.heads_per_program)
                             if k != configs[0].heads_per_program and heads.num_kv_heads % k == 0]
+                if args.head_major:
+                    configs += [replace(c, head_major=not c.head_major) for c in configs]
                 case_rows = run_case(case, configs, device, timer, copy_gbs, int(args.max_kv_gib * GIB),
                                      min_rotation, max_layers)
                 for r in case_rows:

@@ -69,6 +69,8 @@ MAX_HEADS_PER_PROGRAM = 1
 """The most KV heads :func:`decode_config` gives one program (``DecodeConfig.heads_per_program``) on CUDA, where a
 batch without split-K keeps at least :data:`HEADS_MIN_PROGRAMS_PER_SM` programs per SM; 1: one head each."""
 HEADS_MIN_PROGRAMS_PER_SM = 3
+HEAD_MAJOR = False
+"""``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs."""
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,14 @@ class DecodeConfig:
     min_chunk: int = 256
     use_dot: bool = True
     heads_per_program: int = 1
+    head_major: bool = False
 
     def label(self) -> str:
         """Short name for benchmark tables, e.g. ``n64 w4 s2 k8 c256 dot`` (``h2``: two KV heads a program)."""
         return (f"n{self.block_n} w{self.num_warps} s{self.num_stages} k{self.num_splits} c{self.min_chunk} "
                 f"{'dot' if self.use_dot else 'fma'}" + (f" h{self.heads_per_program}"
-                                                         if self.heads_per_program > 1 else ""))
+                                                         if self.heads_per_program > 1 else "")
+                + (" hm" if self.head_major else ""))
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device, *,
@@ -141,7 +145,7 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
            and programs // (2 * heads) >= HEADS_MIN_PROGRAMS_PER_SM * num_sms(device)):
         heads *= 2
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages, num_splits=splits, min_chunk=min_chunk,
-                        use_dot=True, heads_per_program=heads)
+                        use_dot=True, heads_per_program=heads, head_major=HEAD_MAJOR)
 
 
 def check_decode_config(config: DecodeConfig, group: int, page: int, num_kv_heads: int) -> None:
@@ -217,6 +221,7 @@ def _paged_decode_kernel(
     PREFETCH_N: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
     HEADS: tl.constexpr = 1,
+    HEAD_MAJOR: tl.constexpr = False,
 ):
     # PREFETCH_N > 0 (PDL launches only; the engine's are its decode graphs): the step's metadata (uploaded before the
     # graph; no kernel of the step writes it) is read before the wait, and the K/V lines of the chunk's first
@@ -224,11 +229,17 @@ def _paged_decode_kernel(
     # do: the next kernel's wait covers this grid only, so this grid must not finish before the kernel before it.
     if PREFETCH_N == 0:
         pdl_wait(USE_PDL)
-    # grid (sequences, KV heads / HEADS, splits): program (b, j, split) the heads j * HEADS + [0, HEADS)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1) * HEADS
+    # grid (sequences, KV heads / HEADS, splits), or with HEAD_MAJOR (KV heads / HEADS, sequences, splits): program
+    # (b, j, split) the heads j * HEADS + [0, HEADS)
+    if HEAD_MAJOR:
+        b = tl.program_id(1)
+        kvh = tl.program_id(0) * HEADS
+        num_q_heads = tl.num_programs(0) * HEADS * GROUP
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1) * HEADS
+        num_q_heads = tl.num_programs(1) * HEADS * GROUP
     split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * HEADS * GROUP
     tok = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - tok
     if q_len != 1:  # a prefill row of a mixed batch (or an empty padding sequence): not ours
@@ -387,7 +398,8 @@ def launch_decode(
         part_out = part_lse = out  # never written: every sequence has one active split
     pdl = pdl_args(query.device, _OP)
     block_d = max(16, next_pow2(head_dim))
-    _paged_decode_kernel[(num_seqs, num_kv_heads // config.heads_per_program, splits)](
+    grid = (num_seqs, num_kv_heads // config.heads_per_program, splits)
+    _paged_decode_kernel[(grid[1], grid[0], splits) if config.head_major else grid](
         query,
         key_cache,
         value_cache,
@@ -425,7 +437,7 @@ def launch_decode(
         USE_DOT=config.use_dot,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        HEADS=config.heads_per_program, num_warps=config.num_warps, **pdl,
+        HEADS=config.heads_per_program, HEAD_MAJOR=config.head_major, num_warps=config.num_warps, **pdl,
         **_prefetch_args(pdl, head_dim, block_d, key_cache.element_size(), config.heads_per_program),
     )
     if splits > 1:

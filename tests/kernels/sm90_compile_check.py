@@ -210,11 +210,11 @@ def _attention(dtype: torch.dtype, hq: int, hkv: int, d: int = 128, bs: int = 16
                                                        num_splits=8, min_chunk=4 * block_n, use_dot=use_dot)
                 attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta,
                                                         d**-0.5, config=config)
-        # several KV heads a program (one pipelined loop over their tiles), plain and split-K
-        for heads in (2, 4):
+        # several KV heads a program (one pipelined loop over their tiles), plain and split-K; the head-major grid
+        for heads, head_major in ((2, False), (4, False), (1, True), (2, True)):
             for splits in (1, 8):
                 config = attention_decode.DecodeConfig(block_n=64, num_warps=4, num_stages=2, num_splits=splits,
-                                                       min_chunk=256, heads_per_program=heads)
+                                                       min_chunk=256, heads_per_program=heads, head_major=head_major)
                 attention_decode.paged_decode_attention(torch.zeros(batch, hq, d, dtype=dtype), *caches, meta,
                                                         d**-0.5, config=config)
         # the K/V lines of a chunk's first positions prefetched into L2 before the PDL wait (off by default)

@@ -88,22 +88,23 @@ def test_decode_fma_tiles_for_mha_match_naive(kernel_device, poison_allocations,
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("heads_per_program", [2, 4])
+@pytest.mark.parametrize(("heads_per_program", "head_major"), [(2, False), (4, False), (1, True), (2, True)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("variant", [None, "window", "softcap"])
 def test_decode_with_several_kv_heads_a_program_matches_naive(kernel_device, poison_allocations, heads_per_program,
-                                                             num_splits, group, variant):
+                                                             head_major, num_splits, group, variant):
     """``heads_per_program``: one program's pipelined loop walks the tiles of 2 or 4 KV heads (MHA one-row FMA tiles
-    and GQA dot tiles), the softmax state restarting at each head: every head's output (or split-K partial) equals
-    the float32 loop's, over contexts of 1 position to several tiles and splits; padding rows zeroed."""
+    and GQA dot tiles), the softmax state restarting at each head; ``head_major``: the grid's first axis is the KV
+    heads. Every head's output (or split-K partial) equals the float32 loop's, over contexts of 1 position to several
+    tiles and splits; padding rows zeroed."""
     seq_lens = [1, 16, 17, 45, 33]
     window = 20 if variant == "window" else None
     cap = 0.5 if variant == "softcap" else None
     batch = make_paged_batch([1] * 5, seq_lens, 4, group, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device,
                              num_padded_tokens=7)
     config = DecodeConfig(block_n=16, num_warps=4, num_stages=2, num_splits=num_splits, min_chunk=16,
-                          use_dot=group > 1, heads_per_program=heads_per_program)
+                          use_dot=group > 1, heads_per_program=heads_per_program, head_major=head_major)
     out = paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
                                  out=nan_like(batch.query), config=config, sliding_window=window, softcap=cap)
     assert_close(out[:5], naive_paged_attention(batch, _scale(), window, cap)[:5], torch.float32)
