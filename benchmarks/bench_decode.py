@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-head-major", choices=("on", "off"), default=None,
                     help="decode attention grid with the KV heads fastest (kernels.attention_decode.HEAD_MAJOR; "
                          "default: the engine's)")
+    ap.add_argument("--decode-three-stages-from", type=int, default=None,
+                    help="max_seq_len from which decode attention takes 3 pipeline stages (kernels.attention_decode."
+                         "THREE_STAGES_FROM; a CUDA graph's is max_model_len; default: the engine's)")
     ap.add_argument("--fp8-fold-max-tokens", type=int, default=None,
                     help="largest FP8 step that folds the LoRA shrink (engine.models.llama.FP8_FOLD_MAX_TOKENS; "
                          "default: the engine's)")
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
         llama.FP8_FOLD_MAX_TOKENS = args.fp8_fold_max_tokens
     if args.decode_max_heads is not None:
         attention_decode.MAX_HEADS_PER_PROGRAM = args.decode_max_heads
+    if args.decode_three_stages_from is not None:
+        attention_decode.THREE_STAGES_FROM = args.decode_three_stages_from
     if args.decode_head_major is not None:
         attention_decode.HEAD_MAJOR = args.decode_head_major == "on"
     if args.pdl in ("on", "off"):
@@ -411,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
               "fused_configs": args.fused_configs, "fp8_fold_max_tokens": llama.FP8_FOLD_MAX_TOKENS,
               "decode_max_heads": attention_decode.MAX_HEADS_PER_PROGRAM,
               "decode_head_major": attention_decode.HEAD_MAJOR,
+              "decode_three_stages_from": attention_decode.THREE_STAGES_FROM,
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1

@@ -71,6 +71,10 @@ batch without split-K keeps at least :data:`HEADS_MIN_PROGRAMS_PER_SM` programs 
 HEADS_MIN_PROGRAMS_PER_SM = 3
 HEAD_MAJOR = False
 """``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs."""
+THREE_STAGES_FROM = 512
+"""The ``max_seq_len`` (positions) from which :func:`decode_config`'s CUDA configs of up to 256 bytes a head row take
+3 pipeline stages instead of 2."""
+"""``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
     # 64-position tiles, 3 pipeline stages from 512 positions of context (under a CUDA graph max_seq_len is the
     # model's length, so graphs take 3); a tile never splits a KV block of up to 64 positions.
     block_n = 64
-    num_stages = 3 if max_seq_len >= 512 else 2
+    num_stages = 3 if max_seq_len >= THREE_STAGES_FROM else 2
     min_chunk = block_n if 4 * programs < num_sms(device) else 4 * block_n
     splits = choose_num_splits(programs, max_seq_len, device, programs_per_sm=2, min_chunk=min_chunk)
     # MHA too takes 16-row tl.dot tiles on CUDA: measured on an H200 (benchmarks/RESULTS.md, session 5), the
