@@ -220,16 +220,22 @@ def run_once(llm: LLM, prompts: list[list[int]], loras: list, out_len: int, prof
             calls = len(returns)
             decode_now = len(launched) >= 2 and launched[-1] == batch and launched[-2] == batch
             if profile_steps and prof is None and decode_now and calls >= 4:
+                # one warm-up step first: the tracer's start stalls the host (~0.5 ms of idle GPU, not the engine's)
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                          torch.profiler.ProfilerActivity.CUDA])
+                                                          torch.profiler.ProfilerActivity.CUDA],
+                                              schedule=torch.profiler.schedule(wait=0, warmup=1,
+                                                                               active=profile_steps))
                 prof.__enter__()
                 prof_range = calls
             engine.step()
             returns.append(time.perf_counter())
-            if prof is not None and prof_range is not None and len(returns) - prof_range >= profile_steps:
-                sync()
-                prof.__exit__(None, None, None)
-                prof_range = None
+            if prof is not None and prof_range is not None:
+                if len(returns) - prof_range > profile_steps:
+                    sync()
+                    prof.__exit__(None, None, None)
+                    prof_range = None
+                else:
+                    prof.step()
     finally:
         engine.runner.launch = real_launch
     gaps = [returns[i] - returns[i - 1] for i in range(1, len(returns) - 2)
@@ -337,6 +343,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-three-stages-from", type=int, default=None,
                     help="max_seq_len from which decode attention takes 3 pipeline stages (kernels.attention_decode."
                          "THREE_STAGES_FROM; a CUDA graph's is max_model_len; default: the engine's)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help=f"the engine's max_model_len (default: prompt {PROMPT_LEN} + --out-len + 16)")
+    ap.add_argument("--decode-context-buckets", choices=("on", "off"), default=None,
+                    help="decode graphs per context bucket (engine.cuda_graphs.use_context_buckets; off: graphs "
+                         "for max_model_len only; default: the engine's)")
     ap.add_argument("--fp8-fold-max-tokens", type=int, default=None,
                     help="largest FP8 step that folds the LoRA shrink (engine.models.llama.FP8_FOLD_MAX_TOKENS; "
                          "default: the engine's)")
@@ -365,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
         attention_decode.MAX_HEADS_PER_PROGRAM = args.decode_max_heads
     if args.decode_three_stages_from is not None:
         attention_decode.THREE_STAGES_FROM = args.decode_three_stages_from
+    if args.decode_context_buckets is not None:
+        cuda_graphs.use_context_buckets(args.decode_context_buckets == "on")
     if args.decode_head_major is not None:
         attention_decode.HEAD_MAJOR = args.decode_head_major == "on"
     if args.pdl in ("on", "off"):
@@ -407,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     ranks=MIXED_RANKS if k == "mixed-ranks" else (), **ADAPTER_KINDS[k][1])
                    for k in kinds if k in ADAPTER_KINDS}
     bw = float("nan") if args.quick else measure_copy_bandwidth()
+    max_model_len = args.max_model_len or PROMPT_LEN + args.out_len + 16
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name() if not args.quick else "cpu",
               "quantization": args.quantization, "lora_fold_shrink": args.lora_fold_shrink,
               "lora_page_rows": args.lora_page_rows, "max_lora_pages": args.max_lora_pages,
@@ -417,12 +431,14 @@ def main(argv: list[str] | None = None) -> dict:
               "decode_max_heads": attention_decode.MAX_HEADS_PER_PROGRAM,
               "decode_head_major": attention_decode.HEAD_MAJOR,
               "decode_three_stages_from": attention_decode.THREE_STAGES_FROM,
+              "max_model_len": max_model_len,
+              "decode_context_buckets": args.decode_context_buckets or "default",
               "copy_TBps": bw / 1e12, "out_len": args.out_len, "rows": []}
     rng = random.Random(0)
     top = config["vocab_size"] - 1
     mean_ctx = PROMPT_LEN + args.out_len / 2
     for mode in args.async_modes.split(","):
-        llm = build(model_dir, mode == "on", PROMPT_LEN + args.out_len + 16, device_kw, args.quantization, kinds,
+        llm = build(model_dir, mode == "on", max_model_len, device_kw, args.quantization, kinds,
                     args.lora_page_rows, args.lora_fold_shrink, args.max_lora_pages)
         for kind_adapters in adapters_of.values():
             for a in kind_adapters:

@@ -59,6 +59,7 @@ bandwidth. ``--quick`` (2 layers, hidden 256, CPU works) checks the logic.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -103,8 +104,8 @@ def attach_graph_emulation(engine: LLMEngine) -> None:
     variants = [(False, False), (True, False), (True, True)] if graphs.num_lora_slots else [(False, False)]
     for size in graphs.sizes:
         hidden = torch.randn(size, engine.spec.hidden_size, generator=gen, dtype=engine.dtype)
-        for with_lora, with_dora in variants:
-            graphs.graphs[(size, with_lora, with_dora)] = _Graph(_NoopGraph(), hidden)
+        for (with_lora, with_dora), context in itertools.product(variants, graphs.context_buckets):
+            graphs.graphs[(size, with_lora, with_dora, context)] = _Graph(_NoopGraph(), hidden)
     runner.graphs = graphs
 
 

@@ -126,14 +126,14 @@ def main(argv: list[str] | None = None) -> dict:
             use_pdl_kv_prefetch(kv_prefetch)
             with pdl_launches(on), torch.inference_mode():
                 if args.quick:  # no graphs on the CPU: the forward itself
-                    captured[name] = (None, graphs._forward(b, False, False).clone())
+                    captured[name] = (None, graphs._forward(b, False, False, graphs.context_buckets[-1]).clone())
                     continue
                 for _ in range(2):
-                    graphs._forward(b, False, False)
+                    graphs._forward(b, False, False, graphs.context_buckets[-1])
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):  # a pool of its own: the graphs of a batch are freed after it
-                    hidden = graphs._forward(b, False, False)
+                    hidden = graphs._forward(b, False, False, graphs.context_buckets[-1])
             graph.replay()
             torch.cuda.synchronize()
             captured[name] = (graph, hidden.clone())

@@ -28,11 +28,14 @@ host writes only each token's adapter slot: the graph itself groups the tokens
 by slot (:func:`~loraplex.kernels.lora_mapping.plan_segments`, the eager path's
 builder, captured: one segment per adapter slot, a work-item list padded with
 idle items to its bound ``ceil(T / 16) + min(B, slots)``); three graphs per size
-are kept, keyed ``(size, with_lora, with_dora)``: without LoRA, with LoRA, and with LoRA and
+are kept, keyed ``(size, with_lora, with_dora, context)``: without LoRA, with LoRA, and with LoRA and
 the DoRA rescale (steps where some slot holds a DoRA adapter; the graph also captures each
 token's gain row, ``LoRABatch.gain_rows``), so plain-LoRA steps pay nothing for DoRA.
-The launch grids are fixed at capture: attention is sized for
-``max_model_len``, LoRA for T tokens in ``max_loras`` segments.
+The launch grids and kernel configs are fixed at capture: LoRA for T tokens in ``max_loras`` segments;
+decode attention for contexts of up to ``context`` positions, one graph per bucket of
+:func:`~loraplex.kernels.attention_decode.decode_context_buckets` (the step replays the smallest holding its
+longest context: short contexts run the short-context config even where ``max_model_len`` is long); mixed
+steps' attention for ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 
 from loraplex.engine.models.llama import LlamaForCausalLM, LoRABatch
 from loraplex.kernels._triton import pdl_launches
+from loraplex.kernels.attention_decode import decode_context_buckets
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import plan_segments
 
@@ -58,6 +62,16 @@ logger = logging.getLogger(__name__)
 # 3.87 -> 3.69, 4.82 -> 4.73, 7.38 -> 7.30 ms per graph replay), so all decode graphs (batch 256 not measured).
 # Mixed prefill+decode graphs launch without (not measured).
 _PDL_MAX_DECODE_BATCH = 256
+_CONTEXT_BUCKETS = True
+
+
+def use_context_buckets(enabled: bool) -> bool:
+    """Capture decode graphs per context bucket (:func:`~loraplex.kernels.attention_decode.decode_context_buckets`),
+    or for ``max_model_len`` only (benchmarks' A/B); returns the previous setting. Runners built before keep
+    theirs."""
+    global _CONTEXT_BUCKETS
+    previous, _CONTEXT_BUCKETS = _CONTEXT_BUCKETS, enabled
+    return previous
 
 
 def pdl_max_decode_batch(size: int) -> int:
@@ -156,6 +170,7 @@ class CudaGraphRunner:
         self.num_lora_slots = num_lora_slots
         self.dora = dora
         self.sizes = default_batch_sizes(max_num_seqs)
+        self.context_buckets = decode_context_buckets(max_model_len) if _CONTEXT_BUCKETS else (max_model_len,)
         n = self.sizes[-1]  # sequences (and decode tokens) a graph can hold
         self.mixed_sizes = [t for t in default_mixed_sizes(max_num_batched_tokens or 0)
                             if capture_query_lens(t, self.mixed_num_seqs(t), max_model_len)]
@@ -176,7 +191,7 @@ class CudaGraphRunner:
         self._table_rows: list[list[int]] = [[] for _ in range(n)]  # what each host row holds
         self._reset_host()
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # (size, with_lora, with_dora)
+        self.graphs: dict[tuple[int, bool, bool, int], _Graph] = {}  # (size, with_lora, with_dora, context)
         self.mixed_graphs: dict[tuple[int, bool, bool], _Graph] = {}
         self.pool = None
 
@@ -206,12 +221,12 @@ class CudaGraphRunner:
         return next((s for s in self.sizes if s >= batch_size), None)
 
     # -- capture ----------------------------------------------------------
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, size: int, context: int) -> AttentionMetadata:
+        """Capture metadata of the decode graph of ``size`` sequences of up to ``context`` positions."""
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
-            max_seq_len=self.max_model_len, query_start_loc_host=list(range(size + 1)),
-            seq_lens_host=[self.max_model_len] * size)
+            max_seq_len=context, query_start_loc_host=list(range(size + 1)), seq_lens_host=[context] * size)
 
     def _lora(self, size: int, dora: bool = False) -> LoRABatch:
         """The step's LoRA grouping, built on the device from the static ``token_slots`` (captured)."""
@@ -229,34 +244,40 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len, query_start_loc_host=list(accumulate(q_lens, initial=0)),
             seq_lens_host=[self.max_model_len] * b)
 
-    def _forward(self, size: int, with_lora: bool, with_dora: bool, mixed: bool = False) -> torch.Tensor:
+    def _forward(self, size: int, with_lora: bool, with_dora: bool, context: int | None) -> torch.Tensor:
+        """The forward a graph captures: a decode step of up to ``context`` positions, or (None) a mixed step."""
         lora = self._lora(size, with_dora) if with_lora else None
-        meta = self._mixed_meta(size) if mixed else self._meta(size)
+        meta = self._mixed_meta(size) if context is None else self._meta(size, context)
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_layers, meta, lora)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (size, with_lora, with_dora) graph, mixed-step ones (largest) first, sharing one memory
-        pool."""
+        """Capture every decode graph (size, with_lora, with_dora, context) and mixed graph (size, with_lora,
+        with_dora), mixed-step ones (largest) first, sharing one memory pool."""
         variants = [(False, False)]  # (with_lora, with_dora)
         if self.num_lora_slots:
             variants += [(True, False), (True, True)] if self.dora else [(True, False)]
-        plan = [(size, True) for size in reversed(self.mixed_sizes)] + [(size, False) for size in reversed(self.sizes)]
-        for size, mixed in plan:
+        plan = [(size, None) for size in reversed(self.mixed_sizes)]
+        plan += [(size, context) for size in reversed(self.sizes) for context in reversed(self.context_buckets)]
+        for size, context in plan:
             for with_lora, with_dora in variants:
-                with pdl_launches(not mixed and size <= _PDL_MAX_DECODE_BATCH):
+                with pdl_launches(context is not None and size <= _PDL_MAX_DECODE_BATCH):
                     for _ in range(2):  # warm up: compile kernels, fill launch caches
-                        self._forward(size, with_lora, with_dora, mixed)
+                        self._forward(size, with_lora, with_dora, context)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool):
-                        hidden = self._forward(size, with_lora, with_dora, mixed)
+                        hidden = self._forward(size, with_lora, with_dora, context)
                 if self.pool is None:
                     self.pool = graph.pool()
-                (self.mixed_graphs if mixed else self.graphs)[(size, with_lora, with_dora)] = _Graph(graph, hidden)
+                if context is None:
+                    self.mixed_graphs[(size, with_lora, with_dora)] = _Graph(graph, hidden)
+                else:
+                    self.graphs[(size, with_lora, with_dora, context)] = _Graph(graph, hidden)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batch sizes %s and %d for mixed-step token counts %s",
-                    len(self.graphs), self.sizes, len(self.mixed_graphs), self.mixed_sizes)
+        logger.info("captured %d CUDA graphs for decode batch sizes %s and contexts up to %s, and %d for mixed-step "
+                    "token counts %s", len(self.graphs), self.sizes, self.context_buckets, len(self.mixed_graphs),
+                    self.mixed_sizes)
 
     # -- replay -----------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
@@ -281,7 +302,9 @@ class CudaGraphRunner:
         self._i32.upload(self._i32.offsets["block_tables"] + size * self.table_width)
         if input_fix is not None:
             self.input_ids[input_fix[0]] = input_fix[1]
-        entry = self.graphs[(size, with_lora, with_lora and dora)]
+        longest = max(seq_lens)
+        context = next(c for c in self.context_buckets if c >= longest)
+        entry = self.graphs[(size, with_lora, with_lora and dora, context)]
         entry.graph.replay()
         return entry.hidden[:b]
 

@@ -77,6 +77,18 @@ THREE_STAGES_FROM = 512
 """``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs."""
 
 
+def decode_context_buckets(max_seq_len: int) -> tuple[int, ...]:
+    """The ``max_seq_len`` values (ascending, the last ``max_seq_len``) at which :func:`decode_config`'s CUDA
+    pick for contexts of up to ``max_seq_len`` positions changes: a CUDA graph captured for each, and replayed for
+    the smallest holding the step's longest context, runs the pick of that context's bucket.
+
+    Measured on an H200 (RESULTS.md, session 30; Llama-2-7B heads, context 160): 2 pipeline stages take 93 µs at
+    batch 128 and 173 µs at 256, 3 stages 103 and 192 µs; at context 1024, 3 stages win at batch 32-128."""
+    if max_seq_len >= THREE_STAGES_FROM:
+        return (THREE_STAGES_FROM - 1, max_seq_len)
+    return (max_seq_len,)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch configuration of the decode kernel.

@@ -9,6 +9,8 @@ arithmetic (token buckets, sequences per bucket, capture shapes).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_step_fastpaths import VARIANTS, _EagerReplay, _requests, _run
@@ -83,16 +85,17 @@ def _emulate(llm: LLM) -> tuple[list[_EagerReplay], list[_EagerMixedReplay]]:
                              engine.config.max_num_seqs, engine.config.max_loras, engine.device,
                              engine.config.max_num_batched_tokens)
     decode, mixed = [], []
-    for sizes, table, cls, out in ((graphs.sizes, graphs.graphs, _EagerReplay, decode),
-                                   (graphs.mixed_sizes, graphs.mixed_graphs, _EagerMixedReplay, mixed)):
-        for size in sizes:
-            for with_lora, with_dora in VARIANTS:
-                hidden = torch.full((size, engine.spec.hidden_size), float("nan"), device=engine.device,
-                                    dtype=engine.dtype)
-                replay = cls(graphs, size, with_lora, hidden, with_dora)
-                replay.shapes = []
-                table[(size, with_lora, with_dora)] = _Graph(replay, hidden)
-                out.append(replay)
+    for sizes, contexts, table, cls, out in (
+            (graphs.sizes, graphs.context_buckets, graphs.graphs, _EagerReplay, decode),
+            (graphs.mixed_sizes, (None,), graphs.mixed_graphs, _EagerMixedReplay, mixed)):
+        for size, (with_lora, with_dora), context in itertools.product(sizes, VARIANTS, contexts):
+            hidden = torch.full((size, engine.spec.hidden_size), float("nan"), device=engine.device,
+                                dtype=engine.dtype)
+            replay = cls(graphs, size, with_lora, hidden, with_dora, context or 0)
+            replay.shapes = []
+            key = (size, with_lora, with_dora) if context is None else (size, with_lora, with_dora, context)
+            table[key] = _Graph(replay, hidden)
+            out.append(replay)
     engine.runner.graphs = graphs
     return decode, mixed
 

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,6 +27,7 @@ from loraplex.engine.model_runner import _to_device
 from loraplex.engine.models.llama import LoRABatch
 from loraplex.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from loraplex.engine.sequence import RequestGroup, Sequence
+from loraplex.kernels import attention_decode
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora_mapping import LoRAMapping, plan_segments
 
@@ -38,14 +41,16 @@ class _EagerReplay:
     Also checks the SGMV segments the graph builds against a host grouping of its token slots."""
 
     def __init__(self, graphs: CudaGraphRunner, size: int, with_lora: bool, hidden: torch.Tensor,
-                 with_dora: bool = False) -> None:
+                 with_dora: bool = False, context: int = 0) -> None:
         self.graphs, self.size, self.with_lora, self.hidden = graphs, size, with_lora, hidden
-        self.with_dora = with_dora
+        self.with_dora, self.context = with_dora, context
         self.replays = 0
 
     def replay(self) -> None:
         g, n = self.graphs, self.size
         seq_lens = g.seq_lens[:n].tolist()
+        smaller = [c for c in g.context_buckets if c < self.context]  # the step's graph: the smallest bucket holding it
+        assert (smaller[-1] if smaller else 0) < max(seq_lens) <= self.context
         meta = AttentionMetadata(query_start_loc=g.query_start_loc[:n + 1], seq_lens=g.seq_lens[:n],
                                  block_tables=g.block_tables[:n], slot_mapping=g.slot_mapping[:n], max_query_len=1,
                                  max_seq_len=max(seq_lens), query_start_loc_host=list(range(n + 1)),
@@ -72,10 +77,10 @@ def _emulate_graphs(llm: LLM) -> list[_EagerReplay]:
                              engine.config.max_num_seqs, engine.config.max_loras, engine.device)
     replays = []
     for size in graphs.sizes:
-        for with_lora, with_dora in VARIANTS:
+        for (with_lora, with_dora), context in itertools.product(VARIANTS, graphs.context_buckets):
             hidden = torch.full((size, engine.spec.hidden_size), float("nan"), device=engine.device, dtype=engine.dtype)
-            replay = _EagerReplay(graphs, size, with_lora, hidden, with_dora)
-            graphs.graphs[(size, with_lora, with_dora)] = _Graph(replay, hidden)
+            replay = _EagerReplay(graphs, size, with_lora, hidden, with_dora, context)
+            graphs.graphs[(size, with_lora, with_dora, context)] = _Graph(replay, hidden)
             replays.append(replay)
     engine.runner.graphs = graphs
     return replays
@@ -109,7 +114,13 @@ def _run(llm: LLM, prompts, params, loras):
     return [[(c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason) for c in o.outputs] for o in outs]
 
 
-def test_graph_decode_steps_equal_eager_steps(tiny_llama_dir, adapters):
+@pytest.mark.parametrize("three_stages_from", [None, 20])
+def test_graph_decode_steps_equal_eager_steps(tiny_llama_dir, adapters, monkeypatch, three_stages_from):
+    """Decode steps on the (emulated) graphs equal eager steps; with decode attention configs that change at 20
+    positions of context, graphs are kept for contexts of up to 19 and up to 64 positions, and each step replays the
+    smallest holding its longest context (checked in every replay)."""
+    if three_stages_from is not None:
+        monkeypatch.setattr(attention_decode, "THREE_STAGES_FROM", three_stages_from)
     kw = {"model": str(tiny_llama_dir), "max_model_len": 64, "block_size": 4, "num_kv_blocks": 256,
           "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_num_seqs": 8}
     prompts, params, loras = _requests(tiny_llama_dir, adapters)
@@ -120,6 +131,9 @@ def test_graph_decode_steps_equal_eager_steps(tiny_llama_dir, adapters):
     assert sum(r.replays for r in replays if r.with_lora) > 10
     assert sum(r.replays for r in replays if not r.with_lora) > 0
     assert len({r.size for r in replays if r.replays}) >= 3  # the batch shrank across padded sizes
+    buckets = (19, 64) if three_stages_from else (64,)
+    assert graph_llm.engine.runner.graphs.context_buckets == buckets
+    assert {r.context for r in replays if r.replays} == set(buckets)
     for exp_req, got_req in zip(expected, got):
         for (e_ids, e_cum, e_lp, e_fin), (g_ids, g_cum, g_lp, g_fin) in zip(exp_req, got_req):
             assert g_ids == e_ids and g_fin == e_fin

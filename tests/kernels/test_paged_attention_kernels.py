@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import assert_close, make_paged_batch, naive_paged_attention, nan_like
 
+from loraplex.kernels import attention_decode
 from loraplex.kernels.attention import PAGED_ATTENTION, paged_attention_ref
-from loraplex.kernels.attention_decode import DecodeConfig, choose_num_splits, paged_decode_attention
+from loraplex.kernels.attention_decode import (DecodeConfig, choose_num_splits, decode_context_buckets,
+                                               paged_decode_attention)
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.attention_prefill import paged_prefill_attention
 from loraplex.kernels.errors import KernelArgumentError
@@ -73,6 +75,14 @@ def test_choose_num_splits_fills_small_batches():
     assert choose_num_splits(num_programs=1, max_seq_len=600, device=cuda_like) == 4  # 256-position chunks
     assert choose_num_splits(num_programs=1, max_seq_len=100, device=cuda_like) == 1
     assert choose_num_splits(num_programs=1, max_seq_len=1 << 20, device=cuda_like, programs_per_sm=64) == 64
+
+
+def test_decode_context_buckets_split_where_the_stages_change(monkeypatch):
+    assert decode_context_buckets(4096) == (511, 4096)
+    assert decode_context_buckets(512) == (511, 512)
+    assert decode_context_buckets(208) == (208,)
+    monkeypatch.setattr(attention_decode, "THREE_STAGES_FROM", 64)
+    assert decode_context_buckets(208) == (63, 208)
 
 
 @pytest.mark.interpreter
