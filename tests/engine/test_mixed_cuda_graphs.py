@@ -19,6 +19,7 @@ from tiny_models import make_peft_adapter
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.engine.cuda_graphs import CudaGraphRunner, _Graph, capture_query_lens, default_mixed_sizes
 from loraplex.engine.models.llama import LoRABatch
+from loraplex.kernels import attention_decode
 from loraplex.kernels.attention_metadata import AttentionMetadata
 
 
@@ -182,9 +183,14 @@ def test_async_mixed_steps_replay_graphs_with_placeholders_from_the_device(tiny_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_captured_mixed_graphs_equal_eager_on_gpu(tiny_llama_dir, adapters):
+@pytest.mark.parametrize("three_stages_from", [None, 20])
+def test_captured_mixed_graphs_equal_eager_on_gpu(tiny_llama_dir, adapters, monkeypatch, three_stages_from):
     """On a GPU, float32: captured decode and mixed-step graphs (Triton kernels, empty padding sequences
-    read by the real attention kernels) give the eager engine's tokens and logprobs."""
+    read by the real attention kernels) give the eager engine's tokens and logprobs; with decode attention
+    configs that change at 20 positions, decode steps replay the graphs of both context buckets (2 and 3
+    pipeline stages)."""
+    if three_stages_from is not None:
+        monkeypatch.setattr(attention_decode, "THREE_STAGES_FROM", three_stages_from)
     kw = {"model": str(tiny_llama_dir), "device": "cuda", "dtype": "float32", "max_model_len": 64,
           "block_size": 4, "num_kv_blocks": 256, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
           "max_num_seqs": 8, "max_num_batched_tokens": 20}
@@ -194,11 +200,14 @@ def test_captured_mixed_graphs_equal_eager_on_gpu(tiny_llama_dir, adapters):
     graphs = llm.engine.runner.graphs
     assert graphs is not None and set(graphs.mixed_graphs) == {(t, lora, dora) for t in (16, 20)
                                                            for lora, dora in VARIANTS}
-    calls = []
-    run_mixed = graphs.run_mixed
+    assert graphs.context_buckets == ((19, 64) if three_stages_from else (64,))
+    calls, longest = [], []
+    run_mixed, run = graphs.run_mixed, graphs.run
     graphs.run_mixed = lambda *a, **k: calls.append(len(a[0])) or run_mixed(*a, **k)
+    graphs.run = lambda *a, **k: longest.append(max(a[3])) or run(*a, **k)
     got = _run(llm, prompts, params, loras)
     assert len(calls) >= 3
+    assert min(longest) <= 19 < max(longest)
     for exp_req, got_req in zip(expected, got):
         for (e_ids, e_cum, _, e_fin), (g_ids, g_cum, _, g_fin) in zip(exp_req, got_req):
             assert g_ids == e_ids and g_fin == e_fin
