@@ -243,7 +243,8 @@ def run_once(llm: LLM, prompts: list[list[int]], loras: list, out_len: int, prof
     out = {"steps": len(returns), "decode_steps_timed": len(gaps),
            "step_ms": statistics.median(gaps) * 1e3 if gaps else float("nan")}
     if prof is not None:
-        out["profile"] = summarize_profile(prof, profile_steps)
+        out["profile"] = summarize_profile(prof, profile_steps,
+                                           step_marker=("_paged_decode_kernel", engine.spec.num_layers))
     return out
 
 
@@ -263,12 +264,18 @@ def idle_gaps(events: list[tuple[float, float, str]], steps: int, top: int = 10)
             "longest_gaps": [(round(g, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:top]]}
 
 
-def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[str, ...] = CLASSES) -> dict:
+def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[str, ...] = CLASSES,
+                      step_marker: tuple[str, int] | None = None) -> dict:
     """Kernel time per class (ms per step; ``classify(name)`` gives a kernel's class, one of
-    ``classes``) and GPU busy (union of kernel intervals over their span)."""
+    ``classes``) and GPU busy (union of kernel intervals over their span).
+
+    ``step_marker``: (kernel name, launches per step): the steps are counted from that kernel's launches (with
+    async scheduling a window's kernels are not whole steps: the GPU runs the step launched before the window
+    while it opens), else ``steps``. The profiler's step annotations (``ProfilerStep#k`` ranges on the GPU
+    timeline) are not kernels and are skipped."""
     intervals, per_class, per_kernel, named = [], dict.fromkeys(classes, 0.0), {}, []
     for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
+        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.name.startswith("ProfilerStep"):
             continue
         start, end = ev.time_range.start, ev.time_range.end
         if end <= start:
@@ -290,9 +297,11 @@ def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[st
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
     span = intervals[-1][1] - intervals[0][0]
-    return {"gpu_busy": busy / span, "span_ms_per_step": span / 1e3 / steps, **idle_gaps(named, steps),
+    if step_marker and per_kernel.get(step_marker[0]):
+        steps = per_kernel[step_marker[0]][1] / step_marker[1]
+    return {"gpu_busy": busy / span, "profiled_steps": steps, "span_ms_per_step": span / 1e3 / steps, **idle_gaps(named, steps),
             **{f"{k}_ms": v / steps for k, v in per_class.items()}, "kernels": len(intervals),
-            "top_kernels": [(name[:80], round(ms / steps, 4), n // steps) for name, (ms, n) in
+            "top_kernels": [(name[:80], round(ms / steps, 4), round(n / steps, 2)) for name, (ms, n) in
                             sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]]}
 
 

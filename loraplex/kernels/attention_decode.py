@@ -16,6 +16,8 @@ Design (after FlashDecoding, Dao et al. 2023, and vLLM's Triton decode attention
   loss at batch 128 for k = 2): one program per (sequence, k KV heads, split) walks the k heads' tiles in one
   software-pipelined loop of :func:`~loraplex.kernels.attention_common.attend_kv_tile` (the range's step), the
   softmax state restarting at each head's first tile and its output stored masked at its last.
+- ``head_major`` (the default for MHA): the grid's fastest axis is the KV head, so the programs that run at once
+  read whole K/V rows of the same positions (all heads of a position are contiguous in the cache).
 - Split-K: ``num_splits`` programs share a sequence's context. Each sequence cuts *its own* context into
   chunks of ``max(min_chunk, cdiv(seq_len, num_splits))`` positions (rounded up to ``block_n``), so the grid
   is fixed by the batch size alone (CUDA graphs capture it once) while short contexts use fewer, fuller
@@ -69,8 +71,11 @@ MAX_HEADS_PER_PROGRAM = 1
 """The most KV heads :func:`decode_config` gives one program (``DecodeConfig.heads_per_program``) on CUDA, where a
 batch without split-K keeps at least :data:`HEADS_MIN_PROGRAMS_PER_SM` programs per SM; 1: one head each."""
 HEADS_MIN_PROGRAMS_PER_SM = 3
-HEAD_MAJOR = False
-"""``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs."""
+HEAD_MAJOR: bool | None = None
+"""``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs; None: for MHA (one query head per KV head)
+only. Measured on an H200 (RESULTS.md, session 30): Llama-2-7B decode steps 0.3-0.5% faster at batch 32 and 0.7-1.0%
+at batch 128 in three A/B pairs; Llama-3-8B's GQA heads 0-3% slower at contexts 128-192 and batch 32-128 in the
+kernel benchmark (not measured in the engine)."""
 THREE_STAGES_FROM = 512
 """The ``max_seq_len`` (positions) from which :func:`decode_config`'s CUDA configs of up to 256 bytes a head row take
 3 pipeline stages instead of 2."""
@@ -148,20 +153,21 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
         return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, min_chunk=min_chunk, use_dot=True,
                             num_splits=choose_num_splits(programs, max_seq_len, device, programs_per_sm=4,
                                                          min_chunk=min_chunk))
-    # 64-position tiles, 3 pipeline stages from 512 positions of context (under a CUDA graph max_seq_len is the
-    # model's length, so graphs take 3); a tile never splits a KV block of up to 64 positions.
+    # 64-position tiles, 3 pipeline stages from 512 positions of context (a CUDA graph's max_seq_len is the top of its
+    # context bucket, decode_context_buckets); a tile never splits a KV block of up to 64 positions.
     block_n = 64
     num_stages = 3 if max_seq_len >= THREE_STAGES_FROM else 2
     min_chunk = block_n if 4 * programs < num_sms(device) else 4 * block_n
     splits = choose_num_splits(programs, max_seq_len, device, programs_per_sm=2, min_chunk=min_chunk)
     # MHA too takes 16-row tl.dot tiles on CUDA: measured on an H200 (benchmarks/RESULTS.md, session 5), the
     # one-row FMA tiles read Llama-2-7B's KV at ~1.3 TB/s, the dot tiles of GQA at 3.3-3.9 TB/s.
+    head_major = group == 1 if HEAD_MAJOR is None else HEAD_MAJOR
     heads = 1
     while (splits == 1 and 2 * heads <= MAX_HEADS_PER_PROGRAM and num_kv_heads % (2 * heads) == 0
            and programs // (2 * heads) >= HEADS_MIN_PROGRAMS_PER_SM * num_sms(device)):
         heads *= 2
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages, num_splits=splits, min_chunk=min_chunk,
-                        use_dot=True, heads_per_program=heads, head_major=HEAD_MAJOR)
+                        use_dot=True, heads_per_program=heads, head_major=head_major)
 
 
 def check_decode_config(config: DecodeConfig, group: int, page: int, num_kv_heads: int) -> None:

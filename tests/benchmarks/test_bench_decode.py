@@ -26,6 +26,26 @@ def test_floor_bytes_for_llama2_7b():
     assert bd.kv_bytes(bd.LLAMA2_7B, 32, 160) == 32 * 160 * 524_288
 
 
+def test_profile_summary_counts_steps_from_a_marker_kernel_and_skips_step_annotations():
+    """GPU busy is the kernels' union over their span (the profiler's ``ProfilerStep#`` range on the GPU timeline,
+    which covers the idle gap, is not a kernel); per-step times divide by the steps the marker kernel's launches
+    count (3 launches at 2 a step: 1.5 steps), not by the window's step calls."""
+    from types import SimpleNamespace as NS
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start, end, device=cuda):
+        return NS(name=name, device_type=device, time_range=NS(start=start, end=end))
+
+    events = [ev("ProfilerStep#2", 0, 50), ev("_paged_decode_kernel", 0, 10), ev("_dense_linear_kernel", 10, 20),
+              ev("_paged_decode_kernel", 20, 30), ev("_paged_decode_kernel", 40, 50), ev("aten::mm", 0, 50, cpu)]
+    summary = bd.summarize_profile(NS(events=lambda: events), 4, step_marker=("_paged_decode_kernel", 2))
+    assert summary["gpu_busy"] == pytest.approx(40 / 50)
+    assert summary["profiled_steps"] == 1.5
+    assert summary["attention_ms"] == pytest.approx(0.030 / 1.5) and summary["gemm_ms"] == pytest.approx(0.010 / 1.5)
+    assert summary["idle_large_us_per_step"] == pytest.approx(10 / 1.5) and summary["kernels"] == 4
+    assert bd.summarize_profile(NS(events=lambda: events), 4)["attention_ms"] == pytest.approx(0.030 / 4)
+
+
 def test_kernel_classes():
     assert [bd.kernel_class(n) for n in ("_fused_lora_kernel", "_lora_shrink_kernel", "_dora_scale",
                                          "nvjet_tst_64x8_64x16_2x1_v_bz_TNT", "sm90_xmma_gemm_bf16",
