@@ -74,8 +74,8 @@ HEADS_MIN_PROGRAMS_PER_SM = 3
 HEAD_MAJOR: bool | None = None
 """``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs; None: for MHA (one query head per KV head)
 only. Measured on an H200 (RESULTS.md, session 30): Llama-2-7B decode steps 0.3-0.5% faster at batch 32 and 0.7-1.0%
-at batch 128 in three A/B pairs; Llama-3-8B's GQA heads 0-3% slower at contexts 128-192 and batch 32-128 in the
-kernel benchmark (not measured in the engine)."""
+at batch 128 in three A/B pairs; Llama-3-8B's GQA heads 2-3% slower at contexts 128-192 and batch 128 in the kernel
+benchmark (not measured in the engine)."""
 THREE_STAGES_FROM = 512
 """The ``max_seq_len`` (positions) from which :func:`decode_config`'s CUDA configs of up to 256 bytes a head row take
 3 pipeline stages instead of 2."""
