@@ -71,6 +71,8 @@ MAX_HEADS_PER_PROGRAM = 1
 """The most KV heads :func:`decode_config` gives one program (``DecodeConfig.heads_per_program``) on CUDA, where a
 batch without split-K keeps at least :data:`HEADS_MIN_PROGRAMS_PER_SM` programs per SM; 1: one head each."""
 HEADS_MIN_PROGRAMS_PER_SM = 3
+MAX_GRID_YZ = 65535
+"""CUDA's bound on a grid's second and third dimensions: the sequences of a head-major launch."""
 HEAD_MAJOR: bool | None = None
 """``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs; None: for MHA (one query head per KV head)
 only. Measured on an H200 (RESULTS.md, session 30): Llama-2-7B decode steps 0.3-0.5% faster at batch 32 and 0.7-1.0%
@@ -79,7 +81,6 @@ benchmark (not measured in the engine)."""
 THREE_STAGES_FROM = 512
 """The ``max_seq_len`` (positions) from which :func:`decode_config`'s CUDA configs of up to 256 bytes a head row take
 3 pipeline stages instead of 2."""
-"""``DecodeConfig.head_major`` of :func:`decode_config`'s CUDA configs."""
 
 
 def decode_context_buckets(max_seq_len: int) -> tuple[int, ...]:
@@ -161,7 +162,7 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
     splits = choose_num_splits(programs, max_seq_len, device, programs_per_sm=2, min_chunk=min_chunk)
     # MHA too takes 16-row tl.dot tiles on CUDA: measured on an H200 (benchmarks/RESULTS.md, session 5), the
     # one-row FMA tiles read Llama-2-7B's KV at ~1.3 TB/s, the dot tiles of GQA at 3.3-3.9 TB/s.
-    head_major = group == 1 if HEAD_MAJOR is None else HEAD_MAJOR
+    head_major = (group == 1 if HEAD_MAJOR is None else HEAD_MAJOR) and num_seqs <= MAX_GRID_YZ
     heads = 1
     while (splits == 1 and 2 * heads <= MAX_HEADS_PER_PROGRAM and num_kv_heads % (2 * heads) == 0
            and programs // (2 * heads) >= HEADS_MIN_PROGRAMS_PER_SM * num_sms(device)):
@@ -170,10 +171,13 @@ def decode_config(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, p
                         use_dot=True, heads_per_program=heads, head_major=head_major)
 
 
-def check_decode_config(config: DecodeConfig, group: int, page: int, num_kv_heads: int) -> None:
+def check_decode_config(config: DecodeConfig, group: int, page: int, num_kv_heads: int, num_seqs: int) -> None:
     """Raise :class:`KernelArgumentError` for a config the kernel cannot run (``num_kv_heads``: the heads that
-    ``heads_per_program`` must divide)."""
+    ``heads_per_program`` must divide; ``num_seqs``: the launch's sequences, at most :data:`MAX_GRID_YZ` with
+    ``head_major``)."""
     problems = []
+    if config.head_major and num_seqs > MAX_GRID_YZ:
+        problems.append(f"head_major=True with {num_seqs} sequences (a grid dimension of at most {MAX_GRID_YZ})")
     hp = config.heads_per_program
     if hp not in (1, 2, 4, 8) or num_kv_heads % hp:
         problems.append(f"heads_per_program={hp} (1, 2, 4 or 8, dividing the {num_kv_heads} KV heads)")
@@ -505,7 +509,7 @@ def resolve_decode_config(query: torch.Tensor, key_cache: torch.Tensor, meta: At
                                query.dtype, query.device)
     if num_splits is not None:
         config = replace(config, num_splits=num_splits)
-    check_decode_config(config, group, page, num_kv_heads)
+    check_decode_config(config, group, page, num_kv_heads, meta.num_seqs)
     return config
 
 

@@ -149,6 +149,15 @@ def test_decode_config_is_checked():
             paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(), config=bad)
 
 
+def test_head_major_grid_is_refused_beyond_the_grid_bound(monkeypatch):
+    """The head-major grid puts the sequences on a grid dimension CUDA bounds (65535): more are refused."""
+    monkeypatch.setattr(attention_decode, "MAX_GRID_YZ", 2)
+    batch = make_paged_batch([1] * 3, [9] * 3, 1, 2, HEAD_DIM, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(KernelArgumentError, match="head_major=True with 3 sequences"):
+        paged_decode_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                               config=DecodeConfig(head_major=True))
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hkv{h[0]}g{h[1]}")
