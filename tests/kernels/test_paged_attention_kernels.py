@@ -122,6 +122,33 @@ def test_decode_with_several_kv_heads_a_program_matches_naive(kernel_device, poi
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("variant", [None, "window+softcap"])
+def test_decode_head_major_grid_is_bitwise_the_seq_major_grid(kernel_device, poison_allocations, heads_per_program,
+                                                              num_splits, group, variant):
+    """``head_major`` only reorders the grid: every program (sequence, KV heads, split) computes the same values, so
+    outputs, split-K partials merged by the reduce kernel (which indexes them by ``b * num_q_heads + h``), prefill
+    rows of a mixed batch left to the prefill kernel, and zeroed padding rows are bit for bit the seq-major grid's."""
+    query_lens, seq_lens = [1, 1, 7, 1, 1, 1], [1, 16, 7, 45, 33, 17]
+    batch = make_paged_batch(query_lens, seq_lens, 4, group, HEAD_DIM, BLOCK_SIZE, torch.float32, kernel_device,
+                             num_padded_tokens=16)
+    kw = {"sliding_window": 20, "softcap": 0.5} if variant else {}
+    outs = []
+    for head_major in (False, True):
+        config = DecodeConfig(block_n=16, num_warps=4, num_stages=2, num_splits=num_splits, min_chunk=16,
+                              use_dot=group > 1, heads_per_program=heads_per_program, head_major=head_major)
+        outs.append(PAGED_ATTENTION.triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, _scale(),
+                                           out=nan_like(batch.query), decode_config=config, **kw))
+    assert torch.equal(outs[0], outs[1])
+    n = batch.meta.num_actual_tokens
+    assert_close(outs[1][:n], naive_paged_attention(batch, _scale(), kw.get("sliding_window"), kw.get("softcap"))[:n],
+                 torch.float32)
+    assert (outs[1][n:] == 0).all(), "padding rows must be zeroed"
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("heads_per_program", [1, 2])
 def test_decode_several_heads_a_program_keeps_heads_independent(kernel_device, heads_per_program):
     """A non-finite value in one KV head's cache (a position the sequence reads) poisons that head's query heads
