@@ -299,8 +299,9 @@ def summarize_profile(prof, steps: int, classify=kernel_class, classes: tuple[st
     span = intervals[-1][1] - intervals[0][0]
     if step_marker and per_kernel.get(step_marker[0]):
         steps = per_kernel[step_marker[0]][1] / step_marker[1]
-    return {"gpu_busy": busy / span, "profiled_steps": steps, "span_ms_per_step": span / 1e3 / steps, **idle_gaps(named, steps),
-            **{f"{k}_ms": v / steps for k, v in per_class.items()}, "kernels": len(intervals),
+    return {"gpu_busy": busy / span, "profiled_steps": steps, "span_ms_per_step": span / 1e3 / steps,
+            **idle_gaps(named, steps), **{f"{k}_ms": v / steps for k, v in per_class.items()},
+            "kernels": len(intervals),
             "top_kernels": [(name[:80], round(ms / steps, 4), round(n / steps, 2)) for name, (ms, n) in
                             sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]]}
 
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "default: the engine's)")
     ap.add_argument("--decode-three-stages-from", type=int, default=None,
                     help="max_seq_len from which decode attention takes 3 pipeline stages (kernels.attention_decode."
-                         "THREE_STAGES_FROM; a CUDA graph's is max_model_len; default: the engine's)")
+                         "THREE_STAGES_FROM; a decode graph's is the top of its context bucket; default: the engine's)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help=f"the engine's max_model_len (default: prompt {PROMPT_LEN} + --out-len + 16)")
     ap.add_argument("--decode-context-buckets", choices=("on", "off"), default=None,

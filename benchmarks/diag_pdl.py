@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     # each variant sets its own; the engine's settings come back after each batch
     engine_settings = use_pdl_trigger(DEFAULT_PDL_TRIGGERS), use_pdl_prefetch(0), use_pdl_kv_prefetch(0)
     per_seq = -(-(ctx + 1) // block)
+    context = next(c for c in graphs.context_buckets if c >= ctx)  # the decode graph the engine replays at ctx
     for b in batches:
         tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)]
         pos = ctx - 1
@@ -126,14 +127,14 @@ def main(argv: list[str] | None = None) -> dict:
             use_pdl_kv_prefetch(kv_prefetch)
             with pdl_launches(on), torch.inference_mode():
                 if args.quick:  # no graphs on the CPU: the forward itself
-                    captured[name] = (None, graphs._forward(b, False, False, graphs.context_buckets[-1]).clone())
+                    captured[name] = (None, graphs._forward(b, False, False, context).clone())
                     continue
                 for _ in range(2):
-                    graphs._forward(b, False, False, graphs.context_buckets[-1])
+                    graphs._forward(b, False, False, context)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):  # a pool of its own: the graphs of a batch are freed after it
-                    hidden = graphs._forward(b, False, False, graphs.context_buckets[-1])
+                    hidden = graphs._forward(b, False, False, context)
             graph.replay()
             torch.cuda.synchronize()
             captured[name] = (graph, hidden.clone())

@@ -89,8 +89,10 @@ def decode_context_buckets(max_seq_len: int) -> tuple[int, ...]:
     the smallest holding the step's longest context, runs the pick of that context's bucket.
 
     Measured on an H200 (RESULTS.md, session 30; Llama-2-7B heads, context 160): 2 pipeline stages take 93 µs at
-    batch 128 and 173 µs at 256, 3 stages 103 and 192 µs; at context 1024, 3 stages win at batch 32-128."""
-    if max_seq_len >= THREE_STAGES_FROM:
+    batch 128 and 173 µs at 256, 3 stages 103 and 192 µs; at context 1024, 3 stages win at batch 32-128.
+    A :data:`THREE_STAGES_FROM` of 1 or less (3 stages for every context) gives one bucket: a decode context holds
+    at least one position."""
+    if 1 < THREE_STAGES_FROM <= max_seq_len:
         return (THREE_STAGES_FROM - 1, max_seq_len)
     return (max_seq_len,)
 

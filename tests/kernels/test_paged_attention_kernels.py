@@ -83,6 +83,11 @@ def test_decode_context_buckets_split_where_the_stages_change(monkeypatch):
     assert decode_context_buckets(208) == (208,)
     monkeypatch.setattr(attention_decode, "THREE_STAGES_FROM", 64)
     assert decode_context_buckets(208) == (63, 208)
+    for always in (0, 1):  # 3 stages for every context: no bucket of contexts under one position (no graph of them)
+        monkeypatch.setattr(attention_decode, "THREE_STAGES_FROM", always)
+        assert decode_context_buckets(208) == (208,)
+    monkeypatch.setattr(attention_decode, "THREE_STAGES_FROM", 2)
+    assert decode_context_buckets(208) == (1, 208)
 
 
 @pytest.mark.interpreter
