@@ -124,7 +124,7 @@ class Row:
 
 def sweep_configs(case: Case, device: torch.device, which: str, tiles: tuple | None = None) -> list[DecodeConfig]:
     """The default config first, then (``which == "sweep"``) tiles (``tiles``, else :data:`SWEEP_TILES`) x split
-    targets, without duplicates."""
+    targets in the default's grid order (``head_major``), without duplicates."""
     h = case.heads
     default = decode_config(case.batch, h.num_kv_heads, case.group, h.head_dim, case.page, case.context, case.dtype,
                             device)
@@ -143,11 +143,13 @@ def sweep_configs(case: Case, device: torch.device, which: str, tiles: tuple | N
                     splits = 1 if target == 0 else choose_num_splits(programs, case.context, device,
                                                                       programs_per_sm=target, min_chunk=min_chunk)
                     configs.append(DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                                                num_splits=splits, min_chunk=min_chunk, use_dot=default.use_dot))
+                                                num_splits=splits, min_chunk=min_chunk, use_dot=default.use_dot,
+                                                head_major=default.head_major))
             if case.group == 1:  # MHA: also the 16-row tl.dot tile at the default split count
                 configs.append(DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
                                             num_splits=default.num_splits,
-                                            min_chunk=4 * block_n if device.type == "cuda" else block_n, use_dot=True))
+                                            min_chunk=4 * block_n if device.type == "cuda" else block_n, use_dot=True,
+                                            head_major=default.head_major))
     unique: list[DecodeConfig] = []
     for c in configs:
         if c not in unique:
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--heads-per-program", default="",
                         help="comma list: also run each case's default config with this many KV heads a program")
     parser.add_argument("--head-major", action="store_true",
-                        help="also run every config with the head-major grid (DecodeConfig.head_major)")
+                        help="also run every config with the other grid order (DecodeConfig.head_major toggled)")
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens (engine default 16)")
     parser.add_argument("--max-kv-gib", type=float, default=66.0, help="skip cases whose K+V exceed this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: set TRITON_INTERPRET=1)")
@@ -435,7 +437,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 configs += [replace(configs[0], heads_per_program=k) for k in _ints(args.heads_per_program)
                             if k != configs[0].heads_per_program and heads.num_kv_heads % k == 0]
                 if args.head_major:
-                    configs += [replace(c, head_major=not c.head_major) for c in configs]
+                    configs += [t for c in configs if (t := replace(c, head_major=not c.head_major)) not in configs]
                 case_rows = run_case(case, configs, device, timer, copy_gbs, int(args.max_kv_gib * GIB),
                                      min_rotation, max_layers)
                 for r in case_rows:

@@ -49,6 +49,17 @@ def test_sweep_lists_default_first_without_duplicates():
     assert ba.sweep_configs(ba.Case(ba.SMOKE_MODELS["llama3"], 70, 3, 8), cpu, "default") == gqa[:1]
 
 
+def test_sweep_keeps_the_default_grid_order(monkeypatch):
+    """The swept tiles run in the default config's grid order (head-major for MHA on CUDA), so the sweep compares
+    tiles, not grid orders; ``--head-major`` adds the other order, each config once."""
+    from dataclasses import replace
+
+    real = ba.decode_config
+    monkeypatch.setattr(ba, "decode_config", lambda *a: replace(real(*a), head_major=True))
+    configs = ba.sweep_configs(ba.Case(ba.SMOKE_MODELS["llama2"], 70, 3, 8), torch.device("cpu"), "sweep")
+    assert len(configs) > 4 and all(c.head_major for c in configs)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 before triton loads")
 def test_smoke_run_checks_every_config_and_writes_the_report(tmp_path):
     out = tmp_path / "attention.md"
@@ -76,3 +87,10 @@ def test_over_budget_case_is_skipped_and_a_wrong_kernel_aborts(tmp_path, monkeyp
     with pytest.raises(SystemExit, match="disagrees with the reference"):
         ba.main(["--smoke", "--configs", "default", "--contexts", "20", "--batches", "1", "--models", "llama3",
                  "--no-mixed", "--out", str(tmp_path / "b.md")])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 before triton loads")
+def test_head_major_flag_adds_the_other_grid_order_once(tmp_path):
+    rows = ba.main(["--smoke", "--configs", "default", "--head-major", "--heads-per-program", "1", "--contexts", "20",
+                    "--batches", "3", "--models", "llama2", "--no-mixed", "--out", str(tmp_path / "a.md")])
+    assert len(rows) == 2 and sorted(r.config.endswith(" hm") for r in rows) == [False, True]
