@@ -27,10 +27,10 @@ adds a block to a sequence once every ``block_size`` tokens). For LoRA the
 host writes only each token's adapter slot: the graph itself groups the tokens
 by slot (:func:`~loraplex.kernels.lora_mapping.plan_segments`, the eager path's
 builder, captured: one segment per adapter slot, a work-item list padded with
-idle items to its bound ``ceil(T / 16) + min(B, slots)``); three graphs per size
-are kept, keyed ``(size, with_lora, with_dora, context)``: without LoRA, with LoRA, and with LoRA and
-the DoRA rescale (steps where some slot holds a DoRA adapter; the graph also captures each
-token's gain row, ``LoRABatch.gain_rows``), so plain-LoRA steps pay nothing for DoRA.
+idle items to its bound ``ceil(T / 16) + min(B, slots)``); three graphs per decode size and context bucket
+are kept, keyed ``(size, with_lora, with_dora, context)`` (mixed ones ``(size, with_lora, with_dora)``): without
+LoRA, with LoRA, and with LoRA and the DoRA rescale (steps where some slot holds a DoRA adapter; the graph also
+captures each token's gain row, ``LoRABatch.gain_rows``), so plain-LoRA steps pay nothing for DoRA.
 The launch grids and kernel configs are fixed at capture: LoRA for T tokens in ``max_loras`` segments;
 decode attention for contexts of up to ``context`` positions, one graph per bucket of
 :func:`~loraplex.kernels.attention_decode.decode_context_buckets` (the step replays the smallest holding its
