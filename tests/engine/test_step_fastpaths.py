@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from tiny_models import make_peft_adapter
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.engine import cuda_graphs
 from loraplex.engine.cuda_graphs import CudaGraphRunner, _Graph
 from loraplex.engine.kv_cache_manager import KVCacheManager
 from loraplex.engine.model_runner import _to_device
@@ -142,6 +143,37 @@ def test_graph_decode_steps_equal_eager_steps(tiny_llama_dir, adapters, monkeypa
                 for e_pos, g_pos in zip(e_lp, g_lp):
                     assert list(g_pos) == list(e_pos)
                     assert list(g_pos.values()) == pytest.approx(list(e_pos.values()), abs=1e-4)
+
+
+def test_decode_step_replays_the_smallest_context_bucket_holding_its_longest_context(monkeypatch):
+    """``seq_lens`` count the step's new token: a longest context of exactly the lower bucket's top replays that
+    bucket, one more the next; padding rows (context 1) never pick a bucket; without buckets, one graph per size."""
+    monkeypatch.setattr(attention_decode, "THREE_STAGES_FROM", 20)
+    replayed = []
+
+    class Recorded:
+        def __init__(self, key):
+            self.key = key
+
+        def replay(self):
+            replayed.append(self.key)
+
+    def run(graphs, seq_lens):
+        b = len(seq_lens)
+        graphs.run([0] * b, [s - 1 for s in seq_lens], [-1] * b, seq_lens, [[0] * -(-s // 4) for s in seq_lens], None)
+
+    graphs = CudaGraphRunner(None, None, 4, 64, 8, 0, torch.device("cpu"))
+    assert graphs.context_buckets == (19, 64)
+    for size, context in itertools.product(graphs.sizes, graphs.context_buckets):
+        graphs.graphs[(size, False, False, context)] = _Graph(Recorded((size, context)), torch.zeros(size, 1))
+    for seq_lens in ([19, 1, 1], [1, 20, 1], [1], [64, 3, 5, 2, 1]):
+        run(graphs, seq_lens)
+    assert replayed == [(4, 19), (4, 64), (1, 19), (8, 64)]
+    previous = cuda_graphs.use_context_buckets(False)
+    try:
+        assert CudaGraphRunner(None, None, 4, 64, 8, 0, torch.device("cpu")).context_buckets == (64,)
+    finally:
+        cuda_graphs.use_context_buckets(previous)
 
 
 def test_fork_and_prompt_chunk_in_one_step(tiny_llama_dir):
