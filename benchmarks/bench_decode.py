@@ -238,6 +238,9 @@ def run_once(llm: LLM, prompts: list[list[int]], loras: list, out_len: int, prof
                     prof.step()
     finally:
         engine.runner.launch = real_launch
+        if prof is not None and prof_range is not None:  # the requests ended inside the window
+            sync()
+            prof.__exit__(None, None, None)
     gaps = [returns[i] - returns[i - 1] for i in range(1, len(returns) - 2)
             if i < len(launched) and launched[i] == batch and launched[i - 1] == batch]
     out = {"steps": len(returns), "decode_steps_timed": len(gaps),
