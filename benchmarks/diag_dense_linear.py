@@ -11,7 +11,8 @@ captured in one CUDA graph and replayed back to back (warm clocks, no launch gap
   weight tile as the dot's 64/128-row side (Hopper wgmma), ``gemv`` one-token rows without tensor cores (T = 1
   only); each over a grid of launch shapes, every shape checked against a float32 product first (relative error
   < 1e-2). (Session 19 also tried a persistent token-major variant, k programs per SM taking column tiles
-  p, p + P, ...: never the best, and dropped.)
+  p, p + P, ...: never the best, and dropped.) With ``--streamk P,...``: ``streamk`` / ``streamk_tma``, stream-K
+  over grids of P programs (equal shares of the tile x K-tile iterations, pointer or TMA loads).
 
 The LM head is measured the same way, and counted once in a whole step's GEMMs (4 linears x 32 layers + head
 in one graph): cuBLAS, cuBLASLt, and each linear's best variant.
@@ -23,7 +24,7 @@ writes ``MEASURED_CONFIGS`` with this run's verdict on every (token bucket, shap
 launch, or no row where cuBLAS won. ``--jobs N`` compiles every launch first in N worker processes (Triton's disk
 cache then serves this one; a serial compile of a few hundred launch shapes takes minutes).
 Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,16,32,64] [--models llama2,llama3] [--out F]
-[--table F] [--extra ...] [--only ...] [--merged F] [--splits 1,2,4] [--jobs N]``.
+[--table F] [--extra ...] [--only ...] [--merged F] [--splits 1,2,4] [--streamk 132,264] [--jobs N]``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import triton.testing  # noqa: E402
 from common import graph_replay_ms  # noqa: E402
 from loraplex.kernels._triton import SM90_SHARED_MEMORY_BYTES  # noqa: E402
 from loraplex.kernels.dense_linear import (  # noqa: E402
+    KINDS,
     MEASURED_CONFIGS,
     TOKEN_BUCKETS,
     _launch_dense_linear,
@@ -69,16 +71,32 @@ def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.T
 
 
 def configs(tokens: int, budget: int = SM90_SHARED_MEMORY_BYTES, splits: tuple[int, ...] = (1,),
-            in_features: int = 0):
+            in_features: int = 0, streamk: tuple[int, ...] = ()):
     """(kind, cfg) launch shapes for ``tokens`` whose pipelined tiles fit ``budget`` bytes of shared memory; with
     ``splits`` beyond 1, each tiled shape also split over K that many ways (a seventh cfg entry) where
-    ``in_features`` holds at least two K tiles per split."""
+    ``in_features`` holds at least two K tiles per split; with ``streamk`` (grid sizes), the stream-K shapes."""
     for kind, cfg in _configs(tokens, budget):
         yield kind, cfg
         if kind != "gemv":
             for split in splits:
                 if split > 1 and in_features >= 2 * split * cfg[2]:
                     yield kind, (*cfg, split)
+    yield from streamk_configs(tokens, budget, streamk)
+
+
+def streamk_configs(tokens: int, budget: int, programs: tuple[int, ...]):
+    """Stream-K launch shapes (``dense_linear``'s ``streamk`` and ``streamk_tma``) for ``tokens`` >= 2: one token
+    tile (the power of two at or above ``tokens``, at least 16), column tiles of 64-256 (the wgmma M side), K tiles
+    of 64-256, pipelined tiles within ``budget`` bytes, at most 128 fp32 accumulators per thread and 8 warps only
+    for tiles of 64 x 128 or more, for each grid size in ``programs``."""
+    if tokens < 2:
+        return
+    bt = max(16, 1 << (tokens - 1).bit_length())
+    for kind, bn, bk, w, s, p in itertools.product(("streamk", "streamk_tma"), (64, 128, 256), (64, 128, 256),
+                                                   (4, 8), (3, 4), programs):
+        if (bt + bn) * bk * 2 * s > budget or bn * bt > 128 * 32 * w or (w == 8 and bn * bt < 128 * 64):
+            continue
+        yield kind, (bt, bn, bk, w, s, p)
 
 
 def _configs(tokens: int, budget: int):
@@ -105,9 +123,10 @@ def measured_linears(model: str, extras: tuple, only: set[str]) -> list[tuple[st
     return [(name, k, n) for name, k, n in (*MODELS[model], HEADS[model], *extras) if not only or name in only]
 
 
-def launch_shapes(tokens: int, k: int, n: int, splits: tuple[int, ...]):
+def launch_shapes(tokens: int, k: int, n: int, splits: tuple[int, ...], streamk: tuple[int, ...] = ()):
     """The :func:`configs` launch shapes of a ``[tokens, k] x [n, k]^T`` product whose column tiles divide ``n``."""
-    return [(kind, cfg) for kind, cfg in configs(tokens, splits=splits, in_features=k) if n % cfg[1] == 0]
+    return [(kind, cfg) for kind, cfg in configs(tokens, splits=splits, in_features=k, streamk=streamk)
+            if n % cfg[1] == 0]
 
 
 _WORKER_TENSORS: dict = {}
@@ -169,6 +188,8 @@ def main() -> None:
                     "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
     ap.add_argument("--splits", default="1", help="K splits to try besides the whole K (e.g. 1,2,4: each tiled "
                     "launch shape also split 2 and 4 ways; serial split-K, dense_linear's seventh config entry)")
+    ap.add_argument("--streamk", default="", help="stream-K grid sizes to try (e.g. 132,264: one and two programs "
+                    "per H200 SM; dense_linear's streamk and streamk_tma kinds); none by default")
     ap.add_argument("--jobs", type=int, default=0, help="compile every launch first in this many processes")
     ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
                     "the best product kernel launch where it beat cuBLAS by >= 2%%")
@@ -187,12 +208,13 @@ def main() -> None:
 
     only = set(filter(None, args.only.split(",")))
     splits = tuple(int(v) for v in args.splits.split(","))
+    streamk = tuple(int(v) for v in args.streamk.split(",") if v)
     extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
     dev = torch.device("cuda")
     if args.jobs:
         tasks = [(kind, cfg, int(t), k, n) for model in args.models.split(",") for t in args.tokens.split(",")
                  for _, k, n in measured_linears(model, extras, only)
-                 for kind, cfg in launch_shapes(int(t), k, n, splits)]
+                 for kind, cfg in launch_shapes(int(t), k, n, splits, streamk)]
         precompile(list(dict.fromkeys(tasks)), args.jobs)  # shapes the models share compile once
     torch.manual_seed(0)
     spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -222,7 +244,7 @@ def main() -> None:
                 launches = {}
                 row = {"model": model, "tokens": tokens, "linear": name, "floor_us": n * k * 2 / bw * 1e6}
                 t0 = time.perf_counter()
-                for kind, cfg in launch_shapes(tokens, k, n, splits):
+                for kind, cfg in launch_shapes(tokens, k, n, splits, streamk):
                     try:
                         got = launch(kind, cfg, x, ws[0], outs[0])
                         torch.cuda.synchronize()
@@ -251,7 +273,7 @@ def main() -> None:
                 row["us"] = dict(ranked[:12])
                 row["cublas_us"], row["cublaslt_us"] = us.get("cublas"), us.get("cublaslt")
                 row["best"], row["best_us"] = ranked[0]
-                for kind in ("tm", "swap", "gemv"):
+                for kind in KINDS:
                     mine = [kv for kv in ranked if kv[0].startswith(kind + " ")]
                     if mine:
                         row[f"best_{kind}"], row[f"best_{kind}_us"] = mine[0]

@@ -3,7 +3,7 @@ cuBLAS, cuBLAS (``F.linear``) everywhere else.
 
 Semantics: :data:`DENSE_LINEAR`. A decode step reads every weight once for a handful of tokens, so these GEMMs are
 bound by weight bytes; on an H200 cuBLAS reads Llama-2-7B's linears at ~0.85 of copy bandwidth at 1-32 tokens
-(issue 16, benchmarks/RESULTS.md session 18). Two kernels:
+(issue 16, benchmarks/RESULTS.md session 18). Three kernels:
 
 - tiled (``kind`` ``"tm"``, token-major: a 16-64-token tile times a weight tile transposed; ``"swap"``: the weight
   tile times the token tile transposed, so that the weight tile is the dot's 64/128-row side), ``tl.dot`` with
@@ -11,7 +11,12 @@ bound by weight bytes; on an H200 cuBLAS reads Llama-2-7B's linears at ~0.85 of 
   config's ``split_k``: serial split-K (CUTLASS's "split-K serial"), each split's fp32 partial through a workspace
   and the last program of a tile (a counter per tile, set back to zero) adding them in split order, so the result
   does not depend on which program finishes last;
-- GEMV (``"gemv"``, one token): fp32 products on CUDA cores, summed along K per column.
+- GEMV (``"gemv"``, one token): fp32 products on CUDA cores, summed along K per column;
+- stream-K (``"streamk"``, ``"streamk_tma"``: swapped tiles through pointer or TMA loads), a persistent grid of a
+  config's ``programs`` that splits the launch's (output tile, K tile) iterations into equal contiguous ranges
+  (Osama et al., PPoPP 2023), so that every SM streams the same weight bytes however few output tiles there are
+  (4096 output columns are 32-64 tiles on 132 SMs); partial tiles go through a workspace and are summed in program
+  order by the program that completes them (a counter per tile), so the result is deterministic too.
 
 Which one runs, and with which tiles, comes from :data:`MEASURED_CONFIGS`: the best of an H200 sweep
 (``benchmarks/diag_dense_linear.py``) per token bucket and weight shape, kept only where it beat cuBLAS in the same
@@ -69,6 +74,22 @@ def _prefetch_weights(w_ptr, cols, k_first, out_features, in_features, stride_wn
         k = k_first + tl.arange(0, PREFETCH_K // LINE) * LINE
         pdl_prefetch(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
                      (cols[:, None] < out_features) & (k[None, :] < in_features), w_ptr, True)
+
+
+@triton.jit
+def _store_swapped_tile(acc, rows, cols, bias_ptr, residual_ptr, out_ptr, num_tokens, out_features, stride_rt,
+                        stride_ot, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Epilogue of a swapped tile ``acc[n, t]`` (fp32, ``[BLOCK_N, BLOCK_T]``) of output columns ``cols`` and token
+    rows ``rows``: plus ``bias[n]`` and ``residual[t, n]``, rounded to out's dtype, stored in range."""
+    col_mask = cols < out_features
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+    mask = col_mask[:, None] & (rows < num_tokens)[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + rows[None, :].to(tl.int64) * stride_rt + cols[:, None], mask=mask,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -132,14 +153,8 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
     if SWAP:
         if NORM:
             acc *= inv[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
-        mask = col_mask[:, None] & row_mask[None, :]
-        if HAS_RESIDUAL:
-            acc += tl.load(residual_ptr + rows[None, :].to(tl.int64) * stride_rt + cols[:, None], mask=mask,
-                           other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_ot + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        _store_swapped_tile(acc, rows, cols, bias_ptr, residual_ptr, out_ptr, num_tokens, out_features, stride_rt,
+                            stride_ot, HAS_BIAS, HAS_RESIDUAL)
     else:
         if NORM:
             acc *= inv[:, None]
@@ -151,6 +166,77 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
                            other=0.0).to(tl.float32)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)
+
+
+@triton.jit
+def _dense_streamk_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, residual_ptr, out_ptr, ws_ptr, counter_ptr,
+                          num_tokens, out_features, in_features, stride_xt, stride_wn, stride_rt, stride_ot,
+                          HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # out[t, n] = sum_k x[t, k] * w[n, k] + bias[n] + residual[t, n] (DENSE_LINEAR), stream-K (Osama et al., "Stream-K:
+    # Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", PPoPP 2023): the
+    # launch's (output tile, K tile) iterations, K fastest, then column tiles, then token tiles, are split into P
+    # contiguous ranges of equal length (+-1), one per program of a grid of P, so every program streams the same
+    # weight bytes whatever the tile count. A range covers whole tiles (stored directly) and at most two partial
+    # ones: its first segment (workspace slot (p, 0)) and its last (slot (p, 1)). The program that completes a
+    # tile's K tiles (a counter per tile adds each segment's K tiles) sums the tile's partials in program order, so
+    # the result does not depend on which program finishes last. Tiles are swapped (acc[n, t] = w_tile @ x_tile^T);
+    # TMA: both tiles through Hopper's tensor memory accelerator (host descriptors), else pointer loads.
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    col_tiles = tl.cdiv(out_features, BLOCK_N)
+    k_tiles = tl.cdiv(in_features, BLOCK_K)
+    total = (col_tiles * tl.cdiv(num_tokens, BLOCK_T)).to(tl.int64) * k_tiles
+    first = (pid.to(tl.int64) * total // programs).to(tl.int32)
+    end = ((pid + 1).to(tl.int64) * total // programs).to(tl.int32)
+    tile_offsets = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    pdl_wait(USE_PDL)
+    it = first
+    while it < end:
+        tile = it // k_tiles
+        k_first = it - tile * k_tiles
+        k_count = tl.minimum(k_tiles - k_first, end - it)
+        col0 = (tile % col_tiles) * BLOCK_N
+        row0 = (tile // col_tiles) * BLOCK_T
+        cols = col0 + tl.arange(0, BLOCK_N)
+        rows = row0 + tl.arange(0, BLOCK_T)
+        acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+        for kt in tl.range(k_first, k_first + k_count):
+            if TMA:  # out-of-range rows and columns read as zeros
+                w = w_desc.load([col0, kt * BLOCK_K])
+                x = x_desc.load([row0, kt * BLOCK_K])
+            else:
+                k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+                w_mask = (cols < out_features)[:, None]
+                x_mask = (rows < num_tokens)[:, None]
+                if not EVEN_K:
+                    w_mask = w_mask & (k < in_features)[None, :]
+                    x_mask = x_mask & (k < in_features)[None, :]
+                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=w_mask, other=0.0)
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], mask=x_mask, other=0.0)
+            acc += tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), input_precision=PRECISION)
+        done = k_count == k_tiles
+        if not done:  # a partial tile: through the workspace
+            slot = pid * 2 + tl.where(it == first, 0, 1)
+            tl.store(ws_ptr + slot.to(tl.int64) * (BLOCK_N * BLOCK_T) + tile_offsets, acc)
+            tl.debug_barrier()  # every thread's partial stored before the counter says so (the atomic releases them)
+            done = tl.atomic_add(counter_ptr + tile, k_count, sem="acq_rel", scope="gpu") + k_count == k_tiles
+            if done:  # the tile's last segment: every partial is visible (acquire); read them past L1
+                tile_first = tile.to(tl.int64) * k_tiles
+                q_first = ((tile_first + 1) * programs - 1) // total  # the program whose range holds tile_first
+                q_last = ((tile_first + k_tiles) * programs - 1) // total
+                acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+                for q in range(q_first, q_last + 1):
+                    # q's partial of this tile is its first segment unless q began in an earlier tile
+                    q_slot = q * 2 + tl.where(q * total // programs >= tile_first, 0, 1)
+                    acc += tl.load(ws_ptr + q_slot * (BLOCK_N * BLOCK_T) + tile_offsets, cache_modifier=".cg")
+                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        if done:
+            _store_swapped_tile(acc, rows, cols, bias_ptr, residual_ptr, out_ptr, num_tokens, out_features,
+                                stride_rt, stride_ot, HAS_BIAS, HAS_RESIDUAL)
+        it += k_count
+    pdl_trigger(USE_PDL)
 
 
 @triton.jit
@@ -190,9 +276,13 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-# (kind, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]); kind "tm", "swap" or "gemv"; split_k (default 1)
-# splits K over that many programs per output tile (tm and swap; not with an input norm or activation)
+# (kind, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k | programs]); kind "tm", "swap", "gemv",
+# "streamk" or "streamk_tma". tm and swap: split_k (default 1) splits K over that many programs per output tile;
+# streamk kinds (swapped tiles, pointer or TMA loads): the programs of the persistent grid (required; at most the
+# launch's tile x K-tile iterations are launched). Neither splitting kind takes an input norm or activation.
 DenseConfig = tuple[str, int, int, int, int, int] | tuple[str, int, int, int, int, int, int]
+STREAMK_KINDS = ("streamk", "streamk_tma")
+KINDS = ("tm", "swap", "gemv", *STREAMK_KINDS)
 
 # Measured on an H200 (bf16, benchmarks/diag_dense_linear.py): {(device name, token bucket, out_features,
 # in_features): config} where the config beat cuBLAS in a CUDA graph of 32 layers. Token buckets: 1, 16, 32, 64, 128
@@ -266,7 +356,7 @@ def configs_from_json(text: str) -> dict[tuple[str, int, int, int], DenseConfig]
         except KernelArgumentError as exc:
             raise ValueError(str(exc)) from exc
         tiles = -(-row["out_features"] // config[2]) * -(-row["tokens"] // config[1])
-        if split_k_of(config) > 1 and tiles > LAUNCH_COUNTERS:
+        if splits_k(config) and tiles > LAUNCH_COUNTERS:
             raise ValueError(f"dense_linear: bad table row {row}: {tiles} split-K tiles (at most {LAUNCH_COUNTERS})")
         table[(row["device"], row["tokens"], row["out_features"], row["in_features"])] = config
     return table
@@ -316,7 +406,7 @@ def fused_configs_from_json(text: str) -> dict[tuple[str, int, int, int, str], D
             raise ValueError(f"dense_linear: fused table row {row}: fusion not one of {FUSIONS}")
         plain = {k: v for k, v in row.items() if k != "fusion"}
         ((key, config),) = configs_from_json(json.dumps([plain])).items()
-        if split_k_of(config) > 1 and row["fusion"] != "residual":
+        if splits_k(config) and row["fusion"] != "residual":
             raise ValueError(f"dense_linear: fused table row {row}: split-K with an input {row['fusion']} (whole rows "
                              "needed; only the residual fusion splits)")
         table[(*key, row["fusion"])] = config
@@ -363,27 +453,47 @@ def dense_linear_config(num_tokens: int, out_features: int, in_features: int, dt
 
 
 MAX_SPLIT_K = 16
+MAX_STREAMK_PROGRAMS = 4096
 
 
 def split_k_of(config: DenseConfig) -> int:
-    """The K splits of a launch config: its seventh entry, 1 for the six-entry configs."""
-    return config[6] if len(config) > 6 else 1
+    """The serial K splits of a tm/swap launch config: its seventh entry, 1 for the six-entry configs and for the
+    other kinds."""
+    return config[6] if len(config) > 6 and config[0] not in STREAMK_KINDS else 1
+
+
+def programs_of(config: DenseConfig) -> int | None:
+    """The persistent grid of a stream-K launch config (its seventh entry), None for the other kinds."""
+    return config[6] if config[0] in STREAMK_KINDS and len(config) > 6 else None
+
+
+def splits_k(config: DenseConfig) -> bool:
+    """Whether a launch may sum an output tile over several programs (serial split-K or stream-K): it then needs a
+    tile counter per output tile and cannot take an input norm or activation (whole rows)."""
+    return split_k_of(config) > 1 or config[0] in STREAMK_KINDS
 
 
 def check_dense_config(config: DenseConfig, num_tokens: int) -> None:
     """Raise :class:`KernelArgumentError` for a launch config the kernels cannot run."""
     if len(config) not in (6, 7):
         raise KernelArgumentError(f"{_OP}: bad config {config}: (kind, BLOCK_T, BLOCK_N, BLOCK_K, warps, stages"
-                                  "[, split_k])")
+                                  "[, split_k | programs])")
     kind, block_t, block_n, block_k, warps, stages = config[:6]
-    split_k = split_k_of(config)
     problems = []
-    if not (isinstance(split_k, int) and 1 <= split_k <= MAX_SPLIT_K):
-        problems.append(f"split_k={split_k!r} (1..{MAX_SPLIT_K})")
-    elif split_k > 1 and kind == "gemv":
-        problems.append("split_k with gemv (the tiled kernels split K)")
-    if kind not in ("tm", "swap", "gemv"):
-        problems.append(f"kind={kind!r} (tm, swap or gemv)")
+    if kind in STREAMK_KINDS:
+        programs = programs_of(config)
+        if not (isinstance(programs, int) and 1 <= programs <= MAX_STREAMK_PROGRAMS):
+            problems.append(f"programs={programs!r} (1..{MAX_STREAMK_PROGRAMS}, required for {kind})")
+        if kind == "streamk_tma" and max(block_t, block_n, block_k) > 256:
+            problems.append(f"tiles {block_t}x{block_n}x{block_k} (a TMA box is at most 256 per dimension)")
+    else:
+        split_k = split_k_of(config)
+        if not (isinstance(split_k, int) and 1 <= split_k <= MAX_SPLIT_K):
+            problems.append(f"split_k={split_k!r} (1..{MAX_SPLIT_K})")
+        elif split_k > 1 and kind == "gemv":
+            problems.append("split_k with gemv (the tiled kernels split K)")
+    if kind not in KINDS:
+        problems.append(f"kind={kind!r} (one of {', '.join(KINDS)})")
     if kind == "gemv" and num_tokens != 1:
         problems.append(f"gemv with {num_tokens} tokens (one)")
     if kind != "gemv" and (block_t < 16 or block_n < 16 or block_k < 16):
@@ -465,9 +575,12 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out
     check_dense_config(config, num_tokens)
     kind, block_t, block_n, block_k, warps, stages = config[:6]
-    split_k = split_k_of(config)
-    if split_k > 1 and (norm_weight is not None or activation is not None):
+    if splits_k(config) and (norm_weight is not None or activation is not None):
         raise KernelArgumentError(f"{_OP}: config {config} splits K; an input norm or activation needs whole rows")
+    if kind in STREAMK_KINDS:
+        _launch_streamk(x, weight, bias, residual, out, config)
+        return out
+    split_k = split_k_of(config)
     if activation is not None and kind != "gemv":
         stages = _gated_stages(block_t, block_n, block_k, stages, x.element_size(), max_shared_memory(x.device))
     bias_arg = bias if bias is not None else out
@@ -498,6 +611,47 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         SWAP=kind == "swap", BLOCK_T=block_t, DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device), SPLIT_K=split_k, **flags, **pdl)
     return out
+
+
+def _check_tma_operand(name: str, tensor: torch.Tensor) -> None:
+    """Raise :class:`KernelArgumentError` unless ``tensor`` (2-D, last dim stride 1) can back a TMA descriptor: base
+    address and row stride multiples of 16 bytes (CUDA's ``cuTensorMapEncodeTiled``)."""
+    if tensor.data_ptr() % 16 or (tensor.stride(0) * tensor.element_size()) % 16:
+        raise KernelArgumentError(f"{_OP}: {name} at address {tensor.data_ptr():#x} with a row stride of "
+                                  f"{tensor.stride(0) * tensor.element_size()} bytes cannot be read by TMA (both must "
+                                  "be multiples of 16 bytes); use a 'streamk' config")
+
+
+def _launch_streamk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                    out: torch.Tensor, config: DenseConfig) -> None:
+    """Launch :func:`_dense_streamk_kernel` for ``out = x @ weight.T + bias + residual`` with a checked stream-K
+    ``config``: a grid of ``min(programs, iterations)`` programs, an fp32 workspace of two ``[BLOCK_N, BLOCK_T]``
+    partial tiles per program and a counter per output tile (the device's launch counters, zero before and
+    after). Raises :class:`KernelArgumentError` for more output tiles than counters, or for a TMA config whose
+    operands are not 16-byte aligned."""
+    kind, block_t, block_n, block_k, warps, stages, programs = config
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    tiles = triton.cdiv(out_features, block_n) * triton.cdiv(num_tokens, block_t)
+    grid = (min(programs, tiles * triton.cdiv(in_features, block_k)),)
+    counters = launch_counters(_OP, x.device, tiles)
+    ws = torch.empty(grid[0] * 2 * block_n * block_t, dtype=torch.float32, device=x.device)
+    if kind == "streamk_tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _check_tma_operand("x", x)
+        _check_tma_operand("weight", weight)
+        x_desc = TensorDescriptor.from_tensor(x, [block_t, block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    else:
+        x_desc, w_desc = x, weight  # unused
+    _dense_streamk_kernel[grid](
+        x, weight, x_desc, w_desc, bias if bias is not None else out, residual if residual is not None else out, out,
+        ws, counters, num_tokens, out_features, in_features, x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else out.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, EVEN_K=in_features % block_k == 0, TMA=kind == "streamk_tma",
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype(x.dtype, x.device),
+        PRECISION=dot_precision(x.dtype, x.device), num_warps=warps, num_stages=stages, **pdl_args(x.device, _OP))
 
 
 def dense_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -28,6 +28,7 @@ if _ROOT not in sys.path:
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from loraplex.kernels import (  # noqa: E402
     activation,
@@ -71,7 +72,7 @@ _KERNELS = {
     activation: ["_silu_and_mul_kernel", "_act_and_mul_lora_kernel"],
     fp8_linear: ["_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_fp8_split_sum_kernel", "_split_activations_kernel",
                  "_fp8_linear_split_kernel"],
-    dense_linear: ["_dense_linear_kernel", "_dense_gemv_kernel"],
+    dense_linear: ["_dense_linear_kernel", "_dense_gemv_kernel", "_dense_streamk_kernel"],
     lora_shrink: ["_lora_shrink_kernel"],
     lora_expand: ["_lora_expand_kernel"],
     lora_fused: ["_fused_lora_kernel"],
@@ -87,6 +88,14 @@ class TensorArg:
         self.aligned_16 = tensor.data_ptr() % 16 == 0
 
 
+class DescriptorArg:
+    """What compiling needs of a host TMA descriptor argument: its dtype and block shape."""
+
+    def __init__(self, descriptor: TensorDescriptor) -> None:
+        self.dtype = descriptor.base.dtype
+        self.block_shape = list(descriptor.block_shape)
+
+
 class Recorder:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call (tensors as
     :class:`TensorArg`)."""
@@ -97,7 +106,8 @@ class Recorder:
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         def launch(*args: Any, **kwargs: Any) -> None:
-            args = tuple(TensorArg(a) if isinstance(a, torch.Tensor) else a for a in args)
+            args = tuple(TensorArg(a) if isinstance(a, torch.Tensor) else DescriptorArg(a)
+                         if isinstance(a, TensorDescriptor) else a for a in args)
             self.launches.append((grid, args, kwargs))
 
         return launch
@@ -144,6 +154,8 @@ def pretend_cuda() -> dict[str, Recorder]:
 def _signature_type(value: Any) -> str:
     if isinstance(value, (torch.Tensor, TensorArg)):
         return _PTR_TYPES[value.dtype]
+    if isinstance(value, DescriptorArg):
+        return f"tensordesc<{_PTR_TYPES[value.dtype][1:]}{value.block_shape}>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -413,6 +425,18 @@ def _dense(dtype: torch.dtype) -> None:
                               ((1, 4096, 11008), ("swap", 16, 64, 128, 4, 4, 4))):
         dense_linear.DENSE_LINEAR.triton(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype),
                                          residual=torch.zeros(t, n, dtype=dtype), config=config)
+    # stream-K, pointer and TMA loads, at Llama-2-7B's o/down/qkv shapes, plain and with a bias and the residual add
+    for kind in dense_linear.STREAMK_KINDS:
+        for (t, n, k), tiles in (((128, 4096, 4096), (128, 64, 128, 4, 3, 132)),
+                                 ((128, 4096, 11008), (128, 128, 64, 8, 4, 264)),
+                                 ((128, 12288, 4096), (128, 128, 128, 8, 3, 132)),
+                                 ((32, 4096, 4096), (32, 64, 256, 4, 4, 132)),
+                                 ((64, 22016, 4096), (64, 128, 128, 4, 4, 264)),
+                                 ((128, 22016, 4096), (128, 256, 64, 8, 3, 132))):
+            x, w = torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
+            dense_linear.DENSE_LINEAR.triton(x, w, config=(kind, *tiles))
+            dense_linear.DENSE_LINEAR.triton(x, w, torch.zeros(n, dtype=dtype), residual=torch.zeros(t, n, dtype=dtype),
+                                             config=(kind, *tiles))
     previous = _triton.use_pdl_prefetch(512)
     try:
         for (t, n, k), config in (((32, 4096, 11008), ("swap", 32, 64, 256, 4, 4, 4)),

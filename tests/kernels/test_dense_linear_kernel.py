@@ -97,7 +97,7 @@ def test_split_k_matches_the_loop_and_leaves_its_counters_at_zero(kernel_device,
 def test_split_k_configs_are_checked(kernel_device, triton_kernels):
     x, w = torch.randn(2, 32, device=kernel_device), torch.randn(16, 32, device=kernel_device)
     for config, match in ((("tm", 16, 16, 16, 4, 1, 0), "split_k=0"), (("tm", 16, 16, 16, 4, 1, 17), "split_k=17"),
-                          (("tm", 16, 16, 16, 4, 1, 2, 1), "split_k\\]"), (("gemv", 1, 8, 16, 4, 1, 2), "gemv")):
+                          (("tm", 16, 16, 16, 4, 1, 2, 1), "programs\\]"), (("gemv", 1, 8, 16, 4, 1, 2), "gemv")):
         with pytest.raises(KernelArgumentError, match=match):
             triton_kernels.dense_linear(x if config[0] != "gemv" else x[:1], w, config=config)
     with pytest.raises(KernelArgumentError, match="whole rows"):
@@ -117,6 +117,81 @@ def test_split_k_configs_are_checked(kernel_device, triton_kernels):
         configs_from_json(configs_to_json({("NVIDIA H200", 128, 1 << 21, 4096): ("tm", 16, 16, 64, 4, 1, 2)}))
     assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 11008)]) == 4
     assert dense_linear.split_k_of(table[("NVIDIA H200", 32, 4096, 4096)]) == 1
+
+
+# Stream-K launches (kind, BLOCK_T, BLOCK_N, BLOCK_K, warps, stages, programs) and (T, K, N). At 3 x 80 x 40 with
+# 16-wide tiles: 3 column tiles x 5 K tiles = 15 iterations; 4 programs take [0, 3), [3, 7), [7, 11), [11, 15), so
+# program 1 ends tile 0 (its first segment) and begins tile 1 (its second), and each tile sums two or three partials
+STREAMK_CASES = [
+    ((16, 16, 16, 4, 1, 1), 3, 80, 40),  # one program: every tile whole, no partial
+    ((16, 16, 16, 4, 1, 4), 3, 80, 40),
+    ((16, 16, 16, 4, 1, 15), 3, 80, 40),  # one K tile per program: up to 5 partials per tile
+    ((16, 16, 16, 4, 1, 64), 3, 80, 40),  # more programs than iterations: 15 launched
+    ((16, 32, 32, 4, 2, 7), 40, 72, 150),  # three token tiles; K and N not multiples of their tiles
+    ((32, 64, 16, 4, 2, 5), 33, 200, 96),  # 2 x 2 tiles of 13 K tiles: ranges of 10-11 across tile boundaries
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", dense_linear.STREAMK_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", STREAMK_CASES, ids=lambda c: f"P{c[0][5]}-T{c[1]}-K{c[2]}-N{c[3]}")
+def test_streamk_matches_the_loop_and_leaves_its_counters_at_zero(kernel_device, triton_kernels, poison_allocations,
+                                                                  kind, dtype, case):
+    tiles, t, k, n = case
+    config = (kind, *tiles)
+    x = torch.randn(t, k).to(device=kernel_device, dtype=dtype)
+    w = (torch.randn(n, k) / k**0.5).to(device=kernel_device, dtype=dtype)
+    b = torch.randn(n).to(device=kernel_device, dtype=dtype)
+    r = torch.randn(t, n).to(device=kernel_device, dtype=dtype)
+    expected = _loop(x, w, b) + r.double().cpu()
+    mag = (_magnitude(x, w, b) + r.double().cpu().abs()).clamp_min(1.0)
+    first = None
+    for _ in range(2):  # a second launch reuses the counters the first set back to zero, and sums alike
+        out = triton_kernels.dense_linear(x, w, b, residual=r, config=config)
+        assert ((out.double().cpu() - expected).abs() / mag).max().item() <= TOL[dtype]
+        assert _triton._LAUNCH_COUNTERS[x.device].count_nonzero().item() == 0
+        assert first is None or torch.equal(out, first)
+        first = out
+    plain = triton_kernels.dense_linear(x, w, config=config)
+    err = (plain.double().cpu() - _loop(x, w, None)).abs() / _magnitude(x, w, None).clamp_min(1.0)
+    assert err.max().item() <= TOL[dtype]
+
+
+@pytest.mark.interpreter
+def test_streamk_configs_and_operands_are_checked(kernel_device, triton_kernels):
+    """A stream-K config needs its grid size; a TMA one boxes of at most 256 and operands TMA can address; neither
+    takes an input norm or activation; a table row takes it as a seventh entry, fused only with the residual."""
+    x, w = torch.randn(2, 32, device=kernel_device), torch.randn(16, 32, device=kernel_device)
+    for config, match in ((("streamk", 16, 16, 16, 4, 1), "programs=None"),
+                          (("streamk", 16, 16, 16, 4, 1, 0), "programs=0"),
+                          (("streamk_tma", 16, 16, 16, 4, 1, 5000), "programs=5000"),
+                          (("streamk_tma", 16, 16, 512, 4, 1, 8), "TMA box")):
+        with pytest.raises(KernelArgumentError, match=match):
+            triton_kernels.dense_linear(x, w, config=config)
+    with pytest.raises(KernelArgumentError, match="whole rows"):
+        triton_kernels.dense_linear(x, w, norm_weight=torch.ones(32, device=kernel_device),
+                                    config=("streamk", 16, 16, 16, 4, 1, 4))
+    # a row stride of 30 fp32 (120 bytes) is no multiple of 16 bytes: the pointer kind reads it, TMA refuses it
+    wide = torch.randn(2, 30, device=kernel_device)
+    w30 = torch.randn(16, 30, device=kernel_device)
+    with pytest.raises(KernelArgumentError, match="cannot be read by TMA"):
+        triton_kernels.dense_linear(wide, w30, config=("streamk_tma", 16, 16, 16, 4, 1, 4))
+    got = triton_kernels.dense_linear(wide, w30, config=("streamk", 16, 16, 16, 4, 1, 4))
+    err = (got.double().cpu() - _loop(wide, w30, None)).abs() / _magnitude(wide, w30, None).clamp_min(1.0)
+    assert err.max().item() <= TOL[torch.float32]
+    assert dense_linear.programs_of(("streamk", 16, 16, 16, 4, 1, 4)) == 4
+    assert dense_linear.split_k_of(("streamk", 16, 16, 16, 4, 1, 4)) == 1
+    assert dense_linear.programs_of(("swap", 16, 64, 16, 4, 1, 4)) is None
+    table = {("NVIDIA H200", 128, 4096, 11008): ("streamk_tma", 128, 128, 64, 8, 4, 264)}
+    assert configs_from_json(configs_to_json(table)) == table
+    fused = {("NVIDIA H200", 128, 4096, 11008, "residual"): ("streamk", 128, 64, 128, 4, 3, 132)}
+    assert fused_configs_from_json(fused_configs_to_json(fused)) == fused
+    with pytest.raises(ValueError, match="split-K"):
+        fused_configs_from_json(fused_configs_to_json({("NVIDIA H200", 128, 4096, 4096, "norm"):
+                                                       ("streamk", 128, 64, 128, 4, 3, 132)}))
+    with pytest.raises(ValueError, match="split-K tiles"):  # a counter per output tile
+        configs_from_json(configs_to_json({("NVIDIA H200", 128, 1 << 21, 4096): ("streamk", 16, 16, 64, 4, 1, 132)}))
 
 
 def _input_loop(x, norm_weight, eps, activation):
@@ -322,7 +397,7 @@ def test_measured_configs_at_their_shapes_on_this_gpu():
         xx = torch.randn(tokens, 2 * k, device="cuda", dtype=torch.bfloat16)
         fusions = [(dict(norm_weight=g, norm_eps=1e-5), _input_loop(x, g, 1e-5, None)),
                    (dict(activation="silu", residual=r), _input_loop(xx, None, 0.0, "silu"))]
-        if dense_linear.split_k_of(config) > 1:
+        if dense_linear.splits_k(config):
             fusions = [(dict(residual=r), _input_loop(x, None, 0.0, None))]
         for kw, u in fusions:
             got = _launch_dense_linear(xx if "activation" in kw else x, w, config=config, **kw).double().cpu()
@@ -335,11 +410,15 @@ def test_measured_configs_at_their_shapes_on_this_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("config,t,n,k", [(("tm", 32, 32, 256, 4, 4, 2), 32, 4096, 4096),
                                           (("swap", 32, 64, 256, 4, 4, 4), 32, 4096, 11008),
-                                          (("swap", 16, 64, 128, 4, 4, 4), 1, 4096, 11008)])
+                                          (("swap", 16, 64, 128, 4, 4, 4), 1, 4096, 11008),
+                                          (("streamk", 128, 64, 128, 4, 3, 132), 128, 4096, 4096),
+                                          (("streamk_tma", 128, 128, 64, 8, 4, 264), 128, 4096, 11008),
+                                          (("streamk_tma", 32, 64, 256, 4, 4, 132), 20, 12288, 4096)])
 def test_split_k_in_a_graph_replayed_with_new_inputs(config, t, n, k):
-    """Serial split-K at Llama-2-7B's o/down shapes, captured in a CUDA graph (with programmatic dependent launches)
-    and replayed with new inputs: each replay equals the eager launch bitwise (the partials are summed in split
-    order), which is within bf16 rounding of a float32 product; the tile counters are zero after every replay."""
+    """Serial split-K and stream-K at Llama-2-7B's o/down/qkv shapes, captured in a CUDA graph (with programmatic
+    dependent launches) and replayed with new inputs: each replay equals the eager launch bitwise (the partials are
+    summed in split / program order), which is within bf16 rounding of a float32 product; the tile counters are
+    zero after every replay."""
     from loraplex.kernels._triton import pdl_launches
     from loraplex.kernels.dense_linear import _launch_dense_linear
 
@@ -368,17 +447,18 @@ def test_split_k_in_a_graph_replayed_with_new_inputs(config, t, n, k):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper GPU")
 def test_dependent_split_k_launches_under_pdl_in_a_graph():
-    """Eight dependent split-K launches (each one's output the next one's input and residual; different grids and
-    split counts) captured with programmatic dependent launches at the default "late" trigger: a launch may start
-    while the one before finishes its reduction, and reuses the tile counters. Replays equal the same chain launched
-    eagerly without PDL, bitwise; the counters are zero after each."""
+    """Twelve dependent split-K and stream-K launches (each one's output the next one's input and residual; different
+    grids and split counts) captured with programmatic dependent launches at the default "late" trigger: a launch may
+    start while the one before finishes its reduction, and reuses the tile counters. Replays equal the same chain
+    launched eagerly without PDL, bitwise; the counters are zero after each."""
     from loraplex.kernels._triton import pdl_launches
     from loraplex.kernels.dense_linear import _launch_dense_linear
 
     torch.manual_seed(0)
     d = 1024
     configs = [("tm", 32, 32, 256, 4, 4, 2), ("swap", 32, 64, 128, 4, 3, 4), ("tm", 32, 64, 128, 4, 3, 3),
-               ("swap", 32, 64, 256, 4, 4, 2)] * 2
+               ("swap", 32, 64, 256, 4, 4, 2), ("streamk", 32, 64, 128, 4, 3, 132),
+               ("streamk_tma", 32, 64, 256, 4, 3, 40)] * 2
     weights = [(torch.randn(d, d, device="cuda") / d**0.5).to(torch.bfloat16) for _ in configs]
 
     def chain(h):
