@@ -12,7 +12,8 @@ captured in one CUDA graph and replayed back to back (warm clocks, no launch gap
   only); each over a grid of launch shapes, every shape checked against a float32 product first (relative error
   < 1e-2). (Session 19 also tried a persistent token-major variant, k programs per SM taking column tiles
   p, p + P, ...: never the best, and dropped.) With ``--streamk P,...``: ``streamk`` / ``streamk_tma``, stream-K
-  over grids of P programs (equal shares of the tile x K-tile iterations, pointer or TMA loads).
+  over grids of P programs (equal shares of the tile x K-tile iterations, pointer or TMA loads; ``tiles``: one
+  program per output tile).
 
 The LM head is measured the same way, and counted once in a whole step's GEMMs (4 linears x 32 layers + head
 in one graph): cuBLAS, cuBLASLt, and each linear's best variant.
@@ -24,7 +25,7 @@ writes ``MEASURED_CONFIGS`` with this run's verdict on every (token bucket, shap
 launch, or no row where cuBLAS won. ``--jobs N`` compiles every launch first in N worker processes (Triton's disk
 cache then serves this one; a serial compile of a few hundred launch shapes takes minutes).
 Usage (CUDA): ``python benchmarks/diag_dense_linear.py [--tokens 1,16,32,64] [--models llama2,llama3] [--out F]
-[--table F] [--extra ...] [--only ...] [--merged F] [--splits 1,2,4] [--streamk 132,264] [--jobs N]``.
+[--table F] [--extra ...] [--only ...] [--merged F] [--splits 1,2,4] [--streamk 132,264,tiles] [--jobs N]``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from loraplex.kernels._triton import SM90_SHARED_MEMORY_BYTES  # noqa: E402
 from loraplex.kernels.dense_linear import (  # noqa: E402
     KINDS,
     MEASURED_CONFIGS,
+    STREAMK_KINDS,
     TOKEN_BUCKETS,
     _launch_dense_linear,
     configs_to_json,
@@ -124,9 +126,17 @@ def measured_linears(model: str, extras: tuple, only: set[str]) -> list[tuple[st
 
 
 def launch_shapes(tokens: int, k: int, n: int, splits: tuple[int, ...], streamk: tuple[int, ...] = ()):
-    """The :func:`configs` launch shapes of a ``[tokens, k] x [n, k]^T`` product whose column tiles divide ``n``."""
-    return [(kind, cfg) for kind, cfg in configs(tokens, splits=splits, in_features=k, streamk=streamk)
-            if n % cfg[1] == 0]
+    """The :func:`configs` launch shapes of a ``[tokens, k] x [n, k]^T`` product whose column tiles divide ``n``; a
+    stream-K grid of 0 programs becomes one program per output tile (each takes a whole tile: the data-parallel
+    launch through the same kernel)."""
+    shapes = []
+    for kind, cfg in configs(tokens, splits=splits, in_features=k, streamk=streamk):
+        if n % cfg[1]:
+            continue
+        if kind in STREAMK_KINDS and cfg[5] == 0:
+            cfg = (*cfg[:5], -(-n // cfg[1]) * -(-tokens // cfg[0]))
+        shapes.append((kind, cfg))
+    return list(dict.fromkeys(shapes))
 
 
 _WORKER_TENSORS: dict = {}
@@ -188,8 +198,9 @@ def main() -> None:
                     "name:K:N,... (e.g. a folded LoRA linear's [W; A pages])")
     ap.add_argument("--splits", default="1", help="K splits to try besides the whole K (e.g. 1,2,4: each tiled "
                     "launch shape also split 2 and 4 ways; serial split-K, dense_linear's seventh config entry)")
-    ap.add_argument("--streamk", default="", help="stream-K grid sizes to try (e.g. 132,264: one and two programs "
-                    "per H200 SM; dense_linear's streamk and streamk_tma kinds); none by default")
+    ap.add_argument("--streamk", default="", help="stream-K grid sizes to try (e.g. 132,264,tiles: one and two "
+                    "programs per H200 SM, and one per output tile; dense_linear's streamk and streamk_tma kinds); "
+                    "none by default")
     ap.add_argument("--jobs", type=int, default=0, help="compile every launch first in this many processes")
     ap.add_argument("--table", default=None, help="write dense_linear's table (JSON): per token bucket and shape, "
                     "the best product kernel launch where it beat cuBLAS by >= 2%%")
@@ -208,7 +219,7 @@ def main() -> None:
 
     only = set(filter(None, args.only.split(",")))
     splits = tuple(int(v) for v in args.splits.split(","))
-    streamk = tuple(int(v) for v in args.streamk.split(",") if v)
+    streamk = tuple(0 if v == "tiles" else int(v) for v in args.streamk.split(",") if v)
     extras = tuple((name, int(k), int(n)) for name, k, n in (e.split(":") for e in args.extra.split(",") if e))
     dev = torch.device("cuda")
     if args.jobs:
