@@ -18,21 +18,7 @@
 #   online       REST serving, 100 adapters, rates 32-96 req/s (needs the wheels of benchmarks/online_wheels.txt
 #                in .whl, carried: `run(carry=[".whl"])`)
 # Commands as in benchmarks/RESULTS.md, sessions 22-30.
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=.
-OUT=${OUT:-/tmp/loraplex-bench}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-
-run() {
-    local name=$1 limit=$2
-    shift 2
-    echo "[$(date -u +%T)] $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "[$(date -u +%T)] $name: exit $?"
-    tail -n 30 "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_parts.sh"
 
 DECODE=(benchmarks/bench_decode.py --max-model-len 4096 --batches 1 32 128 --async-modes on --profile-steps 4)
 for part in "$@"; do

@@ -12,21 +12,7 @@
 #   scaling  goal 3: 512 and 2,000 adapters, uniform and Zipf, q/v r=16, async scheduling (no cold row)
 #   cold     goal 3: the same with the cold-start row (first read of every adapter inside the run)
 # Commands as in benchmarks/RESULTS.md, sessions 16-24.
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=.
-OUT=${OUT:-/tmp/loraplex-bench}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-
-run() {
-    local name=$1 limit=$2
-    shift 2
-    echo "[$(date -u +%T)] $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "[$(date -u +%T)] $name: exit $?"
-    tail -n 30 "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_parts.sh"
 
 for part in "$@"; do
     case $part in
