@@ -68,7 +68,7 @@ HEADS = {"llama2": ("head", 4096, 32000), "llama3": ("head", 4096, 128256)}  # o
 
 def launch(kind: str, cfg: tuple, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``x [T, K] @ w [N, K]^T`` with ``dense_linear``'s kernel ``kind`` and ``cfg`` = (BLOCK_T, BLOCK_N, BLOCK_K,
-    warps, stages[, split_k]); ``out`` is unused (the launcher allocates)."""
+    warps, stages[, split_k | programs]); ``out`` is unused (the launcher allocates)."""
     return _launch_dense_linear(x, w, config=(kind, *cfg))
 
 

@@ -571,10 +571,13 @@ def _launch_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     num_tokens, in_features = x.shape[0], weight.shape[1]
     out_features = weight.shape[0]
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
+    if out.numel() == 0:  # no tokens or no output columns: nothing to launch (a TMA descriptor takes no empty dim)
         return out
     check_dense_config(config, num_tokens)
     kind, block_t, block_n, block_k, warps, stages = config[:6]
+    if in_features == 0 and kind != "gemv":  # no K tile: the tiled grid has no split, stream-K no iteration
+        raise KernelArgumentError(f"{_OP}: in_features=0 with config {config} (the tiled and stream-K kernels take "
+                                  "at least one K tile)")
     if splits_k(config) and (norm_weight is not None or activation is not None):
         raise KernelArgumentError(f"{_OP}: config {config} splits K; an input norm or activation needs whole rows")
     if kind in STREAMK_KINDS:

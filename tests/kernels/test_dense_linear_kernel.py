@@ -121,7 +121,7 @@ def test_split_k_configs_are_checked(kernel_device, triton_kernels):
 
 # Stream-K launches (kind, BLOCK_T, BLOCK_N, BLOCK_K, warps, stages, programs) and (T, K, N). At 3 x 80 x 40 with
 # 16-wide tiles: 3 column tiles x 5 K tiles = 15 iterations; 4 programs take [0, 3), [3, 7), [7, 11), [11, 15), so
-# program 1 ends tile 0 (its first segment) and begins tile 1 (its second), and each tile sums two or three partials
+# program 1 ends tile 0 (its first segment) and begins tile 1 (its second), and each tile sums two partials
 STREAMK_CASES = [
     ((16, 16, 16, 4, 1, 1), 3, 80, 40),  # one program: every tile whole, no partial
     ((16, 16, 16, 4, 1, 4), 3, 80, 40),
@@ -192,6 +192,21 @@ def test_streamk_configs_and_operands_are_checked(kernel_device, triton_kernels)
                                                        ("streamk", 128, 64, 128, 4, 3, 132)}))
     with pytest.raises(ValueError, match="split-K tiles"):  # a counter per output tile
         configs_from_json(configs_to_json({("NVIDIA H200", 128, 1 << 21, 4096): ("streamk", 16, 16, 64, 4, 1, 132)}))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", dense_linear.STREAMK_KINDS)
+def test_streamk_without_output_columns_or_k(kernel_device, triton_kernels, poison_allocations, kind):
+    """No output column is an empty output (nothing launched: a TMA descriptor takes no empty dimension); no K column
+    is refused (a grid of no iteration would leave the output unwritten), by the tiled kernels too."""
+    config = (kind, 16, 16, 16, 4, 1, 4)
+    x = torch.randn(3, 32, device=kernel_device)
+    assert triton_kernels.dense_linear(x, torch.randn(0, 32, device=kernel_device), config=config).shape == (3, 0)
+    for cfg in (config, ("swap", 16, 16, 16, 4, 1)):
+        with pytest.raises(KernelArgumentError, match="in_features=0"):
+            triton_kernels.dense_linear(torch.randn(3, 0, device=kernel_device),
+                                        torch.randn(8, 0, device=kernel_device), torch.ones(8, device=kernel_device),
+                                        config=cfg)
 
 
 def _input_loop(x, norm_weight, eps, activation):
