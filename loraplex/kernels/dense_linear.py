@@ -216,6 +216,8 @@ def _dense_streamk_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, residual_ptr, 
                 w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=w_mask, other=0.0)
                 x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], mask=x_mask, other=0.0)
             acc += tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), input_precision=PRECISION)
+        if it + k_count == end:  # the program's last K loop: the "late" trigger, before its last epilogue
+            pdl_trigger(USE_PDL)
         done = k_count == k_tiles
         if not done:  # a partial tile: through the workspace
             slot = pid * 2 + tl.where(it == first, 0, 1)
@@ -236,7 +238,6 @@ def _dense_streamk_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, residual_ptr, 
             _store_swapped_tile(acc, rows, cols, bias_ptr, residual_ptr, out_ptr, num_tokens, out_features,
                                 stride_rt, stride_ot, HAS_BIAS, HAS_RESIDUAL)
         it += k_count
-    pdl_trigger(USE_PDL)
 
 
 @triton.jit
