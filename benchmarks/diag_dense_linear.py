@@ -160,16 +160,23 @@ def _compile_one(task: tuple) -> str | None:
     return None
 
 
-def precompile(tasks: list[tuple], jobs: int) -> None:
+def precompile(tasks: list[tuple], jobs: int, worker=_compile_one) -> dict[tuple, str]:
     """Compile every ``(kind, cfg, tokens, k, n)`` launch in ``jobs`` spawned processes (one CUDA context each),
-    so the measuring process loads the kernels from Triton's disk cache instead of compiling them one by one."""
+    so the measuring process loads the kernels from Triton's disk cache instead of compiling them one by one.
+    Returns the launches that failed, with why. A launch that faults (an illegal address) leaves its process's CUDA
+    context unusable, failing the launches after it there too, so each failure is tried again in a process of its
+    own; the measuring process then skips those that fail alone, which would otherwise end its own context.
+    ``worker`` (a module-level function, for tests): what runs one launch, None or why it failed."""
     t0 = time.perf_counter()
-    failed = 0
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        for why in pool.imap_unordered(_compile_one, tasks, chunksize=2):
-            failed += why is not None
-    print(f"precompiled {len(tasks)} launches in {time.perf_counter() - t0:.0f} s ({failed} failed) with {jobs} "
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(jobs) as pool:
+        failed = {task: why for task, why in zip(tasks, pool.imap(worker, tasks, chunksize=2)) if why}
+    if failed:
+        with context.Pool(jobs, maxtasksperchild=1) as pool:
+            failed = {task: why for task, why in zip(failed, pool.map(worker, list(failed), chunksize=1)) if why}
+    print(f"precompiled {len(tasks)} launches in {time.perf_counter() - t0:.0f} s ({len(failed)} failed) with {jobs} "
           "processes", flush=True)
+    return failed
 
 
 def graph_ms(calls) -> float:
@@ -226,7 +233,9 @@ def main() -> None:
         tasks = [(kind, cfg, int(t), k, n) for model in args.models.split(",") for t in args.tokens.split(",")
                  for _, k, n in measured_linears(model, extras, only)
                  for kind, cfg in launch_shapes(int(t), k, n, splits, streamk)]
-        precompile(list(dict.fromkeys(tasks)), args.jobs)  # shapes the models share compile once
+        failed = precompile(list(dict.fromkeys(tasks)), args.jobs)  # shapes the models share compile once
+    else:
+        failed = {}
     torch.manual_seed(0)
     spin = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     for _ in range(50):
@@ -256,6 +265,9 @@ def main() -> None:
                 row = {"model": model, "tokens": tokens, "linear": name, "floor_us": n * k * 2 / bw * 1e6}
                 t0 = time.perf_counter()
                 for kind, cfg in launch_shapes(tokens, k, n, splits, streamk):
+                    if (kind, cfg, tokens, k, n) in failed:
+                        row[f"{kind} {cfg}"] = f"failed (compile process): {failed[(kind, cfg, tokens, k, n)]}"
+                        continue
                     try:
                         got = launch(kind, cfg, x, ws[0], outs[0])
                         torch.cuda.synchronize()

@@ -47,3 +47,22 @@ def test_a_streamk_launch_of_the_diag_equals_the_product(kind):
     got = diag.launch(kind, (16, 16, 16, 4, 2, 3), x, w, None)
     want = x.double() @ w.double().T
     assert ((got.double() - want).abs() / (x.double().abs() @ w.double().abs().T)).max().item() <= 1e-5
+
+
+_BROKEN = []  # set in a worker process once it ran the faulting launch: its CUDA context is gone
+
+
+def _worker_with_a_fault(task: tuple) -> str | None:
+    """Stands in for ``diag._compile_one``: the launch named "fault" ends its process's context, so every launch
+    that process runs after it fails too."""
+    if task[0] == "fault":
+        _BROKEN.append(True)
+        return "AcceleratorError: an illegal memory access was encountered"
+    return "AcceleratorError: (the context is gone)" if _BROKEN else None
+
+
+def test_precompile_retries_failures_alone_and_returns_only_the_launch_that_faults():
+    tasks = [("tm", (i,), 32, 64, 64) for i in range(3)] + [("fault", (0,), 32, 64, 64)]
+    tasks += [("tm", (i,), 32, 64, 64) for i in range(3, 8)]
+    failed = diag.precompile(tasks, jobs=1, worker=_worker_with_a_fault)  # one process: all after the fault fail
+    assert failed == {("fault", (0,), 32, 64, 64): "AcceleratorError: an illegal memory access was encountered"}
