@@ -172,7 +172,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_p
 def _dense_streamk_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, residual_ptr, out_ptr, ws_ptr, counter_ptr,
                           num_tokens, out_features, in_features, stride_xt, stride_wn, stride_rt, stride_ot,
                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_N: tl.constexpr,
                           DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
     # out[t, n] = sum_k x[t, k] * w[n, k] + bias[n] + residual[t, n] (DENSE_LINEAR), stream-K (Osama et al., "Stream-K:
     # Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", PPoPP 2023): the
@@ -182,7 +182,8 @@ def _dense_streamk_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, residual_ptr, 
     # ones: its first segment (workspace slot (p, 0)) and its last (slot (p, 1)). The program that completes a
     # tile's K tiles (a counter per tile adds each segment's K tiles) sums the tile's partials in program order, so
     # the result does not depend on which program finishes last. Tiles are swapped (acc[n, t] = w_tile @ x_tile^T);
-    # TMA: both tiles through Hopper's tensor memory accelerator (host descriptors), else pointer loads.
+    # TMA: both tiles through Hopper's tensor memory accelerator (host descriptors), else pointer loads. Epilogues
+    # run SUB_N (BLOCK_N or half of it) output columns at a time.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     col_tiles = tl.cdiv(out_features, BLOCK_N)
@@ -218,25 +219,37 @@ def _dense_streamk_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, residual_ptr, 
             acc += tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), input_precision=PRECISION)
         if it + k_count == end:  # the program's last K loop: the "late" trigger, before its last epilogue
             pdl_trigger(USE_PDL)
-        done = k_count == k_tiles
-        if not done:  # a partial tile: through the workspace
-            slot = pid * 2 + tl.where(it == first, 0, 1)
-            tl.store(ws_ptr + slot.to(tl.int64) * (BLOCK_N * BLOCK_T) + tile_offsets, acc)
+        if k_count == k_tiles:  # the whole tile in this program
+            if SUB_N == BLOCK_N:
+                _store_swapped_tile(acc, rows, cols, bias_ptr, residual_ptr, out_ptr, num_tokens, out_features,
+                                    stride_rt, stride_ot, HAS_BIAS, HAS_RESIDUAL)
+            else:  # in two halves of SUB_N columns (fewer live registers than a whole 256-column tile)
+                lo, hi = tl.split(tl.permute(tl.reshape(acc, [2, SUB_N, BLOCK_T]), [1, 2, 0]))
+                _store_swapped_tile(lo, rows, col0 + tl.arange(0, SUB_N), bias_ptr, residual_ptr, out_ptr,
+                                    num_tokens, out_features, stride_rt, stride_ot, HAS_BIAS, HAS_RESIDUAL)
+                _store_swapped_tile(hi, rows, col0 + SUB_N + tl.arange(0, SUB_N), bias_ptr, residual_ptr, out_ptr,
+                                    num_tokens, out_features, stride_rt, stride_ot, HAS_BIAS, HAS_RESIDUAL)
+        else:  # a partial tile: through the workspace
+            slot = (pid * 2 + tl.where(it == first, 0, 1)).to(tl.int64) * (BLOCK_N * BLOCK_T)
+            tl.store(ws_ptr + slot + tile_offsets, acc)
             tl.debug_barrier()  # every thread's partial stored before the counter says so (the atomic releases them)
-            done = tl.atomic_add(counter_ptr + tile, k_count, sem="acq_rel", scope="gpu") + k_count == k_tiles
-            if done:  # the tile's last segment: every partial is visible (acquire); read them past L1
+            if tl.atomic_add(counter_ptr + tile, k_count, sem="acq_rel", scope="gpu") + k_count == k_tiles:
+                # the tile's last segment: every partial is visible (acquire); read them past L1, SUB_N columns
+                # at a time, and store the sums
                 tile_first = tile.to(tl.int64) * k_tiles
                 q_first = ((tile_first + 1) * programs - 1) // total  # the program whose range holds tile_first
                 q_last = ((tile_first + k_tiles) * programs - 1) // total
-                acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-                for q in range(q_first, q_last + 1):
-                    # q's partial of this tile is its first segment unless q began in an earlier tile
-                    q_slot = q * 2 + tl.where(q * total // programs >= tile_first, 0, 1)
-                    acc += tl.load(ws_ptr + q_slot * (BLOCK_N * BLOCK_T) + tile_offsets, cache_modifier=".cg")
+                for sub in tl.static_range(BLOCK_N // SUB_N):
+                    sub_cols = sub * SUB_N + tl.arange(0, SUB_N)
+                    part = tl.zeros([SUB_N, BLOCK_T], tl.float32)
+                    for q in range(q_first, q_last + 1):
+                        # q's partial of this tile is its first segment unless q began in an earlier tile
+                        q_slot = (q * 2 + tl.where(q * total // programs >= tile_first, 0, 1)) * (BLOCK_N * BLOCK_T)
+                        part += tl.load(ws_ptr + q_slot + sub_cols[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :],
+                                        cache_modifier=".cg")
+                    _store_swapped_tile(part, rows, col0 + sub_cols, bias_ptr, residual_ptr, out_ptr, num_tokens,
+                                        out_features, stride_rt, stride_ot, HAS_BIAS, HAS_RESIDUAL)
                 tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-        if done:
-            _store_swapped_tile(acc, rows, cols, bias_ptr, residual_ptr, out_ptr, num_tokens, out_features,
-                                stride_rt, stride_ot, HAS_BIAS, HAS_RESIDUAL)
         it += k_count
 
 
@@ -654,7 +667,8 @@ def _launch_streamk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         ws, counters, num_tokens, out_features, in_features, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, EVEN_K=in_features % block_k == 0, TMA=kind == "streamk_tma",
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype(x.dtype, x.device),
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, SUB_N=block_n // 2 if block_n > 128 else block_n,
+        DOT_DTYPE=dot_dtype(x.dtype, x.device),
         PRECISION=dot_precision(x.dtype, x.device), num_warps=warps, num_stages=stages, **pdl_args(x.device, _OP))
 
 

@@ -129,6 +129,8 @@ STREAMK_CASES = [
     ((16, 16, 16, 4, 1, 64), 3, 80, 40),  # more programs than iterations: 15 launched
     ((16, 32, 32, 4, 2, 7), 40, 72, 150),  # three token tiles; K and N not multiples of their tiles
     ((32, 64, 16, 4, 2, 5), 33, 200, 96),  # 2 x 2 tiles of 13 K tiles: ranges of 10-11 across tile boundaries
+    ((16, 256, 16, 4, 1, 1), 5, 80, 300),  # 256-column tiles, whole: the epilogue in two halves, the second masked
+    ((16, 256, 16, 4, 1, 3), 5, 80, 300),  # ... and partial: the last program sums them in two halves
 ]
 
 
