@@ -9,12 +9,16 @@ pipelined loop, so the next item's first K/V tiles are in flight while the curre
 state resets at an item's first tile and the output is stored at its last (masked, no branches). The host builds
 the lists (whole items per program, cut where the running tile count crosses ``p * total / P``).
 
-For each case: the engine kernel's default config (and with two heads a program, ``DecodeConfig.heads_per_program``)
-and the persistent kernel at several ``P`` / stages / tiles / tile bodies (``--bodies``), each
+A stream-K variant (``--streamk``) makes the lists unnecessary: each program finds its range of the batch's tiles
+from ``seq_lens`` on the device (equal tile counts, an item cut where a range ends), walks it in the same loop, and
+leaves a cut item's partial softmax state in a workspace; the program that completes an item merges them.
+
+For each case: the engine kernel's default config (and with two heads a program, ``DecodeConfig.heads_per_program``),
+the persistent kernel at several ``P`` / stages / tiles / tile bodies (``--bodies``) and the stream-K kernel, each
 checked against the engine kernel's output (bf16 tolerance) and timed by CUDA-graph replay over rotating caches
 (``bench_attention``'s timer); µs per call and the fraction of the copy bandwidth. Usage (CUDA)::
 
-    python benchmarks/diag_persistent_decode.py [--cases 32x128,32x160,32x192,128x160] [--out FILE]
+    python benchmarks/diag_persistent_decode.py [--cases 32x128,32x160,32x192,128x160] [--streamk 2,4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -96,6 +100,156 @@ def _persistent_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=q_mask & ((g[:, None] * 0 + last) > 0))
 
 
+@triton.jit
+def _locate(it, bb, lens, n_seq, cum, num_kv_heads):
+    """(b, h, t, tiles of the item, its first global tile, the sequence's length) of global tile ``it``: items are
+    (sequence b, KV head h), heads fastest, each ``cdiv(seq_len, BLOCK_N)`` tiles; ``cum`` is the inclusive prefix
+    sum of the sequences' tiles (``n_seq * num_kv_heads``), so sequences of no tile are skipped."""
+    b = tl.sum((cum <= it).to(tl.int32), 0)
+    here = bb == b
+    n_b = tl.maximum(tl.sum(tl.where(here, n_seq, 0), 0), 1)
+    seq_first = tl.sum(tl.where(here, cum - n_seq * num_kv_heads, 0), 0)
+    h = (it - seq_first) // n_b
+    return b, h, it - seq_first - h * n_b, n_b, seq_first + h * n_b, tl.sum(tl.where(here, lens, 0), 0)
+
+
+@triton.jit
+def _streamk_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr, qk_scale, num_seqs,
+    stride_kb, stride_ks, stride_kh, stride_bt, num_kv_heads,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Stream-K over the decode batch's K/V tiles (Osama et al., PPoPP 2023, applied to attention as in "Lean
+    # Attention", Sanovar et al. 2024): the global tiles (sequence, KV head, tile), heads fastest, are split into P
+    # equal contiguous ranges on the device (from seq_lens; no host lists), one per program, walked in one
+    # pipelined loop (the softmax state restarts at an item's first tile; stores masked, no branch). An item wholly
+    # inside a range is stored at its last tile; one cut by a range boundary leaves a partial (m, l, acc) in
+    # workspace slot (p, 0) (the range's first segment) or (p, 1) (its last), and the program
+    # that completes the item's tiles (a counter per item) merges its partials in program order:
+    # out = sum_q 2^(m_q - m) acc_q / sum_q 2^(m_q - m) l_q, m = max_q m_q (base-2 log-sum-exp).
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    bb = tl.arange(0, BLOCK_B)
+    lens = tl.load(seq_lens_ptr + bb, mask=bb < num_seqs, other=0)
+    n_seq = tl.cdiv(lens, BLOCK_N)
+    cum = tl.cumsum(n_seq * num_kv_heads, 0)
+    total = tl.sum(n_seq * num_kv_heads, 0).to(tl.int64)
+    start = (p * total // programs).to(tl.int32)
+    end = ((p + 1) * total // programs).to(tl.int32)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    q_mask = g[:, None] < GROUP
+    part = (g[:, None] * HEAD_DIM + d[None, :])  # a partial's acc within its slot; m and l: [2, BLOCK_G]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for it in tl.range(start, end, num_stages=NUM_STAGES):
+        b, h, t, n_b, item_first, seq_len = _locate(it, bb, lens, n_seq, cum, num_kv_heads)
+        pos = t * BLOCK_N + n
+        p_mask = pos < seq_len
+        heads = h * GROUP + g
+        q = tl.load(q_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                    mask=q_mask, other=0.0)
+        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+        row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + h * stride_kh
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+        m_i = tl.where(t == 0, float("-inf"), m_i)  # (the range's first tile starts from the initial state)
+        l_i = tl.where(t == 0, 0.0, l_i)
+        acc = tl.where(t == 0, 0.0, acc)
+        sc = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        sc = tl.where(p_mask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pe = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pe, 1)
+        acc = acc * alpha[:, None] + tl.dot(pe.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+        ends = (g * 0 + t) == n_b - 1  # the item's last tile, as a row vector (masks below)
+        whole = ends & ((g * 0 + item_first) >= start)
+        tl.store(out_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask & whole[:, None])
+        cut = ends & ((g * 0 + item_first) < start)  # the range's first item ends here, begun in an earlier range
+        slot = (p * 2).to(tl.int64)
+        tl.store(ws_acc_ptr + slot * (BLOCK_G * HEAD_DIM) + part, acc, mask=cut[:, None])
+        tl.store(ws_ml_ptr + slot * (2 * BLOCK_G) + g, m_i, mask=cut)
+        tl.store(ws_ml_ptr + slot * (2 * BLOCK_G) + BLOCK_G + g, l_i, mask=cut)
+    if start < end:
+        b0, h0, t0, n0, first0, _len0 = _locate(start, bb, lens, n_seq, cum, num_kv_heads)
+        b1, h1, t1, n1, first1, _len1 = _locate(end - 1, bb, lens, n_seq, cum, num_kv_heads)
+        if t1 != n1 - 1:  # the range's last item goes on in the next range: its partial, slot 0 if begun here
+            slot = (p * 2 + tl.where(first1 <= start, 0, 1)).to(tl.int64)
+            tl.store(ws_acc_ptr + slot * (BLOCK_G * HEAD_DIM) + part, acc)
+            tl.store(ws_ml_ptr + slot * (2 * BLOCK_G) + g, m_i)
+            tl.store(ws_ml_ptr + slot * (2 * BLOCK_G) + BLOCK_G + g, l_i)
+        tl.debug_barrier()  # every thread's partials stored before the counters say so (the atomics release them)
+        for which in tl.static_range(2):
+            # which 0: the first item, cut at the range's start and ended in it; 1: the last item, not ended
+            if which == 0:
+                has = (first0 < start) & (first0 + n0 - 1 <= end - 1)
+                item, item_first, n_item, count = b0 * num_kv_heads + h0, first0, n0, first0 + n0 - start
+                b_o, h_o = b0, h0
+            else:
+                has = t1 != n1 - 1
+                item, item_first, n_item = b1 * num_kv_heads + h1, first1, n1
+                count = end - tl.maximum(first1, start)
+                b_o, h_o = b1, h1
+            if has:
+                if tl.atomic_add(counter_ptr + item, count, sem="acq_rel", scope="gpu") + count == n_item:
+                    q_first = ((item_first + 1).to(tl.int64) * programs - 1) // total
+                    q_last = ((item_first + n_item).to(tl.int64) * programs - 1) // total
+                    m_o = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                    l_o = tl.zeros([BLOCK_G], tl.float32)
+                    acc_o = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+                    for qp in range(q_first, q_last + 1):
+                        q_start = qp * total // programs
+                        # an empty range left no partial (a row vector, as the loads' masks)
+                        filled = (g * 0 + q_start) < (qp + 1) * total // programs
+                        q_slot = qp * 2 + tl.where(q_start >= item_first, 0, 1)
+                        m_q = tl.load(ws_ml_ptr + q_slot * (2 * BLOCK_G) + g, mask=filled, other=float("-inf"),
+                                      cache_modifier=".cg")
+                        l_q = tl.load(ws_ml_ptr + q_slot * (2 * BLOCK_G) + BLOCK_G + g, mask=filled, other=0.0,
+                                      cache_modifier=".cg")
+                        acc_q = tl.load(ws_acc_ptr + q_slot * (BLOCK_G * HEAD_DIM) + part, mask=filled[:, None],
+                                        other=0.0, cache_modifier=".cg")
+                        m_new = tl.maximum(m_o, m_q)
+                        a_o = tl.exp2(m_o - m_new)
+                        a_q = tl.where(m_q == float("-inf"), 0.0, tl.exp2(m_q - m_new))
+                        l_o = l_o * a_o + l_q * a_q
+                        acc_o = acc_o * a_o[:, None] + acc_q * a_q[:, None]
+                        m_o = m_new
+                    heads_o = h_o * GROUP + g
+                    tl.store(out_ptr + b_o * (num_kv_heads * GROUP * HEAD_DIM) + heads_o[:, None] * HEAD_DIM
+                             + d[None, :], (acc_o / l_o[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+                    tl.atomic_xchg(counter_ptr + item, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+
+
+def streamk_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor, programs: int, block_n: int,
+                   stages: int, counters: torch.Tensor, num_warps: int = 4) -> torch.Tensor:
+    """Decode attention of every sequence (one query token each: ``query`` ``[B, Hq, D]``, ``seq_lens`` ``[B]``
+    int32 positions, 0 for none) over paged ``k_cache``/``v_cache`` ``[blocks, page, Hkv, D]`` by
+    :func:`_streamk_decode_kernel` on ``programs`` programs, into ``out`` ``[B, Hq, D]``; ``counters``: at least
+    ``B * Hkv`` int32 zeros (zero again after). Diag only: no sliding window, soft cap or mixed batch; D a power of
+    two."""
+    num_seqs, heads, dim = query.shape
+    hkv, page = k_cache.shape[2], k_cache.shape[1]
+    group = heads // hkv
+    block_g = max(16, group)
+    ws_acc = torch.empty(programs * 2 * block_g * dim, dtype=torch.float32, device=query.device)
+    ws_ml = torch.empty(programs * 2 * 2 * block_g, dtype=torch.float32, device=query.device)
+    _streamk_decode_kernel[(programs,)](
+        query, k_cache, v_cache, block_tables, seq_lens, out, ws_acc, ws_ml, counters, scale * 1.4426950408889634,
+        num_seqs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), hkv,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, PAGE=page, BLOCK_N=block_n,
+        BLOCK_B=max(16, 1 << (num_seqs - 1).bit_length()), NUM_STAGES=stages,
+        DOT_DTYPE=dot_dtype(query.dtype, query.device), PRECISION=dot_precision(query.dtype, query.device),
+        num_warps=num_warps)
+    return out
+
+
 def work_lists(seq_lens: list[int], num_kv_heads: int, programs: int, block_n: int, device: torch.device):
     """(item [P, I], tile [P, I], count [P]) int32: whole items per program, cut at ``p * total / P`` tiles."""
     items = [(b, h) for b in range(len(seq_lens)) for h in range(num_kv_heads)]
@@ -130,6 +284,9 @@ def main() -> None:
     ap.add_argument("--bodies", default="top",
                     help="top: K and V loaded at the top of the iteration; shared: the engine kernels' tile body "
                          "(attention_common.attend_kv_tile)")
+    ap.add_argument("--streamk", default="2,4",
+                    help="programs per SM of the stream-K kernel (device-side ranges of equal tile counts), swept "
+                         "with --tiles and --stages; empty: none")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -193,6 +350,26 @@ def main() -> None:
                         rows[key] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
                         continue
                     rows[key] = timer([lambda i=i, f=persistent: f(i) for i in range(layers)])
+        lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        counters = torch.zeros(batch * hkv, dtype=torch.int32, device=dev)
+        for block_n in (int(x) for x in args.tiles.split(",")):
+            for per_sm in (int(x) for x in args.streamk.split(",") if x):
+                for stages in (int(x) for x in args.stages.split(",")):
+                    def streamk(layer: int, block_n=block_n, programs=per_sm * num_sms(dev), stages=stages) -> None:
+                        streamk_decode(query, k_cache[layer * num_blocks:(layer + 1) * num_blocks],
+                                       v_cache[layer * num_blocks:(layer + 1) * num_blocks], bt, lens_t, scale, out,
+                                       programs, block_n, stages, counters)
+
+                    key = f"streamk n{block_n} P={per_sm}/SM s{stages}"
+                    try:
+                        out.fill_(float("nan"))
+                        streamk(0)
+                        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+                        assert counters.count_nonzero().item() == 0
+                    except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+                        rows[key] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
+                        continue
+                    rows[key] = timer([lambda i=i, f=streamk: f(i) for i in range(layers)])
         line = {"batch": batch, "context": context, "kv_mib": kv_bytes / (1 << 20),
                 "floor_us": kv_bytes / (copy_gbs * 1e3),
                 "us": {k: round(v, 2) if isinstance(v, float) else v for k, v in rows.items()}}

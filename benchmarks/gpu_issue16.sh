@@ -3,7 +3,7 @@
 # 600 s, so at most the parts named on one line per call):
 #
 #   LORAPLEX_COMMIT=<sha> bash benchmarks/gpu_issue16.sh gemm-tests gemm gemm-decode    # call 1, ~9 min
-#   LORAPLEX_COMMIT=<sha> bash benchmarks/gpu_issue16.sh tests decode                   # call 2, ~6 min
+#   LORAPLEX_COMMIT=<sha> bash benchmarks/gpu_issue16.sh tests persistent decode        # call 2, ~9 min
 #   LORAPLEX_COMMIT=<sha> bash benchmarks/gpu_issue16.sh attention online               # call 3, ~5 min (carry .whl)
 #
 # Parts (each under its own `timeout`, output in $OUT/<part>.log, the benchmarks' JSON in $OUT):
@@ -15,6 +15,8 @@
 #   tests        the GPU tests of decode attention, mixed and decode graphs, DoRA and the folded shrink
 #   decode       the decode table (issue 16's goal rows, base and 32 adapters, profiled), max_model_len 4096
 #   attention    the paged decode attention grid (Llama-2 and Llama-3 heads, contexts 128 and 1k, batch 1-256)
+#   persistent   decode attention at batch 32 and 128, contexts 128-192: the engine kernel, the persistent kernel
+#                over host lists (session 29's best setting) and the stream-K kernel (device-side ranges)
 #   online       REST serving, 100 adapters, rates 32-96 req/s (needs the wheels of benchmarks/online_wheels.txt
 #                in .whl, carried: `run(carry=[".whl"])`)
 # Commands as in benchmarks/RESULTS.md, sessions 22-30.
@@ -37,12 +39,15 @@ for part in "$@"; do
                    tests/engine/test_mixed_cuda_graphs.py tests/engine/test_dora_gpu.py \
                    tests/engine/test_folded_shrink_gpu.py ;;
         decode) run decode 300 "$PY" "${DECODE[@]}" --kinds base,mixed --out "$OUT/decode.json" ;;
+        persistent) run persistent 240 "$PY" benchmarks/diag_persistent_decode.py --programs-per-sm 4 --stages 2,3 \
+                        --tiles 32,64 --bodies top --streamk 2,3,4 --out "$OUT/persistent.json" ;;
         attention) run attention 200 "$PY" benchmarks/bench_attention.py --models llama2,llama3 --contexts 128,1024 \
                        --batches 1,32,128,256 --no-mixed --out "$OUT/attention.md" ;;
         online)
             "$PY" -m pip install -q --no-deps --target /tmp/wh .whl/*.whl > "$OUT/wheels.log" 2>&1
             run online 300 env PYTHONPATH=.:/tmp/wh "$PY" benchmarks/bench_online.py --seconds-per-rate 6 \
                 --async-scheduling --rates 32,64,80,96 --out "$OUT/online.json" ;;
-        *) echo "unknown part: $part (gemm-tests, gemm, gemm-decode, tests, decode, attention, online)"; exit 2 ;;
+        *) echo "unknown part: $part (gemm-tests, gemm, gemm-decode, tests, decode, persistent, attention, online)"
+           exit 2 ;;
     esac
 done
