@@ -368,6 +368,7 @@ def main() -> None:
                         assert counters.count_nonzero().item() == 0
                     except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
                         rows[key] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
+                        counters.zero_()  # for the next variant
                         continue
                     rows[key] = timer([lambda i=i, f=streamk: f(i) for i in range(layers)])
         line = {"batch": batch, "context": context, "kv_mib": kv_bytes / (1 << 20),
