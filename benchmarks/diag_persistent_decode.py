@@ -43,6 +43,26 @@ from loraplex.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
 
 @triton.jit
+def _attend_top(q, m_i, l_i, acc, k_ptr, v_ptr, head_off, bt_row, pos, p_mask, d, qk_scale, stride_kb, stride_ks,
+                PAGE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold the positions ``pos`` (``p_mask``: in the sequence) of one K/V tile into the rows' base-2 online softmax
+    ``(m_i, l_i, acc)`` (:mod:`loraplex.kernels.attention_common`'s semantics), K and V both loaded at the top;
+    ``head_off``: the KV head's offset in a cache row, ``bt_row``: the sequence's block table row."""
+    blk = tl.load(bt_row + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+    row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + head_off
+    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
+    s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+    s = tl.where(p_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    pe = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pe, 1)
+    acc = acc * alpha[:, None] + tl.dot(pe.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _persistent_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, item_ptr, tile_ptr, count_ptr, out_ptr, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_bt, num_kv_heads, max_iters,
@@ -83,18 +103,8 @@ def _persistent_decode_kernel(
                 stride_kb, stride_ks, qk_scale, 0.0, 0, PAGE, HEAD_DIM, HEAD_DIM, BLOCK_N, DOT_DTYPE, PRECISION, True,
                 False, False, False)
         else:  # K and V both loaded at the top
-            blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
-            row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + kvh * stride_kh
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(p_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            pe = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pe, 1)
-            acc = acc * alpha[:, None] + tl.dot(pe.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_top(q, m_i, l_i, acc, k_ptr, v_ptr, kvh * stride_kh, bt_ptr + b * stride_bt, pos,
+                                        p_mask, d, qk_scale, stride_kb, stride_ks, PAGE, DOT_DTYPE, PRECISION)
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask & ((g[:, None] * 0 + last) > 0))
@@ -152,21 +162,11 @@ def _streamk_decode_kernel(
         heads = h * GROUP + g
         q = tl.load(q_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
                     mask=q_mask, other=0.0)
-        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
-        row = blk * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks + h * stride_kh
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=p_mask[:, None], other=0.0)
         m_i = tl.where(t == 0, float("-inf"), m_i)  # (the range's first tile starts from the initial state)
         l_i = tl.where(t == 0, 0.0, l_i)
         acc = tl.where(t == 0, 0.0, acc)
-        sc = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
-        sc = tl.where(p_mask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pe = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pe, 1)
-        acc = acc * alpha[:, None] + tl.dot(pe.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_top(q, m_i, l_i, acc, k_ptr, v_ptr, h * stride_kh, bt_ptr + b * stride_bt, pos,
+                                    p_mask, d, qk_scale, stride_kb, stride_ks, PAGE, DOT_DTYPE, PRECISION)
         ends = (g * 0 + t) == n_b - 1  # the item's last tile, as a row vector (masks below)
         whole = ends & ((g * 0 + item_first) >= start)
         tl.store(out_ptr + b * (num_kv_heads * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
