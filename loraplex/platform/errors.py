@@ -54,6 +54,14 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class ClientDisconnected(PlatformError):
+    """499 (nginx's "client closed request"): the client went away before its non-streamed response was ready;
+    the request was aborted. Nobody reads the answer; the status keeps the server log free of a traceback."""
+
+    status_code = 499
+    code = "client_disconnected"
+
+
 class Unauthenticated(PlatformError):
     """401: missing, unknown or revoked bearer key."""
 

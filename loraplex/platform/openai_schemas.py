@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response models (the subset loraplex serves).
 
 Reference: https://platform.openai.com/docs/api-reference/completions and
-/chat. ``top_k``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty`` and
-``stop_token_ids``, ``prompt_logprobs`` are vLLM extensions. An unknown request field is
+/chat. ``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty``,
+``stop_token_ids``, ``skip_special_tokens`` and ``prompt_logprobs`` are vLLM extensions. An unknown request field is
 refused with a 400 ``Unrecognized request argument supplied: <field>`` (as OpenAI's API
 answers), never ignored; fields loraplex knows but does not serve (``suffix``,
 ``logit_bias``, ``best_of`` > ``n``, vLLM's ``guided_*``) are refused with a 400 naming the
@@ -15,7 +15,7 @@ field. In ``messages``, OpenAI's response-only fields (``refusal``, ``audio``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -31,19 +31,33 @@ from loraplex.platform.structured_schemas import (
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON value of the wrong type is refused ("5" for an integer, true for a token id), as OpenAI's API
+    # answers, not converted; an int is still taken for a float
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``null`` for an optional field whose default is not ``null`` (``n``, ``stream``, ``echo``, chat's
+        ``logprobs``, ``ignore_eos``, ``min_tokens``: nullable in OpenAI's spec, or sent by clients that send every
+        field) means its default, as if the field were absent."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls._NON_NULL_DEFAULTS}
+        return data
 
     model: str = Field(..., min_length=1, description="The base model's id or the name of one of your adapters.")
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most.")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 disables.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extension: drop tokens whose probability "
+                                "is below min_p times the most likely token's; 0 disables.")
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -56,6 +70,7 @@ class _SamplingFields(BaseModel):
     # vLLM extensions
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = Field(True, description="vLLM extension: false keeps special tokens in the text.")
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM extension: top log-probabilities "
@@ -69,6 +84,14 @@ class _SamplingFields(BaseModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+
+    _NON_NULL_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
+
+
+def _non_null_defaults(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` whose default is a value and whose type does not admit ``None``."""
+    return frozenset(name for name, f in model.model_fields.items()
+                     if not f.is_required() and f.default is not None and type(None) not in get_args(f.annotation))
 
 
 class CompletionRequest(_SamplingFields):
@@ -268,3 +291,7 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+CompletionRequest._NON_NULL_DEFAULTS = _non_null_defaults(CompletionRequest)
+ChatCompletionRequest._NON_NULL_DEFAULTS = _non_null_defaults(ChatCompletionRequest)

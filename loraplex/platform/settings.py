@@ -110,7 +110,8 @@ class PlatformSettings(BaseSettings):
 
     # --- uploads -----------------------------------------------------------------------------
     max_upload_mb: float = Field(200.0, gt=0, description="Server-wide cap on one upload (MB = 10**6 bytes).")
-    default_tenant_max_upload_mb: float = Field(50.0, gt=0)
+    default_tenant_max_upload_mb: float = Field(
+        50.0, gt=0, description="A new tenant's upload limit when none is given (at most max_upload_mb).")
     default_tenant_max_adapters: int = Field(10, ge=0)
     default_tenant_requests_per_minute: int | None = Field(None, ge=1)
     default_tenant_tokens_per_minute: int | None = Field(None, ge=1)

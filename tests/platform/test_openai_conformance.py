@@ -289,3 +289,96 @@ def test_a_previous_reply_sent_back_in_the_history_is_accepted(client):
         client.chat.completions.create(model="tiny", max_tokens=3, messages=[
             *CHINESE, {**reply, "refusal": "I can't"}, {"role": "user", "content": "again"}])
     assert info.value.param == "messages.1.refusal"
+
+
+# -- types and nulls as OpenAI's API takes them (session 32's fresh-user review) ----------------------
+def test_null_for_a_nullable_field_means_its_default(client):
+    """OpenAI's spec marks ``n``, ``stream``, chat's ``logprobs`` and completions' ``echo`` nullable; a client
+    that sends every field sends them as null. The answer equals the one without the fields."""
+    plain = client.chat.completions.create(model="tiny", messages=CHINESE, max_tokens=4, temperature=0)
+    nulls = client.chat.completions.create(model="tiny", messages=CHINESE, max_tokens=4, temperature=0, extra_body={
+        "n": None, "stream": None, "logprobs": None, "ignore_eos": None, "min_tokens": None})
+    assert len(nulls.choices) == 1 and nulls.choices[0].logprobs is None
+    assert nulls.choices[0].message.content == plain.choices[0].message.content
+    done = client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0,
+                                     extra_body={"echo": None, "n": None, "stream": None})
+    assert done.choices[0].text == client.completions.create(model="tiny", prompt="hi", max_tokens=3,
+                                                             temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:  # a required field stays required
+        client.chat.completions.create(model="tiny", messages=None, max_tokens=2)
+    assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"n": 2.5}, "n"),
+    ({"stream": "false"}, "stream"),
+    ({"seed": "7"}, "seed"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+])
+def test_a_value_of_the_wrong_json_type_is_refused_not_converted(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=CHINESE, extra_body=extra)
+    assert (info.value.param, info.value.code) == (param, "invalid_value")
+
+
+def test_token_ids_must_be_integers(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[True, False], max_tokens=2)
+    assert info.value.param.startswith("prompt")
+    ids = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_stream_options_without_stream_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=CHINESE, max_tokens=2,
+                                       stream_options={"include_usage": True})
+    assert info.value.param == "stream_options"
+    stream = client.chat.completions.create(model="tiny", messages=CHINESE, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True})
+    assert [c.usage for c in stream][-1].completion_tokens == 2
+
+
+def test_a_sampling_error_names_the_field_not_the_engine_class(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=CHINESE, max_tokens=3, stop=[""])
+    assert info.value.param == "stop"
+    assert "SamplingParams" not in info.value.body["message"]
+    assert info.value.body["message"].startswith("stop=")
+
+
+def test_a_body_that_is_not_sent_as_json_says_so(live):
+    import httpx
+
+    key = new_tenant(live, "form")
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {key}"}) as http:
+        plain = http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": []}',
+                          headers={"Content-Type": "text/plain"})
+        nested = http.post("/v1/chat/completions", content=b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                           headers={"Content-Type": "application/json"})
+    assert plain.status_code == 400
+    error = plain.json()["error"]
+    assert error["code"] == "invalid_json" and "Content-Type: application/json" in error["message"]
+    assert "model" not in error["message"]  # the body is not echoed back
+    assert nested.status_code == 400 and nested.json()["error"]["code"] == "invalid_json"
+
+
+def test_vllm_min_p_and_skip_special_tokens_reach_the_engine(live, client):
+    """``min_p`` 1.0 keeps only the most likely token: at temperature 1 the reply is the greedy one."""
+    from loraplex.platform.openai_schemas import CompletionRequest
+    from loraplex.platform.services import serving
+
+    greedy = client.completions.create(model="tiny", prompt="hello there", max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    for seed in (1, 2):
+        sampled = client.completions.create(model="tiny", prompt="hello there", max_tokens=8, temperature=1.0,
+                                            seed=seed, extra_body={"min_p": 1.0, "ignore_eos": True})
+        assert sampled.choices[0].text == greedy.choices[0].text
+    prep = serving.prepare_completion(ctx=live.ctx, tenant=_tenant(live), body=CompletionRequest(
+        model="tiny", prompt="hi", skip_special_tokens=False, min_p=0.25))
+    assert (prep.params.skip_special_tokens, prep.params.min_p) == (False, 0.25)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"min_p": 1.5})
+    assert info.value.param == "min_p"

@@ -9,7 +9,14 @@ import zipfile
 
 import pytest
 import torch
-from platform_testlib import adapter_members, make_peft_adapter, new_tenant, stored_state, tar_gz_bytes, zip_bytes
+from platform_testlib import (
+    adapter_members,
+    make_peft_adapter,
+    new_tenant,
+    stored_state,
+    tar_gz_bytes,
+    zip_bytes,
+)
 from safetensors.torch import load_file, save_file
 
 
@@ -192,6 +199,26 @@ def test_size_limits(live, good):
         response = admin.post("/admin/tenants/acme/adapters", data={"name": "a"})
         assert response.status_code in (400, 415)
     assert stored_state(live) == (0, 0, [])
+
+
+def test_a_tenant_upload_limit_above_the_server_cap_is_refused(live, serve):
+    """The server's ``max_upload_mb`` caps every upload: a tenant limit above it would be shown but never
+    served, so it is refused (create, update); the settings' tenant default is capped the same way."""
+    cap = live.ctx.settings.max_upload_mb
+    with live.admin() as admin:
+        created = admin.post("/admin/tenants", json={"name": "big", "max_upload_mb": cap + 1})
+        patched = admin.patch("/admin/tenants/acme", json={"max_upload_mb": cap * 10})
+        at_cap = admin.patch("/admin/tenants/acme", json={"max_upload_mb": cap})
+        names = [t["name"] for t in admin.get("/admin/tenants").json()]
+    for response in (created, patched):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "max_upload_mb"
+        assert "LORAPLEX_MAX_UPLOAD_MB" in response.json()["error"]["message"]
+    assert "big" not in names
+    assert at_cap.status_code == 200 and at_cap.json()["max_upload_mb"] == cap
+    small = serve(max_upload_mb=3, default_tenant_max_upload_mb=11)
+    with small.admin() as admin:
+        assert admin.post("/admin/tenants", json={"name": "default"}).json()["max_upload_mb"] == 3
 
 
 def test_validate_upload_checks_without_storing(live, good, rank16):

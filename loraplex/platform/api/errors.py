@@ -41,6 +41,11 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
         offset = first.get("loc", ("body", "?"))[-1]
         return JSONResponse(error_body(f"the request body is not valid JSON ({reason} at character {offset})",
                                        "invalid_request_error", code="invalid_json"), status_code=400)
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), (bytes, str)):
+        # FastAPI hands a body whose Content-Type is not JSON over unparsed
+        return JSONResponse(error_body("the request body must be a JSON object sent with Content-Type: "
+                                       "application/json", "invalid_request_error", code="invalid_json"),
+                            status_code=400)
     # a wrong value beats an unknown field; the str branch of a content union failing is neither
     relevant = [e for e in errors if not (e.get("loc") and e["loc"][-1] == "str" and e.get("type") == "string_type")]
     wrong = [e for e in relevant if e.get("type") != "extra_forbidden"]
@@ -58,8 +63,15 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
                         status_code=400)
 
 
+# FastAPI's own 400 when reading the JSON body fails past the decoder (e.g. nesting beyond Python's recursion limit)
+_BODY_PARSE_DETAIL = "There was an error parsing the body"
+
+
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = _HTTP_TYPES.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+    if exc.status_code == 400 and exc.detail == _BODY_PARSE_DETAIL:
+        return JSONResponse(error_body("the request body is not valid JSON (it could not be parsed)", type_,
+                                       code="invalid_json"), status_code=400)
     return JSONResponse(error_body(str(exc.detail), type_, code=None), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
 

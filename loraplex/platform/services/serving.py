@@ -42,6 +42,7 @@ from loraplex.platform.async_engine import AsyncEngine, EngineStoppedError, Requ
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.errors import (
     AdapterBroken,
+    ClientDisconnected,
     InternalError,
     InvalidRequest,
     PlatformError,
@@ -171,7 +172,8 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tok
                      logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     values = dict(n=body.n, max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
                   prompt_logprobs=prompt_logprobs,
-                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                  skip_special_tokens=body.skip_special_tokens,
                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                   repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                   stop_token_ids=body.stop_token_ids, output_kind="delta")
@@ -179,7 +181,10 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tok
         return SamplingParams(**{k: v for k, v in values.items() if v is not None or k == "max_tokens"})
     except ValueError as exc:
         message = str(exc)
-        param = message.split("=", 1)[0].removeprefix("SamplingParams.") if message.startswith("Sampling") else None
+        param = None
+        if message.startswith("SamplingParams."):  # "SamplingParams.<field>=<value>: <reason>"
+            message = message.removeprefix("SamplingParams.")
+            param = message.split("=", 1)[0]
         raise InvalidRequest(message, param=param) from None
 
 
@@ -210,6 +215,8 @@ def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest, *, literal_co
 
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    if body.stream_options is not None and not body.stream:  # as OpenAI's API answers
+        raise InvalidRequest("stream_options: only allowed when stream is true", param="stream_options")
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
@@ -449,20 +456,26 @@ async def _charge_later(charge: Callable[[], None], *, wait: bool) -> None:
 
 async def run_to_completion(ctx: PlatformContext, prep: PreparedRequest, streams: list[RequestStream],
                             is_disconnected: Callable[[], Awaitable[bool]]) -> Completion | ChatCompletion:
-    """Collect the final outputs into one response; aborts if the client goes away."""
+    """Collect the final outputs into one response. Raises ``ClientDisconnected`` (499) once the engine
+    requests are aborted when the client goes away."""
     tracker = _Tracker(prep, ctx)
     merged = _merged(streams)
     consumer = asyncio.ensure_future(_consume(merged, tracker))
+    client_left = False
     try:
         while not consumer.done():
             done, _ = await asyncio.wait({consumer}, timeout=0.5)
             if not done and await is_disconnected():
+                client_left = True
                 consumer.cancel()
                 break
         await consumer
     except asyncio.CancelledError:
         await merged.aclose()
         await _charge_later(tracker.account(), wait=False)
+        if client_left:  # our own cancellation, not the server's: an ordinary end, not an ASGI error
+            raise ClientDisconnected("the client closed the connection before the response was ready; the "
+                                     "request was aborted") from None
         raise
     except BaseException as exc:
         await merged.aclose()

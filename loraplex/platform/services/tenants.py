@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from loraplex.platform import crud
 from loraplex.platform.context import PlatformContext
 from loraplex.platform.core.security import generate_key, hash_key, key_matches
-from loraplex.platform.errors import Unauthenticated
+from loraplex.platform.errors import InvalidRequest, Unauthenticated
 from loraplex.platform.models import ApiKey, Tenant
 from loraplex.platform.schemas import (
     ApiKeyCreated,
@@ -35,9 +35,19 @@ def tenant_public(session: Session, tenant: Tenant) -> TenantPublic:
     return TenantPublic.model_validate(tenant).model_copy(update={"num_keys": keys, "num_adapters": adapters})
 
 
+def _check_upload_limit(ctx: PlatformContext, max_upload_mb: float | None) -> None:
+    cap = ctx.settings.max_upload_mb
+    if max_upload_mb is not None and max_upload_mb > cap:
+        raise InvalidRequest(f"max_upload_mb={max_upload_mb:g}: above this server's cap on one upload, {cap:g} MB "
+                             "(LORAPLEX_MAX_UPLOAD_MB)", param="max_upload_mb")
+
+
 def create_tenant(*, session: Session, ctx: PlatformContext, spec: TenantCreate) -> TenantPublic:
-    """Create a tenant; unset limits take the server defaults. Raises ``Conflict``."""
+    """Create a tenant; unset limits take the server defaults (the upload limit at most the server's cap).
+    Raises ``Conflict``, ``InvalidRequest``
+    (``max_upload_mb`` above the server's ``max_upload_mb``)."""
     s = ctx.settings
+    _check_upload_limit(ctx, spec.max_upload_mb)
     tenant = crud.create_tenant(
         session=session, name=spec.name,
         requests_per_minute=spec.requests_per_minute if "requests_per_minute" in spec.model_fields_set
@@ -45,7 +55,8 @@ def create_tenant(*, session: Session, ctx: PlatformContext, spec: TenantCreate)
         tokens_per_minute=spec.tokens_per_minute if "tokens_per_minute" in spec.model_fields_set
         else s.default_tenant_tokens_per_minute,
         max_adapters=spec.max_adapters if spec.max_adapters is not None else s.default_tenant_max_adapters,
-        max_upload_mb=spec.max_upload_mb if spec.max_upload_mb is not None else s.default_tenant_max_upload_mb,
+        max_upload_mb=spec.max_upload_mb if spec.max_upload_mb is not None
+        else min(s.default_tenant_max_upload_mb, s.max_upload_mb),
         weight=spec.weight, max_concurrent_requests=spec.max_concurrent_requests,
         max_queued_requests=spec.max_queued_requests, max_queue_time_s=spec.max_queue_time_s)
     session.commit()
@@ -63,7 +74,9 @@ def get_tenant(*, session: Session, name: str) -> TenantPublic:
 
 def update_tenant(*, session: Session, ctx: PlatformContext, name: str, changes: TenantUpdate) -> TenantPublic:
     """Change the limits present in ``changes`` (``null`` rates and queueing limits = unlimited;
-    ``null`` max_adapters / max_upload_mb / weight are ignored). Raises ``NotFound``."""
+    ``null`` max_adapters / max_upload_mb / weight are ignored). Raises ``NotFound``, ``InvalidRequest`` (as
+    :func:`create_tenant`)."""
+    _check_upload_limit(ctx, changes.max_upload_mb)
     tenant = crud.get_tenant(session=session, name=name)
     values = {k: v for k, v in changes.model_dump(exclude_unset=True).items()
               if v is not None or k in _NULLABLE_LIMITS}
