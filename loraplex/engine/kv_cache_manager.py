@@ -74,7 +74,9 @@ class BlockCopies:
 
 @dataclass
 class PrefixCacheStats:
-    """Prompt tokens looked up in / served from the prefix cache."""
+    """Prompt tokens looked up in / served from the prefix cache, at each sequence's first admission (a
+    recompute preemption's re-admission, which may find the sequence's own prompt and output blocks, is not a
+    prompt lookup and is not counted)."""
 
     queries_tokens: int = 0
     hits_tokens: int = 0
@@ -285,7 +287,7 @@ class KVCacheManager:
         """Admission of a sequence with no blocks: take the cached prefix ``computed`` (from
         :meth:`get_computed_blocks`; ``None`` = no lookup was made, e.g. prompt logprobs are
         wanted) and room for ``num_new_tokens`` tokens after it, then record the lookup in
-        :attr:`prefix_stats` (``seq.num_tokens`` queried, the prefix hit). Returns False and
+        :attr:`prefix_stats` (``seq.num_tokens`` queried, the prefix hit; first admissions only). Returns False and
         changes nothing when the blocks do not fit (cached-but-free prefix blocks count as
         taken: reviving them removes them from the free queue)."""
         hit = computed or ComputedBlocks()
@@ -298,7 +300,7 @@ class KVCacheManager:
         self._tables[seq.seq_id] = list(hit.block_ids)
         self._hashes[seq.seq_id] = list(hit.block_hashes)
         seq.num_computed_tokens = hit.num_tokens
-        if computed is not None and self.enable_prefix_caching:
+        if computed is not None and self.enable_prefix_caching and seq.num_preemptions == 0:
             self.prefix_stats.queries_tokens += seq.num_tokens
             self.prefix_stats.hits_tokens += hit.num_tokens
         self.allocate_slots(seq, num_new_tokens)

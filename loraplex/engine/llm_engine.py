@@ -475,7 +475,8 @@ class LLMEngine:
             for seq in seqs:
                 ends = seq.text_state.token_text_ends
                 outputs.append(CompletionOutput(
-                    index=seq.index, text=seq.text_state.stream_text, token_ids=list(seq.output_token_ids),
+                    index=seq.index, text=seq.text_state.stream_text,
+                    token_ids=seq.output_token_ids[:len(seq.output_token_ids) - seq.num_pending_tokens],
                     logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                     cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason, token_text_ends=list(ends) if ends is not None else None))
@@ -493,7 +494,7 @@ class LLMEngine:
         for seq in seqs:
             tokens_from, chars_from = sent.get(seq.index, (0, 0))
             state = seq.text_state
-            tokens_to, chars_to = len(seq.output_token_ids), state.stream_end
+            tokens_to, chars_to = len(seq.output_token_ids) - seq.num_pending_tokens, state.stream_end
             ends = state.token_text_ends
             outputs.append(CompletionOutput(
                 index=seq.index, text=state.text[chars_from:chars_to],

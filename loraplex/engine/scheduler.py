@@ -736,7 +736,7 @@ class Scheduler:
         if not self.kv.allocate_new_computed(seq, computed, n):
             self._unpin(seq)  # resident now, unpinned: the next step's admission finds it ready
             return None  # the lookup had no side effects: retried next step, counted once when admitted
-        if seq.index == 0 and seq.group.num_cached_tokens == 0:
+        if seq.index == 0 and seq.num_preemptions == 0:  # the first admission only
             seq.group.num_cached_tokens = hit
         self._dequeued(seq)
         self._start_running(seq)
