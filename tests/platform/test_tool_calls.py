@@ -69,6 +69,11 @@ def test_forced_choices_constrain_to_the_parameters_schema():
     assert named.constraint().json == TOOLS[0]["function"]["parameters"]
     content, calls = named.parse('{"a": 3, "b": 4}')
     assert content is None and _calls(calls) == [("add", {"a": 3, "b": 4})]
+    # a named call ends with "stop", streamed or not (OpenAI's answer); required and auto with "tool_calls"
+    choice = named.final_choice({"message": {"content": '{"a": 3, "b": 4}'}, "finish_reason": "stop"})
+    assert choice["finish_reason"] == "stop" and _calls(choice["message"]["tool_calls"]) == [("add", {"a": 3, "b": 4})]
+    assert named.delta(0, '{"a": 3, "b": 4}', finished=True) is not None
+    assert named.finish_reason(0, "stop") == "stop"
     required = plan(tool_choice="required", parallel_tool_calls=False)
     schema = required.constraint().json
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
@@ -77,6 +82,8 @@ def test_forced_choices_constrain_to_the_parameters_schema():
     assert not jsonschema_rs.is_valid(schema, [{"name": "add", "parameters": {"a": "x", "b": 2}}])
     assert not jsonschema_rs.is_valid(schema, [{"name": "sub", "parameters": {}}])
     assert _calls(required.parse(json.dumps(good))[1]) == [("add", {"a": 1, "b": 2})]
+    assert required.final_choice({"message": {"content": json.dumps(good)}, "finish_reason": "stop"}
+                                 )["finish_reason"] == "tool_calls"
     assert plan(tool_choice="none").parse(TEXT) == (TEXT, [])
 
 

@@ -22,8 +22,9 @@ Supported chat templates (else ``tools`` is a 400, never dropped):
   schema>}`` objects (as vLLM does), each one becoming a call.
 
 ``finish_reason`` is ``tool_calls`` when a call was returned and generation stopped
-(not when it ran out of ``max_tokens``). Streaming sends text as ``content`` deltas and
-each call as ``tool_calls`` deltas (``index``, ``id``, ``function.name``, then
+(not when it ran out of ``max_tokens``), except for a named function, where it stays ``stop``
+as OpenAI's API answers (measured there, streamed and not: vLLM pull request 25054). Streaming
+sends text as ``content`` deltas and each call as ``tool_calls`` deltas (``index``, ``id``, ``function.name``, then
 ``function.arguments`` pieces; a named choice streams the arguments as they come).
 """
 
@@ -174,8 +175,7 @@ class ToolPlan:
         content, calls = self.parse(choice["message"]["content"] or "")
         if calls:
             choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-            if choice["finish_reason"] == "stop":
-                choice["finish_reason"] = "tool_calls"
+            choice["finish_reason"] = self.finish_reason(-1, choice["finish_reason"], called=True)
         return choice
 
     # -- streaming ---------------------------------------------------------------------------------
@@ -191,9 +191,13 @@ class ToolPlan:
             return state.required_delta(finished)
         return state.hermes_delta(finished)
 
-    def finish_reason(self, index: int, reason: str | None) -> str | None:
-        state = self._streams.get(index)
-        return "tool_calls" if reason == "stop" and state is not None and state.num_calls else reason
+    def finish_reason(self, index: int, reason: str | None, *, called: bool | None = None) -> str | None:
+        """Choice ``index``'s finish reason: ``tool_calls`` for a stop after a call (``called``; None = the
+        streamed choice's calls so far), but ``stop`` for a named function, as OpenAI's API answers."""
+        if called is None:
+            state = self._streams.get(index)
+            called = state is not None and bool(state.num_calls)
+        return "tool_calls" if reason == "stop" and called and self.mode != "named" else reason
 
 
 @dataclass
