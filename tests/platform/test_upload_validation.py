@@ -201,6 +201,17 @@ def test_size_limits(live, good):
     assert stored_state(live) == (0, 0, [])
 
 
+def test_one_plain_peft_file_alone_is_named_as_such(live, good):
+    """One of the two PEFT files sent alone: a 400 saying the other is missing, not "not an archive"."""
+    with live.admin() as admin:
+        response = admin.post("/admin/tenants/acme/adapters", data={"name": "half"}, files={
+            "files": ("adapter_config.json", good["adapter_config.json"], "application/json")})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "files" and "adapter_model.safetensors" in error["message"]
+    assert stored_state(live) == (0, 0, [])
+
+
 def test_a_tenant_upload_limit_above_the_server_cap_is_refused(live, serve):
     """The server's ``max_upload_mb`` caps every upload: a tenant limit above it would be shown but never
     served, so it is refused (create, update); the settings' tenant default is capped the same way."""

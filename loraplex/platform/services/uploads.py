@@ -89,6 +89,9 @@ def stage_upload(parts: list[UploadPart], dest: Path, limits: UploadLimits) -> N
     total = sum(p.size_bytes for p in parts)
     if total > limits.max_bytes:
         raise PayloadTooLarge(f"upload is {total} bytes; the limit is {limits.max_bytes} bytes", param="file")
+    if len(parts) == 1 and parts[0].filename in PEFT_FILES:  # one of the two plain files, not an archive
+        raise InvalidRequest(f"only {parts[0].filename!r} was sent: send both {list(PEFT_FILES)} in `files`, or one "
+                             ".zip or .tar.gz archive of them in `file`", param="files")
     if len(parts) == 1:
         _stage_archive(parts[0], dest, limits)
     elif len(parts) == 2:
