@@ -201,6 +201,25 @@ class PeftLoraConfig:
         return None
 
 
+_POSIX_CLASS = re.compile(r"\[:\^?[A-Za-z]+:\]")
+_BRACES = re.compile(r"(?<!\\)\{([^{}]*)\}")
+_REPEAT = re.compile(r"\d*(,\d*)?")
+
+
+def regex_only_syntax(pattern: str) -> str | None:
+    """The first part of ``pattern`` that the ``regex`` package (V0) reads other than Python's ``re``, else None:
+    a POSIX class (``[[:alpha:]]``: ``re`` reads a set and a literal ``]``) or braces that are no repeat count
+    (``{e<=1}`` is fuzzy matching to ``regex``, literal text to ``re``). Conservative: such text in a set or after
+    an escaped backslash is refused too (module names hold neither)."""
+    posix = _POSIX_CLASS.search(pattern)
+    if posix is not None:
+        return posix.group(0)
+    for braces in _BRACES.finditer(pattern):
+        if not _REPEAT.fullmatch(braces.group(1)):
+            return braces.group(0)
+    return None
+
+
 class PatternMatcher:
     """The user regexes of one config, compiled once and matched under a time bound.
 
@@ -215,7 +234,8 @@ class PatternMatcher:
 
     def compile(self, pattern: str, field_text: str) -> None:
         """Raise ``AdapterFormatError`` naming ``field_text`` unless ``pattern`` is a valid regex
-        (for Python's ``re``, as PEFT, and for the ``regex`` package that matches it)."""
+        (for Python's ``re``, as PEFT, and for the ``regex`` package that matches it) that means the
+        same to both (:func:`regex_only_syntax`)."""
         if len(pattern) > MAX_PATTERN_CHARS:
             raise AdapterFormatError(
                 f"{CONFIG_NAME}: {field_text[:80]}... is {len(pattern)} characters long; at most {MAX_PATTERN_CHARS}"
@@ -227,6 +247,12 @@ class PatternMatcher:
             raise AdapterFormatError(
                 f"{CONFIG_NAME}: {field_text} is not a valid regular expression ({exc})"
             ) from None
+        construct = regex_only_syntax(pattern)
+        if construct is not None:
+            raise AdapterFormatError(
+                f"{CONFIG_NAME}: {field_text} contains {construct!r}, which Python's re (PEFT) reads as literal "
+                "text but loraplex's regex matcher does not; write it another way"
+            )
 
     def fullmatch(self, pattern: str, text: str, field_text: str) -> bool:
         """``re.fullmatch(pattern, text) is not None``, time-bounded."""

@@ -752,7 +752,10 @@ class Scheduler:
         self._schedule_waiting_fcfs(planned, budget, gate)
 
     def _schedule_waiting_fair(self, planned: list[ScheduledSeq], budget: int, gate: _AdapterGate) -> None:
-        """VTC: repeatedly the least-served backlogged tenant's oldest admissible request."""
+        """VTC: repeatedly the least-served backlogged tenant's oldest admissible request. ``max_waiting_scan``
+        bounds the adapter questions (``gate.admits``) per step: a request whose adapter was already refused this
+        step is passed over without one, so one tenant's flood of requests on a blocked adapter cannot use up the
+        scan and starve the other tenants."""
         per_tenant: dict[str, deque[Sequence]] = {}
         for seq in self.waiting:
             per_tenant.setdefault(seq.group.tenant_id, deque()).append(seq)
@@ -762,15 +765,20 @@ class Scheduler:
         heapq.heapify(heap)
         admitted = False
         scanned = 0
+        refused: set[int] = set()  # adapters gate.admits refused this step (it does not change its mind in a step)
         max_seqs, max_scan = self.config.max_num_seqs, self.config.max_waiting_scan
         while heap and budget > 0 and len(self.running) < max_seqs and scanned < max_scan:
             _, _, order, tenant = heapq.heappop(heap)
             queue = per_tenant[tenant]
             while queue and scanned < max_scan:
                 seq = queue.popleft()
+                lora = seq.group.lora_int_id
+                if lora in refused:
+                    continue
                 scanned += 1
-                if gate.admits(seq.group.lora_int_id):
+                if gate.admits(lora):
                     break
+                refused.add(lora)
             else:
                 continue  # nothing of this tenant can start now
             item = self._admit(seq, planned, budget, gate)
