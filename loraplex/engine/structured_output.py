@@ -45,6 +45,9 @@ import torch
 
 from loraplex.engine.structured_params import StructuredOutputError, StructuredOutputsParams
 
+# xgrammar's own cache of compiled grammars (unbounded by default: ~1 MB for a schema of 40 properties)
+XGRAMMAR_CACHE_LIMIT_BYTES = 256 * 2**20
+
 BITS_PER_WORD = 32
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
@@ -82,12 +85,13 @@ class StructuredOutputManager:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *, max_cached_grammars: int = 256,
-                 max_threads: int = 8) -> None:
+                 max_threads: int = 8, cache_limit_bytes: int = XGRAMMAR_CACHE_LIMIT_BYTES) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.max_cached_grammars = max_cached_grammars
         self.max_threads = max_threads
+        self.cache_limit_bytes = cache_limit_bytes
         self._lock = threading.Lock()
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -99,16 +103,31 @@ class StructuredOutputManager:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        if params.kind == "json":
+            keyword = unenforced_schema_keyword(params.json)
+            if keyword is not None:
+                raise StructuredOutputError(f"the JSON schema uses {keyword}, which loraplex's grammar engine "
+                                            "(xgrammar) does not enforce; the output could break the schema")
         compiler = self._get_compiler()
         try:
             compiled = self._compile(compiler, params)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise StructuredOutputError(f"{_what(params)} cannot be compiled: {_clean(exc)}") from None
+        if not self._admits_a_token(compiled):
+            raise StructuredOutputError(f"{_what(params)} admits no output: no token can start it")
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.max_cached_grammars:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _admits_a_token(self, compiled) -> bool:
+        """Whether a fresh matcher of ``compiled`` allows any first token (a stop token counts)."""
+        xgr = _xgrammar()
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher for one sequence. Raises :class:`StructuredOutputError`."""
@@ -121,7 +140,8 @@ class StructuredOutputManager:
                 xgr = _xgrammar()
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads,
+                                                     cache_limit_bytes=self.cache_limit_bytes)
             return self._compiler
 
     def _compile(self, compiler, params: StructuredOutputsParams):
@@ -204,6 +224,58 @@ class PendingMask:
         self.filler.wait_s += time.perf_counter() - start
         device = self.filler.device
         return mask if device.type == "cpu" else mask.to(device, non_blocking=True)
+
+
+# JSON Schema keywords xgrammar (0.2.x) accepts but does not enforce (session 32's review: each let outputs break
+# their schema): refused, never ignored. ``allOf`` is refused with more than one member.
+_UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+                        "dependentSchemas", "dependencies", "propertyNames", "unevaluatedProperties",
+                        "unevaluatedItems", "patternProperties")
+# where subschemas sit: a keyword holding one schema, a list of them, or a name -> schema map
+_ONE_SCHEMA = ("additionalProperties", "items", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def unenforced_schema_keyword(schema: Any) -> str | None:
+    """The first construct of JSON schema ``schema`` that xgrammar would accept without enforcing (a keyword of
+    ``_UNENFORCED_KEYWORDS``, ``allOf`` of several members, ``uniqueItems: true``, a ``required`` name not in
+    ``properties``, an empty ``anyOf``/``oneOf``, a ``$ref`` outside the document), as text; None when there is
+    none. Walks subschemas (``properties``, ``items``, ``anyOf`` ... ``$defs``) without recursion."""
+    stack = [(schema, "#")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in _UNENFORCED_KEYWORDS:
+            if key in node:
+                return f"{key!r} at {where}"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return f"'allOf' of {len(node['allOf'])} schemas at {where}"
+        if node.get("uniqueItems") is True:
+            return f"'uniqueItems' at {where}"
+        for key in ("anyOf", "oneOf"):
+            if node.get(key) == []:
+                return f"an empty {key!r} at {where}"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return f"the remote '$ref' {ref!r} at {where}"
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required")
+        if isinstance(required, list):
+            missing = [name for name in required if name not in properties]
+            if missing:
+                return f"'required' names not in 'properties' ({missing[:3]}) at {where}"
+        for key in _ONE_SCHEMA:
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], f"{where}/{key}"))
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key]))
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend((sub, f"{where}/{key}/{name}") for name, sub in node[key].items())
+    return None
 
 
 def _xgrammar():

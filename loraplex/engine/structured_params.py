@@ -55,10 +55,15 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"StructuredOutputsParams.json: not valid JSON ({exc})") from None
+                except RecursionError:
+                    raise ValueError("StructuredOutputsParams.json: nested too deeply to parse") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"StructuredOutputsParams.json: a JSON schema is an object, got {type(schema).__name__}")
             object.__setattr__(self, "json", schema)
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            try:
+                text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            except RecursionError:
+                raise ValueError("StructuredOutputsParams.json: nested too deeply") from None
         elif kind == "choice":
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("StructuredOutputsParams.choice: must be a non-empty list of non-empty strings")

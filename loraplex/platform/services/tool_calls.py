@@ -150,9 +150,20 @@ class ToolPlan:
         if self.mode == "named":
             return StructuredOutputsParams(json=self.schemas[self.named])
         if self.mode == "required":
-            items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                      "required": ["name", "parameters"]} for name, schema in self.schemas.items()]
-            array = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            # each tool's "$defs"/"definitions" move to the array's root, where its "#/$defs/..." refs now point
+            shared: dict[str, dict[str, Any]] = {}
+            items = []
+            for name, schema in self.schemas.items():
+                schema = dict(schema)
+                for key in ("$defs", "definitions"):
+                    for def_name, definition in (schema.pop(key, None) or {}).items():
+                        if shared.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                            raise InvalidRequest(f"tools: two functions define {key}/{def_name} differently; "
+                                                 "tool_choice required needs one meaning for each", param="tools")
+                items.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                              "required": ["name", "parameters"]})
+            array = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items},
+                     **shared}
             if not self.parallel:
                 array["maxItems"] = 1
             return StructuredOutputsParams(json=array)
