@@ -51,7 +51,7 @@ def test_streamed_pieces_give_the_same_content_and_calls(seed):
         assert TEXT.find("<tool_call>") < 0 or "<tool" not in delta.get("content", "")
         content += delta.get("content", "")
         calls += delta.get("tool_calls", [])
-    assert content == "Let me compute.\n"
+    assert content == "Let me compute."  # as the whole response's
     assert [c["index"] for c in calls] == [0, 1]
     assert _calls(calls) == [("add", {"a": 1, "b": 2}), ("now", {})]
     assert p.finish_reason(0, "stop") == "tool_calls" and p.finish_reason(0, "length") == "length"
@@ -60,8 +60,8 @@ def test_streamed_pieces_give_the_same_content_and_calls(seed):
 def test_unclosed_block_is_returned_as_text_when_the_stream_ends():
     p = plan()
     first = p.delta(0, "hi <tool_call>{\"name\": \"add\"", finished=False)
-    assert first == {"content": "hi "}
-    assert p.delta(0, ", \"argu", finished=True) == {"content": '<tool_call>{"name": "add", "argu'}
+    assert first == {"content": "hi"}  # its trailing space held back until text follows
+    assert p.delta(0, ", \"argu", finished=True) == {"content": ' <tool_call>{"name": "add", "argu'}
 
 
 def test_forced_choices_constrain_to_the_parameters_schema():
@@ -120,3 +120,42 @@ def test_chatml_tool_template_renders_the_qwen25_hermes_layout(smollm2_dir):
         '<|im_start|>assistant\n<tool_call>\n{"name": "now", "arguments": {"tz": "CET"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("text, parallel, content, names", [
+    # text after and between calls, and a malformed block: content, the same streamed and whole
+    ('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call> Done.\n', True,
+     "Sure.  Done.", ["add"]),
+    ('A <tool_call>oops</tool_call> B <tool_call>{"name": "now", "arguments": {}}</tool_call>', True,
+     "A <tool_call>oops</tool_call> B", ["now"]),
+    # a function the request did not offer is no call: its block stays text
+    ('<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>', True,
+     '<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>', []),
+    # parallel_tool_calls false: the first call only
+    (TEXT, False, "Let me compute.", ["add"]),
+    ("\n" + TEXT.split("\n", 1)[1], True, None, ["add", "now"]),
+])
+def test_auto_content_and_calls_are_the_same_streamed_and_whole(text, parallel, content, names):
+    whole_content, whole_calls = plan(parallel_tool_calls=parallel).parse(text)
+    assert whole_content == content
+    assert [c["function"]["name"] for c in whole_calls] == names
+    for seed in range(4):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), min(8, len(text) - 1)))
+        p = plan(parallel_tool_calls=parallel)
+        streamed, calls = "", []
+        for k, (i, j) in enumerate(zip([0, *cuts], [*cuts, len(text)])):
+            delta = p.delta(0, text[i:j], finished=j == len(text)) or {}
+            streamed += delta.get("content", "")
+            calls += delta.get("tool_calls", [])
+        assert streamed == (content or "")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]
+
+
+def test_a_named_call_cut_by_max_tokens_is_a_call_streamed_and_whole():
+    named = plan(tool_choice={"type": "function", "function": {"name": "add"}})
+    content, calls = named.parse('{"a": 3, "b"')
+    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"a": 3, "b"']
+    streamed = named.delta(0, '{"a": 3, "b"', finished=True)
+    assert streamed["tool_calls"][0]["function"]["arguments"] == '{"a": 3, "b"'

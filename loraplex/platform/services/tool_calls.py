@@ -13,8 +13,10 @@ Supported chat templates (else ``tools`` is a 400, never dropped):
 ``tool_choice`` (default ``auto`` with tools, ``none`` without):
 
 - ``none``: tools are shown to the model, the text is returned as content.
-- ``auto``: the text is parsed; each well-formed ``<tool_call>`` block becomes a
-  ``tool_calls`` entry, text before the first block is ``content``.
+- ``auto``: the text is parsed; each well-formed ``<tool_call>`` block naming an offered
+  function becomes a ``tool_calls`` entry (only the first with ``parallel_tool_calls:
+  false``); the text outside them is ``content`` (without trailing whitespace once a call
+  is made), streamed or not.
 - a named function: the output is constrained (xgrammar) to that function's
   ``parameters`` JSON schema and returned as its arguments (as vLLM does).
 - ``required``: the output is constrained to a JSON array (``minItems`` 1; at most 1
@@ -172,14 +174,14 @@ class ToolPlan:
     # -- whole responses ---------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a finished completion's text."""
-        if self.mode == "named":
-            return None, [_call(self.named, text)] if _is_json(text) else []
+        if self.mode == "named":  # the grammar forces the arguments: text that is no JSON was cut by max_tokens,
+            return None, [_call(self.named, text)] if text else []  # and streaming sent it as arguments too
         if self.mode == "required":
             calls = _required_calls(text)
             return (None, calls) if calls else (text, [])
         if self.mode == "none":
             return text, []
-        return _parse_hermes(text)
+        return self._state().whole_hermes(text)
 
     def final_choice(self, choice: dict[str, Any]) -> dict[str, Any]:
         """A chat choice dict (``message``, ``finish_reason``) with its text parsed into calls."""
@@ -192,7 +194,7 @@ class ToolPlan:
     # -- streaming ---------------------------------------------------------------------------------
     def delta(self, index: int, new_text: str, finished: bool) -> dict[str, Any] | None:
         """The chat delta for choice ``index`` given its newly generated text; None = nothing to send."""
-        state = self._streams.setdefault(index, _StreamState())
+        state = self._streams.setdefault(index, self._state())
         state.text += new_text
         if self.mode == "none":
             return {"content": new_text} if new_text else None
@@ -201,6 +203,9 @@ class ToolPlan:
         if self.mode == "required":
             return state.required_delta(finished)
         return state.hermes_delta(finished)
+
+    def _state(self) -> _StreamState:
+        return _StreamState(names=frozenset(self.schemas), parallel=self.parallel)
 
     def finish_reason(self, index: int, reason: str | None, *, called: bool | None = None) -> str | None:
         """Choice ``index``'s finish reason: ``tool_calls`` for a stop after a call (``called``; None = the
@@ -213,11 +218,28 @@ class ToolPlan:
 
 @dataclass
 class _StreamState:
+    """One choice's parse. Auto mode (Hermes blocks): a block is a call when it is JSON naming an offered function
+    (``names``), else text; with ``parallel`` false, blocks after the first call are dropped. Content is the text
+    outside calls; once a call is made, trailing whitespace is not content. Streamed, whitespace is held back
+    until text follows, so the streamed content joined equals the whole response's."""
+
     text: str = ""
     pos: int = 0
     in_call: bool = False
     num_calls: int = 0
     call_id: str | None = None
+    names: frozenset[str] = frozenset()
+    parallel: bool = True
+    held: str = ""  # trailing whitespace of the content so far, not sent yet
+
+    def whole_hermes(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, calls) of a whole response's text, as the joined stream of :meth:`hermes_delta` gives."""
+        self.text = text
+        delta = self.hermes_delta(finished=True) or {}
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", [])]
+        if not calls:
+            return text, []
+        return delta.get("content") or None, calls
 
     def named_delta(self, name: str, finished: bool) -> dict[str, Any] | None:
         piece = self.text[self.pos:]
@@ -260,14 +282,20 @@ class _StreamState:
                 break
             body = self.text[self.pos:end]
             call = _hermes_call(body)
-            if call is None:
+            if call is None or call["function"]["name"] not in self.names:  # malformed, or no offered function
                 content += TOOL_CALL_START + body + TOOL_CALL_END
-            else:
+            elif self.parallel or not self.num_calls:
                 calls.append({"index": self.num_calls, **call})
                 self.num_calls += 1
             self.pos, self.in_call = end + len(TOOL_CALL_END), False
-        if self.num_calls and not content.strip():
-            content = ""  # whitespace around calls
+        content = self.held + content
+        if finished:
+            self.held = ""
+            if self.num_calls:
+                content = content.rstrip()
+        else:
+            sent = content.rstrip()
+            content, self.held = sent, content[len(sent):]
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
@@ -292,14 +320,6 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
 def _required_calls(text: str) -> list[dict[str, Any]]:
     try:
         items = json.loads(text)
@@ -322,11 +342,3 @@ def _hermes_call(body: str) -> dict[str, Any] | None:
     return _call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    state = _StreamState(text=text)
-    delta = state.hermes_delta(finished=True) or {}
-    calls = [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", [])]
-    if not calls:
-        return text, []
-    content = text[:text.find(TOOL_CALL_START)].strip()
-    return content or None, calls
