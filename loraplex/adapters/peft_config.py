@@ -149,6 +149,8 @@ class PeftLoraConfig:
             if self.target_modules == ALL_LINEAR:
                 return True
             return self.patterns.fullmatch(self.target_modules, module_key, "target_modules")
+        if module_key in self.target_modules:  # named whole: PEFT skips the layer filter
+            return True
         found = _matches_list(self.target_modules, module_key)
         if found and self.layers_to_transform is not None:
             return layer in self.layers_to_transform
@@ -165,6 +167,8 @@ class PeftLoraConfig:
             if self.target_modules == ALL_LINEAR:
                 return False
             return self.patterns.fullmatch(self.target_modules, module_key, "target_modules")
+        if module_key in self.target_modules:  # named whole: PEFT skips the layer filter
+            return True
         return self.layers_to_transform is None and _matches_list(self.target_modules, module_key)
 
     def hyperparams(self, module_key: str) -> ModuleHyperparams:
@@ -439,8 +443,8 @@ def _target_modules(raw: dict[str, Any], patterns: PatternMatcher) -> tuple[str,
     value = raw.get("target_modules")
     if value is None:
         raise AdapterFormatError(f"{CONFIG_NAME}: target_modules is missing")
-    if value == ALL_LINEAR:
-        return value
+    if isinstance(value, str) and value.lower() == ALL_LINEAR:  # PEFT compares it lower-cased
+        return ALL_LINEAR
     if isinstance(value, str):
         patterns.compile(value, f"target_modules={_short(value)}")
         return value
@@ -477,10 +481,23 @@ def _pattern_number(key: str, value: Any) -> float:
     return float(value)
 
 
+# the attribute holding the decoder layers in the HF keys of every served family (model.layers.<i>. ...)
+LAYERS_ATTRIBUTE = "layers"
+
+
 def _layers_to_transform(raw: dict[str, Any]) -> tuple[int, ...] | None:
     value = raw.get("layers_to_transform")
+    pattern = raw.get("layers_pattern")
     if value is None or value == []:
-        return None
+        if pattern:  # PEFT's LoraConfig refuses it
+            raise AdapterFormatError(f"{CONFIG_NAME}: layers_pattern={_short(pattern)} needs layers_to_transform")
+        return None  # PEFT reads the layer index after it; used only with layers_to_transform
+    names = [pattern] if isinstance(pattern, str) else pattern
+    if pattern and (not isinstance(names, list) or LAYERS_ATTRIBUTE not in names):
+        raise AdapterFormatError(
+            f"{CONFIG_NAME}: layers_pattern={_short(pattern)} names no layer list of this model (its layers are "
+            f"{LAYERS_ATTRIBUTE!r}): PEFT would find no module to adapt"
+        )
     items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(items, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
         raise AdapterFormatError(
