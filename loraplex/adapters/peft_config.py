@@ -206,15 +206,15 @@ class PeftLoraConfig:
 
 
 _POSIX_CLASS = re.compile(r"\[:\^?[A-Za-z]+:\]")
-_BRACES = re.compile(r"(?<!\\)\{([^{}]*)\}")
+_BRACES = re.compile(r"\{([^{}]*)\}")
 _REPEAT = re.compile(r"\d*(,\d*)?")
 
 
 def regex_only_syntax(pattern: str) -> str | None:
     """The first part of ``pattern`` that the ``regex`` package (V0) reads other than Python's ``re``, else None:
     a POSIX class (``[[:alpha:]]``: ``re`` reads a set and a literal ``]``) or braces that are no repeat count
-    (``{e<=1}`` is fuzzy matching to ``regex``, literal text to ``re``). Conservative: such text in a set or after
-    an escaped backslash is refused too (module names hold neither)."""
+    (``{e<=1}`` is fuzzy matching to ``regex``, literal text to ``re``; so it is after an escaped backslash).
+    Conservative: such text in a set, and escaped braces, are refused too (module names hold neither)."""
     posix = _POSIX_CLASS.search(pattern)
     if posix is not None:
         return posix.group(0)

@@ -21,7 +21,7 @@ from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.peft_config import PeftLoraConfig
 
 KEY = "model.layers.0.self_attn.q_proj"
-RE_VALID_REGEX_SPECIAL = ["q_prox{e<=1}", "[[:alpha:]]_proj"]
+RE_VALID_REGEX_SPECIAL = ["q_prox{e<=1}", "[[:alpha:]]_proj", r"q_proj\\{e<=1}"]
 
 
 @pytest.mark.parametrize("pattern", RE_VALID_REGEX_SPECIAL)
