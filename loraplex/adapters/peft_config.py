@@ -487,11 +487,11 @@ LAYERS_ATTRIBUTE = "layers"
 
 def _layers_to_transform(raw: dict[str, Any]) -> tuple[int, ...] | None:
     value = raw.get("layers_to_transform")
-    pattern = raw.get("layers_pattern")
+    pattern = raw.get("layers_pattern")  # PEFT reads the layer index after it; used only with layers_to_transform
     if value is None or value == []:
         if pattern:  # PEFT's LoraConfig refuses it
             raise AdapterFormatError(f"{CONFIG_NAME}: layers_pattern={_short(pattern)} needs layers_to_transform")
-        return None  # PEFT reads the layer index after it; used only with layers_to_transform
+        return None
     names = [pattern] if isinstance(pattern, str) else pattern
     if pattern and (not isinstance(names, list) or LAYERS_ATTRIBUTE not in names):
         raise AdapterFormatError(

@@ -87,11 +87,13 @@ class _SamplingFields(BaseModel):
 
     _NON_NULL_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
 
-
-def _non_null_defaults(model: type[BaseModel]) -> frozenset[str]:
-    """The fields of ``model`` whose default is a value and whose type does not admit ``None``."""
-    return frozenset(name for name, f in model.model_fields.items()
-                     if not f.is_required() and f.default is not None and type(None) not in get_args(f.annotation))
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Each request model's fields whose default is a value and whose type does not admit ``None``."""
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._NON_NULL_DEFAULTS = frozenset(
+            name for name, f in cls.model_fields.items()
+            if not f.is_required() and f.default is not None and type(None) not in get_args(f.annotation))
 
 
 class CompletionRequest(_SamplingFields):
@@ -292,6 +294,3 @@ class ErrorDetail(BaseModel):
 class ErrorResponse(BaseModel):
     error: ErrorDetail
 
-
-CompletionRequest._NON_NULL_DEFAULTS = _non_null_defaults(CompletionRequest)
-ChatCompletionRequest._NON_NULL_DEFAULTS = _non_null_defaults(ChatCompletionRequest)
